@@ -1,0 +1,54 @@
+"""Seeded, position-keyed token sampling.
+
+The random draw for the token at absolute position ``p`` depends only on the
+request's seed and ``p``. So the plain decode loop and speculative verification
+draw exactly the same token at every position, which makes speculation lossless
+for any temperature and makes outputs reproducible per seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesh.types import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 63) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, absolute position)."""
+    value = (seed * _MIX + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    value ^= value >> 31
+    return value & _MASK
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities over the vocabulary after temperature, top-k and top-p (float32, CPU)."""
+    scores = logits.detach().to(device="cpu", dtype=torch.float32) / params.temperature
+    if params.top_k > 0 and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """Pick the token for absolute ``position`` from a 1-D logits vector."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    probs = token_probs(logits, params)
+    generator = torch.Generator().manual_seed(position_seed(params.seed, position))
+    draw = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    index = int(torch.searchsorted(cdf, torch.tensor([draw * float(cdf[-1])])).item())
+    index = min(index, probs.numel() - 1)
+    while probs[index] == 0.0 and index > 0:
+        index -= 1
+    return index

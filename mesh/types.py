@@ -1,0 +1,81 @@
+"""Small frozen value types shared by every part of the mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.errors import InvalidRequest
+
+
+@dataclass(frozen=True, order=True)
+class LayerRange:
+    """Half-open range of decoder layers: ``[start, end)``."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise InvalidRequest(
+                f"layer range [{self.start}, {self.end}) is empty or negative; "
+                "ranges are half-open [start, end) with 0 <= start < end"
+            )
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __contains__(self, layer_index: object) -> bool:
+        return isinstance(layer_index, int) and self.start <= layer_index < self.end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+    def check_within(self, layer_count: int) -> None:
+        """Raise InvalidRequest unless the range lies inside ``[0, layer_count)``."""
+        if self.end > layer_count:
+            raise InvalidRequest(
+                f"layer range {self} is outside [0, {layer_count}): "
+                f"the model has {layer_count} layers"
+            )
+
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    def is_last(self, layer_count: int) -> bool:
+        return self.end == layer_count
+
+    @classmethod
+    def parse(cls, text: str) -> LayerRange:
+        """Parse ``"2:4"`` or ``"[2, 4)"`` into ``LayerRange(2, 4)``."""
+        cleaned = text.strip().strip("[]()").replace(",", ":")
+        parts = [p.strip() for p in cleaned.split(":")]
+        if len(parts) != 2 or not all(p.lstrip("-").isdigit() for p in parts):
+            raise InvalidRequest(f"cannot parse layer range {text!r}; write it as START:END")
+        return cls(int(parts[0]), int(parts[1]))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the last stage picks tokens. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 <= self.seed < 2**64):
+            raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
