@@ -1,0 +1,1 @@
+"""Model packages: manifest, builder, and the per-stage slice resolver."""

