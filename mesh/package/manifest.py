@@ -244,6 +244,7 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(temp, 0o644)  # mkstemp creates 0600; packages are shared read-only files
         os.replace(temp, target)
     except BaseException:
         Path(temp).unlink(missing_ok=True)

@@ -1,0 +1,253 @@
+"""`mesh-coordinator`: run the coordinator (`up`) or show the topology (`status`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from coordinator.driver import LoadSettings
+from coordinator.model import read_model
+from coordinator.server import CoordinatorService, CoordinatorSettings, serve
+from coordinator.topology_view import StageStatusView, StatusView, render_status
+from mesh.codec import StatusReply, StatusRequest, WireDType
+from mesh.errors import MeshError
+from mesh.grpc_util import CONTROL_DEADLINE_S, channel
+from mesh.logsetup import configure_logging
+from mesh.proto.v1 import coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh-coordinator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run the coordinator (and local stages)")
+    up.add_argument("--model", default=DEFAULT_MODEL, help="package dir, HF repo, or 'default'")
+    up.add_argument("--listen", default="0.0.0.0:7070", help="coordinator gRPC HOST:PORT")
+    up.add_argument("--no-local-stage", action="store_true", help="do not run a local stage 0")
+    up.add_argument("--spawn-stages", type=int, default=0, help="extra local stage processes")
+    up.add_argument("--min-stages", type=int, default=0, help="wait for this many stages")
+    up.add_argument("--max-stages", type=int, default=0, help="use at most this many stages")
+    up.add_argument("--http-host", default="127.0.0.1", help="frontend bind host (local stage 0)")
+    up.add_argument("--http-port", type=int, default=8000, help="frontend port (local stage 0)")
+    up.add_argument("--wire-dtype", default="f32", help="activation dtype: f32|f16|bf16|int8")
+    up.add_argument("--dtype", default="float32", help="compute dtype: float32|bfloat16|float16")
+    up.add_argument("--max-sessions", type=int, default=16)
+    up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
+    up.add_argument("--stage-threads", type=int, default=0, help="torch threads per local stage")
+    up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
+    up.add_argument("--cache-dir", type=Path, default=None, help="slice cache of local stages")
+    up.add_argument("--state-file", type=Path, default=None, help="write JSON once serving")
+    up.add_argument("--log-level", default=None)
+    status = sub.add_parser("status", help="print the topology")
+    status.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _resolve_model_ref(ref: str) -> str:
+    if ref != DEFAULT_MODEL:
+        return ref
+    from mesh.package.default import build_default_package
+
+    logger.info("building the default package (SmolLM2-135M-Instruct) if needed ...")
+    return str(build_default_package())
+
+
+def _spawn_stage(
+    coordinator: str, index: int, args: argparse.Namespace, threads: int, frontend: bool
+) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "stage.cli",
+        "join",
+        "--coordinator",
+        coordinator,
+        "--listen",
+        "127.0.0.1:0",
+        "--advertise",
+        "127.0.0.1",
+        "--node-id",
+        f"local-{index}",
+        "--threads",
+        str(threads),
+        "--max-sessions",
+        str(args.max_sessions),
+    ]
+    if args.cache_dir is not None:
+        command += ["--cache-dir", str(args.cache_dir / f"local-{index}")]
+    if args.log_level:
+        command += ["--log-level", args.log_level]
+    if frontend:
+        command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
+    return subprocess.Popen(command, start_new_session=True)
+
+
+def up(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, prefix="coordinator")
+    ref = _resolve_model_ref(args.model)
+    model = read_model(ref)
+    local = (0 if args.no_local_stage else 1) + max(0, args.spawn_stages)
+    max_tokens = args.max_tokens_per_session or model.context_length
+    settings = CoordinatorSettings(
+        load=LoadSettings(
+            package_ref=ref,
+            manifest_sha256=model.manifest.sha256(),
+            model_id=model.manifest.model_id,
+            wire_dtype=WireDType.parse(args.wire_dtype),
+            torch_dtype=args.dtype,
+            max_sessions=args.max_sessions,
+            max_tokens_per_session=max_tokens,
+        ),
+        min_stages=max(args.min_stages, local, 1),
+        max_stages=args.max_stages,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+    service = CoordinatorService(model, settings)
+    server, port = serve(service, args.listen)
+    host = args.listen.rsplit(":", 1)[0]
+    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
+    logger.info("coordinator %s listening on %s", service.coordinator_id, address)
+    service.start()
+    threads = args.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
+    children: list[subprocess.Popen] = []
+    if not args.no_local_stage:
+        children.append(_spawn_stage(address, 0, args, threads, frontend=True))
+    for index in range(1, 1 + max(0, args.spawn_stages)):
+        children.append(_spawn_stage(address, index, args, threads, frontend=False))
+    stopped = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    announced_term = 0
+    while not stopped.wait(0.25):
+        state = service.state
+        if state.mesh_state == "serving" and state.term != announced_term:
+            announced_term = state.term
+            _announce(service, address, args.state_file)
+        for child in children:
+            if child.poll() is not None and not stopped.is_set():
+                logger.warning("local stage process %s exited with %s", child.pid, child.returncode)
+                children.remove(child)
+    logger.info("stopping: terminating %s local stage process(es)", len(children))
+    service.stop()
+    _terminate(children)
+    server.stop(grace=1.0).wait()
+    return 0
+
+
+def _announce(service: CoordinatorService, address: str, state_file: Path | None) -> None:
+    status = service.status()
+    url = status.http_url
+    lines = [
+        f"Mesh is serving {status.model_id} (term {status.term}) across "
+        f"{sum(1 for s in status.stages if s.assigned)} stage(s)."
+    ]
+    if url:
+        lines += [
+            f"OpenAI API: {url}/v1",
+            "Try it:",
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f'    -d \'{{"model": "{status.model_id}", '
+            '"messages": [{"role": "user", "content": "Hello!"}]}\'',
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', "
+            f"api_key='none'); print(c.chat.completions.create(model='{status.model_id}', "
+            "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)\"",
+        ]
+    lines.append(f"Topology: mesh-coordinator status --coordinator {address}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+    if state_file is not None:
+        body = {
+            "coordinator": address,
+            "http_url": url,
+            "term": status.term,
+            "model_id": status.model_id,
+        }
+        tmp = state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(state_file)
+
+
+def _terminate(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def fetch_status(coordinator: str) -> StatusReply:
+    ch = channel(coordinator)
+    try:
+        reply = coordinator_pb2_grpc.CoordinatorStub(ch).Status(
+            StatusRequest().to_proto(), timeout=CONTROL_DEADLINE_S
+        )
+    except grpc.RpcError as error:
+        raise MeshError(
+            f"cannot reach the coordinator at {coordinator}: {error.code().name}"
+        ) from None
+    finally:
+        ch.close()
+    return StatusReply.from_proto(reply)
+
+
+def status(args: argparse.Namespace) -> int:
+    reply = fetch_status(args.coordinator)
+    view = StatusView(
+        coordinator_id=reply.coordinator_id,
+        model_id=reply.model_id,
+        package_ref=reply.package_ref,
+        term=reply.term,
+        state=reply.state,
+        error=reply.error,
+        http_url=reply.http_url,
+        layer_count=reply.layer_count,
+        stages=tuple(StageStatusView(**vars(s)) for s in reply.stages),
+    )
+    if args.json:
+        body = vars(view) | {
+            "stages": [
+                vars(s)
+                | {
+                    "layer_range": (
+                        [s.layer_range.start, s.layer_range.end] if s.layer_range else None
+                    )
+                }
+                for s in view.stages
+            ]
+        }
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_status(view) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return up(args) if args.command == "up" else status(args)
+    except MeshError as error:
+        sys.stderr.write(f"mesh-coordinator: {error.message}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

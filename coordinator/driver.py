@@ -1,0 +1,258 @@
+"""The load driver: turns a Plan into a serving pipeline over the stages' control API.
+
+Claim every stage with the new term; Prepare each with its range; poll Inventory
+until every exact range is ready; Load from the last stage upstream so each stage
+learns its downstream endpoint from the next one's Ready. If any step fails, every
+stage of the attempt is Released and the error names the stage, its address and
+the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.planner import Plan, StageAssignment
+from mesh.codec import (
+    ClaimRequest,
+    InventoryReply,
+    InventoryRequest,
+    PeerRef,
+    PrepareRequest,
+    Ready,
+    ReleaseRequest,
+    StageLoadRequest,
+    WireDType,
+)
+from mesh.errors import MeshError
+from mesh.grpc_util import CONTROL_DEADLINE_S, LOAD_DEADLINE_S, channel, error_from_rpc
+from mesh.proto.v1 import stage_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    package_ref: str
+    manifest_sha256: str
+    model_id: str
+    wire_dtype: WireDType = WireDType.F32
+    torch_dtype: str = "float32"
+    max_sessions: int = 16
+    max_tokens_per_session: int = 2048
+    max_batch_tokens: int = 512
+    session_idle_timeout_s: float = 300.0
+    inventory_timeout_s: float = 600.0
+    inventory_poll_s: float = 0.2
+
+
+class LoadError(MeshError):
+    """A load attempt failed at one stage and step; every stage was released."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+
+    def __init__(self, stage: StageAssignment | None, step: str, cause: str) -> None:
+        where = (
+            f"stage {stage.stage_index} ({stage.node_id} at {stage.address})"
+            if stage is not None
+            else "the mesh"
+        )
+        super().__init__(f"{where} failed at {step}: {cause}")
+        self.stage = stage
+        self.step = step
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    term: int
+    topology_id: str
+    ready: tuple[Ready, ...]  # in stage order
+
+
+class LoadDriver:
+    def __init__(self, coordinator_id: str, devices: Callable[[str], str]) -> None:
+        self.coordinator_id = coordinator_id
+        self._devices = devices
+
+    def load(self, plan: Plan, term: int, settings: LoadSettings) -> LoadOutcome:
+        stages = list(plan.stages)
+        channels = {s.node_id: channel(s.address) for s in stages}
+        stubs = {n: stage_pb2_grpc.StageControlStub(c) for n, c in channels.items()}
+        topology_id = uuid.uuid4().hex[:12]
+        try:
+            return self._load(stages, stubs, term, topology_id, settings)
+        except LoadError as error:
+            logger.error("load of term %s failed: %s", term, error.message)
+            self._release_all(stages, stubs, term, f"load failed: {error.message}")
+            raise
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _load(self, stages, stubs, term: int, topology_id: str, settings: LoadSettings):
+        for stage in stages:
+            self._call(
+                stage,
+                "Claim",
+                lambda s=stage: stubs[s.node_id].Claim(
+                    ClaimRequest(
+                        term=term,
+                        coordinator_id=self.coordinator_id,
+                        model_id=settings.model_id,
+                        topology_id=topology_id,
+                    ).to_proto(),
+                    timeout=CONTROL_DEADLINE_S,
+                ),
+            )
+        for stage in stages:
+            self._call(
+                stage,
+                "Prepare",
+                lambda s=stage: stubs[s.node_id].Prepare(
+                    PrepareRequest(
+                        term=term, package_ref=settings.package_ref, layer_range=s.layer_range
+                    ).to_proto(),
+                    timeout=CONTROL_DEADLINE_S,
+                ),
+            )
+        self._await_inventory(stages, stubs, term, settings)
+        ready: dict[int, Ready] = {}
+        downstream: PeerRef | None = None
+        stage0 = stages[0]
+        for stage in reversed(stages):
+            index = stage.stage_index
+            request = StageLoadRequest(
+                term=term,
+                topology_id=topology_id,
+                stage_index=index,
+                stage_count=len(stages),
+                layer_range=stage.layer_range,
+                package_ref=settings.package_ref,
+                manifest_sha256=settings.manifest_sha256,
+                upstream=(
+                    PeerRef(stages[index - 1].node_id, stages[index - 1].address)
+                    if index > 0
+                    else None
+                ),
+                downstream=downstream,
+                return_endpoint=stage0.address,
+                wire_dtype=settings.wire_dtype,
+                device=self._devices(stage.node_id),
+                torch_dtype=settings.torch_dtype,
+                max_sessions=settings.max_sessions,
+                max_tokens_per_session=settings.max_tokens_per_session,
+                max_batch_tokens=settings.max_batch_tokens,
+                session_idle_timeout_s=settings.session_idle_timeout_s,
+            )
+            reply = self._call(
+                stage,
+                "Load",
+                lambda s=stage, r=request: stubs[s.node_id].Load(
+                    r.to_proto(), timeout=LOAD_DEADLINE_S
+                ),
+            )
+            ready[index] = Ready.from_proto(reply)
+            downstream = PeerRef(stage.node_id, ready[index].data_endpoint)
+            logger.info(
+                "stage %s (%s) ready at %s: layers %s, %s parameter bytes, %.0f ms",
+                index,
+                stage.node_id,
+                ready[index].data_endpoint,
+                stage.layer_range,
+                ready[index].param_bytes,
+                ready[index].load_ms,
+            )
+        return LoadOutcome(term, topology_id, tuple(ready[i] for i in range(len(stages))))
+
+    def _await_inventory(self, stages, stubs, term: int, settings: LoadSettings) -> None:
+        deadline = time.monotonic() + settings.inventory_timeout_s
+        pending = {s.node_id: s for s in stages}
+        last: dict[str, InventoryReply] = {}
+        while pending:
+            for node_id, stage in list(pending.items()):
+                reply = InventoryReply.from_proto(
+                    self._call(
+                        stage,
+                        "Inventory",
+                        lambda s=stage: stubs[s.node_id].Inventory(
+                            InventoryRequest(term=term).to_proto(), timeout=CONTROL_DEADLINE_S
+                        ),
+                    )
+                )
+                last[node_id] = reply
+                if reply.state == "failed":
+                    raise LoadError(stage, "Prepare", reply.error or "slice preparation failed")
+                if reply.state == "ready" and reply.layer_range == stage.layer_range:
+                    if settings.manifest_sha256 and reply.manifest_sha256 not in (
+                        "",
+                        settings.manifest_sha256,
+                    ):
+                        raise LoadError(
+                            stage,
+                            "Prepare",
+                            f"its package manifest {reply.manifest_sha256[:12]} differs from "
+                            f"the coordinator's {settings.manifest_sha256[:12]}",
+                        )
+                    del pending[node_id]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                slow = next(iter(pending.values()))
+                inv = last.get(slow.node_id)
+                progress = f"{inv.bytes_done}/{inv.bytes_total} bytes" if inv else "no answer"
+                raise LoadError(
+                    slow,
+                    "Inventory",
+                    f"slice {slow.layer_range} not ready after "
+                    f"{settings.inventory_timeout_s:.0f}s ({progress})",
+                )
+            time.sleep(settings.inventory_poll_s)
+
+    def _call(self, stage: StageAssignment, step: str, fn: Callable[[], object]):
+        try:
+            return fn()
+        except grpc.RpcError as error:
+            cause = error_from_rpc(error, step)
+            raise LoadError(stage, step, _strip(cause.message, step)) from None
+
+    def _release_all(self, stages, stubs, term: int, reason: str) -> None:
+        for stage in stages:
+            try:
+                stubs[stage.node_id].Release(
+                    ReleaseRequest(term=term, reason=reason).to_proto(),
+                    timeout=CONTROL_DEADLINE_S,
+                )
+            except grpc.RpcError as error:
+                logger.warning(
+                    "release of stage %s (%s) failed: %s",
+                    stage.stage_index,
+                    stage.address,
+                    error.code().name,
+                )
+
+
+def release_nodes(addresses: list[tuple[str, str]], term: int, reason: str) -> None:
+    """Best-effort Release of (node_id, address) pairs outside a load attempt."""
+    for node_id, address in addresses:
+        ch = channel(address)
+        try:
+            stage_pb2_grpc.StageControlStub(ch).Release(
+                ReleaseRequest(term=term, reason=reason).to_proto(), timeout=2.0
+            )
+        except grpc.RpcError as error:
+            logger.info("release of %s at %s: %s", node_id, address, error.code().name)
+        finally:
+            ch.close()
+
+
+def _strip(message: str, step: str) -> str:
+    prefix = f"{step}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+

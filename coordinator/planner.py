@@ -1,0 +1,380 @@
+"""The layer planner: split a model's decoder layers across stage nodes.
+
+A pure function of the joined nodes and the model's memory footprint. Each stage
+gets one contiguous half-open range ``[start, end)``; together the ranges cover
+``[0, layer_count)`` exactly. Stage 0 is the frontend node (or the first node) and
+carries the embeddings and stage-0 extras (the draft model); the last stage carries
+the final norm and LM head.
+
+How layers are shared out:
+
+- A node's *capacity* is the memory it offers minus the fixed extras of its
+  position, divided by the cost of one layer (weights plus its KV budget).
+  ``memory_bytes == 0`` means the node did not say: it is treated as unlimited.
+- Layers go out in proportion to each node's weight: its memory left after fixed
+  extras, scaled by its speed hint relative to the other nodes that offer the same
+  memory (so speed decides only between equal-memory nodes). An unlimited node
+  weighs as much as the largest known one; when no node states its memory, speed
+  alone decides.
+- Every stage gets at least one layer and never more than its capacity. Nodes that
+  cannot hold a single layer are left out; when there are more nodes than layers
+  (or than ``max_stages``), the smallest ones are left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mesh.errors import InvalidRequest
+from mesh.package.manifest import PackageManifest
+from mesh.types import LayerRange
+
+logger = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "f32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "f16": 2,
+    "half": 2,
+}
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What one joined node offers to the plan."""
+
+    node_id: str
+    address: str
+    memory_bytes: int
+    speed_hint: float = 1.0
+    frontend: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Memory one stage needs, in bytes at the serving dtype."""
+
+    layer_count: int
+    layer_bytes: int
+    embed_bytes: int
+    head_bytes: int
+    kv_bytes_per_layer: int
+    stage0_extra_bytes: int = 0
+
+    @property
+    def bytes_per_layer(self) -> int:
+        return self.layer_bytes + self.kv_bytes_per_layer
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.layer_count * self.bytes_per_layer
+            + self.embed_bytes
+            + self.head_bytes
+            + self.stage0_extra_bytes
+        )
+
+    def fixed_bytes(self, *, first: bool, last: bool) -> int:
+        """Bytes a stage needs besides its layers, by its position in the chain."""
+        extra = 0
+        if first:
+            extra += self.embed_bytes + self.stage0_extra_bytes
+        if last:
+            extra += self.head_bytes
+        return extra
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    node_id: str
+    address: str
+    stage_index: int
+    layer_range: LayerRange
+    planned_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[StageAssignment, ...]
+
+    @property
+    def layer_count(self) -> int:
+        return self.stages[-1].layer_range.end if self.stages else 0
+
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(stage.node_id for stage in self.stages)
+
+    def stage_of(self, node_id: str) -> StageAssignment | None:
+        for stage in self.stages:
+            if stage.node_id == node_id:
+                return stage
+        return None
+
+    def describe(self) -> str:
+        """One line per stage, e.g. ``stage 0: a (10.0.0.1:7071) layers [0, 15) 1.20 GiB``."""
+        return "\n".join(
+            f"stage {s.stage_index}: {s.node_id} ({s.address}) layers {s.layer_range} "
+            f"{s.planned_bytes / GIB:.2f} GiB"
+            for s in self.stages
+        )
+
+
+def plan_layers(
+    nodes: Sequence[NodeCapacity],
+    footprint: ModelFootprint,
+    *,
+    max_stages: int | None = None,
+) -> Plan:
+    """Assign contiguous layer ranges to nodes; raise InvalidRequest when it cannot fit."""
+    _check_inputs(nodes, footprint, max_stages)
+    order = _stage_order(nodes)
+    limit = min(footprint.layer_count, max_stages if max_stages is not None else len(order))
+    chosen = _choose_nodes(order, footprint, limit)
+    capacities = _capacities(chosen, footprint)
+    room = sum(min(c, footprint.layer_count) for c in capacities)
+    if capacities[0] < 1 or room < footprint.layer_count:
+        raise InvalidRequest(_cannot_fit_message(chosen, footprint, len(order)))
+    counts = _apportion(_weights(chosen, footprint), capacities, footprint.layer_count)
+    stages: list[StageAssignment] = []
+    start = 0
+    for index, (node, count) in enumerate(zip(chosen, counts, strict=True)):
+        fixed = footprint.fixed_bytes(first=index == 0, last=index == len(chosen) - 1)
+        stages.append(
+            StageAssignment(
+                node_id=node.node_id,
+                address=node.address,
+                stage_index=index,
+                layer_range=LayerRange(start, start + count),
+                planned_bytes=fixed + count * footprint.bytes_per_layer,
+            )
+        )
+        start += count
+    plan = Plan(stages=tuple(stages))
+    left_out = [n.node_id for n in order if n not in chosen]
+    if left_out:
+        logger.info("plan leaves out node(s) %s", ", ".join(left_out))
+    logger.info("layer plan:\n%s", plan.describe())
+    return plan
+
+
+def _check_inputs(
+    nodes: Sequence[NodeCapacity], footprint: ModelFootprint, max_stages: int | None
+) -> None:
+    if not nodes:
+        raise InvalidRequest(
+            "no stage nodes to plan on; start a stage with `mesh-stage join` and retry"
+        )
+    if footprint.layer_count < 1:
+        raise InvalidRequest(f"the model has {footprint.layer_count} layers; need at least 1")
+    for name in ("layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_layer"):
+        if getattr(footprint, name) < 0:
+            raise InvalidRequest(f"model footprint {name} must be >= 0")
+    if footprint.stage0_extra_bytes < 0:
+        raise InvalidRequest("model footprint stage0_extra_bytes must be >= 0")
+    if max_stages is not None and max_stages < 1:
+        raise InvalidRequest(f"max_stages must be >= 1, got {max_stages}")
+    seen: set[str] = set()
+    for node in nodes:
+        if node.node_id in seen:
+            raise InvalidRequest(f"node id {node.node_id!r} appears twice; node ids must be unique")
+        seen.add(node.node_id)
+        if node.memory_bytes < 0:
+            raise InvalidRequest(
+                f"node {node.node_id} offers {node.memory_bytes} bytes; memory must be >= 0 "
+                "(0 means unknown)"
+            )
+        if not (node.speed_hint > 0 and math.isfinite(node.speed_hint)):
+            raise InvalidRequest(
+                f"node {node.node_id} has speed hint {node.speed_hint}; it must be positive"
+            )
+    frontends = [n.node_id for n in nodes if n.frontend]
+    if len(frontends) > 1:
+        raise InvalidRequest(
+            f"nodes {', '.join(frontends)} all claim the HTTP frontend; only one may be stage 0"
+        )
+
+
+def _stage_order(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:
+    """The frontend node first (else the first node), then the rest as given."""
+    head = next((n for n in nodes if n.frontend), nodes[0])
+    return [head] + [n for n in nodes if n is not head]
+
+
+def _capacities(chain: Sequence[NodeCapacity], footprint: ModelFootprint) -> list[float]:
+    """Whole layers each node can hold at its position (``math.inf`` when unlimited)."""
+    result: list[float] = []
+    for index, node in enumerate(chain):
+        if node.memory_bytes == 0:
+            result.append(math.inf)
+            continue
+        fixed = footprint.fixed_bytes(first=index == 0, last=index == len(chain) - 1)
+        room = node.memory_bytes - fixed
+        if footprint.bytes_per_layer == 0:
+            result.append(math.inf if room >= 0 else 0)
+        else:
+            result.append(max(0, room // footprint.bytes_per_layer))
+    return result
+
+
+def _choose_nodes(
+    order: list[NodeCapacity], footprint: ModelFootprint, limit: int
+) -> list[NodeCapacity]:
+    """Keep stage 0 and the largest other nodes, up to ``limit``, that hold >= 1 layer."""
+    rank = {
+        node.node_id: (
+            -(math.inf if node.memory_bytes == 0 else node.memory_bytes),
+            -node.speed_hint,
+            i,
+        )
+        for i, node in enumerate(order)
+    }
+    chain = list(order)
+    while True:
+        if len(chain) > limit:
+            keep = sorted(chain[1:], key=lambda n: rank[n.node_id])[: limit - 1]
+            chain = [chain[0]] + [n for n in chain[1:] if n in keep]
+        capacities = _capacities(chain, footprint)
+        too_small = [n for n, c in zip(chain[1:], capacities[1:], strict=True) if c < 1]
+        if not too_small:
+            return chain
+        # Drop the smallest misfit first: removing one can change which node is last.
+        drop = max(too_small, key=lambda n: rank[n.node_id])
+        logger.info(
+            "node %s (%.2f GiB) cannot hold one layer at stage %d; leaving it out",
+            drop.node_id,
+            drop.memory_bytes / GIB,
+            chain.index(drop),
+        )
+        chain.remove(drop)
+
+
+def _weights(chain: Sequence[NodeCapacity], footprint: ModelFootprint) -> list[float]:
+    rooms: list[float | None] = []
+    for index, node in enumerate(chain):
+        if node.memory_bytes == 0:
+            rooms.append(None)
+        else:
+            fixed = footprint.fixed_bytes(first=index == 0, last=index == len(chain) - 1)
+            rooms.append(float(max(1, node.memory_bytes - fixed)))
+    known = [r for r in rooms if r is not None]
+    unlimited_room = max(known) if known else 1.0
+    weights: list[float] = []
+    for node, room in zip(chain, rooms, strict=True):
+        peers = [n.speed_hint for n in chain if n.memory_bytes == node.memory_bytes]
+        relative_speed = node.speed_hint / (sum(peers) / len(peers))
+        weights.append((unlimited_room if room is None else room) * relative_speed)
+    return weights
+
+
+def _apportion(weights: Sequence[float], capacities: Sequence[float], total: int) -> list[int]:
+    """Integer counts >= 1 and <= capacity summing to ``total``, close to proportional.
+
+    Each further layer goes to the node whose load per unit of weight would stay
+    lowest, so the most loaded stage (relative to its weight) is as light as it
+    can be; ties go to the earlier stage.
+    """
+    counts = [1] * len(weights)
+    for _ in range(total - len(weights)):
+        best = min(
+            (i for i in range(len(weights)) if counts[i] < capacities[i]),
+            key=lambda i: ((counts[i] + 1) / weights[i], i),
+        )
+        counts[best] += 1
+    return counts
+
+
+def _cannot_fit_message(
+    chain: Sequence[NodeCapacity], footprint: ModelFootprint, node_count: int
+) -> str:
+    f = footprint
+    parts = [f"{f.layer_count * f.bytes_per_layer / GIB:.2f} GiB for {f.layer_count} layers"]
+    parts.append(f"{f.embed_bytes / GIB:.2f} GiB embeddings")
+    parts.append(f"{f.head_bytes / GIB:.2f} GiB head")
+    if f.stage0_extra_bytes:
+        parts.append(f"{f.stage0_extra_bytes / GIB:.2f} GiB stage-0 extras")
+    offered = sum(n.memory_bytes for n in chain)
+    detail = ", ".join(f"{n.node_id} {n.memory_bytes / GIB:.2f} GiB" for n in chain)
+    message = (
+        f"the model needs {f.total_bytes / GIB:.2f} GiB ({' plus '.join(parts)}; "
+        f"each layer is {f.layer_bytes / GIB:.3f} GiB of weights and "
+        f"{f.kv_bytes_per_layer / GIB:.3f} GiB of KV); the {len(chain)} stage(s) offer "
+        f"{offered / GIB:.2f} GiB ({detail}); add a stage or lower max_sessions"
+    )
+    head_node = chain[0]
+    first_fixed = f.fixed_bytes(first=True, last=len(chain) == 1)
+    if head_node.memory_bytes and head_node.memory_bytes < first_fixed + f.bytes_per_layer:
+        message += (
+            f"; stage 0 ({head_node.node_id}) alone needs "
+            f"{(first_fixed + f.bytes_per_layer) / GIB:.2f} GiB for the embeddings, "
+            "stage-0 extras and one layer"
+        )
+    if len(chain) < node_count:
+        message += f" ({node_count - len(chain)} joined node(s) were left out; raise max_stages)"
+    return message
+
+
+def footprint_from_manifest(
+    manifest: PackageManifest,
+    *,
+    dtype: str,
+    max_sessions: int,
+    max_tokens_per_session: int,
+    num_kv_heads: int,
+    head_dim: int,
+    stage0_extra_bytes: int = 0,
+) -> ModelFootprint:
+    """Footprint from the package's file sizes, rescaled from the package dtype to ``dtype``.
+
+    ``dtype`` ``"auto"`` keeps the package dtype. The layer cost is the largest layer
+    (a layer may be stored as several files). KV is budgeted for every session at
+    its full length: ``max_sessions * max_tokens_per_session * 2 (K and V) *
+    num_kv_heads * head_dim * dtype bytes`` per layer.
+    """
+    serving = manifest.dtype if dtype == "auto" else dtype
+    serve_bytes = _dtype_bytes(serving)
+    scale = serve_bytes / _dtype_bytes(manifest.dtype)
+    for name, value in (
+        ("max_sessions", max_sessions),
+        ("max_tokens_per_session", max_tokens_per_session),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        if value < 1:
+            raise InvalidRequest(f"{name} must be >= 1, got {value}")
+    per_layer: dict[int, int] = {}
+    embed = head = 0
+    for entry in manifest.files:
+        if entry.kind == "layer" and entry.layer_index is not None:
+            per_layer[entry.layer_index] = per_layer.get(entry.layer_index, 0) + entry.bytes
+        elif entry.kind == "embed":
+            embed += entry.bytes
+        elif entry.kind == "head":
+            head += entry.bytes
+    kv = max_sessions * max_tokens_per_session * 2 * num_kv_heads * head_dim * serve_bytes
+    return ModelFootprint(
+        layer_count=manifest.layer_count,
+        layer_bytes=math.ceil(max(per_layer.values(), default=0) * scale),
+        embed_bytes=math.ceil(embed * scale),
+        head_bytes=math.ceil(head * scale),
+        kv_bytes_per_layer=kv,
+        stage0_extra_bytes=stage0_extra_bytes,
+    )
+
+
+def _dtype_bytes(dtype: str) -> int:
+    name = dtype.removeprefix("torch.").lower()
+    if name not in DTYPE_BYTES:
+        raise InvalidRequest(
+            f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16 (or auto)"
+        )
+    return DTYPE_BYTES[name]

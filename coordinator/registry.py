@@ -1,0 +1,394 @@
+"""The coordinator's state as pure data, changed only by ``apply(state, event)``.
+
+Every input the coordinator reacts to (a join, a heartbeat, the heartbeat sweep,
+the steps of a load) is a frozen event; ``apply`` returns a new frozen ``State``
+and never does I/O. Times are plain seconds from whatever clock the caller uses
+for every event (``time.monotonic()`` in the server).
+
+Invariants:
+
+- ``topology`` is set only while the mesh is ``loading`` or ``serving``; a node is
+  *assigned* when the topology names it. Every assigned node is known and alive.
+- Losing an assigned node (missed heartbeats, leaving, or re-joining, which means
+  its process restarted and lost its layers) makes the mesh ``failed`` and
+  ``degraded``: the topology is dropped and the error names the stage.
+- ``needs_replan`` is true while nothing is loaded yet, after a degradation, and
+  after a failure once the set of alive nodes has changed (a new node may be what
+  the model needed); it is never true while loading or serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from coordinator.planner import NodeCapacity, Plan
+from mesh.errors import InvalidRequest, StaleTerm
+
+logger = logging.getLogger(__name__)
+
+HEALTH_STATES = ("alive", "dead")
+MESH_STATES = ("waiting", "loading", "serving", "failed")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: str
+    address: str
+    device: str
+    memory_bytes: int
+    speed_hint: float
+    frontend: bool
+    http_url: str
+    joined_at: float
+    last_heartbeat_at: float
+    health: str = "alive"
+    stage_state: str = "idle"
+    accepted_term: int = 0
+    active_sessions: int = 0
+    param_bytes: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.health == "alive"
+
+    def capacity(self) -> NodeCapacity:
+        return NodeCapacity(
+            node_id=self.node_id,
+            address=self.address,
+            memory_bytes=self.memory_bytes,
+            speed_hint=self.speed_hint,
+            frontend=self.frontend,
+        )
+
+
+@dataclass(frozen=True)
+class State:
+    nodes: tuple[NodeRecord, ...] = ()  # in order of first join
+    term: int = 0
+    topology: Plan | None = None
+    mesh_state: str = "waiting"
+    error: str = ""
+    degraded: bool = False
+    membership_changed: bool = False
+    model_id: str = ""
+    package_ref: str = ""
+    layer_count: int = 0
+
+    def node(self, node_id: str) -> NodeRecord | None:
+        for record in self.nodes:
+            if record.node_id == node_id:
+                return record
+        return None
+
+    def is_known(self, node_id: str) -> bool:
+        return self.node(node_id) is not None
+
+    def is_assigned(self, node_id: str) -> bool:
+        return self.topology is not None and self.topology.stage_of(node_id) is not None
+
+    @property
+    def http_url(self) -> str:
+        """The frontend's URL: stage 0's when a topology is set, else a frontend node's."""
+        if self.topology is not None and self.topology.stages:
+            head = self.node(self.topology.stages[0].node_id)
+            if head is not None and head.http_url:
+                return head.http_url
+        return next((n.http_url for n in self.nodes if n.frontend and n.http_url), "")
+
+
+# ---- events ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSelected:
+    model_id: str
+    package_ref: str
+    layer_count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeJoined:
+    node_id: str
+    address: str
+    now: float
+    device: str = "cpu"
+    memory_bytes: int = 0
+    speed_hint: float = 1.0
+    frontend: bool = False
+    http_url: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatReceived:
+    node_id: str
+    now: float
+    term: int = 0
+    stage_state: str = ""
+    active_sessions: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatsChecked:
+    now: float
+    timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanFailed:
+    """The planner refused (the model does not fit the alive nodes)."""
+
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadStarted:
+    term: int
+    plan: Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageReady:
+    node_id: str
+    param_bytes: int
+    term: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadFailed:
+    term: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSucceeded:
+    term: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLeft:
+    node_id: str
+
+
+Event = (
+    ModelSelected
+    | NodeJoined
+    | HeartbeatReceived
+    | HeartbeatsChecked
+    | PlanFailed
+    | LoadStarted
+    | StageReady
+    | LoadFailed
+    | LoadSucceeded
+    | NodeLeft
+)
+
+
+# ---- queries --------------------------------------------------------------------
+
+
+def alive_nodes(state: State) -> tuple[NodeRecord, ...]:
+    """Alive nodes in join order."""
+    return tuple(n for n in state.nodes if n.alive)
+
+
+def planner_nodes(state: State) -> list[NodeCapacity]:
+    """What the planner needs from every alive node, in join order."""
+    return [n.capacity() for n in alive_nodes(state)]
+
+
+def needs_replan(state: State) -> bool:
+    if not alive_nodes(state):
+        return False
+    if state.mesh_state == "waiting":
+        return True
+    return state.mesh_state == "failed" and (state.degraded or state.membership_changed)
+
+
+def next_term(state: State) -> int:
+    return state.term + 1
+
+
+# ---- transitions ------------------------------------------------------------------
+
+
+def apply(state: State, event: Event) -> State:
+    """The state after ``event``. Stale load events (an older term) change nothing."""
+    match event:
+        case ModelSelected():
+            return replace(
+                state,
+                model_id=event.model_id,
+                package_ref=event.package_ref,
+                layer_count=event.layer_count,
+            )
+        case NodeJoined():
+            return _node_joined(state, event)
+        case HeartbeatReceived():
+            return _heartbeat(state, event)
+        case HeartbeatsChecked():
+            return _check_heartbeats(state, event)
+        case PlanFailed():
+            return replace(
+                state,
+                mesh_state="failed",
+                error=event.error,
+                topology=None,
+                degraded=False,
+                membership_changed=False,
+            )
+        case LoadStarted():
+            return _load_started(state, event)
+        case StageReady():
+            if event.term is not None and event.term != state.term:
+                return state
+            return _update_node(
+                state, event.node_id, param_bytes=event.param_bytes, stage_state="loaded"
+            )
+        case LoadFailed():
+            if event.term != state.term or state.mesh_state not in ("loading", "serving"):
+                return state
+            return replace(state, mesh_state="failed", error=event.error, topology=None)
+        case LoadSucceeded():
+            if event.term != state.term or state.mesh_state != "loading":
+                return state
+            return replace(state, mesh_state="serving", error="")
+        case NodeLeft():
+            if not state.is_known(event.node_id):
+                return state
+            after = _degrade_if_assigned(state, event.node_id, "left the mesh")
+            remaining = tuple(n for n in after.nodes if n.node_id != event.node_id)
+            return replace(after, nodes=remaining, membership_changed=True)
+    raise InvalidRequest(f"unknown coordinator event {type(event).__name__}")
+
+
+def _node_joined(state: State, event: NodeJoined) -> State:
+    if not event.node_id or not event.address:
+        raise InvalidRequest("a joining node must give a node_id and an address (host:port)")
+    known = state.node(event.node_id)
+    if known is None:
+        record = NodeRecord(
+            node_id=event.node_id,
+            address=event.address,
+            device=event.device,
+            memory_bytes=event.memory_bytes,
+            speed_hint=event.speed_hint,
+            frontend=event.frontend,
+            http_url=event.http_url,
+            joined_at=event.now,
+            last_heartbeat_at=event.now,
+        )
+        logger.info("node %s joined from %s (%s)", event.node_id, event.address, event.device)
+        return replace(state, nodes=state.nodes + (record,), membership_changed=True)
+    logger.info("node %s joined again from %s", event.node_id, event.address)
+    after = _degrade_if_assigned(state, event.node_id, "joined again (its process restarted)")
+    return replace(
+        _update_node(
+            after,
+            event.node_id,
+            address=event.address,
+            device=event.device,
+            memory_bytes=event.memory_bytes,
+            speed_hint=event.speed_hint,
+            frontend=event.frontend,
+            http_url=event.http_url,
+            last_heartbeat_at=event.now,
+            health="alive",
+            stage_state="idle",
+            accepted_term=0,
+            active_sessions=0,
+            param_bytes=0,
+        ),
+        membership_changed=True,
+    )
+
+
+def _heartbeat(state: State, event: HeartbeatReceived) -> State:
+    known = state.node(event.node_id)
+    if known is None:
+        return state
+    changes: dict[str, object] = {
+        "last_heartbeat_at": event.now,
+        "health": "alive",
+        "accepted_term": event.term,
+        "active_sessions": event.active_sessions,
+    }
+    if event.stage_state:
+        changes["stage_state"] = event.stage_state
+    after = _update_node(state, event.node_id, **changes)
+    if known.alive:
+        return after
+    # A dead node is never assigned (its stage was dropped when it died), so it
+    # comes back unassigned and only a new plan can use it again.
+    logger.info("node %s is alive again (unassigned)", event.node_id)
+    return replace(after, membership_changed=True)
+
+
+def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
+    after = state
+    for record in state.nodes:
+        silent_s = event.now - record.last_heartbeat_at
+        if not record.alive or silent_s <= event.timeout_s:
+            continue
+        logger.warning(
+            "node %s (%s) missed heartbeats for %.1f s; marking it dead",
+            record.node_id,
+            record.address,
+            silent_s,
+        )
+        reason = f"missed heartbeats for {silent_s:.1f} s (timeout {event.timeout_s:g} s)"
+        after = _degrade_if_assigned(after, record.node_id, reason)
+        after = replace(_update_node(after, record.node_id, health="dead"), membership_changed=True)
+    return after
+
+
+def _load_started(state: State, event: LoadStarted) -> State:
+    if event.term <= state.term:
+        raise StaleTerm(
+            f"load term {event.term} is not above the current term {state.term}; "
+            "start every load with next_term(state)"
+        )
+    for stage in event.plan.stages:
+        record = state.node(stage.node_id)
+        if record is None or not record.alive:
+            raise InvalidRequest(
+                f"the plan puts stage {stage.stage_index} on node {stage.node_id}, which is "
+                f"{'not joined' if record is None else 'dead'}; plan again from alive_nodes()"
+            )
+    if state.layer_count and event.plan.layer_count != state.layer_count:
+        raise InvalidRequest(
+            f"the plan covers {event.plan.layer_count} layers but the model has "
+            f"{state.layer_count}; plan again with the model's footprint"
+        )
+    nodes = tuple(replace(n, param_bytes=0) for n in state.nodes)
+    return replace(
+        state,
+        nodes=nodes,
+        term=event.term,
+        topology=event.plan,
+        mesh_state="loading",
+        error="",
+        degraded=False,
+        membership_changed=False,
+    )
+
+
+def _update_node(state: State, node_id: str, **changes: object) -> State:
+    if not state.is_known(node_id):
+        return state
+    nodes = tuple(replace(n, **changes) if n.node_id == node_id else n for n in state.nodes)
+    return replace(state, nodes=nodes)
+
+
+def _degrade_if_assigned(state: State, node_id: str, what: str) -> State:
+    """Fail the mesh when ``node_id`` holds a stage of the current topology."""
+    stage = state.topology.stage_of(node_id) if state.topology is not None else None
+    if stage is None:
+        return state
+    error = (
+        f"stage {stage.stage_index} ({stage.node_id} at {stage.address}, layers "
+        f"{stage.layer_range}) {what}; the mesh is degraded and will be planned again "
+        "with the remaining nodes"
+    )
+    logger.error("%s", error)
+    return replace(state, mesh_state="failed", degraded=True, error=error, topology=None)

@@ -1,0 +1,249 @@
+"""The coordinator service: membership, heartbeats, status, and the supervisor that
+plans and loads the pipeline (and plans again when a stage is lost)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator import registry
+from coordinator.driver import LoadDriver, LoadError, LoadSettings, release_nodes
+from coordinator.model import ModelInfo
+from coordinator.planner import footprint_from_manifest, plan_layers
+from coordinator.topology_view import status_from_state
+from mesh.codec import (
+    HeartbeatReply,
+    HeartbeatRequest,
+    JoinReply,
+    JoinRequest,
+    StageStatus,
+    StatusReply,
+)
+from mesh.errors import MeshError
+from mesh.grpc_util import abort_with
+from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    load: LoadSettings
+    min_stages: int = 1
+    max_stages: int = 0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    supervise_interval_s: float = 0.25
+    retry_backoff_s: float = 2.0
+
+
+class CoordinatorService:
+    """Owns the registry state; every change goes through ``registry.apply``."""
+
+    def __init__(self, model: ModelInfo, settings: CoordinatorSettings) -> None:
+        self.coordinator_id = f"coord-{uuid.uuid4().hex[:8]}"
+        self.model = model
+        self.settings = settings
+        self._lock = threading.RLock()
+        self.state = registry.apply(
+            registry.State(),
+            registry.ModelSelected(
+                model_id=model.manifest.model_id,
+                package_ref=model.ref,
+                layer_count=model.manifest.layer_count,
+            ),
+        )
+        self._driver = LoadDriver(self.coordinator_id, self._device_of)
+        self._stop = threading.Event()
+        self._changed = threading.Event()
+        self._last_attempt = 0.0
+        self._served_once = False
+        self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+
+    # ---- state -------------------------------------------------------------------
+
+    def apply(self, event: registry.Event) -> registry.State:
+        with self._lock:
+            self.state = registry.apply(self.state, event)
+            self._changed.set()
+            return self.state
+
+    def _device_of(self, node_id: str) -> str:
+        node = self.state.node(node_id)
+        return node.device if node is not None else "cpu"
+
+    def join(self, request: JoinRequest) -> JoinReply:
+        self.apply(
+            registry.NodeJoined(
+                node_id=request.node_id,
+                address=request.address,
+                now=time.monotonic(),
+                device=request.device,
+                memory_bytes=request.memory_bytes,
+                speed_hint=request.speed_hint,
+                frontend=request.frontend,
+                http_url=request.http_url,
+            )
+        )
+        logger.info("node %s joined from %s (%s)", request.node_id, request.address, request.device)
+        return JoinReply(
+            coordinator_id=self.coordinator_id,
+            heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
+        )
+
+    def heartbeat(self, request: HeartbeatRequest) -> HeartbeatReply:
+        with self._lock:
+            if not self.state.is_known(request.node_id):
+                return HeartbeatReply(known=False, term=self.state.term)
+            self.state = registry.apply(
+                self.state,
+                registry.HeartbeatReceived(
+                    node_id=request.node_id,
+                    now=time.monotonic(),
+                    term=request.term,
+                    stage_state=request.state,
+                    active_sessions=request.active_sessions,
+                ),
+            )
+            return HeartbeatReply(known=True, term=self.state.term)
+
+    def status(self) -> StatusReply:
+        with self._lock:
+            view = status_from_state(
+                self.state, now=time.monotonic(), coordinator_id=self.coordinator_id
+            )
+        return StatusReply(
+            coordinator_id=view.coordinator_id,
+            state=view.state,
+            model_id=view.model_id,
+            package_ref=view.package_ref,
+            term=view.term,
+            error=view.error,
+            http_url=view.http_url,
+            layer_count=view.layer_count,
+            stages=tuple(StageStatus(**vars(stage)) for stage in view.stages),
+        )
+
+    # ---- supervision -------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self._changed.wait(self.settings.supervise_interval_s)
+            self._changed.clear()
+            if self._stop.is_set():
+                return
+            before = self.state
+            after = self.apply(
+                registry.HeartbeatsChecked(
+                    now=time.monotonic(), timeout_s=self.settings.heartbeat_timeout_s
+                )
+            )
+            if before.topology is not None and after.topology is None and after.degraded:
+                self._release_survivors(before)
+            if self._should_load(after):
+                self._load_once()
+
+    def _should_load(self, state: registry.State) -> bool:
+        if not registry.needs_replan(state):
+            return False
+        # min_stages gates the first load only; after a loss, serve with who is left.
+        needed = 1 if self._served_once else self.settings.min_stages
+        if len(registry.alive_nodes(state)) < needed:
+            return False
+        if any(n.frontend for n in state.nodes) and not any(
+            n.frontend for n in registry.alive_nodes(state)
+        ):
+            return False
+        return time.monotonic() - self._last_attempt >= self.settings.retry_backoff_s
+
+    def _release_survivors(self, before: registry.State) -> None:
+        """After a stage is lost, release the others at once so that stage 0 stops
+        accepting work it cannot finish (503 until the new pipeline is loaded)."""
+        survivors = [
+            (s.node_id, s.address)
+            for s in before.topology.stages
+            if (node := self.state.node(s.node_id)) is not None and node.health == "alive"
+        ]
+        release_nodes(survivors, before.term, "a stage of the pipeline was lost")
+
+    def _load_once(self) -> None:
+        self._last_attempt = time.monotonic()
+        load = self.settings.load
+        with self._lock:
+            state = self.state
+            nodes = registry.planner_nodes(state)
+        footprint = footprint_from_manifest(
+            self.model.manifest,
+            dtype=load.torch_dtype,
+            max_sessions=load.max_sessions,
+            max_tokens_per_session=load.max_tokens_per_session,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+        )
+        try:
+            plan = plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
+        except MeshError as error:
+            logger.error("cannot plan: %s", error.message)
+            self.apply(registry.PlanFailed(error=error.message))
+            return
+        term = registry.next_term(state)
+        logger.info("term %s: loading\n%s", term, plan.describe())
+        self.apply(registry.LoadStarted(term=term, plan=plan))
+        try:
+            outcome = self._driver.load(plan, term, load)
+        except LoadError as error:
+            self.apply(registry.LoadFailed(term=term, error=error.message))
+            return
+        for stage, ready in zip(plan.stages, outcome.ready, strict=True):
+            self.apply(
+                registry.StageReady(node_id=stage.node_id, param_bytes=ready.param_bytes, term=term)
+            )
+        self.apply(registry.LoadSucceeded(term=term))
+        self._served_once = True
+        logger.info("term %s: serving %s", term, self.model.manifest.model_id)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, service: CoordinatorService) -> None:
+        self.service = service
+
+    def Join(self, request: coordinator_pb2.JoinRequest, context) -> coordinator_pb2.JoinReply:
+        try:
+            return self.service.join(JoinRequest.from_proto(request)).to_proto()
+        except MeshError as error:
+            abort_with(context, error)
+
+    def Heartbeat(self, request, context) -> coordinator_pb2.HeartbeatReply:
+        try:
+            return self.service.heartbeat(HeartbeatRequest.from_proto(request)).to_proto()
+        except MeshError as error:
+            abort_with(context, error)
+
+    def Status(self, request, context) -> coordinator_pb2.StatusReply:
+        return self.service.status().to_proto()
+
+
+def serve(service: CoordinatorService, listen: str, workers: int = 16) -> tuple[grpc.Server, int]:
+    from concurrent import futures
+
+    from mesh.grpc_util import SERVER_OPTIONS
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(service), server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise MeshError(f"cannot bind the coordinator to {listen}")
+    server.start()
+    return server, port

@@ -1,0 +1,213 @@
+"""Coordinator service messages (Join, Heartbeat, Status) as frozen dataclasses.
+
+``mesh.codec`` re-exports everything here; callers import from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.codec_control import layer_range_from_proto, layer_range_to_proto
+from mesh.proto.v1 import coordinator_pb2
+from mesh.types import LayerRange
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """A stage offering itself to the coordinator."""
+
+    node_id: str
+    address: str
+    device: str
+    memory_bytes: int
+    speed_hint: float = 1.0
+    frontend: bool = False
+    http_url: str = ""
+
+    def to_proto(self) -> coordinator_pb2.JoinRequest:
+        return coordinator_pb2.JoinRequest(
+            node_id=self.node_id,
+            address=self.address,
+            device=self.device,
+            memory_bytes=self.memory_bytes,
+            speed_hint=self.speed_hint,
+            frontend=self.frontend,
+            http_url=self.http_url,
+        )
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.JoinRequest) -> JoinRequest:
+        return cls(
+            node_id=pb.node_id,
+            address=pb.address,
+            device=pb.device,
+            memory_bytes=pb.memory_bytes,
+            # An unset hint (0) means the reference speed.
+            speed_hint=pb.speed_hint if pb.speed_hint > 0 else 1.0,
+            frontend=pb.frontend,
+            http_url=pb.http_url,
+        )
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    coordinator_id: str
+    heartbeat_interval_ms: int
+
+    def to_proto(self) -> coordinator_pb2.JoinReply:
+        return coordinator_pb2.JoinReply(
+            coordinator_id=self.coordinator_id,
+            heartbeat_interval_ms=self.heartbeat_interval_ms,
+        )
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.JoinReply) -> JoinReply:
+        return cls(pb.coordinator_id, pb.heartbeat_interval_ms)
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest:
+    """state: idle, claimed, preparing, loaded, serving or failed."""
+
+    node_id: str
+    term: int
+    state: str
+    active_sessions: int = 0
+
+    def to_proto(self) -> coordinator_pb2.HeartbeatRequest:
+        return coordinator_pb2.HeartbeatRequest(
+            node_id=self.node_id,
+            term=self.term,
+            state=self.state,
+            active_sessions=self.active_sessions,
+        )
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.HeartbeatRequest) -> HeartbeatRequest:
+        return cls(pb.node_id, pb.term, pb.state, pb.active_sessions)
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """``known`` is False when the coordinator does not know the node: join again."""
+
+    known: bool
+    term: int
+
+    def to_proto(self) -> coordinator_pb2.HeartbeatReply:
+        return coordinator_pb2.HeartbeatReply(known=self.known, term=self.term)
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.HeartbeatReply) -> HeartbeatReply:
+        return cls(pb.known, pb.term)
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    def to_proto(self) -> coordinator_pb2.StatusRequest:
+        return coordinator_pb2.StatusRequest()
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.StatusRequest) -> StatusRequest:
+        return cls()
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    """One known node. ``layer_range`` is None unless the node is assigned."""
+
+    node_id: str
+    address: str
+    device: str = ""
+    memory_bytes: int = 0
+    assigned: bool = False
+    stage_index: int = 0
+    layer_range: LayerRange | None = None
+    health: str = "alive"
+    state: str = "idle"
+    term: int = 0
+    heartbeat_age_s: float = 0.0
+    param_bytes: int = 0
+    active_sessions: int = 0
+
+    def to_proto(self) -> coordinator_pb2.StageStatus:
+        pb = coordinator_pb2.StageStatus(
+            node_id=self.node_id,
+            address=self.address,
+            device=self.device,
+            memory_bytes=self.memory_bytes,
+            assigned=self.assigned,
+            stage_index=self.stage_index,
+            health=self.health,
+            state=self.state,
+            term=self.term,
+            heartbeat_age_s=self.heartbeat_age_s,
+            param_bytes=self.param_bytes,
+            active_sessions=self.active_sessions,
+        )
+        if self.layer_range is not None:
+            pb.layer_range.CopyFrom(layer_range_to_proto(self.layer_range))
+        return pb
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.StageStatus) -> StageStatus:
+        layer_range = None
+        if pb.HasField("layer_range"):
+            layer_range = layer_range_from_proto(pb.layer_range, "StageStatus.layer_range")
+        return cls(
+            node_id=pb.node_id,
+            address=pb.address,
+            device=pb.device,
+            memory_bytes=pb.memory_bytes,
+            assigned=pb.assigned,
+            stage_index=pb.stage_index,
+            layer_range=layer_range,
+            health=pb.health,
+            state=pb.state,
+            term=pb.term,
+            heartbeat_age_s=pb.heartbeat_age_s,
+            param_bytes=pb.param_bytes,
+            active_sessions=pb.active_sessions,
+        )
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """The coordinator's view; state is waiting, loading, serving or failed."""
+
+    coordinator_id: str
+    state: str
+    model_id: str = ""
+    package_ref: str = ""
+    term: int = 0
+    error: str = ""
+    http_url: str = ""
+    layer_count: int = 0
+    stages: tuple[StageStatus, ...] = ()
+
+    def to_proto(self) -> coordinator_pb2.StatusReply:
+        return coordinator_pb2.StatusReply(
+            coordinator_id=self.coordinator_id,
+            model_id=self.model_id,
+            package_ref=self.package_ref,
+            term=self.term,
+            state=self.state,
+            error=self.error,
+            http_url=self.http_url,
+            layer_count=self.layer_count,
+            stages=[s.to_proto() for s in self.stages],
+        )
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.StatusReply) -> StatusReply:
+        return cls(
+            coordinator_id=pb.coordinator_id,
+            state=pb.state,
+            model_id=pb.model_id,
+            package_ref=pb.package_ref,
+            term=pb.term,
+            error=pb.error,
+            http_url=pb.http_url,
+            layer_count=pb.layer_count,
+            stages=tuple(StageStatus.from_proto(s) for s in pb.stages),
+        )

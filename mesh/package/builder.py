@@ -1,0 +1,223 @@
+"""Write a model package from a checkpoint (HF directory, HF repo or GGUF).
+
+The package is built in a temporary directory next to ``out`` and renamed into
+place at the end, so a reader never sees a half-written package. Tensors are read,
+converted and written one file at a time: the embedding, the head, then one
+decoder layer after another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesh.errors import InvalidRequest, PackageError
+from mesh.package.generation import speculative_block
+from mesh.package.manifest import (
+    DTYPES,
+    EMBED_PATH,
+    HEAD_PATH,
+    MANIFEST_NAME,
+    PackageFile,
+    PackageManifest,
+    layer_path,
+    sha256_file,
+)
+from mesh.package.sources import Checkpoint, open_checkpoint
+from mesh.package.tensors import EMBED_TENSOR, HEAD_TENSOR, NORM_TENSOR, classify
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TENSOR_DIRS = ("shared", "layers")
+
+
+def build_package(
+    src: str,
+    out: Path,
+    dtype: str = "float32",
+    model_id: str | None = None,
+    speculative: dict | None = None,
+    *,
+    overwrite: bool = False,
+) -> PackageManifest:
+    """Build a package from ``src`` into ``out`` and return its manifest.
+
+    ``src`` is ``default``, a ``.gguf`` file, an HF model directory or an HF repo id
+    (``org/name[@revision]``). An existing package at ``out`` is replaced; any other
+    non-empty directory is refused unless ``overwrite`` is set.
+    """
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    generation = None if speculative is None else speculative_block(speculative)
+    out = Path(out).expanduser().absolute()
+    _check_out(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open_checkpoint(src) as checkpoint:
+        build_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+        build_dir.chmod(0o755)
+        try:
+            manifest = write_package(
+                checkpoint, build_dir, dtype, model_id or checkpoint.default_model_id, generation
+            )
+            _install(build_dir, out, overwrite)
+        except BaseException:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            raise
+    logger.info(
+        "built package %s (%d layers, %s) at %s",
+        manifest.model_id,
+        manifest.layer_count,
+        dtype,
+        out,
+    )
+    return manifest
+
+
+def write_package(
+    checkpoint: Checkpoint,
+    directory: Path,
+    dtype: str,
+    model_id: str,
+    generation: dict[str, Any] | None,
+) -> PackageManifest:
+    """Write every package file of ``checkpoint`` into the empty ``directory``."""
+    description = checkpoint.description
+    layout = classify(checkpoint.tensor_names(), description.layer_count)
+    if layout.lm_head is None and not description.tied_embeddings:
+        raise PackageError(
+            "checkpoint has no lm_head.weight and its config sets tie_word_embeddings=false: "
+            "the output projection is missing"
+        )
+    torch_dtype = _TORCH_DTYPES[dtype]
+    config = dict(checkpoint.config_json)
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    checkpoint.write_meta(directory)
+
+    vocab, hidden = description.vocab_size, description.hidden_size
+    embed = _convert(checkpoint.tensor(layout.embed), torch_dtype)
+    _check_shape(layout.embed, embed, (vocab, hidden))
+    _save(directory, EMBED_PATH, {EMBED_TENSOR: embed})
+    if description.tied_embeddings:
+        lm_head = embed.clone()
+    else:
+        lm_head = _convert(checkpoint.tensor(layout.lm_head), torch_dtype)
+        _check_shape(HEAD_TENSOR, lm_head, (vocab, hidden))
+    del embed
+    norm = _convert(checkpoint.tensor(layout.norm), torch_dtype)
+    _check_shape(layout.norm, norm, (hidden,))
+    _save(directory, HEAD_PATH, {NORM_TENSOR: norm, HEAD_TENSOR: lm_head})
+    del lm_head, norm
+
+    for index, entries in enumerate(layout.layers):
+        tensors = {
+            name: _convert(checkpoint.tensor(source), torch_dtype) for name, source in entries
+        }
+        _save(directory, layer_path(index), tensors)
+        logger.debug("wrote layer %d/%d", index + 1, description.layer_count)
+        del tensors
+
+    files = _meta_files(directory) + [_describe_file(directory, EMBED_PATH, "embed")]
+    files.append(_describe_file(directory, HEAD_PATH, "head"))
+    files += [
+        _describe_file(directory, layer_path(i), "layer", i) for i in range(description.layer_count)
+    ]
+    manifest = PackageManifest(
+        model_id=model_id,
+        architecture=description.architecture,
+        model_type=description.model_type,
+        layer_count=description.layer_count,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        dtype=dtype,
+        tied_embeddings=description.tied_embeddings,
+        source=dict(checkpoint.source),
+        files=tuple(files),
+        generation=generation,
+    )
+    manifest.save(directory)
+    return manifest
+
+
+def _convert(tensor: torch.Tensor, torch_dtype: torch.dtype) -> torch.Tensor:
+    if tensor.is_floating_point():
+        tensor = tensor.to(torch_dtype)
+    return tensor.contiguous()
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise PackageError(
+            f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, but the config implies "
+            f"{expected}; the config and the weights do not belong together"
+        )
+
+
+def _save(directory: Path, relative: str, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    target = directory / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target), metadata={"format": "pt"})
+
+
+def _describe_file(
+    directory: Path, relative: str, kind: str, layer_index: int | None = None
+) -> PackageFile:
+    path = directory / relative
+    return PackageFile(
+        path=relative,
+        kind=kind,
+        bytes=path.stat().st_size,
+        sha256=sha256_file(path),
+        layer_index=layer_index,
+    )
+
+
+def _meta_files(directory: Path) -> list[PackageFile]:
+    """Every file outside shared/ and layers/: config, tokenizer, generation config."""
+    found = sorted(
+        path.relative_to(directory).as_posix()
+        for path in directory.rglob("*")
+        if path.is_file() and path.relative_to(directory).parts[0] not in _TENSOR_DIRS
+    )
+    if not any(name.startswith("tokenizer") for name in found):
+        logger.warning("the source has no tokenizer files; the package cannot serve text")
+    found.sort(key=lambda name: (name != "config.json", name))
+    return [_describe_file(directory, name, "meta") for name in found]
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise PackageError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / MANIFEST_NAME).is_file() and not overwrite:
+            raise PackageError(
+                f"--out {out} is a non-empty directory that is not a model package; "
+                "choose an empty or new directory"
+            )
+
+
+def _install(build_dir: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished build to ``out``, replacing an older package there."""
+    _check_out(out, overwrite)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, trash)
+        os.rename(build_dir, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(build_dir, out)

@@ -1,0 +1,298 @@
+"""Checkpoints a package can be built from: an HF safetensors directory (local or a
+hub snapshot) or a GGUF file dequantised through transformers.
+
+A Checkpoint exposes the model description, the config to write, tensors by
+checkpoint name (read lazily, one at a time for safetensors) and the tokenizer and
+generation files to copy into the package.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from abc import ABC, abstractmethod
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesh.errors import PackageError, UnsupportedArchitecture
+from mesh.package import hub
+from mesh.package.embedded import DEFAULT_MODEL_ID, default_gguf_path, default_source_info
+from mesh.package.manifest import check_architecture
+
+logger = logging.getLogger(__name__)
+
+META_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+INDEX_FILE = "model.safetensors.index.json"
+HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "*.txt",
+    "tokenizer.model",
+    f"{CHAT_TEMPLATE_DIR}/*",
+]
+# Keys a GGUF-loaded config carries that make no sense for plain safetensors weights.
+_GGUF_CONFIG_LEFTOVERS = ("quantization_config", "_model_name_or_path", "_name_or_path")
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    architecture: str
+    model_type: str
+    layer_count: int
+    hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+
+
+def architecture_of(raw_config: dict[str, Any]) -> str:
+    """The ``*ForCausalLM`` class of a config, checked against the supported list."""
+    architectures = raw_config.get("architectures") or []
+    if architectures:
+        architecture = str(architectures[0])
+    else:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = raw_config.get("model_type")
+        mapped = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(model_type))
+        if mapped is None:
+            raise UnsupportedArchitecture(
+                f"config.json names no architecture and model_type {model_type!r} has no "
+                "causal-LM class; supported model types: llama, mistral, qwen2, qwen3"
+            )
+        architecture = mapped
+    check_architecture(architecture)
+    return architecture
+
+
+def describe(config: Any, architecture: str) -> ModelDescription:
+    return ModelDescription(
+        architecture=architecture,
+        model_type=str(config.model_type),
+        layer_count=int(config.num_hidden_layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+class Checkpoint(ABC):
+    description: ModelDescription
+    config_json: dict[str, Any]
+    source: dict[str, Any]
+    default_model_id: str
+
+    @abstractmethod
+    def tensor_names(self) -> list[str]: ...
+
+    @abstractmethod
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    @abstractmethod
+    def write_meta(self, out_dir: Path) -> None:
+        """Write tokenizer and generation files (everything but config.json) into out_dir."""
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """An HF model directory with ``*.safetensors`` weights, sharded or not."""
+
+    def __init__(self, directory: Path, source: dict[str, Any], default_model_id: str) -> None:
+        from transformers import AutoConfig
+
+        self.directory = Path(directory)
+        self.source = source
+        self.default_model_id = default_model_id
+        config_path = self.directory / "config.json"
+        try:
+            self.config_json = json.loads(config_path.read_text())
+        except FileNotFoundError as error:
+            raise PackageError(
+                f"{config_path} not found: not a Hugging Face model directory"
+            ) from error
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise PackageError(f"{config_path} is not valid JSON: {error}") from error
+        if not isinstance(self.config_json, dict):
+            raise PackageError(f"{config_path}: expected a JSON object")
+        architecture = architecture_of(self.config_json)
+        try:
+            config = AutoConfig.from_pretrained(self.directory)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise PackageError(
+                f"{config_path} cannot be loaded by transformers: {error}"
+            ) from error
+        self.description = describe(config, architecture)
+        self._weight_map = self._find_weights()
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def _find_weights(self) -> dict[str, str]:
+        from safetensors import safe_open
+
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise PackageError(f"{index} is not a valid safetensors index: {error}") from error
+            for shard in sorted(set(weight_map.values())):
+                if not (self.directory / shard).is_file():
+                    raise PackageError(f"{index} lists shard {shard!r}, which is missing")
+            return {str(name): str(shard) for name, shard in weight_map.items()}
+        shards = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        if not shards:
+            if any(self.directory.glob("*.bin")) or any(self.directory.glob("*.pt")):
+                raise PackageError(
+                    f"{self.directory} holds only PyTorch pickle weights; mesh-package reads "
+                    "safetensors only: re-save the model with safe_serialization=True"
+                )
+            raise PackageError(f"{self.directory} has no *.safetensors weights")
+        weight_map = {}
+        for shard in shards:
+            with safe_open(str(self.directory / shard), framework="pt") as handle:
+                weight_map.update({name: shard for name in handle.keys()})
+        return weight_map
+
+    def tensor_names(self) -> list[str]:
+        return list(self._weight_map)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = self._weight_map[name]
+        handle = self._handles.get(shard)
+        if handle is None:
+            try:
+                opened = safe_open(str(self.directory / shard), framework="pt")
+            except (OSError, RuntimeError, ValueError) as error:
+                raise PackageError(f"cannot read {self.directory / shard}: {error}") from error
+            handle = self._stack.enter_context(opened)
+            self._handles[shard] = handle
+        return handle.get_tensor(name)
+
+    def write_meta(self, out_dir: Path) -> None:
+        for name in META_FILES:
+            if (self.directory / name).is_file():
+                shutil.copyfile(self.directory / name, out_dir / name)
+        templates = self.directory / CHAT_TEMPLATE_DIR
+        if templates.is_dir():
+            (out_dir / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+            for template in sorted(templates.glob("*.jinja")):
+                shutil.copyfile(template, out_dir / CHAT_TEMPLATE_DIR / template.name)
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._stack.close()
+
+
+class GgufCheckpoint(Checkpoint):
+    """A GGUF file, dequantised to float32 by transformers' GGUF loader."""
+
+    def __init__(self, path: Path, source: dict[str, Any], default_model_id: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.path = Path(path)
+        self.source = source
+        self.default_model_id = default_model_id
+        logger.info("dequantising %s (this reads the whole GGUF)", self.path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.path.parent, gguf_file=self.path.name, dtype=torch.float32
+            )
+        except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
+            raise PackageError(f"cannot load GGUF {self.path}: {error}") from error
+        architecture = type(model).__name__
+        check_architecture(architecture)
+        self.description = describe(model.config, architecture)
+        config_json = json.loads(model.config.to_json_string(use_diff=True))
+        for key in _GGUF_CONFIG_LEFTOVERS:
+            config_json.pop(key, None)
+        config_json["architectures"] = [architecture]
+        self.config_json = config_json
+        self._generation_config = model.generation_config
+        self._state: dict[str, torch.Tensor] = dict(model.state_dict())
+
+    def tensor_names(self) -> list[str]:
+        return list(self._state)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._state[name]
+
+    def write_meta(self, out_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise PackageError(f"cannot load the tokenizer of GGUF {self.path}: {error}") from error
+        if not tokenizer.chat_template:
+            logger.warning("GGUF %s carries no chat template", self.path)
+        tokenizer.save_pretrained(out_dir)
+        if self._generation_config is not None:
+            self._generation_config.save_pretrained(out_dir)
+
+    def close(self) -> None:
+        self._state.clear()
+
+
+def open_checkpoint(src: str) -> Checkpoint:
+    """Open ``src``: ``default``, a ``.gguf`` file, an HF model directory, or an HF
+    repo id ``org/name[@revision]`` (fetched with huggingface_hub)."""
+    if src == "default":
+        gguf = default_gguf_path()
+        return GgufCheckpoint(gguf, default_source_info(gguf), DEFAULT_MODEL_ID)
+    path = Path(src).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise PackageError(
+                f"{path} is a file but not a .gguf; pass a model directory or a GGUF"
+            )
+        resolved = path.resolve()
+        source = {"kind": "gguf", "file": resolved.name, "path": str(resolved)}
+        return GgufCheckpoint(resolved, source, resolved.stem)
+    if path.is_dir():
+        resolved = path.resolve()
+        if (resolved / "config.json").is_file():
+            source = {"kind": "hf-dir", "path": str(resolved)}
+            return SafetensorsCheckpoint(resolved, source, resolved.name)
+        ggufs = sorted(resolved.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return open_checkpoint(str(ggufs[0]))
+        raise PackageError(
+            f"{resolved} has no config.json"
+            + (f" and {len(ggufs)} .gguf files: pass one of them" if ggufs else "")
+        )
+    ref = hub.parse_repo_ref(src)
+    if ref is None:
+        raise PackageError(
+            f"model source {src!r} not found: expected a Hugging Face model directory, a .gguf "
+            "file, a Hugging Face repo id (org/name or org/name@revision) or 'default'"
+        )
+    folder = hub.snapshot(ref, HUB_PATTERNS)
+    source = {"kind": "hf-repo", "repo": ref.repo_id, "revision": folder.name}
+    return SafetensorsCheckpoint(folder, source, ref.repo_id)

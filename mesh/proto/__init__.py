@@ -1,0 +1,1 @@
+"""Wire protocol stubs; the generated modules live in mesh.proto.v1."""

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for the mesh.v1 protocol (scripts/gen_proto.py; do not edit)."""

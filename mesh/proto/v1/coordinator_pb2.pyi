@@ -1,0 +1,110 @@
+from mesh.proto.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("node_id", "address", "device", "memory_bytes", "speed_hint", "frontend", "http_url")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEED_HINT_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    device: str
+    memory_bytes: int
+    speed_hint: float
+    frontend: bool
+    http_url: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., speed_hint: _Optional[float] = ..., frontend: _Optional[bool] = ..., http_url: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("coordinator_id", "heartbeat_interval_ms")
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    coordinator_id: str
+    heartbeat_interval_ms: int
+    def __init__(self, coordinator_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "term", "state", "active_sessions")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    term: int
+    state: str
+    active_sessions: int
+    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "term")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    term: int
+    def __init__(self, known: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("node_id", "address", "device", "memory_bytes", "assigned", "stage_index", "layer_range", "health", "state", "term", "heartbeat_age_s", "param_bytes", "active_sessions")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    device: str
+    memory_bytes: int
+    assigned: bool
+    stage_index: int
+    layer_range: _common_pb2.LayerRange
+    health: str
+    state: str
+    term: int
+    heartbeat_age_s: float
+    param_bytes: int
+    active_sessions: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., assigned: _Optional[bool] = ..., stage_index: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., health: _Optional[str] = ..., state: _Optional[str] = ..., term: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., param_bytes: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("coordinator_id", "model_id", "package_ref", "term", "state", "error", "http_url", "layer_count", "stages")
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_REF_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    coordinator_id: str
+    model_id: str
+    package_ref: str
+    term: int
+    state: str
+    error: str
+    http_url: str
+    layer_count: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    def __init__(self, coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ..., package_ref: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., http_url: _Optional[str] = ..., layer_count: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ...) -> None: ...

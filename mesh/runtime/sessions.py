@@ -1,0 +1,185 @@
+"""Per-session KV caches for a stage's owned layers, addressed by absolute position.
+
+Each session owns one preallocated tensor holding keys and values of every owned
+layer; it grows by doubling when a frame needs more room. Cropping is only a change
+of the committed length: later frames overwrite the positions past it. The cache
+answers the ``update(key_states, value_states, layer_idx)`` call that HF attention
+layers make, so the HF decoder layer modules run unchanged on top of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mesh.errors import CapacityExceeded, InvalidRequest, NotFound
+
+logger = logging.getLogger(__name__)
+
+CAPACITY_STEP_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one session's cache: owned layers ``[first_layer, first_layer + layer_count)``."""
+
+    first_layer: int
+    layer_count: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layer_count * self.kv_heads * self.head_dim * element
+
+
+class SessionCache:
+    """Keys and values of one session, shaped for HF attention: ``[1, kv_heads, T, head_dim]``."""
+
+    __slots__ = ("layout", "length", "capacity", "last_used", "_buffer", "_keys", "_values", "_at")
+
+    def __init__(self, layout: KVLayout, capacity: int) -> None:
+        self.layout = layout
+        self.length = 0
+        self.capacity = 0
+        self.last_used = time.monotonic()
+        self._buffer: torch.Tensor | None = None
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._at = 0
+        self.reserve(capacity)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` positions, keeping the committed ones."""
+        if tokens <= self.capacity:
+            return
+        layout = self.layout
+        shape = (layout.layer_count, 2, 1, layout.kv_heads, tokens, layout.head_dim)
+        buffer = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        if self._buffer is not None and self.length:
+            buffer[..., : self.length, :] = self._buffer[..., : self.length, :]
+        self._buffer = buffer
+        self._keys = [buffer[i, 0] for i in range(layout.layer_count)]
+        self._values = [buffer[i, 1] for i in range(layout.layer_count)]
+        self.capacity = tokens
+
+    def begin(self, pos_start: int) -> None:
+        """Crop to ``pos_start`` and write the next frame's keys and values from there."""
+        self.length = min(self.length, pos_start)
+        self._at = pos_start
+
+    def commit(self, end: int) -> None:
+        self.length = end
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this frame's keys/values for a layer; return all of them up to the frame end."""
+        slot = layer_idx - self.layout.first_layer
+        count = key_states.shape[2]
+        end = self._at + count
+        keys = self._keys[slot]
+        values = self._values[slot]
+        keys.narrow(2, self._at, count).copy_(key_states)
+        values.narrow(2, self._at, count).copy_(value_states)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
+
+class SessionTable:
+    """The sessions of one stage, with their limits."""
+
+    def __init__(self, layout: KVLayout, max_sessions: int, max_tokens_per_session: int) -> None:
+        if max_sessions <= 0:
+            raise InvalidRequest(f"max_sessions must be positive, got {max_sessions}")
+        if max_tokens_per_session <= 0:
+            raise InvalidRequest(
+                f"max_tokens_per_session must be positive, got {max_tokens_per_session}"
+            )
+        self.layout = layout
+        self.max_sessions = max_sessions
+        self.max_tokens_per_session = max_tokens_per_session
+        self._sessions: dict[str, SessionCache] = {}
+
+    def open_for_frame(self, session_id: str, pos_start: int, count: int) -> SessionCache:
+        """The session's cache, ready for a frame of ``count`` tokens at ``pos_start``.
+
+        Creates the session when it is new (it then holds 0 tokens) and grows its
+        buffer; checks every limit before changing anything. The caller crops it to
+        ``pos_start`` through ``SessionCache.begin``.
+        """
+        cache = self._sessions.get(session_id)
+        held = cache.length if cache is not None else 0
+        if pos_start < 0:
+            raise InvalidRequest(f"frame for session {session_id} starts at {pos_start} (< 0)")
+        if pos_start > held:
+            raise InvalidRequest(
+                f"session {session_id} holds {held} tokens, frame starts at {pos_start}; "
+                f"resend the frame from position {held} or earlier"
+            )
+        end = pos_start + count
+        if end > self.max_tokens_per_session:
+            raise InvalidRequest(
+                f"session {session_id} would hold {end} tokens, over this stage's limit of "
+                f"{self.max_tokens_per_session} tokens per session; shorten the prompt or max_tokens"
+            )
+        if cache is None:
+            if len(self._sessions) >= self.max_sessions:
+                raise CapacityExceeded(
+                    f"stage holds {len(self._sessions)} sessions, its limit; retry later "
+                    "or end idle sessions"
+                )
+            cache = SessionCache(self.layout, self._capacity_for(end, 0))
+            self._sessions[session_id] = cache
+        else:
+            cache.reserve(self._capacity_for(end, cache.capacity))
+        cache.last_used = time.monotonic()
+        return cache
+
+    def _capacity_for(self, tokens: int, current: int) -> int:
+        if tokens <= current:
+            return current
+        wanted = max(tokens, 2 * current)
+        rounded = -(-wanted // CAPACITY_STEP_TOKENS) * CAPACITY_STEP_TOKENS
+        return max(tokens, min(rounded, self.max_tokens_per_session))
+
+    def drop(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def length(self, session_id: str) -> int:
+        cache = self._sessions.get(session_id)
+        return 0 if cache is None else cache.length
+
+    def ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def trim(self, session_id: str, length: int) -> None:
+        if length < 0:
+            raise InvalidRequest(f"cannot trim session {session_id} to {length} tokens (< 0)")
+        cache = self._sessions.get(session_id)
+        if cache is None:
+            raise NotFound(f"session {session_id} is not held by this stage")
+        cache.length = min(cache.length, length)
+        cache.last_used = time.monotonic()
+
+    def expire_idle(self, now: float, idle_timeout_s: float) -> list[str]:
+        expired = [
+            session_id
+            for session_id, cache in self._sessions.items()
+            if now - cache.last_used > idle_timeout_s
+        ]
+        for session_id in expired:
+            del self._sessions[session_id]
+        if expired:
+            logger.info("expired %s idle session(s): %s", len(expired), ", ".join(expired))
+        return expired
+
+    def kv_bytes(self) -> int:
+        return sum(cache.nbytes() for cache in self._sessions.values())

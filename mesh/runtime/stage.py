@@ -1,0 +1,342 @@
+"""Run one layer range of an HF decoder with per-session KV caches.
+
+``forward(session_id, pos_start, inputs)`` is the whole contract: the first stage
+takes token ids, the others take hidden states; the last stage returns float32
+logits, the others hidden states. Before running, the session is cropped to
+``pos_start`` (the rollback rule of the mesh); positions and the causal mask come
+from ``pos_start``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from mesh.errors import InvalidRequest, PackageError
+from mesh.package.manifest import PackageManifest
+from mesh.runtime.block import DecoderBlock
+from mesh.runtime.sessions import KVLayout, SessionCache, SessionTable
+from mesh.runtime.skeleton import (
+    StageModules,
+    build_stage_modules,
+    load_config,
+    resolve_device,
+    resolve_dtype,
+)
+from mesh.runtime.weights import PackageWeights, WeightSource
+from mesh.types import LayerRange
+
+logger = logging.getLogger(__name__)
+
+
+class StageRuntime:
+    """The owned layers of one stage (plus embed / norm / head at the ends) and its sessions."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        modules: StageModules,
+        layer_range: LayerRange,
+        device: torch.device,
+        dtype: str,
+        max_sessions: int = 64,
+        max_tokens_per_session: int | None = None,
+    ) -> None:
+        self._config = config
+        self._modules = modules
+        self._layer_range = layer_range
+        self._device = device
+        self._dtype_name = dtype
+        self._dtype = resolve_dtype(dtype)
+        self._is_first = layer_range.is_first()
+        self._is_last = layer_range.is_last(config.num_hidden_layers)
+        self._hidden_size = int(config.hidden_size)
+        self._vocab_size = int(config.vocab_size)
+        self._param_bytes = modules.param_bytes()
+        self._lock = threading.Lock()
+        self._sessions = SessionTable(
+            _kv_layout(config, layer_range, device, self._dtype),
+            max_sessions=max_sessions,
+            max_tokens_per_session=_token_limit(config, max_tokens_per_session),
+        )
+        self._sliding_window = _sliding_window(config)
+        self._blocks = [
+            DecoderBlock(layer, index, _is_sliding(config, index, self._sliding_window))
+            for index, layer in zip(layer_range, modules.layers, strict=True)
+        ]
+
+    # ---- description ------------------------------------------------------------
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self._config
+
+    @property
+    def layer_range(self) -> LayerRange:
+        return self._layer_range
+
+    @property
+    def is_first(self) -> bool:
+        return self._is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self._is_last
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of parameters this stage holds (a tied embedding/head counts once)."""
+        return self._param_bytes
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype_name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def max_sessions(self) -> int:
+        return self._sessions.max_sessions
+
+    @property
+    def max_tokens_per_session(self) -> int:
+        return self._sessions.max_tokens_per_session
+
+    def kv_bytes(self) -> int:
+        """Bytes currently allocated to the KV caches of all sessions."""
+        with self._lock:
+            return self._sessions.kv_bytes()
+
+    # ---- sessions ---------------------------------------------------------------
+
+    def sessions(self) -> list[str]:
+        with self._lock:
+            return self._sessions.ids()
+
+    def session_length(self, session_id: str) -> int:
+        """Tokens the session holds; 0 for a session this stage does not hold."""
+        with self._lock:
+            return self._sessions.length(session_id)
+
+    def drop_session(self, session_id: str) -> bool:
+        """Free the session's KV; False when the stage did not hold it."""
+        with self._lock:
+            return self._sessions.drop(session_id)
+
+    def trim(self, session_id: str, length: int) -> None:
+        """Crop the session to at most ``length`` tokens (NotFound for an unknown session)."""
+        with self._lock:
+            self._sessions.trim(session_id, length)
+
+    def expire_idle(self, now: float, idle_timeout_s: float) -> list[str]:
+        """Drop sessions unused for more than ``idle_timeout_s``; ``now`` is time.monotonic()."""
+        with self._lock:
+            return self._sessions.expire_idle(now, idle_timeout_s)
+
+    # ---- compute ------------------------------------------------------------------
+
+    def forward(self, session_id: str, pos_start: int, inputs: torch.Tensor) -> torch.Tensor:
+        """Run a frame of ``T`` tokens starting at absolute position ``pos_start``.
+
+        ``inputs``: token ids ``[T]`` on the first stage, hidden states ``[T, hidden]``
+        otherwise. Returns hidden states ``[T, hidden]`` in the runtime dtype, or on
+        the last stage float32 logits ``[T, vocab]``.
+        """
+        with self._lock, torch.inference_mode():
+            prepared = self._prepare(inputs)
+            count = prepared.shape[0]
+            cache = self._sessions.open_for_frame(session_id, pos_start, count)
+            return self._run(cache, pos_start, prepared)
+
+    def _prepare(self, inputs: torch.Tensor) -> torch.Tensor:
+        if not isinstance(inputs, torch.Tensor):
+            raise InvalidRequest(f"frame inputs must be a tensor, got {type(inputs).__name__}")
+        if self._is_first:
+            if inputs.dim() != 1 or inputs.shape[0] == 0:
+                raise InvalidRequest(
+                    f"the first stage takes token ids of shape [T] with T >= 1, "
+                    f"got shape {tuple(inputs.shape)}"
+                )
+            if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+                raise InvalidRequest(f"token ids must be integers, got {inputs.dtype}")
+            ids = inputs.to(device=self._device, dtype=torch.long)
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self._vocab_size:
+                raise InvalidRequest(
+                    f"token id out of range [0, {self._vocab_size}): saw {low}..{high}"
+                )
+            return ids
+        if inputs.dim() != 2 or inputs.shape[0] == 0 or inputs.shape[1] != self._hidden_size:
+            raise InvalidRequest(
+                f"stage {self._layer_range} takes hidden states of shape "
+                f"[T, {self._hidden_size}] with T >= 1, got {tuple(inputs.shape)}"
+            )
+        if not inputs.is_floating_point():
+            raise InvalidRequest(f"hidden states must be floating point, got {inputs.dtype}")
+        return inputs.to(device=self._device, dtype=self._dtype)
+
+    def _run(self, cache: SessionCache, pos_start: int, prepared: torch.Tensor) -> torch.Tensor:
+        modules = self._modules
+        count = prepared.shape[0]
+        if self._is_first:
+            hidden = modules.embed(prepared.unsqueeze(0))
+        else:
+            hidden = prepared.unsqueeze(0)
+        positions = torch.arange(pos_start, pos_start + count, device=self._device).unsqueeze(0)
+        cos, sin = modules.rotary(hidden, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        full_mask, sliding_mask = self._masks(pos_start, count)
+        cache.begin(pos_start)
+        for block in self._blocks:
+            mask = sliding_mask if block.sliding else full_mask
+            hidden = block.forward(hidden, cos, sin, cache, mask)
+        cache.commit(pos_start + count)
+        if not self._is_last:
+            return hidden[0]
+        return modules.lm_head(modules.norm(hidden))[0].float()
+
+    def _masks(self, pos_start: int, count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Boolean masks (True = attend) ``[1, 1, T, pos_start + T]`` for full and
+        sliding-window layers; None where SDPA's own causal handling is exact (a single
+        query attends to every key; a fresh prefill is plain causal)."""
+        end = pos_start + count
+        window = self._sliding_window
+        needs_window = window is not None and end > window
+        if (count == 1 or pos_start == 0) and not needs_window:
+            return None, None
+        queries = torch.arange(pos_start, end, device=self._device).unsqueeze(1)
+        keys = torch.arange(end, device=self._device).unsqueeze(0)
+        causal = keys <= queries
+        full = None if count == 1 or pos_start == 0 else causal.view(1, 1, count, end)
+        if not needs_window:
+            return full, full
+        sliding = (causal & (keys > queries - window)).view(1, 1, count, end)
+        return full, sliding
+
+
+def _kv_layout(
+    config: PretrainedConfig, layer_range: LayerRange, device: torch.device, dtype: torch.dtype
+) -> KVLayout:
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVLayout(
+        first_layer=layer_range.start,
+        layer_count=len(layer_range),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        dtype=dtype,
+        device=device,
+    )
+
+
+def _token_limit(config: PretrainedConfig, max_tokens_per_session: int | None) -> int:
+    context = int(config.max_position_embeddings)
+    if max_tokens_per_session is None:
+        return context
+    if max_tokens_per_session > context:
+        logger.warning(
+            "max_tokens_per_session %s exceeds the model context %s; using %s",
+            max_tokens_per_session,
+            context,
+            context,
+        )
+        return context
+    return max_tokens_per_session
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def _is_sliding(config: PretrainedConfig, layer_index: int, window: int | None) -> bool:
+    if window is None:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return not layer_types or layer_types[layer_index] == "sliding_attention"
+
+
+def build_stage_runtime(
+    config: PretrainedConfig,
+    weights: WeightSource,
+    layer_range: LayerRange,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_sessions: int = 64,
+    max_tokens_per_session: int | None = None,
+) -> StageRuntime:
+    """A runtime for ``layer_range`` of the model described by ``config``, with tensors
+    from ``weights`` (a package, or an in-memory state dict in tests)."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    modules = build_stage_modules(config, weights, layer_range, torch_device, torch_dtype)
+    return StageRuntime(
+        config,
+        modules,
+        layer_range,
+        torch_device,
+        dtype,
+        max_sessions=max_sessions,
+        max_tokens_per_session=max_tokens_per_session,
+    )
+
+
+def load_stage_runtime(
+    package_dir: Path,
+    layer_range: LayerRange,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_sessions: int = 64,
+    max_tokens_per_session: int | None = None,
+) -> StageRuntime:
+    """Load the slice ``layer_range`` of a model package into a runtime."""
+    started = time.perf_counter()
+    package_dir = Path(package_dir)
+    config = load_config(package_dir)
+    manifest = PackageManifest.load(package_dir)
+    if manifest.layer_count != config.num_hidden_layers:
+        raise PackageError(
+            f"{package_dir}: manifest says {manifest.layer_count} layers, config.json says "
+            f"{config.num_hidden_layers}; rebuild the package"
+        )
+    runtime = build_stage_runtime(
+        config,
+        PackageWeights(package_dir, manifest),
+        layer_range,
+        device=device,
+        dtype=dtype,
+        max_sessions=max_sessions,
+        max_tokens_per_session=max_tokens_per_session,
+    )
+    logger.info(
+        "loaded %s layers %s on %s/%s: %s parameter bytes in %.2fs",
+        manifest.model_id,
+        layer_range,
+        device,
+        dtype,
+        runtime.param_bytes,
+        time.perf_counter() - started,
+    )
+    return runtime

@@ -1,0 +1,175 @@
+"""The drafter interface and the bookkeeping every drafter shares.
+
+A drafter lives for one request. It keeps its own copy of the request's committed
+token sequence (prompt + generated) and proposes continuations of it:
+
+    begin(prompt)            committed = prompt
+    propose(k)               up to k draft tokens continuing committed (may be [])
+    accept(n, next_token)    committed += first n proposed + next_token
+    rollback(length)         committed = committed[:length]
+
+The caller commits the first generated token (sampled by the prefill) with
+``accept(0, token)``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from mesh.errors import Fatal
+
+
+class Drafter(ABC):
+    """Base class of all drafters; subclasses implement ``_propose`` and the hooks."""
+
+    name: str = "drafter"
+    #: Cost per proposed token assumed before anything was measured, in seconds.
+    prior_cost_per_token_s: float = 0.0
+    #: Weight of history in the measured cost (exponential decay per propose call).
+    cost_decay: float = 0.9
+
+    def __init__(self) -> None:
+        self._tokens: list[int] = []
+        self._pending: list[int] = []
+        self._cost_time_s = 0.0
+        self._cost_tokens = 0.0
+
+    # ---- public interface -------------------------------------------------------------
+
+    def begin(self, prompt_tokens: Sequence[int], prompt_text: str | None = None) -> None:
+        """Start a request. ``prompt_text`` feeds text detectors (auto gating) only."""
+        self._tokens = [int(t) for t in prompt_tokens]
+        self._pending = []
+        self._on_begin(prompt_text)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` draft tokens continuing the committed sequence (maybe none)."""
+        self._pending = []
+        if k <= 0:
+            return []
+        started = time.perf_counter()
+        proposal = [int(t) for t in self._propose(k)][:k]
+        elapsed = time.perf_counter() - started
+        if proposal:
+            self._cost_time_s = self.cost_decay * self._cost_time_s + elapsed
+            self._cost_tokens = self.cost_decay * self._cost_tokens + len(proposal)
+        self._pending = proposal
+        return list(proposal)
+
+    def accept(self, accepted_count: int, next_token: int) -> None:
+        """Commit the first ``accepted_count`` tokens of the last proposal and then
+        ``next_token`` (the target's token after them)."""
+        proposal = self._pending
+        if not 0 <= accepted_count <= len(proposal):
+            raise Fatal(
+                f"{self.name}: accepted_count {accepted_count} is outside [0, {len(proposal)}] "
+                "(the last proposal's length); call accept once per propose"
+            )
+        self._pending = []
+        self._on_accept(accepted_count, proposal)
+        self._extend(proposal[:accepted_count] + [int(next_token)])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Commit tokens that did not come from this drafter's proposal (another drafter
+        proposed them, or the caller decoded without speculation)."""
+        self._pending = []
+        self._extend([int(t) for t in tokens])
+
+    def rollback(self, length: int) -> None:
+        """Truncate the committed sequence to ``length`` tokens."""
+        if not 0 <= length <= len(self._tokens):
+            raise Fatal(f"{self.name}: cannot roll back to {length}; {len(self._tokens)} committed")
+        self._pending = []
+        if length < len(self._tokens):
+            self._on_rollback(length)
+            del self._tokens[length:]
+
+    @property
+    def committed_length(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def committed(self) -> list[int]:
+        """A copy of the committed sequence."""
+        return list(self._tokens)
+
+    @property
+    def cost_per_token_s(self) -> float:
+        """Measured seconds per proposed token (decayed average), or the prior."""
+        if self._cost_tokens <= 0.0:
+            return self.prior_cost_per_token_s
+        return self._cost_time_s / self._cost_tokens
+
+    # ---- subclass hooks ---------------------------------------------------------------
+
+    @abstractmethod
+    def _propose(self, k: int) -> Sequence[int]:
+        """Draft tokens continuing ``self._tokens``."""
+
+    def _on_begin(self, prompt_text: str | None) -> None:
+        """Reset per-request state; ``self._tokens`` already holds the prompt."""
+        return None
+
+    def _on_commit(self, start: int) -> None:
+        """Tokens ``self._tokens[start:]`` were just committed."""
+        return None
+
+    def _on_rollback(self, length: int) -> None:
+        """The committed sequence is about to be truncated to ``length`` (``self._tokens``
+        still holds the old tokens)."""
+        return None
+
+    def _on_accept(self, accepted_count: int, proposal: list[int]) -> None:
+        """Verification kept ``accepted_count`` tokens of ``proposal`` (before commit)."""
+        return None
+
+    def _extend(self, tokens: list[int]) -> None:
+        if tokens:
+            start = len(self._tokens)
+            self._tokens.extend(tokens)
+            self._on_commit(start)
+
+
+class CompositeDrafter(Drafter):
+    """The n-gram drafter first; the draft model only when the n-gram has nothing."""
+
+    name = "composite"
+
+    def __init__(self, ngram: Drafter, draft: Drafter) -> None:
+        super().__init__()
+        self.ngram = ngram
+        self.draft = draft
+        self.last_source: Drafter | None = None
+        self._accepted: int | None = None
+
+    def _on_begin(self, prompt_text: str | None) -> None:
+        self.ngram.begin(self._tokens, prompt_text)
+        self.draft.begin(self._tokens, prompt_text)
+        self.last_source = None
+
+    def _propose(self, k: int) -> list[int]:
+        proposal = self.ngram.propose(k)
+        self.last_source = self.ngram
+        if not proposal:
+            proposal = self.draft.propose(k)
+            self.last_source = self.draft if proposal else None
+        return proposal
+
+    def _on_accept(self, accepted_count: int, proposal: list[int]) -> None:
+        self._accepted = accepted_count if proposal else None
+
+    def _on_commit(self, start: int) -> None:
+        # The drafter that proposed learns through accept(); the other sees plain commits.
+        tokens = self._tokens[start:]
+        accepted, self._accepted = self._accepted, None
+        for child in (self.ngram, self.draft):
+            if accepted is not None and child is self.last_source:
+                child.accept(accepted, tokens[-1])
+            else:
+                child.extend(tokens)
+
+    def _on_rollback(self, length: int) -> None:
+        self.ngram.rollback(min(length, self.ngram.committed_length))
+        self.draft.rollback(min(length, self.draft.committed_length))

@@ -1,0 +1,144 @@
+"""`mesh-stage join`: run a stage node that joins a coordinator and obeys it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from mesh.codec import HeartbeatRequest, JoinRequest
+from mesh.errors import MeshError
+from mesh.grpc_util import SERVER_OPTIONS
+from mesh.logsetup import configure_logging
+from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
+from mesh.units import parse_bytes
+from stage.membership import Membership
+from stage.node import NodeSettings, StageNode
+from stage.servicers import ControlServicer, DataServicer
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    home = Path(os.environ.get("MESH_HOME", Path.home() / ".cache" / "mesh"))
+    return home / "slices"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh-stage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    join = sub.add_parser("join", help="join a coordinator and serve a layer range")
+    add_stage_arguments(join)
+    return parser
+
+
+def add_stage_arguments(join: argparse.ArgumentParser) -> None:
+    join.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
+    join.add_argument("--listen", default="0.0.0.0:7071", help="gRPC bind HOST:PORT (port 0: any)")
+    join.add_argument("--advertise", default=None, help="host other nodes use to reach this one")
+    join.add_argument("--node-id", default=None, help="stable node name (default: host-random)")
+    join.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    join.add_argument("--memory", default="0", help="memory offered, e.g. 20GiB (0: unknown)")
+    join.add_argument("--speed", type=float, default=1.0, help="relative speed hint")
+    join.add_argument("--cache-dir", type=Path, default=None, help="slice cache directory")
+    join.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    join.add_argument("--frontend", action="store_true", help="host the OpenAI HTTP frontend")
+    join.add_argument("--http-host", default="0.0.0.0", help="frontend bind host")
+    join.add_argument("--http-port", type=int, default=8000, help="frontend port (0: any)")
+    join.add_argument("--api-key-file", type=Path, default=None, help="file with the HTTP API key")
+    join.add_argument("--max-sessions", type=int, default=16, help="frontend request limit")
+    join.add_argument("--max-queued", type=int, default=32, help="frontend queue limit")
+    join.add_argument("--log-level", default=None)
+
+
+def _bind(server: grpc.Server, listen: str) -> int:
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise MeshError(f"cannot bind the stage's gRPC server to {listen}")
+    return port
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    configure_logging(args.log_level, prefix=node_id)
+    cache_dir = args.cache_dir or default_cache_dir()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS)
+    port = _bind(server, args.listen)
+    host = args.advertise or args.listen.rsplit(":", 1)[0]
+    if host in ("0.0.0.0", "[::]", ""):
+        host = socket.gethostname()
+    address = f"{host}:{port}"
+    node = StageNode(
+        NodeSettings(node_id=node_id, cache_dir=cache_dir, device=args.device), address
+    )
+    stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
+    data_pb2_grpc.add_StageDataServicer_to_server(DataServicer(node, node.deliver_result), server)
+    server.start()
+    logger.info("stage %s serving gRPC at %s", node_id, address)
+    http_url = ""
+    frontend = None
+    if args.frontend:
+        from stage.frontend.host import start_frontend
+
+        frontend = start_frontend(node, args)
+        http_url = frontend.url
+    membership = Membership(
+        args.coordinator,
+        JoinRequest(
+            node_id=node_id,
+            address=address,
+            device=args.device,
+            memory_bytes=parse_bytes(args.memory),
+            speed_hint=args.speed,
+            frontend=args.frontend,
+            http_url=http_url,
+        ),
+        lambda: HeartbeatRequest(
+            node_id=node_id,
+            term=node.term,
+            state=node.state,
+            active_sessions=node.active_sessions(),
+        ),
+    )
+    membership.start()
+    stopped = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %s: stopping", signum)
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stopped.wait()
+    membership.stop()
+    if frontend is not None:
+        frontend.stop()
+    node.stop()
+    server.stop(grace=1.0).wait()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except MeshError as error:
+        sys.stderr.write(f"mesh-stage: {error.message}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

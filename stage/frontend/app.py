@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP frontend of stage 0.
+
+``create_app`` builds the FastAPI app over a ``GenerationBackend`` and a Hugging
+Face tokenizer; ``serve_app`` runs it with uvicorn in a background thread.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
+streaming), ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
+``GET /metrics``. With an API key configured, every ``/v1`` route needs
+``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for load
+balancers and scrapers. Every error is an OpenAI error body (see errors.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+
+from mesh.errors import Unavailable
+from mesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from stage.frontend.backend import GenerationBackend
+from stage.frontend.errors import (
+    OpenAIError,
+    bad_request,
+    from_validation_error,
+    install_error_handlers,
+)
+from stage.frontend.generation import GenerationRun
+from stage.frontend.prepare import (
+    FrontendLimits,
+    PromptContext,
+    prepare_chat,
+    prepare_completion,
+)
+from stage.frontend.schemas import ChatCompletionBody, CompletionBody
+from stage.frontend.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    final_body,
+    sse_events,
+    until_disconnect,
+)
+from stage.frontend.telemetry import CLIENT_CLOSED_STATUS, EdgeMiddleware, FrontendMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+ENDPOINTS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 above ``max_bytes``, 400 when not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request("the Content-Length header is not a number", code="invalid_header")
+        if int(declared) > max_bytes:
+            raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        payload = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(payload, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+class _Frontend:
+    """The state behind the routes."""
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        tokenizer: Any,
+        model_id: str,
+        api_key: str | None,
+        max_request_bytes: int,
+        limits: FrontendLimits,
+        stop_token_ids: frozenset[int],
+        metrics: FrontendMetrics,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self._api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+        self.limits = limits
+        self.metrics = metrics
+        self.created = int(time.time())
+        self.context = PromptContext(
+            tokenizer=tokenizer,
+            model_id=model_id,
+            context_length=backend.context_length,
+            stop_token_ids=stop_token_ids,
+            limits=limits,
+        )
+
+    def authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._api_key):
+            raise OpenAIError(
+                401,
+                "missing or invalid API key; send it as 'Authorization: Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_ready(self) -> None:
+        if not self.backend.ready():
+            reason = self.backend.unavailable_reason() or "the pipeline is not ready"
+            raise Unavailable(f"the model is not ready to serve: {reason}; retry shortly")
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "mesh",
+            "context_length": self.backend.context_length,
+        }
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()
+        self.authorize(request)
+        payload = await read_json_object(request, self.max_request_bytes)
+        try:
+            if kind == "chat":
+                body: Any = ChatCompletionBody.model_validate(payload)
+            else:
+                body = CompletionBody.model_validate(payload)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        self.check_ready()
+        if kind == "chat":
+            prepared = await prepare_chat(body, self.context)
+        else:
+            prepared = await prepare_completion(body, self.context)
+        endpoint = CHAT_PATH if kind == "chat" else COMPLETIONS_PATH
+        run = GenerationRun(self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival)
+        handed_over = False
+        try:
+            await until_disconnect(request.receive, run.start())
+            if prepared.stream:
+                events = sse_events(run, self.metrics, self.limits.retry_after_s)
+                handed_over = True
+                return EventStreamResponse(events, on_close=run.aclose)
+            text = await until_disconnect(request.receive, _collect(run))
+            return JSONResponse(final_body(run, text))
+        except ClientDisconnected:
+            logger.info("client left before request %s finished", prepared.response_id)
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        finally:
+            if not handed_over:
+                await run.aclose()
+
+
+async def _collect(run: GenerationRun) -> str:
+    parts: list[str] = []
+    while (text := await run.next_text()) is not None:
+        parts.append(text)
+    return "".join(parts)
+
+
+def create_app(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    *,
+    model_id: str,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    cors_origins: Sequence[str] | None = None,
+    limits: FrontendLimits | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+    metrics: FrontendMetrics | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app serving ``model_id`` through ``backend``.
+
+    ``tokenizer`` is a Hugging Face tokenizer (chat template, encode, decode).
+    ``stop_token_ids`` default to the tokenizer's EOS token. ``metrics`` lets the
+    caller share a registry; by default the app has its own.
+    """
+    if max_request_bytes <= 0:
+        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    limits = limits or FrontendLimits()
+    if stop_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stop_token_ids = () if eos is None else (eos,)
+    metrics = metrics or FrontendMetrics()
+    front = _Frontend(
+        backend,
+        tokenizer,
+        model_id,
+        api_key,
+        max_request_bytes,
+        limits,
+        frozenset(int(t) for t in stop_token_ids),
+        metrics,
+    )
+    app = FastAPI(title="mesh", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frontend = front
+    app.state.metrics = metrics
+    install_error_handlers(app, limits.retry_after_s)
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> Response:
+        return await front.generate(request, "chat")
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(request: Request) -> Response:
+        return await front.generate(request, "completion")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        front.authorize(request)
+        return JSONResponse({"object": "list", "data": [front.model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(request: Request, model: str) -> JSONResponse:
+        front.authorize(request)
+        if model != model_id:
+            raise OpenAIError(
+                404, f"model {model!r} is not served here", param="model", code="model_not_found"
+            )
+        return JSONResponse(front.model_card())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if backend.ready():
+            return JSONResponse({"status": "ok"})
+        reason = backend.unavailable_reason() or "the pipeline is not ready"
+        headers = {"Retry-After": str(limits.retry_after_s)}
+        return JSONResponse(
+            {"status": "unavailable", "reason": reason}, status_code=503, headers=headers
+        )
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> PlainTextResponse:
+        text = metrics.registry.render()
+        try:
+            extra = backend.metrics_text()
+        except Exception:
+            logger.exception("the backend failed to render its metrics")
+            extra = ""
+        if extra:
+            text += extra if extra.endswith("\n") else extra + "\n"
+        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
+
+    app.add_middleware(EdgeMiddleware, metrics=metrics, endpoints=ENDPOINTS)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
+    return app
+
+
+def serve_app(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    startup_timeout_s: float = 30.0,
+    graceful_shutdown_s: float = 5.0,
+    log_level: str = "warning",
+) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Run ``app`` with uvicorn in a daemon thread; return (server, thread, bound port).
+
+    ``port=0`` lets the OS pick a free port. Stop with ``stop_server(server, thread)``.
+    """
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"http {host}:{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise Unavailable(f"the HTTP server on {host}:{port} failed to start; see the log")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise Unavailable(
+                f"the HTTP server on {host}:{port} did not start within {startup_timeout_s} s"
+            )
+        time.sleep(0.01)
+    bound_port = int(server.servers[0].sockets[0].getsockname()[1])
+    logger.info("serving HTTP on %s:%d", host, bound_port)
+    return server, thread, bound_port
+
+
+def stop_server(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Ask uvicorn to exit and wait for its thread."""
+    server.should_exit = True
+    thread.join(timeout_s)
+    if thread.is_alive():
+        server.force_exit = True
+        thread.join(timeout_s)

@@ -1,0 +1,104 @@
+"""The contract between the OpenAI HTTP layer and the generation engine behind it.
+
+The HTTP layer turns an OpenAI request into a ``GenerationRequest`` (prompt token
+ids, a token budget already clamped to the context, sampling parameters with a
+concrete seed, and the stop token ids), calls ``backend.generate(request)`` and
+iterates the async generator it returns. Everything about text (chat template,
+detokenisation, stop strings) stays in the HTTP layer; the engine deals in token
+ids only.
+
+Generator contract:
+
+- ``generate`` returns an async generator. Admission errors are raised on the first
+  ``__anext__`` (or by ``generate`` itself): ``mesh.errors.CapacityExceeded`` when the
+  session limit is reached (HTTP 429), ``mesh.errors.Unavailable`` while the pipeline
+  cannot serve (HTTP 503), ``mesh.errors.InvalidRequest`` for input the engine
+  refuses (HTTP 400). A ``MeshError`` raised after tokens were sent ends the stream
+  with an OpenAI error event.
+- Each ``TokenEvent`` carries one or more newly committed token ids (a speculative
+  round may commit several at once). ``token_ids`` never contains the stop token
+  that ended generation; that is reported as ``finish_reason="stop"``. Reaching
+  ``max_new_tokens`` is reported as ``finish_reason="length"``. The event with a
+  finish reason is the last one; it may have no token ids.
+- Any event may carry ``stats``, a cumulative ``GenerationStats`` snapshot; the HTTP
+  layer keeps the latest one it saw, so a request ended early by a stop string still
+  reports the counters as of its last consumed token. The final event should carry
+  one. Without any, the HTTP layer measures prompt and decode time itself.
+- The HTTP layer consumes the generator inside one asyncio task. It stops early (a
+  stop string, a client disconnect, a server shutdown) by cancelling that task or by
+  calling ``aclose()``: the backend must then cancel the request and free its KV on
+  every stage, in a ``finally`` block of the generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from mesh.types import SamplingParams
+
+FINISH_REASONS = frozenset({"stop", "length"})
+
+# Keys the HTTP layer copies from GenerationStats.speculation into `timings`.
+SPECULATION_KEYS = ("drafted", "accepted", "accept_rate", "windows", "tokens_per_round")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as the engine sees it."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Cumulative counters of one generation.
+
+    ``speculation`` holds any of ``drafted``, ``accepted`` (draft tokens proposed and
+    accepted), ``accept_rate`` (accepted / drafted), ``windows`` (verify rounds) and
+    ``tokens_per_round``; it is empty when speculation was off.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_ms: float
+    decode_ms: float
+    speculation: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Newly committed tokens; ``finish_reason`` is ``"stop"``, ``"length"`` or None."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What stage 0's engine offers the HTTP layer."""
+
+    model_id: str
+    context_length: int
+
+    def ready(self) -> bool:
+        """True once the whole pipeline is loaded and can serve."""
+        ...
+
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot serve now (shown by /health and 503s), or None."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        """Start generating; see the module docstring for the full contract."""
+        ...
+
+    def metrics_text(self) -> str:
+        """The backend's own Prometheus text lines, appended to /metrics (may be empty)."""
+        ...

@@ -1,0 +1,228 @@
+"""One generation from the HTTP layer's side: drive the backend, produce text.
+
+``GenerationRun`` consumes the backend's async generator inside one dedicated
+task (the pump), so the generator never moves between tasks, and stopping is
+one operation: ``aclose()`` cancels the pump, which cancels the request in the
+backend. The run enforces the token budget and the stop token ids even if a
+backend over-delivers (a speculative round past the limit), turns tokens into text
+with ``TextStream``, and keeps the numbers for ``usage``, ``timings`` and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from stage.frontend.backend import (
+    FINISH_REASONS,
+    SPECULATION_KEYS,
+    GenerationBackend,
+    GenerationStats,
+    TokenEvent,
+)
+from stage.frontend.prepare import PreparedGeneration
+from stage.frontend.telemetry import FrontendMetrics
+from stage.frontend.textstream import TextStream
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+CLOSE_TIMEOUT_S = 10.0
+
+
+class GenerationRun:
+    """Drives ``backend.generate`` for one prepared request."""
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        prepared: PreparedGeneration,
+        tokenizer: Any,
+        metrics: FrontendMetrics,
+        endpoint: str,
+        arrival_s: float,
+    ) -> None:
+        self.prepared = prepared
+        self.request = prepared.request
+        self._backend = backend
+        self._text = TextStream(tokenizer, prepared.stop)
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._arrival_s = arrival_s
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._pending: object = None
+        self._closed = False
+        self._active = False
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self._stats: GenerationStats | None = None
+        self._submitted_s = 0.0
+        self._first_token_s: float | None = None
+        self._last_event_s: float | None = None
+
+    async def start(self) -> None:
+        """Submit the request and wait for the backend's first event.
+
+        Raises what the backend raised before producing anything (CapacityExceeded,
+        Unavailable, InvalidRequest), so the HTTP status is known before a stream starts.
+        """
+        self._submitted_s = time.perf_counter()
+        self._active = True
+        self._metrics.active_requests.inc()
+        self._task = asyncio.create_task(self._pump(), name=f"generate {self.request.request_id}")
+        first = await self._queue.get()
+        if isinstance(first, BaseException):
+            await self.aclose()
+            raise first
+        self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(
+            len(self.request.prompt_tokens)
+        )
+        self._pending = first
+
+    async def _pump(self) -> None:
+        try:
+            events = self._backend.generate(self.request)
+            try:
+                async for event in events:
+                    self._queue.put_nowait(event)
+                    if event.finish_reason is not None:
+                        break
+            finally:
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            self._queue.put_nowait(_END)
+        except Exception as exc:  # handed to the consumer, which maps it to an HTTP answer
+            self._queue.put_nowait(exc)
+
+    async def next_text(self) -> str | None:
+        """The next piece of completion text ('' when tokens completed no text yet), or
+        None once the generation has finished. Raises the backend's mid-stream errors."""
+        if self.finish_reason is not None:
+            return None
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+        else:
+            item = await self._queue.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item is _END:
+            logger.warning(
+                "backend ended request %s without a finish reason; reporting 'stop'",
+                self.request.request_id,
+            )
+            self.finish_reason = "stop"
+            text = self._text.finish()
+        else:
+            assert isinstance(item, TokenEvent)
+            text = self._consume(item)
+        if self.finish_reason is not None:
+            await self.aclose()
+        return text
+
+    def _consume(self, event: TokenEvent) -> str:
+        now = time.perf_counter()
+        self._last_event_s = now
+        if event.stats is not None:
+            self._stats = event.stats
+        finish: str | None = None
+        ids = list(event.token_ids)
+        for index, token in enumerate(ids):
+            if token in self.request.stop_token_ids:
+                ids, finish = ids[:index], "stop"
+                break
+        room = self.request.max_new_tokens - self.completion_tokens
+        if len(ids) >= room:
+            ids = ids[:room]
+            finish = finish or "length"
+        if ids:
+            if self._first_token_s is None:
+                self._first_token_s = now
+                self._metrics.time_to_first_token.labels(endpoint=self._endpoint).observe(
+                    now - self._arrival_s
+                )
+            self.completion_tokens += len(ids)
+        text = self._text.push(ids)
+        if self._text.stopped:
+            finish = "stop"
+        elif finish is None and event.finish_reason is not None:
+            finish = event.finish_reason
+            if finish not in FINISH_REASONS:
+                logger.warning("backend sent unknown finish reason %r; reporting 'stop'", finish)
+                finish = "stop"
+        if finish is not None:
+            text += self._text.finish()
+            self.finish_reason = finish
+        return text
+
+    async def aclose(self) -> None:
+        """Stop the generation (cancelling it in the backend) and record its metrics."""
+        if self._closed:
+            return
+        self._closed = True
+        task = self._task
+        if task is not None:
+            if not task.done():
+                task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=CLOSE_TIMEOUT_S)
+            if not done:
+                logger.warning(
+                    "backend did not finish cancelling request %s within %.0f s",
+                    self.request.request_id,
+                    CLOSE_TIMEOUT_S,
+                )
+            elif not task.cancelled() and task.exception() is not None:
+                logger.error("generation pump failed: %s", task.exception())
+        if self._active:
+            self._active = False
+            self._metrics.active_requests.dec()
+            self._metrics.completion_tokens.labels(endpoint=self._endpoint).inc(
+                self.completion_tokens
+            )
+            if self.completion_tokens >= 2 and self._first_token_s and self._last_event_s:
+                per_token = (self._last_event_s - self._first_token_s) / (
+                    self.completion_tokens - 1
+                )
+                self._metrics.time_per_output_token.labels(endpoint=self._endpoint).observe(
+                    per_token
+                )
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.request.prompt_tokens)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+
+    def timings(self) -> dict[str, float]:
+        """llama.cpp-style timings; the backend's numbers when it sent any."""
+        stats = self._stats
+        if stats is not None:
+            prompt_n, prompt_ms = stats.prompt_tokens, stats.prompt_ms
+            predicted_ms = stats.decode_ms
+        else:
+            first = self._first_token_s or self._last_event_s or self._submitted_s
+            last = self._last_event_s or first
+            prompt_n = len(self.request.prompt_tokens)
+            prompt_ms = (first - self._submitted_s) * 1000.0
+            predicted_ms = (last - first) * 1000.0
+        predicted_n = self.completion_tokens
+        timings: dict[str, float] = {
+            "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_second": (
+                round(predicted_n * 1000.0 / predicted_ms, 3) if predicted_ms > 0 else 0.0
+            ),
+        }
+        if stats is not None:
+            for key in SPECULATION_KEYS:
+                if key in stats.speculation:
+                    timings[key] = stats.speculation[key]
+        return timings

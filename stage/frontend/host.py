@@ -1,0 +1,110 @@
+"""Hosting the OpenAI frontend inside a stage-0 process.
+
+The HTTP server starts with the process, so clients and health checks get a clear
+503 while the pipeline loads. Each successful Load builds the app for the loaded
+package (its tokenizer, model id and context) and swaps it in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from stage.frontend.app import create_app, serve_app, stop_server
+from stage.frontend.scheduler import PipelineScheduler, SchedulerLimits
+from stage.node import LoadedStage, StageNode
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5
+
+
+class SwitchableApp:
+    """An ASGI app that forwards to the current FastAPI app, or answers 503."""
+
+    def __init__(self) -> None:
+        self.current: Any = None
+        self.package_dir = ""
+        self.reason = "the pipeline is not loaded yet"
+
+    async def __call__(self, scope, receive, send) -> None:
+        app = self.current
+        if app is not None:
+            await app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": self.reason,
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": "pipeline_not_ready",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"retry-after", str(RETRY_AFTER_S).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class FrontendHost:
+    url: str
+    scheduler: PipelineScheduler
+    switch: SwitchableApp
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        stop_server(self.server, self.thread)
+
+
+def _read_api_key(args: argparse.Namespace) -> str | None:
+    import os
+
+    if getattr(args, "api_key_file", None):
+        return args.api_key_file.read_text().strip() or None
+    return os.environ.get("MESH_API_KEY") or None
+
+
+def start_frontend(node: StageNode, args: argparse.Namespace) -> FrontendHost:
+    limits = SchedulerLimits(max_sessions=args.max_sessions, max_queued=args.max_queued)
+    scheduler = PipelineScheduler(node, model_id="", limits=limits)
+    switch = SwitchableApp()
+    api_key = _read_api_key(args)
+
+    def on_load(loaded: LoadedStage | None) -> None:
+        if loaded is None:
+            switch.reason = "a stage of the pipeline was lost; the mesh is reloading"
+            return
+        if switch.current is not None and switch.package_dir == str(loaded.package_dir):
+            return
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(loaded.package_dir)
+        switch.current = create_app(
+            scheduler, tokenizer, model_id=scheduler.model_id, api_key=api_key
+        )
+        switch.package_dir = str(loaded.package_dir)
+        logger.info("frontend serving %s", scheduler.model_id)
+
+    node.on_load_change(on_load)
+    server, thread, port = serve_app(switch, args.http_host, args.http_port, log_level="warning")
+    host = "127.0.0.1" if args.http_host in ("0.0.0.0", "") else args.http_host
+    url = f"http://{host}:{port}"
+    logger.info("OpenAI frontend on %s (ready once the pipeline is loaded)", url)
+    return FrontendHost(url=url, scheduler=scheduler, switch=switch, server=server, thread=thread)

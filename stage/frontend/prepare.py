@@ -1,0 +1,192 @@
+"""From a validated OpenAI body to a ``GenerationRequest``.
+
+Checks the model name, the parameters this server cannot honour and the stop
+strings; renders chat messages through the tokenizer's chat template; tokenises
+(in a worker thread, so a long prompt does not stall other streams); and fits the
+token budget to the context:
+
+- a prompt of ``context_length`` tokens or more is refused (400,
+  ``context_length_exceeded``);
+- ``max_tokens`` (or ``max_completion_tokens``) larger than the room left after the
+  prompt is clamped to that room, and generation then ends with
+  ``finish_reason="length"`` when it runs out; with no ``max_tokens`` the budget is
+  ``limits.default_max_tokens`` or, when that is None, the whole room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+
+from mesh.types import SamplingParams
+from stage.frontend.backend import GenerationRequest
+from stage.frontend.errors import OpenAIError, bad_request
+from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+
+
+@dataclass(frozen=True)
+class FrontendLimits:
+    """Bounds on request content, beyond the body size limit."""
+
+    max_stop_sequences: int = 4
+    max_stop_chars: int = 256
+    default_max_tokens: int | None = None
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class PreparedGeneration:
+    """Everything needed to run one request and format its answer."""
+
+    kind: Literal["chat", "completion"]
+    response_id: str
+    created: int
+    model_id: str
+    request: GenerationRequest
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class PromptContext:
+    """What preparation needs from the app: the tokenizer and the served model."""
+
+    tokenizer: Any
+    model_id: str
+    context_length: int
+    stop_token_ids: frozenset[int]
+    limits: FrontendLimits
+
+
+def _check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
+    if body.model != ctx.model_id:
+        raise OpenAIError(
+            404,
+            f"model {body.model!r} is not served here; this server serves {ctx.model_id!r} "
+            "(see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+    for param, message in body.unsupported():
+        raise bad_request(message, param, code="unsupported_parameter")
+    stop = body.stop_list
+    limits = ctx.limits
+    if len(stop) > limits.max_stop_sequences:
+        raise bad_request(
+            f"at most {limits.max_stop_sequences} stop sequences are allowed, got {len(stop)}",
+            "stop",
+        )
+    for item in stop:
+        if not item or len(item) > limits.max_stop_chars:
+            raise bad_request(
+                f"each stop sequence must have 1 to {limits.max_stop_chars} characters, "
+                f"got {len(item)}",
+                "stop",
+            )
+    return stop
+
+
+def _sampling(body: GenerationBody) -> SamplingParams:
+    seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=seed,
+    )
+
+
+def _budget(prompt_len: int, requested: int | None, ctx: PromptContext, param: str) -> int:
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty after tokenisation; send some text", param)
+    room = ctx.context_length - prompt_len
+    if room <= 0:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens but the model's context is "
+            f"{ctx.context_length} tokens; shorten the prompt",
+            param,
+            code="context_length_exceeded",
+        )
+    wanted = requested if requested is not None else ctx.limits.default_max_tokens
+    return room if wanted is None else min(wanted, room)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Prompt token ids of a conversation, through the tokenizer's chat template."""
+    try:
+        encoded = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+    except TemplateError as exc:
+        message = f"the model's chat template rejected the messages: {exc}"
+        raise bad_request(message, "messages") from None
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise bad_request(f"cannot apply the model's chat template: {exc}", "messages") from None
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    return [int(i) for i in ids]
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+    """Prompt token ids of a completion prompt (text, or token ids checked against the vocab)."""
+    if isinstance(prompt, str):
+        return [int(i) for i in tokenizer.encode(prompt)]
+    vocab = len(tokenizer)
+    for i, token in enumerate(prompt):
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"prompt token {i} is {token}, outside the vocabulary [0, {vocab})", "prompt"
+            )
+    return list(prompt)
+
+
+def _prepared(
+    kind: Literal["chat", "completion"],
+    body: GenerationBody,
+    prompt: list[int],
+    stop: tuple[str, ...],
+    ctx: PromptContext,
+) -> PreparedGeneration:
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    request = GenerationRequest(
+        request_id=response_id,
+        prompt_tokens=tuple(prompt),
+        max_new_tokens=_budget(
+            len(prompt), body.requested_max_tokens, ctx, "messages" if kind == "chat" else "prompt"
+        ),
+        sampling=_sampling(body),
+        stop_token_ids=ctx.stop_token_ids,
+    )
+    return PreparedGeneration(
+        kind=kind,
+        response_id=response_id,
+        created=int(time.time()),
+        model_id=ctx.model_id,
+        request=request,
+        stop=stop,
+        stream=bool(body.stream),
+        include_usage=body.include_usage,
+    )
+
+
+async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> PreparedGeneration:
+    stop = _check_common(body, ctx)
+    messages = [m.template_dict() for m in body.messages]
+    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, messages)
+    return _prepared("chat", body, prompt, stop, ctx)
+
+
+async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> PreparedGeneration:
+    stop = _check_common(body, ctx)
+    single = body.single_prompt()
+    assert single is not None  # _check_common refused batched prompts
+    prompt = await asyncio.to_thread(encode_prompt, ctx.tokenizer, single)
+    return _prepared("completion", body, prompt, stop, ctx)

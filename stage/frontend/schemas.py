@@ -1,0 +1,192 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
+
+Types are strict: ``"1"`` is not an integer and ``true`` is not a number. Unknown
+fields are ignored, as OpenAI's own clients send fields a server may not know;
+known fields this server cannot honour (``logprobs``, ``tools``, penalties,
+``n`` > 1, ...) are rejected with a 400 that names them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+TOP_K_MAX = 2**32 - 1
+MAX_TOKENS_MAX = 2**31 - 1
+USER_MAX_CHARS = 256
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: Bool | None = None
+
+
+class GenerationBody(_Body):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: Annotated[str, Strict(), Field(min_length=1, max_length=512)]
+    max_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Strict(), Field(ge=0, le=TOP_K_MAX)] | None = None
+    seed: Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: Str | list[Str] | None = None
+    n: Int | None = None
+    user: Annotated[str, Strict(), Field(max_length=USER_MAX_CHARS)] | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[Str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, message) for each field set to something this server cannot do."""
+        problems: list[tuple[str, str]] = []
+        if self.n is not None and self.n != 1:
+            problems.append(("n", f"n={self.n} is not supported; only n=1 (one choice)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                problems.append((name, f"{name} is not supported; omit it or send 0"))
+        if self.logit_bias:
+            problems.append(("logit_bias", "logit_bias is not supported; omit it"))
+        if self.stream_options is not None and not self.stream:
+            problems.append(("stream_options", "stream_options is only allowed with stream=true"))
+        return problems
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Body):
+    type: Str
+    text: Str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported; only 'text'")
+        if self.text is None:
+            raise ValueError("a 'text' content part needs a 'text' string")
+        return self
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[ContentPart] | None = None
+    name: Annotated[str, Strict(), Field(max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template expects it; 'developer' is a system message."""
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(_Body):
+    type: Str
+
+
+class ChatCompletionBody(GenerationBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        problems = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            problems.append(("logprobs", "logprobs are not supported; omit logprobs"))
+        if self.tools or self.functions:
+            param = "tools" if self.tools else "functions"
+            problems.append((param, "tool calling is not supported; omit tools"))
+        if self.response_format is not None and self.response_format.type != "text":
+            problems.append(
+                ("response_format", "only response_format {'type': 'text'} is supported")
+            )
+        return problems
+
+
+TokenList = Annotated[list[Int], Field(min_length=1)]
+
+
+class CompletionBody(GenerationBody):
+    prompt: Str | TokenList | list[Str] | list[TokenList]
+    echo: Bool | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
+    suffix: Str | None = None
+
+    def single_prompt(self) -> str | list[int] | None:
+        """The one prompt of the request, or None when it holds several."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        if len(prompt) == 1:
+            return prompt[0]
+        return None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        problems = super().unsupported()
+        if isinstance(self.prompt, list) and not self.prompt:
+            problems.append(("prompt", "prompt is empty; send a string or a list of token ids"))
+        elif self.single_prompt() is None:
+            problems.append(
+                ("prompt", "batched prompts are not supported; send one prompt per request")
+            )
+        if self.echo:
+            problems.append(("echo", "echo is not supported; omit it"))
+        if self.logprobs:
+            problems.append(("logprobs", "logprobs are not supported; omit logprobs"))
+        if self.best_of is not None and self.best_of != 1:
+            problems.append(("best_of", "best_of is not supported; only best_of=1"))
+        if self.suffix:
+            problems.append(("suffix", "suffix (insertion) is not supported; omit it"))
+        return problems

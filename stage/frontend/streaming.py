@@ -1,0 +1,193 @@
+"""OpenAI response bodies, server-sent events, and client-disconnect handling.
+
+``EventStreamResponse`` streams SSE chunks while watching the connection: when the
+client goes away it cancels the stream at once (not at the next token), and in
+every case it calls ``on_close``, which stops the generation in the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from mesh.errors import MeshError
+from stage.frontend.errors import OpenAIError, from_mesh_error
+from stage.frontend.generation import GenerationRun
+from stage.frontend.telemetry import FrontendMetrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the ASGI server reports that the client went away.
+
+    Call only after the request body has been read in full.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.wait({task, watcher})
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {_dumps(payload)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
+    """The non-streaming answer of a finished run."""
+    p = run.prepared
+    if p.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": run.finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}
+        obj = "text_completion"
+    return {
+        "id": p.response_id,
+        "object": obj,
+        "created": p.created,
+        "model": p.model_id,
+        "choices": [choice],
+        "usage": run.usage(),
+        "timings": run.timings(),
+    }
+
+
+def _chunk(run: GenerationRun, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    p = run.prepared
+    chunk: dict[str, Any] = {
+        "id": p.response_id,
+        "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
+        "created": p.created,
+        "model": p.model_id,
+        "choices": choices,
+    }
+    if p.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def _choice(run: GenerationRun, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    if run.prepared.kind == "chat":
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+
+async def sse_events(
+    run: GenerationRun, metrics: FrontendMetrics, retry_after_s: int
+) -> AsyncIterator[bytes]:
+    """The SSE byte chunks of a started run, ending with ``data: [DONE]``."""
+    if run.prepared.kind == "chat":
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        yield sse(_chunk(run, [{**first, "finish_reason": None}]))
+    try:
+        while (text := await run.next_text()) is not None:
+            if text:
+                yield sse(_chunk(run, [_choice(run, text, None)]))
+    except MeshError as exc:
+        logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
+        yield sse(from_mesh_error(exc, retry_after_s).body())
+        return
+    except Exception:
+        metrics.internal_errors.inc()
+        logger.exception("request %s failed mid-stream", run.request.request_id)
+        yield sse(OpenAIError(500, "internal server error; the server logged the details").body())
+        return
+    last = _chunk(run, [_choice(run, None, run.finish_reason)])
+    last["timings"] = run.timings()
+    yield sse(last)
+    if run.prepared.include_usage:
+        usage = _chunk(run, [])
+        usage["usage"] = run.usage()
+        usage["timings"] = run.timings()
+        yield sse(usage)
+    yield SSE_DONE
+
+
+class EventStreamResponse(Response):
+    """A text/event-stream response that stops its producer when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        # No body attribute: init_headers then declares no Content-Length (chunked).
+        self.status_code = 200
+        self.background = None
+        self.init_headers(
+            {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+        )
+        self._events = events
+        self._on_close = on_close
+
+    async def _stream(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        async for chunk in self._events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.ensure_future(self._stream(send))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not streamer.done():
+                streamer.cancel()
+            await asyncio.wait({streamer, watcher})
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            await self._on_close()
+        if not streamer.cancelled() and streamer.exception() is not None:
+            raise streamer.exception()  # type: ignore[misc]

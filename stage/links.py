@@ -1,0 +1,118 @@
+"""Outgoing data links of a stage: the Forward stream to the next stage and the
+Return stream to stage 0. Each link owns a channel, a send queue feeding the
+request stream, and a thread that watches the stream's end."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from mesh.codec import FrameAck
+from mesh.errors import Unavailable
+from mesh.grpc_util import channel
+from mesh.proto.v1 import data_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_CLOSE = object()
+CONNECT_TIMEOUT_S = 10.0
+
+
+class _StreamLink(ABC):
+    """Base: a client stream whose requests come from a queue."""
+
+    def __init__(self, address: str, name: str, on_broken: Callable[[Exception], None]) -> None:
+        self.address = address
+        self.name = name
+        self._on_broken = on_broken
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken: Exception | None = None
+        self._closed = False
+        self._channel = channel(address)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=CONNECT_TIMEOUT_S)
+        except grpc.FutureTimeoutError as error:
+            self._channel.close()
+            raise Unavailable(
+                f"{name} link: cannot reach {address} within {CONNECT_TIMEOUT_S:.0f}s"
+            ) from error
+        self._stub = data_pb2_grpc.StageDataStub(self._channel)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-link", daemon=True)
+        self._thread.start()
+
+    def _requests(self) -> Iterator:
+        while True:
+            item = self._queue.get()
+            if item is _CLOSE:
+                return
+            yield item
+
+    def _run(self) -> None:
+        try:
+            self._consume()
+            if not self._closed:
+                raise Unavailable(f"{self.name} link to {self.address} ended")
+        except Exception as error:  # noqa: BLE001 - any stream failure breaks the link
+            if self._closed:
+                return
+            self._broken = error
+            logger.warning("%s link to %s broke: %s", self.name, self.address, _describe(error))
+            self._on_broken(error)
+
+    @abstractmethod
+    def _consume(self) -> None:
+        """Run the RPC until the stream ends."""
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def send(self, message) -> None:
+        if self._broken is not None:
+            raise Unavailable(
+                f"{self.name} link to {self.address} is down: {_describe(self._broken)}"
+            )
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(_CLOSE)
+        self._channel.close()
+
+
+class ForwardLink(_StreamLink):
+    """Frames to the downstream stage; failure acks come back on the same stream."""
+
+    def __init__(
+        self,
+        address: str,
+        on_broken: Callable[[Exception], None],
+        on_ack: Callable[[FrameAck], None],
+    ) -> None:
+        self._on_ack = on_ack
+        super().__init__(address, "forward", on_broken)
+
+    def _consume(self) -> None:
+        for ack in self._stub.Forward(self._requests()):
+            self._on_ack(FrameAck.from_proto(ack))
+
+
+class ReturnLink(_StreamLink):
+    """Token results (and errors) straight to stage 0."""
+
+    def __init__(self, address: str, on_broken: Callable[[Exception], None]) -> None:
+        super().__init__(address, "return", on_broken)
+
+    def _consume(self) -> None:
+        self._stub.Return(self._requests())
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)

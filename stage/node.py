@@ -1,0 +1,373 @@
+"""A stage node's state and behaviour: terms, slice preparation, load, and the
+frame worker that runs the engine and routes its output. Servicers (stage/servicers.py)
+call into this class with decoded messages only."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mesh.codec import (
+    ClaimRequest,
+    FileInventory,
+    Frame,
+    FrameAck,
+    FrameKind,
+    InventoryReply,
+    PrepareRequest,
+    Ready,
+    StageLoadRequest,
+    TokenResult,
+    WireDType,
+)
+from mesh.errors import InvalidRequest, MeshError, StaleTerm, Unavailable
+from mesh.package.manifest import PackageManifest
+from mesh.package.resolver import SliceInventory, SliceResolver
+from mesh.runtime import load_stage_runtime
+from stage.engine import StageEngine
+from stage.links import ForwardLink, ReturnLink
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_FRAME_TOKENS = 8192
+IDLE_SWEEP_S = 5.0
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node_id: str
+    cache_dir: Path
+    device: str = "cpu"
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_frame_tokens: int = DEFAULT_MAX_FRAME_TOKENS
+    allowed_wire_dtypes: tuple[WireDType, ...] = tuple(WireDType)
+
+
+@dataclass
+class _Work:
+    frame: Frame
+    received_at: float
+    ack: Callable[[FrameAck], None] | None = None
+
+
+@dataclass
+class LoadedStage:
+    """Everything that exists only while a topology is loaded."""
+
+    request: StageLoadRequest
+    engine: StageEngine
+    package_dir: Path
+    forward: ForwardLink | None = None
+    returns: ReturnLink | None = None
+    loaded_at: float = field(default_factory=time.monotonic)
+
+
+class StageNode:
+    """One stage: control state machine plus the frame worker."""
+
+    def __init__(self, settings: NodeSettings, address: str) -> None:
+        self.settings = settings
+        self.address = address
+        self.resolver = SliceResolver(settings.cache_dir)
+        self.term = 0
+        self.coordinator_id = ""
+        self.state = "idle"
+        self.loaded: LoadedStage | None = None
+        self._lock = threading.RLock()
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._result_sink: Callable[[TokenResult], None] | None = None
+        self._stopping = threading.Event()
+        self._listeners: list[Callable[[LoadedStage | None], None]] = []
+        self._worker = threading.Thread(target=self._work_loop, name="stage-worker", daemon=True)
+        self._worker.start()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="idle-sweep", daemon=True)
+        self._sweeper.start()
+
+    # ---- stage-0 hooks -----------------------------------------------------------
+
+    def set_result_sink(self, sink: Callable[[TokenResult], None]) -> None:
+        """Where TokenResults for this node go when it is stage 0 (the scheduler)."""
+        self._result_sink = sink
+
+    def on_load_change(self, listener: Callable[[LoadedStage | None], None]) -> None:
+        self._listeners.append(listener)
+
+    def deliver_result(self, result: TokenResult) -> None:
+        """A TokenResult that reached stage 0 over the Return stream."""
+        if self._result_sink is not None:
+            self._result_sink(result)
+
+    def submit(self, frame: Frame) -> None:
+        """Queue a frame from stage 0's own scheduler."""
+        self._work.put(_Work(frame, time.monotonic()))
+
+    # ---- control -------------------------------------------------------------------
+
+    def claim(self, request: ClaimRequest) -> int:
+        with self._lock:
+            if request.term < self.term:
+                raise StaleTerm(
+                    f"node {self.settings.node_id} accepted term {self.term}; "
+                    f"claim with term {request.term} refused"
+                )
+            if request.term > self.term and self.loaded is not None:
+                logger.info("term %s fences off term %s: releasing", request.term, self.term)
+                self._release_locked("fenced by a newer term")
+            self.term = request.term
+            self.coordinator_id = request.coordinator_id
+            if self.loaded is None:
+                self.state = "claimed"
+            return self.term
+
+    def _check_term(self, term: int, call: str) -> None:
+        if term != self.term:
+            raise StaleTerm(
+                f"{call} with term {term} refused by node {self.settings.node_id}: "
+                f"it holds term {self.term}; claim it first"
+            )
+
+    def prepare(self, request: PrepareRequest) -> None:
+        with self._lock:
+            self._check_term(request.term, "Prepare")
+            self.resolver.start(request.package_ref, request.layer_range)
+            if self.loaded is None:
+                self.state = "preparing"
+
+    def inventory(self, term: int) -> InventoryReply:
+        with self._lock:
+            self._check_term(term, "Inventory")
+            inv = self.resolver.inventory()
+        return inventory_reply(term, inv)
+
+    def load(self, request: StageLoadRequest) -> Ready:
+        with self._lock:
+            self._check_term(request.term, "Load")
+            started = time.perf_counter()
+            package_dir = self._ready_slice(request)
+            if self.loaded is not None:
+                self._release_locked("reloaded")
+            runtime = load_stage_runtime(
+                package_dir,
+                request.layer_range,
+                device=request.device or self.settings.device,
+                dtype=request.torch_dtype or "float32",
+                max_sessions=request.max_sessions or 64,
+                max_tokens_per_session=request.max_tokens_per_session or None,
+            )
+            engine = StageEngine(runtime, request.stage_index, request.term)
+            loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
+            try:
+                if request.downstream is not None:
+                    loaded.forward = ForwardLink(
+                        request.downstream.address,
+                        on_broken=self._downstream_broken,
+                        on_ack=self._downstream_ack,
+                    )
+                if not request.is_first:
+                    loaded.returns = ReturnLink(
+                        request.return_endpoint, on_broken=self._return_broken
+                    )
+            except MeshError:
+                for link in (loaded.forward, loaded.returns):
+                    if link is not None:
+                        link.close()
+                raise
+            self.loaded = loaded
+            self.state = "serving"
+            load_ms = (time.perf_counter() - started) * 1000.0
+            logger.info(
+                "stage %s/%s loaded layers %s (term %s) in %.0f ms; downstream %s",
+                request.stage_index,
+                request.stage_count,
+                request.layer_range,
+                request.term,
+                load_ms,
+                request.downstream.address if request.downstream else "none (last stage)",
+            )
+        for listener in self._listeners:
+            listener(loaded)
+        return Ready(
+            term=request.term,
+            data_endpoint=self.address,
+            param_bytes=runtime.param_bytes,
+            load_ms=load_ms,
+        )
+
+    def _ready_slice(self, request: StageLoadRequest) -> Path:
+        inv = self.resolver.inventory()
+        if inv.state != "ready" or inv.layer_range != request.layer_range:
+            raise InvalidRequest(
+                f"node {self.settings.node_id} cannot load layers {request.layer_range}: "
+                f"its slice is {inv.state} for {inv.layer_range}; Prepare it first"
+                + (f" ({inv.error})" if inv.error else "")
+            )
+        if request.manifest_sha256 and inv.manifest_sha256 != request.manifest_sha256:
+            raise InvalidRequest(
+                f"node {self.settings.node_id}: package manifest {inv.manifest_sha256[:12]} "
+                f"differs from the coordinator's {request.manifest_sha256[:12]}"
+            )
+        return Path(inv.local_dir)
+
+    def release(self, term: int, reason: str) -> None:
+        with self._lock:
+            if term < self.term:
+                raise StaleTerm(f"Release with term {term} refused: node holds term {self.term}")
+            self._release_locked(reason)
+
+    def _release_locked(self, reason: str) -> None:
+        loaded, self.loaded = self.loaded, None
+        self.state = "idle"
+        if loaded is None:
+            return
+        logger.info("releasing layers %s: %s", loaded.request.layer_range, reason)
+        for link in (loaded.forward, loaded.returns):
+            if link is not None:
+                link.close()
+        for session_id in loaded.engine.session_ids():
+            loaded.engine.end_session(session_id)
+        for listener in self._listeners:
+            listener(None)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            self._release_locked("stopping")
+        self._work.put(None)
+
+    def active_sessions(self) -> int:
+        loaded = self.loaded
+        return loaded.engine.session_count() if loaded is not None else 0
+
+    def manifest(self) -> PackageManifest | None:
+        loaded = self.loaded
+        return PackageManifest.load(loaded.package_dir) if loaded is not None else None
+
+    # ---- data ------------------------------------------------------------------------
+
+    def accept_frame(self, frame: Frame, ack: Callable[[FrameAck], None]) -> None:
+        """A frame from the upstream stage (already validated by the servicer)."""
+        self._work.put(_Work(frame, time.monotonic(), ack))
+
+    def _work_loop(self) -> None:
+        while True:
+            work = self._work.get()
+            if work is None:
+                return
+            try:
+                self._process(work)
+            except Exception:  # noqa: BLE001 - the worker must survive any frame
+                logger.exception("frame worker failed on request %s", work.frame.request_id)
+
+    def _process(self, work: _Work) -> None:
+        frame = work.frame
+        loaded = self.loaded
+        try:
+            if loaded is None:
+                raise Unavailable(
+                    f"node {self.settings.node_id} has no layers loaded; the mesh is reloading"
+                )
+            if frame.term and frame.term != loaded.engine.term:
+                raise StaleTerm(
+                    f"frame of term {frame.term} dropped: this stage serves term "
+                    f"{loaded.engine.term}"
+                )
+            queued_s = time.monotonic() - work.received_at
+            output = loaded.engine.process(frame, queued_s=queued_s)
+        except MeshError as error:
+            self._fail(loaded, work, error)
+            return
+        except Exception as error:  # noqa: BLE001 - reported to the request, logged here
+            logger.exception("request %s session %s failed", frame.request_id, frame.session_id)
+            self._fail(loaded, work, error)
+            return
+        if output.forward is not None and loaded.forward is not None:
+            try:
+                loaded.forward.send(output.forward.to_proto(loaded.request.wire_dtype))
+            except MeshError as error:
+                self._fail(loaded, work, error)
+        if output.result is not None:
+            self._route_result(loaded, output.result)
+
+    def _fail(self, loaded: LoadedStage | None, work: _Work, error: BaseException) -> None:
+        frame = work.frame
+        logger.warning(
+            "request %s session %s: frame %s at %s failed: %s",
+            frame.request_id,
+            frame.session_id,
+            frame.kind.value,
+            frame.pos_start,
+            error,
+        )
+        if frame.kind is FrameKind.END:
+            return
+        index = loaded.request.stage_index if loaded is not None else 0
+        result = StageEngine.error_for(frame, error, index, self.term)
+        if work.ack is not None:
+            work.ack(FrameAck(frame.request_id, frame.session_id, result.error))
+        if loaded is not None:
+            self._route_result(loaded, result)
+
+    def _route_result(self, loaded: LoadedStage, result: TokenResult) -> None:
+        if loaded.request.is_first:
+            if self._result_sink is not None:
+                self._result_sink(result)
+            return
+        if loaded.returns is not None:
+            try:
+                loaded.returns.send(result.to_proto())
+            except MeshError as error:
+                logger.warning("cannot return result of %s: %s", result.request_id, error)
+
+    def _downstream_ack(self, ack: FrameAck) -> None:
+        if ack.error is not None:
+            logger.info("downstream refused request %s: %s", ack.request_id, ack.error.message)
+
+    def _downstream_broken(self, error: Exception) -> None:
+        loaded = self.loaded
+        if loaded is None or self.loaded is not loaded:
+            return
+        index = loaded.request.stage_index
+        failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
+        for session_id, request_id in loaded.engine.active_requests():
+            frame = Frame(request_id, session_id, FrameKind.DECODE, 0)
+            self._route_result(loaded, StageEngine.error_for(frame, failure, index))
+
+    def _return_broken(self, error: Exception) -> None:
+        logger.warning("return link to stage 0 broke: %s", error)
+
+    def _sweep_loop(self) -> None:
+        while not self._stopping.wait(IDLE_SWEEP_S):
+            loaded = self.loaded
+            if loaded is None or loaded.request.session_idle_timeout_s <= 0:
+                continue
+            loaded.engine.expire_idle(loaded.request.session_idle_timeout_s)
+
+
+def inventory_reply(term: int, inv: SliceInventory) -> InventoryReply:
+    """The Inventory answer for the resolver's current inventory."""
+    return InventoryReply(
+        term=term,
+        package_ref=inv.package_ref or "",
+        layer_range=inv.layer_range,
+        state=inv.state,
+        bytes_done=inv.bytes_done,
+        bytes_total=inv.bytes_total,
+        files=tuple(
+            FileInventory(
+                path=f.path,
+                state=f.state,
+                bytes_done=f.bytes_done,
+                bytes_total=f.bytes_total,
+                error=f.error or "",
+            )
+            for f in inv.files
+        ),
+        error=inv.error or "",
+        manifest_sha256=inv.manifest_sha256 or "",
+    )

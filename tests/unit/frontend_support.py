@@ -1,0 +1,259 @@
+"""Test support for the HTTP frontend: real in-process backends and a live server.
+
+``TinyModelBackend`` runs a tiny random HF model (SmolLM2's tokenizer) with a real
+KV cache and ``mesh.sampling.sample_token`` in a worker thread per request, the
+way the engine runs behind the frontend, and records every request it saw closed.
+``ScriptedBackend`` replays fixed events, for the engine-contract edge cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from mesh.errors import CapacityExceeded, MeshError
+from mesh.sampling import sample_token
+from stage.frontend.app import create_app, serve_app, stop_server
+from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
+from stage.frontend.telemetry import FrontendMetrics
+
+MODEL_ID = "tiny-llama"
+
+
+class ClosedLog:
+    """Thread-safe record of the request ids a backend saw closed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ids: list[str] = []
+
+    def add(self, request_id: str) -> None:
+        with self._cond:
+            self._ids.append(request_id)
+            self._cond.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> list[str]:
+        """Wait until ``count`` requests were closed; return all closed ids."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._ids) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return list(self._ids)
+
+    @property
+    def ids(self) -> list[str]:
+        with self._cond:
+            return list(self._ids)
+
+
+class TinyModelBackend:
+    """A real, in-process GenerationBackend over a tiny HF causal LM."""
+
+    def __init__(
+        self, model_dir: Path, *, model_id: str = MODEL_ID, max_sessions: int = 16
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model_id = model_id
+        self.context_length = int(self.model.config.max_position_embeddings)
+        self.max_sessions = max_sessions
+        self.step_delay_s = 0.0
+        self.fail_with: MeshError | None = None
+        self.requests: list[GenerationRequest] = []
+        self.closed = ClosedLog()
+        self._ready = True
+        self._reason: str | None = None
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
+        self._forward_lock = threading.Lock()
+
+    def set_ready(self, ready: bool, reason: str | None = None) -> None:
+        self._ready, self._reason = ready, reason
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def unavailable_reason(self) -> str | None:
+        return None if self._ready else (self._reason or "loading layers")
+
+    def metrics_text(self) -> str:
+        with self._lock:
+            active = len(self._active)
+        return (
+            "# HELP tiny_backend_sessions Sessions in the test backend.\n"
+            "# TYPE tiny_backend_sessions gauge\n"
+            f"tiny_backend_sessions {active}\n"
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        with self._lock:
+            if len(self._active) >= self.max_sessions:
+                raise CapacityExceeded(
+                    f"all {self.max_sessions} sessions are busy; retry after Retry-After"
+                )
+            self._active.add(request.request_id)
+            self.requests.append(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cancel = threading.Event()
+        worker = threading.Thread(
+            target=self._decode, args=(request, loop, queue, cancel), daemon=True
+        )
+        worker.start()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, TokenEvent)
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()
+            with self._lock:
+                self._active.discard(request.request_id)
+            self.closed.add(request.request_id)
+
+    def _forward(self, ids: list[int], past: Any) -> tuple[torch.Tensor, Any]:
+        with self._forward_lock, torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
+        return out.logits[0, -1], out.past_key_values
+
+    def _decode(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[object],
+        cancel: threading.Event,
+    ) -> None:
+        def emit(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        try:
+            started = time.perf_counter()
+            logits, past = self._forward(list(request.prompt_tokens), None)
+            prompt_ms = (time.perf_counter() - started) * 1000.0
+            decode_started = time.perf_counter()
+            position = len(request.prompt_tokens)
+            produced = 0
+            while not cancel.is_set():
+                token = sample_token(logits, request.sampling, position)
+                stats = GenerationStats(
+                    prompt_tokens=len(request.prompt_tokens),
+                    completion_tokens=produced,
+                    prompt_ms=prompt_ms,
+                    decode_ms=(time.perf_counter() - decode_started) * 1000.0,
+                )
+                if token in request.stop_token_ids:
+                    emit(TokenEvent((), "stop", stats))
+                    return
+                produced += 1
+                done = produced >= request.max_new_tokens
+                emit(TokenEvent((token,), "length" if done else None, stats))
+                if done:
+                    return
+                if self.step_delay_s and cancel.wait(self.step_delay_s):
+                    return
+                logits, past = self._forward([token], past)
+                position += 1
+        except Exception as exc:  # handed to the request's consumer
+            emit(exc)
+
+
+class ScriptedBackend:
+    """Replays a fixed list of events (or raises) for every request."""
+
+    model_id = MODEL_ID
+    context_length = 512
+
+    def __init__(self, events: Sequence[TokenEvent | BaseException]) -> None:
+        self.events = list(events)
+        self.closed = ClosedLog()
+
+    def ready(self) -> bool:
+        return True
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def metrics_text(self) -> str:
+        return ""
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        try:
+            for item in self.events:
+                await asyncio.sleep(0)
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.closed.add(request.request_id)
+
+
+@contextlib.contextmanager
+def live_server(backend: Any, tokenizer: Any, **app_kwargs: Any) -> Iterator[str]:
+    """Serve the frontend on 127.0.0.1 (OS-chosen port); yield its base URL.
+
+    Fails the test if any request reached the catch-all (an unexpected exception).
+    """
+    app_kwargs.setdefault("model_id", MODEL_ID)
+    metrics = app_kwargs.setdefault("metrics", FrontendMetrics())
+    app = create_app(backend, tokenizer, **app_kwargs)
+    server, thread, port = serve_app(app, "127.0.0.1", 0)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2.0).status_code in (200, 503):
+                    break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+        yield base_url
+    finally:
+        stop_server(server, thread)
+    assert metrics.internal_errors.get() == 0, "a request reached the catch-all 500 handler"
+
+
+def metric_value(metrics_text: str, name: str, labels: str = "") -> float:
+    """The value of one sample line of a Prometheus text body (0 when absent)."""
+    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+    for line in metrics_text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    return 0.0
+
+
+def assert_openai_error(
+    response: httpx.Response, status: int, *, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """Assert an OpenAI-shaped error body with this status (and code/param if given)."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error

@@ -1,0 +1,58 @@
+"""Helpers shared by the runtime tests: packages of tiny models, chains of stages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from mesh.package.builder import build_package
+from mesh.runtime import StageRuntime, load_stage_runtime
+from mesh.types import LayerRange
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+LAYERS = 6
+SPLITS: dict[int, tuple[LayerRange, ...]] = {
+    1: (LayerRange(0, 6),),
+    2: (LayerRange(0, 3), LayerRange(3, 6)),
+    3: (LayerRange(0, 1), LayerRange(1, 4), LayerRange(4, 6)),
+}
+
+
+def reference_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.eval()
+
+
+def package_of(model_dir: Path, out: Path) -> Path:
+    """A model package built from an HF directory with the package builder."""
+    if not (out / "model-package.json").is_file():
+        build_package(str(model_dir), out)
+    return out
+
+
+def load_chain(package_dir: Path, ranges: Sequence[LayerRange], **kwargs) -> list[StageRuntime]:
+    return [load_stage_runtime(package_dir, layer_range, **kwargs) for layer_range in ranges]
+
+
+def run_chain(
+    stages: Sequence[StageRuntime], session_id: str, pos_start: int, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Pass a frame through every stage in order; the last stage's logits come back."""
+    activations = token_ids
+    for stage in stages:
+        activations = stage.forward(session_id, pos_start, activations)
+    return activations
+
+
+def full_logits(model: PreTrainedModel, token_ids: torch.Tensor) -> torch.Tensor:
+    """The unsplit model's logits ``[T, vocab]`` for a whole sequence, no cache."""
+    with torch.inference_mode():
+        return model(token_ids.unsqueeze(0), use_cache=False).logits[0].float()
+
+
+def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return (got - want).abs().max().item()

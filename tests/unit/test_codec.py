@@ -1,0 +1,259 @@
+"""Wire codec: tensors, data-plane messages and frame validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mesh import codec
+from mesh.codec import (
+    ErrorInfo,
+    Frame,
+    FrameAck,
+    FrameKind,
+    ReturnAck,
+    StageTiming,
+    TokenResult,
+    WireDType,
+    bytes_per_token,
+    decode_tensor,
+    encode_tensor,
+    sampling_from_proto,
+)
+from mesh.errors import (
+    CapacityExceeded,
+    Fatal,
+    InvalidRequest,
+    StaleTerm,
+    Unavailable,
+)
+from mesh.proto.v1 import common_pb2, coordinator_pb2, data_pb2, stage_pb2
+from mesh.types import SamplingParams
+
+
+def roundtrip(message, **to_proto_kwargs):
+    """dataclass -> proto -> bytes -> proto -> dataclass."""
+    pb = message.to_proto(**to_proto_kwargs)
+    parsed = type(pb).FromString(pb.SerializeToString())
+    return type(message).from_proto(parsed)
+
+
+# ----------------------------------------------------------------------- tensors
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (2, 3, 8)])
+def test_f32_roundtrip_is_exact(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape) * 10
+    y = decode_tensor(encode_tensor(x, WireDType.F32))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize(("wire", "rel"), [(WireDType.F16, 2**-11), (WireDType.BF16, 2**-8)])
+def test_half_precision_roundtrip_within_rounding(wire: WireDType, rel: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 576) * torch.logspace(-3, 3, 576)
+    y = decode_tensor(encode_tensor(x, wire))
+    bound = x.abs() * rel + 2**-24
+    assert bool(((y - x).abs() <= bound).all())
+    # Not exact: the test would be meaningless if the wire kept float32.
+    assert not torch.equal(x, y)
+
+
+def test_int8_roundtrip_within_half_a_step_per_row() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(9, 576) * torch.tensor([0.01, 1, 100, 3, 5, 7, 0.5, 2, 1e4]).unsqueeze(1)
+    pb = encode_tensor(x, "int8")
+    y = decode_tensor(pb)
+    scales = torch.frombuffer(bytearray(pb.scales), dtype=torch.float32)
+    assert scales.shape == (9,)
+    assert torch.allclose(scales, x.abs().amax(dim=1) / 127)
+    error = (y - x).abs()
+    assert bool((error <= scales.unsqueeze(1) * (0.5 + 1e-5)).all())
+    # The largest value of each row is carried exactly (up to float rounding).
+    assert torch.allclose(y.abs().amax(dim=1), x.abs().amax(dim=1), rtol=1e-6)
+
+
+def test_int8_zero_rows_and_empty_tensors() -> None:
+    x = torch.zeros(2, 16)
+    x[1] = torch.linspace(-1, 1, 16)
+    y = decode_tensor(encode_tensor(x, WireDType.INT8))
+    assert torch.equal(y[0], torch.zeros(16))
+    for wire in WireDType:
+        empty = decode_tensor(encode_tensor(torch.empty(0, 576), wire))
+        assert empty.shape == (0, 576)
+
+
+def test_int8_refuses_non_finite_activations() -> None:
+    x = torch.ones(2, 8)
+    x[1, 3] = float("nan")
+    with pytest.raises(Fatal, match="inf or NaN"):
+        encode_tensor(x, WireDType.INT8)
+
+
+def test_encode_accepts_views_grads_and_other_dtypes() -> None:
+    base = torch.randn(64, 4, requires_grad=True)
+    view = base.t()  # non-contiguous [4, 64]
+    for wire in WireDType:
+        y = decode_tensor(encode_tensor(view, wire))
+        assert y.shape == (4, 64)
+    bf = torch.randn(3, 32).to(torch.bfloat16)
+    out = decode_tensor(encode_tensor(bf, WireDType.BF16), out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, bf)
+    with pytest.raises(InvalidRequest, match="0-d"):
+        encode_tensor(torch.tensor(1.0), WireDType.F32)
+
+
+def test_decoded_tensor_is_writable_and_independent_of_the_message() -> None:
+    pb = encode_tensor(torch.ones(2, 4), WireDType.F32)
+    y = decode_tensor(pb)
+    y.add_(1)
+    assert torch.equal(decode_tensor(pb), torch.ones(2, 4))
+
+
+def test_decode_rejects_inconsistent_payloads() -> None:
+    pb = encode_tensor(torch.ones(2, 4), WireDType.F16)
+    truncated = common_pb2.Tensor(dtype=pb.dtype, shape=pb.shape, data=pb.data[:-2])
+    with pytest.raises(InvalidRequest, match="14 bytes but shape \\[2, 4\\] in f16 needs 16"):
+        decode_tensor(truncated)
+    q = encode_tensor(torch.ones(2, 4), WireDType.INT8)
+    no_scales = common_pb2.Tensor(dtype=q.dtype, shape=q.shape, data=q.data)
+    with pytest.raises(InvalidRequest, match="scales are 0 bytes"):
+        decode_tensor(no_scales)
+    with pytest.raises(InvalidRequest, match="unset or unknown"):
+        decode_tensor(common_pb2.Tensor(shape=[1], data=b"\0\0\0\0"))
+
+
+def test_bytes_per_token_matches_encoded_size() -> None:
+    assert {w.value: bytes_per_token(576, w) for w in WireDType} == {
+        "f32": 2304,
+        "f16": 1152,
+        "bf16": 1152,
+        "int8": 580,
+    }
+    for wire in WireDType:
+        pb = encode_tensor(torch.randn(5, 576), wire)
+        assert len(pb.data) + len(pb.scales) == 5 * bytes_per_token(576, wire)
+
+
+def test_wire_dtype_parse_and_proto() -> None:
+    assert WireDType.parse("bf16") is WireDType.BF16
+    assert WireDType.parse(" Float16 ") is WireDType.F16
+    assert WireDType.parse(WireDType.INT8) is WireDType.INT8
+    with pytest.raises(InvalidRequest, match="unknown wire dtype 'fp8'; use one of: f32"):
+        WireDType.parse("fp8")
+    for wire in WireDType:
+        assert WireDType.from_proto(wire.to_proto()) is wire
+    with pytest.raises(InvalidRequest):
+        WireDType.from_proto(common_pb2.WIRE_DTYPE_UNSPECIFIED)
+
+
+# -------------------------------------------------------------------- data plane
+
+
+@pytest.mark.parametrize("wire", list(WireDType))
+def test_frame_roundtrip(wire: WireDType) -> None:
+    # Values on the int8 grid (row absmax 127 * 0.5) survive every wire dtype exactly.
+    hidden = torch.randint(-127, 128, (3, 64)).float() * 0.5
+    hidden[:, 0] = 63.5
+    frame = Frame(
+        request_id="req-1",
+        session_id="sess-1",
+        kind=FrameKind.VERIFY,
+        pos_start=41,
+        token_ids=(7, 8, 49151),
+        hidden=hidden,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1),
+        term=3,
+        sample=True,
+        timings=(StageTiming(0, 1.5, 0.25), StageTiming(1, 2.0)),
+    )
+    back = roundtrip(frame, wire_dtype=wire)
+    assert back == frame
+    assert back.pos_end == 44
+    # float32 on the wire would turn 0.7 into 0.699999988...: sampling must be exact.
+    assert back.sampling.temperature == 0.7 and back.sampling.top_p == 0.9
+
+
+@pytest.mark.parametrize("kind", list(FrameKind))
+def test_frame_kinds_roundtrip(kind: FrameKind) -> None:
+    tokens = [5] if kind.computes else []
+    frame = Frame("r", "s", kind, pos_start=12, token_ids=tokens, sample=False)
+    back = roundtrip(frame)
+    assert back == frame and back.hidden is None and back.sampling is None
+    assert isinstance(frame.token_ids, tuple)
+
+
+def test_frame_equality_sees_tensor_values() -> None:
+    a = Frame("r", "s", FrameKind.DECODE, 1, (1,), hidden=torch.zeros(1, 4))
+    b = Frame("r", "s", FrameKind.DECODE, 1, (1,), hidden=torch.ones(1, 4))
+    assert a != b
+    assert a != Frame("r", "s", FrameKind.DECODE, 1, (1,))
+    assert Frame.from_proto(a.to_proto(), hidden_dtype=torch.float16).hidden.dtype == torch.float16
+
+
+def test_frame_kind_unset_is_rejected() -> None:
+    with pytest.raises(InvalidRequest, match="frame kind 0"):
+        Frame.from_proto(data_pb2.Frame(request_id="r", session_id="s"))
+
+
+def test_token_result_roundtrip() -> None:
+    ok = TokenResult(
+        "r",
+        "s",
+        pos_start=10,
+        token_ids=[4, 5, 6],
+        accepted_count=2,
+        timings=[StageTiming(2, 0.5)],
+        term=9,
+    )
+    assert roundtrip(ok) == ok and ok.ok
+    failed = TokenResult("r", "s", 10, error=ErrorInfo("UNAVAILABLE", "stage 1 gone", 1), term=9)
+    back = roundtrip(failed)
+    assert back == failed and not back.ok and back.token_ids == ()
+
+
+def test_frame_ack_and_return_ack_roundtrip() -> None:
+    assert roundtrip(FrameAck("r", "s")) == FrameAck("r", "s")
+    ack = FrameAck("r", "s", ErrorInfo("INVALID_ARGUMENT", "bad shape", 2))
+    assert roundtrip(ack) == ack
+    assert roundtrip(ReturnAck()) == ReturnAck()
+    assert roundtrip(StageTiming(3, 0.125, 4.0)) == StageTiming(3, 0.125, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "cls"),
+    [
+        (InvalidRequest("too long"), "INVALID_ARGUMENT", InvalidRequest),
+        (CapacityExceeded("full"), "RESOURCE_EXHAUSTED", CapacityExceeded),
+        (Unavailable("peer gone"), "UNAVAILABLE", Unavailable),
+        (StaleTerm("term 2 < 3"), "FAILED_PRECONDITION", StaleTerm),
+        (RuntimeError("boom"), "INTERNAL", Fatal),
+    ],
+)
+def test_error_info_from_and_to_exceptions(error: Exception, code: str, cls: type) -> None:
+    info = ErrorInfo.from_exception(error, stage_index=2)
+    assert info.code == code and info.stage_index == 2
+    back = roundtrip(info)
+    assert back == info
+    rebuilt = back.to_error()
+    assert type(rebuilt) is cls
+    assert str(error) in rebuilt.message
+    if cls is Fatal:
+        assert rebuilt.message == "RuntimeError: boom"
+
+
+def test_sampling_unset_top_p_means_no_filtering() -> None:
+    params = sampling_from_proto(common_pb2.SamplingParams(temperature=1.0, seed=5))
+    assert params == SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=5)
+
+
+def test_every_proto_message_has_a_codec_type() -> None:
+    mapped_elsewhere = {"Tensor", "SamplingParams", "LayerRange"}
+    names = set()
+    for module in (common_pb2, data_pb2, stage_pb2, coordinator_pb2):
+        names |= set(module.DESCRIPTOR.message_types_by_name)
+    for name in sorted(names - mapped_elsewhere):
+        cls = getattr(codec, name, None)
+        assert cls is not None, f"mesh.codec has no dataclass for {name}"
+        assert hasattr(cls, "to_proto") and hasattr(cls, "from_proto"), name

@@ -1,0 +1,169 @@
+"""Control-plane and coordinator messages round-trip through their protos."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh.codec import (
+    ClaimReply,
+    ClaimRequest,
+    FileInventory,
+    HeartbeatReply,
+    HeartbeatRequest,
+    InventoryReply,
+    InventoryRequest,
+    JoinReply,
+    JoinRequest,
+    PeerRef,
+    PrepareReply,
+    PrepareRequest,
+    Ready,
+    ReleaseReply,
+    ReleaseRequest,
+    StageLoadRequest,
+    StageStatus,
+    StatusReply,
+    StatusRequest,
+    WireDType,
+)
+from mesh.errors import InvalidRequest
+from mesh.proto.v1 import coordinator_pb2, stage_pb2
+from mesh.types import LayerRange
+
+
+def roundtrip(message):
+    pb = message.to_proto()
+    return type(message).from_proto(type(pb).FromString(pb.SerializeToString()))
+
+
+def load_request(**overrides) -> StageLoadRequest:
+    fields = dict(
+        term=4,
+        topology_id="topo-4",
+        stage_index=1,
+        stage_count=3,
+        layer_range=LayerRange(10, 20),
+        package_ref="/srv/packages/smollm2",
+        manifest_sha256="ab" * 32,
+        upstream=PeerRef("node-a", "10.0.0.1:7071"),
+        downstream=PeerRef("node-c", "10.0.0.3:7071"),
+        return_endpoint="10.0.0.1:7071",
+        wire_dtype=WireDType.BF16,
+        device="cuda:0",
+        torch_dtype="bfloat16",
+        max_sessions=64,
+        max_tokens_per_session=8192,
+        max_batch_tokens=2048,
+        load_mode="eager",
+        session_idle_timeout_s=120.5,
+    )
+    return StageLoadRequest(**(fields | overrides))
+
+
+CONTROL_MESSAGES = [
+    ClaimRequest(term=7, coordinator_id="coord-1", model_id="smollm2", topology_id="t7"),
+    ClaimReply(term=7, node_id="node-b"),
+    PrepareRequest(term=7, package_ref="org/repo@main", layer_range=LayerRange(0, 30)),
+    PrepareReply(term=7),
+    InventoryRequest(term=7),
+    InventoryReply(term=7, state="empty"),
+    InventoryReply(
+        term=7,
+        state="preparing",
+        package_ref="org/repo",
+        layer_range=LayerRange(3, 9),
+        bytes_done=100,
+        bytes_total=300,
+        files=(
+            FileInventory("layers/00003.safetensors", "ready", 100, 100),
+            FileInventory("layers/00004.safetensors", "failed", 0, 200, "sha256 mismatch"),
+        ),
+        error="",
+        manifest_sha256="cd" * 32,
+    ),
+    load_request(),
+    load_request(stage_index=0, upstream=None, layer_range=LayerRange(0, 10)),
+    load_request(stage_index=2, downstream=None, wire_dtype=WireDType.INT8),
+    Ready(term=7, data_endpoint="10.0.0.2:7071", param_bytes=123456789, load_ms=812.5),
+    ReleaseRequest(term=7, reason="replan after node-c died"),
+    ReleaseReply(term=7),
+]
+
+COORDINATOR_MESSAGES = [
+    JoinRequest("node-b", "10.0.0.2:7071", "cuda:0", 24 << 30, 1.5, False, ""),
+    JoinRequest("head", "10.0.0.1:7071", "cpu", 8 << 30, frontend=True, http_url="http://h:8000"),
+    JoinReply("coord-1", 1000),
+    HeartbeatRequest("node-b", term=7, state="serving", active_sessions=3),
+    HeartbeatReply(known=False, term=7),
+    StatusRequest(),
+    StageStatus("node-z", "10.0.0.9:7071"),
+    StatusReply(
+        coordinator_id="coord-1",
+        state="serving",
+        model_id="smollm2",
+        package_ref="/srv/p",
+        term=7,
+        http_url="http://h:8000",
+        layer_count=30,
+        stages=(
+            StageStatus(
+                "node-b",
+                "10.0.0.2:7071",
+                device="cuda:0",
+                memory_bytes=1 << 30,
+                assigned=True,
+                stage_index=1,
+                layer_range=LayerRange(15, 30),
+                health="alive",
+                state="serving",
+                term=7,
+                heartbeat_age_s=0.3,
+                param_bytes=5000,
+                active_sessions=2,
+            ),
+            StageStatus("node-x", "10.0.0.4:7071", health="dead", state="failed"),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("message", CONTROL_MESSAGES + COORDINATOR_MESSAGES, ids=repr)
+def test_roundtrip(message) -> None:
+    assert roundtrip(message) == message
+
+
+def test_load_request_helpers_and_peers() -> None:
+    first = roundtrip(load_request(stage_index=0, upstream=None))
+    assert first.is_first and not first.is_last and first.upstream is None
+    last = roundtrip(load_request(stage_index=2, downstream=None))
+    assert last.is_last and last.downstream is None
+    assert last.upstream == PeerRef("node-a", "10.0.0.1:7071")
+
+
+def test_load_request_rejects_missing_pieces() -> None:
+    pb = load_request().to_proto()
+    pb.ClearField("layer_range")
+    with pytest.raises(InvalidRequest, match="no layer_range"):
+        StageLoadRequest.from_proto(pb)
+    pb = load_request().to_proto()
+    pb.wire_dtype = 0
+    with pytest.raises(InvalidRequest, match="wire dtype 0 is unset"):
+        StageLoadRequest.from_proto(pb)
+    pb = load_request().to_proto()
+    pb.stage_index = 3
+    with pytest.raises(InvalidRequest, match="stage 3 of 3"):
+        StageLoadRequest.from_proto(pb)
+    pb = load_request().to_proto()
+    pb.layer_range.end = pb.layer_range.start
+    with pytest.raises(InvalidRequest, match=r"StageLoadRequest.layer_range is \[10, 10\)"):
+        StageLoadRequest.from_proto(pb)
+
+
+def test_prepare_request_needs_a_range() -> None:
+    with pytest.raises(InvalidRequest, match="PrepareRequest has no layer_range"):
+        PrepareRequest.from_proto(stage_pb2.PrepareRequest(term=1, package_ref="p"))
+
+
+def test_unset_speed_hint_means_reference_speed() -> None:
+    join = JoinRequest.from_proto(coordinator_pb2.JoinRequest(node_id="n", address="a:1"))
+    assert join.speed_hint == 1.0

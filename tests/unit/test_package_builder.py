@@ -1,0 +1,212 @@
+"""mesh-package build from HF safetensors directories: layout, manifest, exact tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mesh.errors import InvalidRequest, PackageError, UnsupportedArchitecture
+from mesh.package.builder import build_package
+from mesh.package.manifest import EMBED_PATH, HEAD_PATH, PackageManifest, layer_path
+from mesh.package.tensors import load_hf_state_dict
+from mesh.package.verify import verify_package
+from mesh.types import LayerRange
+
+TIED = {"llama": True, "qwen2": False, "qwen3": True, "mistral": False}
+ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def source_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", sorted(TIED))
+def test_build_reassembles_the_source_model_exactly(family, tiny_model_factory, tmp_path):
+    source = tiny_model_factory(family)
+    manifest = build_package(str(source), tmp_path / "pkg")
+    package = tmp_path / "pkg"
+
+    assert manifest.architecture == ARCH[family]
+    assert manifest.model_type == family
+    assert (manifest.layer_count, manifest.hidden_size, manifest.vocab_size) == (6, 64, 49152)
+    assert manifest.tied_embeddings is TIED[family]
+    assert manifest.dtype == "float32"
+    assert manifest.source == {"kind": "hf-dir", "path": str(source.resolve())}
+    assert PackageManifest.load(package) == manifest
+    assert verify_package(package) == []
+
+    expected = source_state_dict(source)
+    rebuilt = load_hf_state_dict(package)
+    assert sorted(rebuilt) == sorted(expected)
+    for name, tensor in expected.items():
+        assert rebuilt[name].dtype == torch.float32
+        assert torch.equal(rebuilt[name], tensor), name
+    if TIED[family]:
+        assert torch.equal(rebuilt["lm_head.weight"], rebuilt["model.embed_tokens.weight"])
+
+
+def test_layout_kinds_and_tensor_names(tiny_model_factory, tmp_path):
+    manifest = build_package(str(tiny_model_factory("qwen3")), tmp_path / "pkg")
+    package = tmp_path / "pkg"
+    by_path = {entry.path: entry for entry in manifest.files}
+
+    meta = sorted(path for path, entry in by_path.items() if entry.kind == "meta")
+    assert meta[0] == "chat_template.jinja" and manifest.files[0].path == "config.json"
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(meta)
+    assert "generation_config.json" in meta
+    assert by_path[EMBED_PATH].kind == "embed" and by_path[HEAD_PATH].kind == "head"
+    assert [by_path[layer_path(i)].layer_index for i in range(6)] == list(range(6))
+    for entry in manifest.files:
+        assert (package / entry.path).stat().st_size == entry.bytes
+
+    assert list(load_file(package / EMBED_PATH)) == ["embed_tokens.weight"]
+    assert sorted(load_file(package / HEAD_PATH)) == ["lm_head.weight", "norm.weight"]
+    layer = load_file(package / layer_path(3))
+    assert "self_attn.q_proj.weight" in layer and "self_attn.q_norm.weight" in layer
+    assert not any(name.startswith("model.") for name in layer)
+    assert not list(tmp_path.glob(".pkg.build-*")), "the temporary build dir must be gone"
+
+
+def test_slices_list_only_the_files_a_range_needs(tiny_model_factory, tmp_path):
+    manifest = build_package(str(tiny_model_factory("llama")), tmp_path / "pkg")
+
+    def tensor_files(start: int, end: int) -> list[str]:
+        files = manifest.files_for(LayerRange(start, end))
+        return [entry.path for entry in files if entry.kind != "meta"]
+
+    assert tensor_files(0, 2) == [EMBED_PATH, layer_path(0), layer_path(1)]
+    assert tensor_files(2, 4) == [layer_path(2), layer_path(3)]
+    assert tensor_files(4, 6) == [HEAD_PATH, layer_path(4), layer_path(5)]
+    assert len(tensor_files(0, 6)) == 8
+
+
+def test_sharded_checkpoint_gives_the_same_tensor_files(tiny_model_factory, tmp_path):
+    sharded = tiny_model_factory("qwen2", shards=3)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) >= 3
+    one = build_package(str(tiny_model_factory("qwen2")), tmp_path / "one")
+    three = build_package(str(sharded), tmp_path / "three")
+
+    def digests(manifest):
+        return {e.path: e.sha256 for e in manifest.files if e.kind != "meta"}
+
+    assert digests(one) == digests(three)
+    assert verify_package(tmp_path / "three") == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_conversion(dtype, tiny_model_factory, tmp_path):
+    source = tiny_model_factory("mistral")
+    manifest = build_package(str(source), tmp_path / "pkg", dtype=dtype, model_id="tiny/mistral")
+    assert manifest.dtype == dtype and manifest.model_id == "tiny/mistral"
+    torch_dtype = getattr(torch, dtype)
+    rebuilt = load_hf_state_dict(tmp_path / "pkg")
+    for name, tensor in source_state_dict(source).items():
+        assert rebuilt[name].dtype == torch_dtype
+        assert torch.equal(rebuilt[name], tensor.to(torch_dtype)), name
+    config = json.loads((tmp_path / "pkg" / "config.json").read_text())
+    assert config["dtype"] == dtype
+
+
+def test_package_config_loads_with_transformers(tiny_model_factory, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    build_package(str(tiny_model_factory("llama")), tmp_path / "pkg")
+    config = AutoConfig.from_pretrained(tmp_path / "pkg")
+    assert config.num_hidden_layers == 6 and config.architectures == ["LlamaForCausalLM"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "pkg")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>user" in text
+
+
+def test_speculative_block_is_recorded(tiny_model_factory, tmp_path):
+    speculative = {"default": "ngram", "strategies": {"ngram": {"type": "ngram"}}}
+    build_package(str(tiny_model_factory("llama")), tmp_path / "pkg", speculative=speculative)
+    manifest = PackageManifest.load(tmp_path / "pkg")
+    assert manifest.generation == {"speculative_decoding": speculative}
+
+
+@pytest.mark.parametrize(
+    "speculative, message",
+    [
+        ({"default": "x"}, "strategies"),
+        ({"strategies": {}}, "default"),
+        (["default", "strategies"], "JSON object"),
+        ({"default": "x", "strategies": []}, "strategies must be an object"),
+    ],
+)
+def test_bad_speculative_block_is_refused(speculative, message, tiny_model_factory, tmp_path):
+    with pytest.raises(InvalidRequest, match=message):
+        build_package(str(tiny_model_factory("llama")), tmp_path / "pkg", speculative=speculative)
+    assert not (tmp_path / "pkg").exists()
+
+
+def copy_model(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_unsupported_architecture_is_refused(tiny_model_factory, tmp_path):
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "gpt2ish")
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitecture, match="'GPT2LMHeadModel' is not supported"):
+        build_package(str(model), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+    assert not list(tmp_path.glob(".pkg.*"))
+
+
+def test_untied_checkpoint_without_lm_head_is_refused(tiny_model_factory, tmp_path):
+    model = copy_model(tiny_model_factory("qwen2"), tmp_path / "headless")
+    tensors = load_file(model / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackageError, match="no lm_head.weight"):
+        build_package(str(model), tmp_path / "pkg")
+    assert not list(tmp_path.glob(".pkg.*"))
+
+
+def test_missing_layer_tensors_are_refused(tiny_model_factory, tmp_path):
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "short")
+    tensors = load_file(model / "model.safetensors")
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.5.")}
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackageError, match=r"missing \[5\]"):
+        build_package(str(model), tmp_path / "pkg")
+
+
+def test_out_directory_rules(tiny_model_factory, tmp_path):
+    source = str(tiny_model_factory("llama"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(PackageError, match="not a model package"):
+        build_package(source, other)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+    first = build_package(source, tmp_path / "pkg", model_id="first")
+    second = build_package(source, tmp_path / "pkg", model_id="second")
+    assert first.sha256() != second.sha256()
+    assert PackageManifest.load(tmp_path / "pkg").model_id == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "pkg"]
+
+
+def test_unknown_source_is_refused(tmp_path):
+    with pytest.raises(PackageError, match="not found"):
+        build_package(str(tmp_path / "nowhere"), tmp_path / "pkg")
+    with pytest.raises(InvalidRequest, match="dtype"):
+        build_package(str(tmp_path), tmp_path / "pkg", dtype="int8")

@@ -1,0 +1,251 @@
+"""Coordinator state transitions: joins, heartbeats, loads, failures, replanning."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.planner import ModelFootprint, Plan, plan_layers
+from coordinator.registry import (
+    HeartbeatReceived,
+    HeartbeatsChecked,
+    LoadFailed,
+    LoadStarted,
+    LoadSucceeded,
+    ModelSelected,
+    NodeJoined,
+    NodeLeft,
+    PlanFailed,
+    StageReady,
+    State,
+    alive_nodes,
+    apply,
+    needs_replan,
+    next_term,
+    planner_nodes,
+)
+from mesh.errors import InvalidRequest, StaleTerm
+from mesh.types import LayerRange
+
+FOOTPRINT = ModelFootprint(
+    layer_count=30, layer_bytes=1 << 20, embed_bytes=0, head_bytes=0, kv_bytes_per_layer=0
+)
+
+
+def joined(*node_ids: str, now: float = 0.0) -> State:
+    state = apply(State(), ModelSelected(model_id="m", package_ref="pkg", layer_count=30))
+    for i, node_id in enumerate(node_ids):
+        state = apply(
+            state,
+            NodeJoined(
+                node_id=node_id,
+                address=f"10.0.0.{i + 1}:7071",
+                device="cpu",
+                memory_bytes=8 << 30,
+                frontend=i == 0,
+                http_url="http://10.0.0.1:8000" if i == 0 else "",
+                now=now,
+            ),
+        )
+    return state
+
+
+def serving(*node_ids: str) -> tuple[State, Plan]:
+    state = joined(*node_ids)
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, LoadStarted(term=next_term(state), plan=plan))
+    for node_id in node_ids:
+        state = apply(state, StageReady(node_id=node_id, param_bytes=5 << 20, term=state.term))
+    return apply(state, LoadSucceeded(term=state.term)), plan
+
+
+def test_join_adds_nodes_in_order_and_wants_a_plan() -> None:
+    state = joined("a", "b")
+    assert [n.node_id for n in alive_nodes(state)] == ["a", "b"]
+    assert state.mesh_state == "waiting"
+    assert needs_replan(state)
+    assert [c.node_id for c in planner_nodes(state)] == ["a", "b"]
+    assert planner_nodes(state)[0].frontend
+    assert state.http_url == "http://10.0.0.1:8000"
+    assert (state.model_id, state.package_ref, state.layer_count) == ("m", "pkg", 30)
+
+
+def test_empty_state_needs_no_plan() -> None:
+    assert not needs_replan(State())
+
+
+def test_rejoin_updates_address_and_revives() -> None:
+    state = joined("a", "b")
+    state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=10.0))
+    assert state.node("b").health == "dead"
+    state = apply(state, NodeJoined(node_id="b", address="10.0.0.9:7071", now=101.0))
+    record = state.node("b")
+    assert (record.address, record.health, record.last_heartbeat_at) == (
+        "10.0.0.9:7071",
+        "alive",
+        101.0,
+    )
+    assert [n.node_id for n in state.nodes] == ["a", "b"]
+
+
+def test_join_without_address_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="address"):
+        apply(State(), NodeJoined(node_id="a", address="", now=0.0))
+
+
+def test_heartbeat_updates_stage_report() -> None:
+    state = joined("a")
+    state = apply(
+        state,
+        HeartbeatReceived(node_id="a", now=5.0, term=3, stage_state="serving", active_sessions=2),
+    )
+    record = state.node("a")
+    assert (record.last_heartbeat_at, record.accepted_term) == (5.0, 3)
+    assert (record.stage_state, record.active_sessions) == ("serving", 2)
+
+
+def test_heartbeat_from_unknown_node_changes_nothing() -> None:
+    state = joined("a")
+    assert apply(state, HeartbeatReceived(node_id="ghost", now=1.0)) == state
+    assert not state.is_known("ghost")
+
+
+def test_missing_heartbeats_mark_a_node_dead_only_after_the_timeout() -> None:
+    state = joined("a", "b")
+    state = apply(state, HeartbeatReceived(node_id="a", now=8.0))
+    still = apply(state, HeartbeatsChecked(now=10.0, timeout_s=10.0))
+    assert [n.health for n in still.nodes] == ["alive", "alive"]
+    later = apply(state, HeartbeatsChecked(now=10.5, timeout_s=10.0))
+    assert [n.health for n in later.nodes] == ["alive", "dead"]
+    assert [n.node_id for n in alive_nodes(later)] == ["a"]
+
+
+def test_load_walks_loading_to_serving() -> None:
+    state = joined("a", "b")
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, LoadStarted(term=1, plan=plan))
+    assert (state.mesh_state, state.term, state.topology) == ("loading", 1, plan)
+    assert state.is_assigned("a") and state.is_assigned("b")
+    assert not needs_replan(state)
+    state = apply(state, StageReady(node_id="b", param_bytes=123))
+    assert (state.node("b").param_bytes, state.node("b").stage_state) == (123, "loaded")
+    state = apply(state, LoadSucceeded(term=1))
+    assert state.mesh_state == "serving"
+    assert not needs_replan(state)
+
+
+def test_load_term_must_increase() -> None:
+    state, plan = serving("a")
+    with pytest.raises(StaleTerm, match="not above the current term 1"):
+        apply(state, LoadStarted(term=1, plan=plan))
+
+
+def test_plan_naming_a_dead_node_is_refused() -> None:
+    state = joined("a", "b")
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, HeartbeatsChecked(now=60.0, timeout_s=10.0))
+    with pytest.raises(InvalidRequest, match="stage 0 on node a, which is dead"):
+        apply(state, LoadStarted(term=1, plan=plan))
+
+
+def test_stale_load_events_change_nothing() -> None:
+    state, _ = serving("a", "b")
+    assert apply(state, LoadFailed(term=0, error="old")) == state
+    assert apply(state, LoadSucceeded(term=0)) == state
+    assert apply(state, StageReady(node_id="a", param_bytes=1, term=0)) == state
+
+
+def test_load_failed_fails_the_mesh_without_a_replan_loop() -> None:
+    state = joined("a", "b")
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, LoadStarted(term=1, plan=plan))
+    state = apply(state, LoadFailed(term=1, error="stage 1 failed to load: sha256 mismatch"))
+    assert state.mesh_state == "failed"
+    assert state.error == "stage 1 failed to load: sha256 mismatch"
+    assert state.topology is None
+    assert not needs_replan(state)
+    # A node joining afterwards may be what was missing: plan again.
+    state = apply(state, NodeJoined(node_id="c", address="10.0.0.3:7071", now=1.0))
+    assert needs_replan(state)
+
+
+def test_plan_failed_records_the_error_until_membership_changes() -> None:
+    state = apply(joined("a"), PlanFailed(error="the model needs 40 GiB"))
+    assert (state.mesh_state, state.error) == ("failed", "the model needs 40 GiB")
+    assert not needs_replan(state)
+    state = apply(state, NodeJoined(node_id="b", address="10.0.0.2:7071", now=1.0))
+    assert needs_replan(state)
+
+
+def test_dead_assigned_node_degrades_the_mesh_and_names_the_stage() -> None:
+    state, plan = serving("a", "b")
+    state = apply(state, HeartbeatReceived(node_id="a", now=20.0))
+    state = apply(state, HeartbeatsChecked(now=25.0, timeout_s=10.0))
+    assert state.node("b").health == "dead"
+    assert state.mesh_state == "failed"
+    assert state.degraded
+    assert state.topology is None
+    stage = plan.stage_of("b")
+    assert stage.layer_range == LayerRange(15, 30)
+    assert f"stage 1 (b at {stage.address}, layers [15, 30)) missed heartbeats" in state.error
+    assert needs_replan(state)
+    assert [c.node_id for c in planner_nodes(state)] == ["a"]
+
+
+def test_late_heartbeat_revives_a_dead_node_unassigned() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, HeartbeatReceived(node_id="a", now=20.0))
+    state = apply(state, HeartbeatsChecked(now=25.0, timeout_s=10.0))
+    state = apply(state, HeartbeatReceived(node_id="b", now=26.0, term=1, stage_state="loaded"))
+    record = state.node("b")
+    assert record.health == "alive"
+    assert not state.is_assigned("b")
+    assert state.mesh_state == "failed"
+    assert needs_replan(state)
+    assert [c.node_id for c in planner_nodes(state)] == ["a", "b"]
+
+
+def test_dead_unassigned_node_does_not_fail_the_mesh() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, NodeJoined(node_id="spare", address="10.0.0.7:7071", now=0.0))
+    for node_id in ("a", "b"):
+        state = apply(state, HeartbeatReceived(node_id=node_id, now=30.0))
+    state = apply(state, HeartbeatsChecked(now=31.0, timeout_s=10.0))
+    assert state.node("spare").health == "dead"
+    assert state.mesh_state == "serving"
+    assert not needs_replan(state)
+
+
+def test_node_left_removes_it_and_degrades_when_assigned() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, NodeLeft(node_id="b"))
+    assert not state.is_known("b")
+    assert state.mesh_state == "failed" and state.degraded
+    assert "stage 1 (b at 10.0.0.2:7071, layers [15, 30)) left the mesh" in state.error
+    assert apply(state, NodeLeft(node_id="b")) == state
+
+
+def test_rejoin_of_an_assigned_node_degrades_the_mesh() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, NodeJoined(node_id="a", address="10.0.0.1:7071", now=3.0))
+    assert state.mesh_state == "failed" and state.degraded
+    assert "stage 0 (a at 10.0.0.1:7071, layers [0, 15)) joined again" in state.error
+    assert state.node("a").param_bytes == 0
+    assert needs_replan(state)
+
+
+def test_replan_after_degradation_serves_again() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, NodeLeft(node_id="b"))
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, LoadStarted(term=next_term(state), plan=plan))
+    assert (state.term, state.error, state.degraded) == (2, "", False)
+    state = apply(state, LoadSucceeded(term=2))
+    assert state.mesh_state == "serving"
+    assert state.topology.stages[0].layer_range == LayerRange(0, 30)
+
+
+def test_plan_for_wrong_layer_count_is_refused() -> None:
+    state = joined("a")
+    plan = plan_layers(planner_nodes(state), ModelFootprint(12, 1, 0, 0, 0))
+    with pytest.raises(InvalidRequest, match="covers 12 layers but the model has 30"):
+        apply(state, LoadStarted(term=1, plan=plan))
