@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,11 @@ class SessionCache:
 
     __slots__ = ("layout", "length", "capacity", "last_used", "_buffer", "_keys", "_values", "_at")
 
-    def __init__(self, layout: KVLayout, capacity: int) -> None:
+    def __init__(self, layout: KVLayout, capacity: int, now: float) -> None:
         self.layout = layout
         self.length = 0
         self.capacity = 0
-        self.last_used = time.monotonic()
+        self.last_used = now
         self._buffer: torch.Tensor | None = None
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
@@ -94,9 +95,16 @@ class SessionCache:
 
 
 class SessionTable:
-    """The sessions of one stage, with their limits."""
+    """The sessions of one stage, with their limits. ``clock`` gives the time used for
+    idle expiry (``time.monotonic`` unless a test supplies its own)."""
 
-    def __init__(self, layout: KVLayout, max_sessions: int, max_tokens_per_session: int) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        max_sessions: int,
+        max_tokens_per_session: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_sessions <= 0:
             raise InvalidRequest(f"max_sessions must be positive, got {max_sessions}")
         if max_tokens_per_session <= 0:
@@ -106,6 +114,7 @@ class SessionTable:
         self.layout = layout
         self.max_sessions = max_sessions
         self.max_tokens_per_session = max_tokens_per_session
+        self._clock = clock
         self._sessions: dict[str, SessionCache] = {}
 
     def open_for_frame(self, session_id: str, pos_start: int, count: int) -> SessionCache:
@@ -136,11 +145,11 @@ class SessionTable:
                     f"stage holds {len(self._sessions)} sessions, its limit; retry later "
                     "or end idle sessions"
                 )
-            cache = SessionCache(self.layout, self._capacity_for(end, 0))
+            cache = SessionCache(self.layout, self._capacity_for(end, 0), self._clock())
             self._sessions[session_id] = cache
         else:
             cache.reserve(self._capacity_for(end, cache.capacity))
-        cache.last_used = time.monotonic()
+        cache.last_used = self._clock()
         return cache
 
     def _capacity_for(self, tokens: int, current: int) -> int:
@@ -167,7 +176,7 @@ class SessionTable:
         if cache is None:
             raise NotFound(f"session {session_id} is not held by this stage")
         cache.length = min(cache.length, length)
-        cache.last_used = time.monotonic()
+        cache.last_used = self._clock()
 
     def expire_idle(self, now: float, idle_timeout_s: float) -> list[str]:
         expired = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ class StageRuntime:
         dtype: str,
         max_sessions: int = 64,
         max_tokens_per_session: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._modules = modules
@@ -63,6 +65,7 @@ class StageRuntime:
             _kv_layout(config, layer_range, device, self._dtype),
             max_sessions=max_sessions,
             max_tokens_per_session=_token_limit(config, max_tokens_per_session),
+            clock=clock,
         )
         self._sliding_window = _sliding_window(config)
         self._blocks = [
@@ -148,7 +151,8 @@ class StageRuntime:
             self._sessions.trim(session_id, length)
 
     def expire_idle(self, now: float, idle_timeout_s: float) -> list[str]:
-        """Drop sessions unused for more than ``idle_timeout_s``; ``now`` is time.monotonic()."""
+        """Drop sessions unused for more than ``idle_timeout_s``; ``now`` is on the
+        runtime's clock (``time.monotonic()`` unless another clock was given)."""
         with self._lock:
             return self._sessions.expire_idle(now, idle_timeout_s)
 
@@ -286,6 +290,7 @@ def build_stage_runtime(
     dtype: str = "float32",
     max_sessions: int = 64,
     max_tokens_per_session: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> StageRuntime:
     """A runtime for ``layer_range`` of the model described by ``config``, with tensors
     from ``weights`` (a package, or an in-memory state dict in tests)."""
@@ -300,6 +305,7 @@ def build_stage_runtime(
         dtype,
         max_sessions=max_sessions,
         max_tokens_per_session=max_tokens_per_session,
+        clock=clock,
     )
 
 

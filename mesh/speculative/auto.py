@@ -112,10 +112,9 @@ class AutoNgramDrafter(Drafter):
     def _on_begin(self, prompt_text: str | None) -> None:
         self.inner.begin(self._tokens, prompt_text)
         self.signals = prompt_signals(prompt_text) if prompt_text else []
-        self.transitions = 0
         self._trials.clear()
         self._set_warm(bool(self.signals))
-        self._shadow = []
+        self.transitions = 0
 
     def _set_warm(self, warm: bool) -> None:
         if warm != self.warm:
@@ -159,14 +158,18 @@ class AutoNgramDrafter(Drafter):
         self._observe(tokens)
 
     def _observe(self, tokens: list[int]) -> None:
+        # A trial ends as a hit once hit_tokens shadow tokens matched, as a miss at the
+        # first mismatch before that.
         for token in tokens:
             if not self._shadow:
                 break
             if self._shadow[self._shadow_matched] == token:
                 self._shadow_matched += 1
-                if self._shadow_matched < len(self._shadow):
+                if self._shadow_matched < min(self.hit_tokens, len(self._shadow)):
                     continue
-            self._trials.append(self._shadow_matched >= self.hit_tokens)
+                self._trials.append(True)
+            else:
+                self._trials.append(False)
             self._shadow = []
         if sum(self._trials) >= self.warm_hits:
             self._trials.clear()

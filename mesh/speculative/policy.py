@@ -180,17 +180,16 @@ class CostAwareWindow(WindowPolicy):
         max_window: int = 16,
         *,
         decay: float = 0.95,
-        off_decay: float = 0.98,
         prior_alpha: float = 0.5,
         prior_weight: float = 1.0,
         per_token_prior: float = 0.05,
         ridge: float = 4.0,
         margin: float = 0.03,
         probe_interval: int = 16,
-        max_probe_interval: int = 256,
+        max_probe_interval: int = 128,
     ) -> None:
         super().__init__(initial, max(1, min_window), max_window)
-        self.decay, self.off_decay, self.margin = decay, off_decay, margin
+        self.decay, self.margin = decay, margin
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.per_token_prior, self.ridge = per_token_prior, ridge
         self.probe_interval_min, self.max_probe_interval = probe_interval, max_probe_interval
@@ -238,8 +237,6 @@ class CostAwareWindow(WindowPolicy):
             self.probe_interval = self.probe_interval_min
             return window
         self.off_rounds += 1
-        self._accepted *= self.off_decay
-        self._rejected *= self.off_decay
         if self.off_rounds >= self.probe_interval:
             self.off_rounds = 0
             self.probe_interval = min(self.max_probe_interval, self.probe_interval * 2)

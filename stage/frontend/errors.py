@@ -83,20 +83,43 @@ def from_mesh_error(exc: MeshError, retry_after_s: int) -> OpenAIError:
     )
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _clean_loc(loc: tuple) -> tuple[str, ...]:
+    """The data path of a pydantic error, without 'body' and union member tags."""
+    parts = []
+    for part in loc:
+        text = str(part)
+        if part == "body" or text in _TYPE_TAGS or "[" in text or "-" in text:
+            continue
+        parts.append(text)
+    return tuple(parts)
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
-    """A 400 naming the first offending field (missing field, wrong type, bad value)."""
-    errors = exc.errors()
+    """A 400 naming the offending field (missing field, wrong type, bad value).
+
+    For a union (``stop``: a string or a list of strings) pydantic reports one error
+    per member; the deepest path is the member the caller meant, and equally deep
+    alternatives are listed together.
+    """
+    errors = [(_clean_loc(tuple(e.get("loc", ()))), e) for e in exc.errors()]
     if not errors:
         return bad_request("the request body is invalid")
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
+    depth = max(len(loc) for loc, _ in errors)
+    deepest = [(loc, e) for loc, e in errors if len(loc) == depth]
+    loc, first = deepest[0]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if first.get("type") == "missing":
         return bad_request(f"missing required field '{where}'", param, code="missing_field")
-    message = str(first.get("msg", "invalid value"))
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return bad_request(f"invalid value for '{where}': {message}{more}", param)
+    messages: list[str] = []
+    for other_loc, error in deepest:
+        text = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if other_loc == loc and text not in messages:
+            messages.append(text)
+    return bad_request(f"invalid value for '{where}': {', or '.join(messages)}", param)
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:

@@ -207,10 +207,13 @@ class ScriptedBackend:
 
 
 @contextlib.contextmanager
-def live_server(backend: Any, tokenizer: Any, **app_kwargs: Any) -> Iterator[str]:
+def live_server(
+    backend: Any, tokenizer: Any, *, internal_errors: int = 0, **app_kwargs: Any
+) -> Iterator[str]:
     """Serve the frontend on 127.0.0.1 (OS-chosen port); yield its base URL.
 
-    Fails the test if any request reached the catch-all (an unexpected exception).
+    Fails the test unless exactly ``internal_errors`` requests reached the catch-all
+    (an unexpected exception): zero for anything a user can send.
     """
     app_kwargs.setdefault("model_id", MODEL_ID)
     metrics = app_kwargs.setdefault("metrics", FrontendMetrics())
@@ -229,7 +232,8 @@ def live_server(backend: Any, tokenizer: Any, **app_kwargs: Any) -> Iterator[str
         yield base_url
     finally:
         stop_server(server, thread)
-    assert metrics.internal_errors.get() == 0, "a request reached the catch-all 500 handler"
+    seen = metrics.internal_errors.get()
+    assert seen == internal_errors, f"{seen} requests reached the catch-all 500 handler"
 
 
 def metric_value(metrics_text: str, name: str, labels: str = "") -> float:

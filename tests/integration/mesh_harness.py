@@ -1,0 +1,182 @@
+"""Real multi-process meshes on 127.0.0.1 for integration tests.
+
+The harness runs `mesh-coordinator up --no-local-stage` and starts each stage
+process itself, so a test can kill one. Ports come from the OS; readiness is
+polled with deadlines; every process is cleaned up, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mesh.codec import StatusReply
+
+STARTUP_DEADLINE_S = 120.0
+
+
+def wait_for(condition: Callable[[], object], deadline_s: float, what: str) -> object:
+    """Poll ``condition`` until it returns a truthy value or the deadline passes."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {deadline_s:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+class MeshProcesses:
+    def __init__(
+        self,
+        package: Path,
+        workdir: Path,
+        stages: int,
+        *,
+        wire_dtype: str = "f32",
+        coordinator_args: tuple[str, ...] = (),
+        threads: int = 1,
+        max_sessions: int = 16,
+    ) -> None:
+        self.package = package
+        self.workdir = workdir
+        self.stage_count = stages
+        self.threads = threads
+        self.max_sessions = max_sessions
+        self.stages: dict[str, subprocess.Popen] = {}
+        self.state_file = workdir / "state.json"
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, MESH_HOME=str(workdir / "home"), PYTHONUNBUFFERED="1")
+        self.env = env
+        command = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "up",
+            "--model",
+            str(package),
+            "--listen",
+            "127.0.0.1:0",
+            "--no-local-stage",
+            "--min-stages",
+            str(stages),
+            "--wire-dtype",
+            wire_dtype,
+            "--state-file",
+            str(self.state_file),
+            "--max-sessions",
+            str(max_sessions),
+            *coordinator_args,
+        ]
+        self.coordinator = subprocess.Popen(
+            command,
+            env=env,
+            stdout=open(self.logs / "coordinator.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.coordinator_address = ""
+        self.http_url = ""
+
+    def coordinator_log(self) -> str:
+        return (self.logs / "coordinator.log").read_text(errors="replace")
+
+    def _find_address(self) -> str:
+        for line in self.coordinator_log().splitlines():
+            if " listening on " in line:
+                return line.rsplit(" ", 1)[-1].strip()
+        if self.coordinator.poll() is not None:
+            raise RuntimeError("coordinator exited:\n" + self.coordinator_log())
+        return ""
+
+    def start_stage(self, node_id: str, frontend: bool = False) -> subprocess.Popen:
+        if not self.coordinator_address:
+            self.coordinator_address = wait_for(self._find_address, 60, "the coordinator")
+        command = [
+            sys.executable,
+            "-m",
+            "stage.cli",
+            "join",
+            "--coordinator",
+            self.coordinator_address,
+            "--listen",
+            "127.0.0.1:0",
+            "--advertise",
+            "127.0.0.1",
+            "--node-id",
+            node_id,
+            "--threads",
+            str(self.threads),
+            "--cache-dir",
+            str(self.workdir / "cache" / node_id),
+            "--max-sessions",
+            str(self.max_sessions),
+        ]
+        if frontend:
+            command += ["--frontend", "--http-host", "127.0.0.1", "--http-port", "0"]
+        process = subprocess.Popen(
+            command,
+            env=self.env,
+            stdout=open(self.logs / f"{node_id}.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.stages[node_id] = process
+        return process
+
+    def start(self) -> MeshProcesses:
+        for index in range(self.stage_count):
+            self.start_stage(f"stage-{index}", frontend=index == 0)
+        return self
+
+    def wait_serving(self, term: int = 1, deadline_s: float = STARTUP_DEADLINE_S) -> dict:
+        def serving() -> dict | None:
+            if self.coordinator.poll() is not None:
+                raise RuntimeError("coordinator exited:\n" + self.coordinator_log())
+            if not self.state_file.exists():
+                return None
+            body = json.loads(self.state_file.read_text())
+            return body if body["term"] >= term else None
+
+        body = wait_for(serving, deadline_s, f"the mesh to serve term {term}")
+        self.http_url = body["http_url"]
+        return body
+
+    def status(self) -> StatusReply:
+        from coordinator.cli import fetch_status
+
+        return fetch_status(self.coordinator_address)
+
+    def stage_address(self, node_id: str) -> str:
+        for stage in self.status().stages:
+            if stage.node_id == node_id:
+                return stage.address
+        raise KeyError(node_id)
+
+    def kill_stage(self, node_id: str) -> None:
+        process = self.stages.pop(node_id)
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+
+    def stage_log(self, node_id: str) -> str:
+        return (self.logs / f"{node_id}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for process in [*self.stages.values(), self.coordinator]:
+            if process.poll() is None:
+                process.terminate()
+        for process in [*self.stages.values(), self.coordinator]:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+        self.stages.clear()

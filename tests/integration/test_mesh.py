@@ -1,0 +1,209 @@
+"""The mesh as real processes: coordinator + stage processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from mesh_harness import MeshProcesses, wait_for
+from openai import OpenAI
+
+from mesh.codec import (
+    ClaimRequest,
+    Frame,
+    FrameAck,
+    FrameKind,
+    WireDType,
+    decode_tensor,
+    encode_tensor,
+)
+from mesh.grpc_util import channel
+from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
+from mesh.runtime import load_stage_runtime
+from mesh.types import LayerRange
+
+PROMPT = [1, 517, 2049, 33, 1200, 77, 4051, 9, 300]
+NEW_TOKENS = 12
+
+
+def reference_tokens(package: Path, ranges: list[LayerRange], wire: WireDType) -> list[int]:
+    """Greedy tokens of an in-process chain of runtimes whose boundaries apply the
+    same wire encoding as the mesh."""
+    chain = [load_stage_runtime(package, r) for r in ranges]
+    tokens = list(PROMPT)
+    pos = 0
+    out: list[int] = []
+    inputs = torch.tensor(tokens)
+    for _ in range(NEW_TOKENS):
+        value = inputs
+        for index, runtime in enumerate(chain):
+            value = runtime.forward("ref", pos, value)
+            if index < len(chain) - 1:
+                value = decode_tensor(encode_tensor(value, wire))
+        token = int(torch.argmax(value[-1]))
+        out.append(token)
+        pos += len(inputs)
+        inputs = torch.tensor([token])
+    return out
+
+
+def unsplit_tokens(model_dir: Path) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generated = model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=0
+    )
+    return generated[0, len(PROMPT) :].tolist()
+
+
+def mesh_tokens(client: OpenAI, model: str) -> str:
+    """Greedy completion text through the HTTP frontend for the token-id prompt."""
+    reply = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0
+    )
+    return reply.choices[0].text
+
+
+@pytest.fixture
+def mesh_factory(tmp_path: Path):
+    meshes: list[MeshProcesses] = []
+
+    def make(package: Path, stages: int, **kwargs) -> MeshProcesses:
+        mesh = MeshProcesses(package, tmp_path / f"mesh{len(meshes)}", stages, **kwargs)
+        meshes.append(mesh)
+        return mesh.start()
+
+    yield make
+    for mesh in meshes:
+        mesh.close()
+
+
+def stage_ranges(mesh: MeshProcesses) -> list[LayerRange]:
+    stages = sorted((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
+    return [s.layer_range for s in stages]
+
+
+@pytest.mark.parametrize("wire", ["f32", "bf16"])
+def test_three_stage_mesh_matches_unsplit_model(
+    mesh_factory, tiny_package_factory, tiny_model_factory, wire
+):
+    from transformers import AutoTokenizer
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = mesh_factory(package, 3, wire_dtype=wire)
+    mesh.wait_serving()
+    ranges = stage_ranges(mesh)
+    assert len(ranges) == 3 and ranges[0].start == 0 and ranges[-1].end == 6
+    assert all(a.end == b.start for a, b in zip(ranges, ranges[1:], strict=False))
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    text = mesh_tokens(client, "tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(package)
+    expected = reference_tokens(package, ranges, WireDType.parse(wire))
+    assert text == tokenizer.decode(expected)
+    if wire == "f32":
+        # The f32 chain is the unsplit model: same greedy tokens as HF generate.
+        assert expected == unsplit_tokens(tiny_model_factory("llama", layers=6))
+    # Every session ends on every stage once its request is done.
+    wait_for(
+        lambda: all(s.active_sessions == 0 for s in mesh.status().stages),
+        10,
+        "sessions to be freed on every stage",
+    )
+
+
+def test_corrupt_slice_rolls_back_the_whole_attempt(mesh_factory, tiny_package_factory, tmp_path):
+    source = tiny_package_factory("llama", layers=6)
+    package = tmp_path / "corrupt-pkg"
+    shutil.copytree(source, package)
+    victim = package / "layers" / "00005.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    mesh = mesh_factory(package, 3)
+
+    def failed():
+        status = mesh.status() if mesh.coordinator_address else None
+        return status if status is not None and status.state == "failed" else None
+
+    status = wait_for(failed, 120, "the load attempt to fail")
+    assert "stage 2" in status.error and "Prepare" in status.error
+    assert "00005.safetensors" in status.error and "sha256" in status.error
+    assert "127.0.0.1:" in status.error
+    # Every stage of the attempt was released: none holds layers.
+    wait_for(
+        lambda: all(s.state in ("idle", "claimed") for s in mesh.status().stages),
+        10,
+        "every stage to be released",
+    )
+
+
+def test_stale_term_bad_frame_and_dead_stage(mesh_factory, tiny_package_factory):
+    package = tiny_package_factory("llama", layers=6)
+    mesh = mesh_factory(package, 3)
+    mesh.wait_serving()
+    status = mesh.status()
+    middle = next(s for s in status.stages if s.assigned and s.stage_index == 1)
+
+    # A stale term is refused with FAILED_PRECONDITION and changes nothing.
+    ch = channel(middle.address)
+    stub = stage_pb2_grpc.StageControlStub(ch)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Claim(ClaimRequest(0, "intruder", "tiny-llama", "x").to_proto(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "term" in refused.value.details()
+
+    # A bad frame (wrong hidden size) fails only its own request, while a real
+    # request through the same stage completes with the right tokens.
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    answers: list[str] = []
+    worker = threading.Thread(target=lambda: answers.append(mesh_tokens(client, "tiny-llama")))
+    worker.start()
+    bad = Frame(
+        request_id="bad-request",
+        session_id="bad-session",
+        kind=FrameKind.PREFILL,
+        pos_start=0,
+        token_ids=(1, 2, 3),
+        hidden=torch.zeros(3, 17),
+        term=status.term,
+    )
+    data = data_pb2_grpc.StageDataStub(ch)
+    acks = data.Forward(iter([bad.to_proto()]), timeout=10)
+    ack = FrameAck.from_proto(next(acks))
+    assert ack.request_id == "bad-request"
+    assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
+    assert "hidden" in ack.error.message
+    worker.join(60)
+    ranges = stage_ranges(mesh)
+    from transformers import AutoTokenizer
+
+    expected = AutoTokenizer.from_pretrained(package).decode(
+        reference_tokens(package, ranges, WireDType.F32)
+    )
+    assert answers == [expected]
+    ch.close()
+
+    # Killing the last stage is noticed within seconds and shown in status.
+    last = next(s for s in status.stages if s.assigned and s.stage_index == 2)
+    killed_at = time.monotonic()
+    mesh.kill_stage(last.node_id)
+
+    def dead():
+        for stage in mesh.status().stages:
+            if stage.node_id == last.node_id and stage.health == "dead":
+                return True
+        return False
+
+    wait_for(dead, 10, "the coordinator to mark the killed stage dead")
+    assert time.monotonic() - killed_at < 10
+    # The coordinator plans again with the two stages left and serves.
+    mesh.wait_serving(term=status.term + 1, deadline_s=120)
+    assert len(stage_ranges(mesh)) == 2
+    again = mesh_tokens(client, "tiny-llama")
+    assert again == expected

@@ -1,0 +1,278 @@
+"""Every error the HTTP layer answers: status code, OpenAI body shape, headers.
+
+Also client disconnects: a client that goes away mid-request cancels it in the
+backend. The live server fixture fails a test if any request reached the
+catch-all 500 handler.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from frontend_support import (
+    MODEL_ID,
+    TinyModelBackend,
+    assert_openai_error,
+    live_server,
+    metric_value,
+)
+
+from mesh.errors import Unavailable
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+BODY_LIMIT = 64 * 1024
+OK_CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+OK_COMPLETION = {"model": MODEL_ID, "prompt": "hello", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_factory) -> TinyModelBackend:
+    return TinyModelBackend(Path(tiny_model_factory("llama", layers=2)))
+
+
+@pytest.fixture(scope="module")
+def base_url(backend, tokenizer) -> Iterator[str]:
+    with live_server(backend, tokenizer, max_request_bytes=BODY_LIMIT) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base_url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=30.0) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def reset_backend(backend) -> Iterator[None]:
+    yield
+    backend.set_ready(True)
+    backend.max_sessions = 16
+    backend.fail_with = None
+    backend.step_delay_s = 0.0
+
+
+def with_(body: dict, **changes) -> dict:
+    return {**body, **changes}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, with_(OK_CHAT, temperature="hot"), "temperature"),
+        (CHAT, with_(OK_CHAT, temperature=-0.5), "temperature"),
+        (CHAT, with_(OK_CHAT, temperature=2.5), "temperature"),
+        (CHAT, with_(OK_CHAT, temperature=True), "temperature"),
+        (CHAT, with_(OK_CHAT, top_p=0), "top_p"),
+        (CHAT, with_(OK_CHAT, top_p=1.5), "top_p"),
+        (CHAT, with_(OK_CHAT, top_k=-1), "top_k"),
+        (CHAT, with_(OK_CHAT, top_k=2.5), "top_k"),
+        (CHAT, with_(OK_CHAT, max_tokens=0), "max_tokens"),
+        (CHAT, with_(OK_CHAT, max_tokens=1.5), "max_tokens"),
+        (CHAT, with_(OK_CHAT, max_tokens="5"), "max_tokens"),
+        (CHAT, with_(OK_CHAT, max_completion_tokens=-3), "max_completion_tokens"),
+        (CHAT, with_(OK_CHAT, seed=2**70), "seed"),
+        (CHAT, with_(OK_CHAT, stream="yes"), "stream"),
+        (CHAT, with_(OK_CHAT, stop=7), "stop"),
+        (CHAT, with_(OK_CHAT, stop=["a", "b", "c", "d", "e"]), "stop"),
+        (CHAT, with_(OK_CHAT, stop=["x" * 300]), "stop"),
+        (CHAT, with_(OK_CHAT, stop=""), "stop"),
+        (CHAT, with_(OK_CHAT, n=2), "n"),
+        (CHAT, with_(OK_CHAT, n=0), "n"),
+        (CHAT, with_(OK_CHAT, logprobs=True), "logprobs"),
+        (CHAT, with_(OK_CHAT, tools=[{"type": "function"}]), "tools"),
+        (CHAT, with_(OK_CHAT, presence_penalty=0.5), "presence_penalty"),
+        (CHAT, with_(OK_CHAT, response_format={"type": "json_object"}), "response_format"),
+        (CHAT, with_(OK_CHAT, stream_options={"include_usage": True}), "stream_options"),
+        (CHAT, with_(OK_CHAT, user=["not", "a", "string"]), "user"),
+        (CHAT, with_(OK_CHAT, messages=[]), "messages"),
+        (CHAT, with_(OK_CHAT, messages="hi"), "messages"),
+        (CHAT, with_(OK_CHAT, messages=[{"role": "robot", "content": "x"}]), "messages"),
+        (CHAT, with_(OK_CHAT, messages=[{"role": "user"}]), "messages"),
+        (CHAT, with_(OK_CHAT, messages=[{"role": "user", "content": 5}]), "messages"),
+        (
+            CHAT,
+            with_(OK_CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages",
+        ),
+        (CHAT, with_(OK_CHAT, model=5), "model"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt=["a", "b"]), "prompt"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt=[]), "prompt"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt=[1, -2]), "prompt"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt=[10**9]), "prompt"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt=""), "prompt"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt={"text": "x"}), "prompt"),
+        (COMPLETIONS, with_(OK_COMPLETION, echo=True), "echo"),
+        (COMPLETIONS, with_(OK_COMPLETION, best_of=3), "best_of"),
+        (COMPLETIONS, with_(OK_COMPLETION, logprobs=2), "logprobs"),
+        (COMPLETIONS, with_(OK_COMPLETION, suffix="end"), "suffix"),
+        (COMPLETIONS, with_(OK_COMPLETION, n=3), "n"),
+    ],
+)
+def test_bad_parameters_are_400(http, path: str, body: dict, param: str) -> None:
+    assert_openai_error(http.post(path, json=body), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [(CHAT, "model"), (CHAT, "messages"), (COMPLETIONS, "model"), (COMPLETIONS, "prompt")],
+)
+def test_missing_fields_are_400(http, path: str, field: str) -> None:
+    body = dict(OK_CHAT if path == CHAT else OK_COMPLETION)
+    del body[field]
+    assert_openai_error(http.post(path, json=body), 400, code="missing_field", param=field)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{not json", b"", b"   ", b"[1, 2]", b'"text"', b"\xff\xfe\x00", b'{"a": NaN}', b"[" * 50000],
+)
+def test_malformed_bodies_are_400(http, raw: bytes) -> None:
+    headers = {"content-type": "application/json"}
+    assert_openai_error(http.post(CHAT, content=raw, headers=headers), 400, code="invalid_json")
+
+
+def test_unknown_model_is_404(http) -> None:
+    response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, model="gpt-4"))
+    assert_openai_error(response, 404, code="model_not_found", param="model")
+    assert_openai_error(http.get("/v1/models/gpt-4"), 404, code="model_not_found")
+
+
+def test_unknown_route_404_and_wrong_method_405(http) -> None:
+    assert_openai_error(http.post("/v1/embeddings", json={}), 404, code="not_found")
+    assert_openai_error(http.get("/nothing/here"), 404)
+    response = http.get(CHAT)
+    assert_openai_error(response, 405, code="method_not_allowed")
+    assert "POST" in response.headers["allow"]
+
+
+def test_prompt_longer_than_context_is_400(http, backend) -> None:
+    prompt = [5] * backend.context_length
+    response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=prompt))
+    assert_openai_error(response, 400, code="context_length_exceeded", param="prompt")
+    chat = with_(OK_CHAT, messages=[{"role": "user", "content": "word " * 600}])
+    assert_openai_error(http.post(CHAT, json=chat), 400, code="context_length_exceeded")
+
+
+def test_max_tokens_beyond_context_is_clamped(http, backend) -> None:
+    prompt = [5] * (backend.context_length - 3)
+    body = with_(OK_COMPLETION, prompt=prompt, max_tokens=100, temperature=0)
+    response = http.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    assert backend.requests[-1].max_new_tokens == 3
+    assert reply["usage"]["completion_tokens"] <= 3
+    if reply["usage"]["completion_tokens"] == 3:
+        assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_body_over_the_limit_is_413(http) -> None:
+    big = with_(OK_COMPLETION, prompt="x" * (BODY_LIMIT + 10))
+    assert_openai_error(http.post(COMPLETIONS, json=big), 413, code="request_too_large")
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 8192):
+            yield payload[i : i + 8192]
+
+    response = http.post(COMPLETIONS, content=chunked())
+    assert_openai_error(response, 413, code="request_too_large")
+
+
+def test_capacity_exceeded_is_429_with_retry_after(http, backend, base_url) -> None:
+    backend.max_sessions = 0
+    response = http.post(CHAT, json=OK_CHAT)
+    assert_openai_error(response, 429)
+    assert response.headers["retry-after"] == "1"
+    stream = http.post(CHAT, json=with_(OK_CHAT, stream=True))
+    assert_openai_error(stream, 429)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=MODEL_ID, messages=OK_CHAT["messages"])
+
+
+def test_not_ready_is_503_with_reason(http, backend) -> None:
+    backend.set_ready(False, "stage 1 is loading layers [2, 4)")
+    health = http.get("/health")
+    assert health.status_code == 503 and health.headers["retry-after"] == "1"
+    assert health.json() == {"status": "unavailable", "reason": "stage 1 is loading layers [2, 4)"}
+    response = http.post(COMPLETIONS, json=OK_COMPLETION)
+    error = assert_openai_error(response, 503)
+    assert "stage 1 is loading" in error["message"] and response.headers["retry-after"] == "1"
+
+
+def test_backend_unavailable_is_503(http, backend) -> None:
+    backend.fail_with = Unavailable("stage 2 at 127.0.0.1:7001 is gone; replanning")
+    response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, stream=True))
+    assert_openai_error(response, 503)
+    assert response.headers["retry-after"] == "1"
+
+
+def test_api_key_is_required_when_configured(backend, tokenizer) -> None:
+    with live_server(backend, tokenizer, api_key="s3cret") as url:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            response = httpx.post(f"{url}{COMPLETIONS}", json=OK_COMPLETION, headers=headers)
+            assert_openai_error(response, 401, code="invalid_api_key")
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert_openai_error(httpx.get(f"{url}/v1/models"), 401)
+        assert httpx.get(f"{url}/health").status_code == 200
+        good = {"authorization": "Bearer s3cret"}
+        response = httpx.post(f"{url}{COMPLETIONS}", json=OK_COMPLETION, headers=good, timeout=30)
+        assert response.status_code == 200, response.text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data
+
+
+def test_disconnect_mid_stream_cancels_the_request(http, backend, base_url) -> None:
+    backend.step_delay_s = 0.02
+    closed_before = len(backend.closed.ids)
+    body = with_(OK_COMPLETION, max_tokens=400, stream=True)
+    with httpx.Client(base_url=base_url, timeout=30.0) as client:
+        with client.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200
+            data: list[str] = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line)
+                if len(data) >= 3:
+                    break
+    request_id = backend.requests[-1].request_id
+    closed = backend.closed.wait_for(closed_before + 1, timeout_s=5.0)
+    assert request_id in closed, "the backend did not see the request closed"
+    metrics = http.get("/metrics").text
+    assert metric_value(metrics, "mesh_active_requests") == 0
+    tokens = metric_value(metrics, "mesh_completion_tokens_total", 'endpoint="/v1/completions"')
+    assert tokens < 400 * 2  # the 400-token request stopped early
+
+
+def test_disconnect_during_non_streaming_request_cancels_it(http, backend, base_url) -> None:
+    backend.step_delay_s = 0.02
+    closed_before = len(backend.closed.ids)
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(with_(OK_COMPLETION, max_tokens=400)).encode()
+    request = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        wait = backend.closed.wait_for(closed_before + 1, timeout_s=0.3)
+        assert len(wait) == closed_before, "the request finished before the client left"
+    closed = backend.closed.wait_for(closed_before + 1, timeout_s=5.0)
+    assert backend.requests[-1].request_id in closed
+    metrics = http.get("/metrics").text
+    assert metric_value(metrics, "mesh_http_requests_total", f'endpoint="{COMPLETIONS}",status="499"')
