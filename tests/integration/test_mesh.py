@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from mesh_harness import MeshProcesses, wait_for
 from openai import OpenAI
 
+from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.codec import (
     ClaimRequest,
     Frame,

@@ -1,6 +1,6 @@
-"""Real multi-process meshes on 127.0.0.1 for integration tests.
+"""A real multi-process mesh on one machine, for tests, benchmarks and demos.
 
-The harness runs `mesh-coordinator up --no-local-stage` and starts each stage
+It runs `mesh-coordinator up --no-local-stage` and starts each stage
 process itself, so a test can kill one. Ports come from the OS; readiness is
 polled with deadlines; every process is cleaned up, even when a test fails.
 """
