@@ -20,6 +20,7 @@ from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.codec import StatusReply, StatusRequest, WireDType
+from mesh.config import CLI_KEYS, add_speculation_arguments
 from mesh.errors import MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.logsetup import configure_logging
@@ -50,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
     up.add_argument("--cache-dir", type=Path, default=None, help="slice cache of local stages")
     up.add_argument("--state-file", type=Path, default=None, help="write JSON once serving")
+    up.add_argument("--config", type=Path, default=None, help="mesh.toml")
     up.add_argument("--log-level", default=None)
+    add_speculation_arguments(up)
     status = sub.add_parser("status", help="print the topology")
     status.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -93,7 +96,25 @@ def _spawn_stage(
         command += ["--log-level", args.log_level]
     if frontend:
         command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
+        command += _speculation_argv(args)
     return subprocess.Popen(command, start_new_session=True)
+
+
+def _speculation_argv(args: argparse.Namespace) -> list[str]:
+    """The speculation flags and --config as given, for the local stage 0."""
+    argv: list[str] = ["--config", str(args.config)] if args.config else []
+    if args.no_draft:
+        argv.append("--no-draft")
+    for dest in CLI_KEYS:
+        value = getattr(args, dest, None)
+        if value is None or dest == "no_draft":
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + dest.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def up(args: argparse.Namespace) -> int:

@@ -396,7 +396,9 @@ def _finish(
 
     if values["ngram_min"] > values["ngram_max"]:
         raise InvalidRequest(f"speculation: {who('ngram_min')} exceeds {who('ngram_max')}")
-    lo, init, hi = (values[f"window_policy.{k}"] for k in WINDOW_KEYS[1:])
+    lo, init, hi = (
+        values[f"window_policy.{k}"] for k in ("min_window", "initial_window", "max_window")
+    )
     if not lo <= init <= hi:
         raise InvalidRequest(
             "speculation: window sizes must satisfy min_window <= initial_window <= max_window; "

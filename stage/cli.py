@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from mesh.codec import HeartbeatRequest, JoinRequest
+from mesh.config import add_speculation_arguments
 from mesh.errors import MeshError
 from mesh.grpc_util import SERVER_OPTIONS
 from mesh.logsetup import configure_logging
@@ -57,7 +58,9 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--api-key-file", type=Path, default=None, help="file with the HTTP API key")
     join.add_argument("--max-sessions", type=int, default=16, help="frontend request limit")
     join.add_argument("--max-queued", type=int, default=32, help="frontend queue limit")
+    join.add_argument("--config", type=Path, default=None, help="mesh.toml (speculation keys)")
     join.add_argument("--log-level", default=None)
+    add_speculation_arguments(join)
 
 
 def _bind(server: grpc.Server, listen: str) -> int:

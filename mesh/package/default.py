@@ -50,9 +50,7 @@ def build_default_package(out: Path | None = None, *, force: bool = False) -> Pa
             logger.info("building the default package at %s (%s)", out, problem)
         from mesh.package.builder import build_package  # imports torch: only when building
 
-        build_package(
-            "default", out, dtype=DEFAULT_DTYPE, model_id=DEFAULT_MODEL_ID, overwrite=True
-        )
+        build_package("default", out, dtype=DEFAULT_DTYPE, model_id=DEFAULT_MODEL_ID)
     return out
 
 

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,7 +218,13 @@ class _Job:
                 raise
         return slice_dir
 
-    def _materialise_file(self, entry: PackageFile, slice_dir: Path, fetch, origin) -> None:
+    def _materialise_file(
+        self,
+        entry: PackageFile,
+        slice_dir: Path,
+        fetch: Callable[[PackageFile], Path],
+        origin: PackageOrigin,
+    ) -> None:
         target = slice_dir / entry.path
         self._set_file(entry, "preparing", 0)
         if target.is_file():
@@ -243,7 +250,9 @@ class _Job:
         self._set_file(entry, "ready", entry.bytes)
 
 
-def _open_package(origin: PackageOrigin):
+def _open_package(
+    origin: PackageOrigin,
+) -> tuple[PackageManifest, Callable[[PackageFile], Path]]:
     """The manifest of ``origin`` and a function that gives a readable local path for a file."""
     if origin.local_dir is not None:
         directory = origin.local_dir

@@ -3,7 +3,7 @@
 The drafter finds the longest suffix of the committed sequence, with length n in
 ``[ngram_min, ngram_max]``, that occurred earlier, takes its most recent earlier
 occurrence, and proposes the tokens that followed it. An incremental index
-(n-gram -> positions of the token that followed it) is updated as tokens are
+(n-gram -> position of the token that followed it) is updated as tokens are
 committed, so a proposal costs a handful of dict lookups whatever the context length.
 """
 
@@ -18,8 +18,10 @@ Pattern = tuple[int, ...]
 
 
 class NgramIndex:
-    """For every n in ``[ngram_min, ngram_max]``: n-gram -> ascending list of the
-    positions of the token that followed each of its occurrences."""
+    """For every n in ``[ngram_min, ngram_max]``: n-gram -> position of the token that
+    followed its most recent occurrence, with a per-position link to the occurrence
+    before (so a rollback restores earlier matches exactly). Values are plain ints:
+    no per-entry lists, little work for the garbage collector on long prompts."""
 
     def __init__(self, ngram_min: int = 2, ngram_max: int = 6) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -29,31 +31,41 @@ class NgramIndex:
             )
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
-        self._follow: dict[int, dict[Pattern, list[int]]] = {
-            n: {} for n in range(ngram_min, ngram_max + 1)
-        }
+        sizes = range(ngram_min, ngram_max + 1)
+        self._last: dict[int, dict[Pattern, int]] = {n: {} for n in sizes}
+        # _previous[n][j]: the follower position of the previous occurrence of the
+        # n-gram followed by position j (-1 if none, or if j < n).
+        self._previous: dict[int, list[int]] = {n: [] for n in sizes}
 
     def clear(self) -> None:
-        for table in self._follow.values():
-            table.clear()
+        for n in self._last:
+            self._last[n].clear()
+            self._previous[n].clear()
 
     def add(self, tokens: Sequence[int], start: int) -> None:
-        """Index the n-grams followed by ``tokens[j]`` for every ``j >= start``."""
-        for j in range(max(start, self.ngram_min), len(tokens)):
-            for n, table in self._follow.items():
-                if j >= n:
-                    table.setdefault(tuple(tokens[j - n : j]), []).append(j)
+        """Index the n-grams followed by ``tokens[j]`` for every ``j >= start``
+        (``start`` must equal the number of positions indexed so far)."""
+        for j in range(start, len(tokens)):
+            for n, last in self._last.items():
+                if j < n:
+                    self._previous[n].append(-1)
+                    continue
+                key = tuple(tokens[j - n : j])
+                self._previous[n].append(last.get(key, -1))
+                last[key] = j
 
     def remove(self, tokens: Sequence[int], length: int) -> None:
-        """Undo ``add`` for followers at positions ``>= length`` (newest first)."""
-        for j in range(len(tokens) - 1, max(length, self.ngram_min) - 1, -1):
-            for n, table in self._follow.items():
-                if j >= n:
-                    key = tuple(tokens[j - n : j])
-                    positions = table[key]
-                    positions.pop()
-                    if not positions:
-                        del table[key]
+        """Undo ``add`` for positions ``>= length``, newest first."""
+        for j in range(len(tokens) - 1, length - 1, -1):
+            for n, last in self._last.items():
+                previous = self._previous[n].pop()
+                if j < n:
+                    continue
+                key = tuple(tokens[j - n : j])
+                if previous < 0:
+                    del last[key]
+                else:
+                    last[key] = previous
 
     def lookup(self, tokens: Sequence[int], k: int) -> tuple[Pattern | None, list[int]]:
         """The longest matched suffix and up to ``k`` tokens that followed its most
@@ -62,10 +74,9 @@ class NgramIndex:
         length = len(tokens)
         for n in range(min(self.ngram_max, length), self.ngram_min - 1, -1):
             key = tuple(tokens[length - n :])
-            positions = self._follow[n].get(key)
-            if not positions:
+            follow = self._last[n].get(key)
+            if follow is None:
                 continue
-            follow = positions[-1]
             proposal: list[int] = []
             for i in range(k):
                 index = follow + i

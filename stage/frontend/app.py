@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from mesh.errors import Unavailable
 from mesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -152,7 +153,11 @@ class _Frontend:
     async def generate(self, request: Request, kind: str) -> Response:
         arrival = time.perf_counter()
         self.authorize(request)
-        payload = await read_json_object(request, self.max_request_bytes)
+        try:
+            payload = await read_json_object(request, self.max_request_bytes)
+        except ClientDisconnect:
+            logger.info("client left while sending the request body")
+            return Response(status_code=CLIENT_CLOSED_STATUS)
         try:
             if kind == "chat":
                 body: Any = ChatCompletionBody.model_validate(payload)

@@ -81,6 +81,40 @@ def _read_api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get("MESH_API_KEY") or None
 
 
+def _speculation(args: argparse.Namespace, model_id: str, loaded: LoadedStage, tokenizer):
+    """Resolve the speculation config (CLI > TOML model entry > TOML defaults >
+    package metadata > built-in) and build the per-request drafter factory. A draft
+    that cannot be used falls back to n-gram with a warning; speculation never stops
+    the frontend from serving."""
+    from mesh.config import cli_speculation_args, load_toml, resolve_speculation
+    from mesh.package.manifest import PackageManifest
+    from mesh.speculative import build_drafter
+
+    toml = load_toml(args.config) if getattr(args, "config", None) else {}
+    manifest = PackageManifest.load(loaded.package_dir)
+    config = resolve_speculation(
+        cli_speculation_args(args),
+        toml,
+        model_id,
+        manifest.generation,
+        no_draft=bool(getattr(args, "no_draft", False)),
+    )
+    runtime = loaded.engine.runtime
+    factory = build_drafter(config, tokenizer, device=runtime.device, dtype=runtime.torch_dtype)
+    if factory is None:
+        logger.info("speculation is off")
+    else:
+        logger.info(
+            "speculation: %s (policy %s, window %s..%s)%s",
+            factory.name,
+            config.window_policy.default,
+            config.window_policy.min_window,
+            config.window_policy.max_window,
+            f"; {factory.fallback_reason}" if factory.fallback_reason else "",
+        )
+    return factory
+
+
 def start_frontend(node: StageNode, args: argparse.Namespace) -> FrontendHost:
     limits = SchedulerLimits(max_sessions=args.max_sessions, max_queued=args.max_queued)
     scheduler = PipelineScheduler(node, model_id="", limits=limits)
@@ -96,6 +130,8 @@ def start_frontend(node: StageNode, args: argparse.Namespace) -> FrontendHost:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(loaded.package_dir)
+        scheduler.speculation = _speculation(args, scheduler.model_id, loaded, tokenizer)
+        scheduler.detokenize = tokenizer.decode
         switch.current = create_app(
             scheduler, tokenizer, model_id=scheduler.model_id, api_key=api_key
         )

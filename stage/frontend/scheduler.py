@@ -13,13 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from mesh.codec import Frame, FrameKind, TokenResult
 from mesh.errors import CapacityExceeded, InvalidRequest, Unavailable
 from mesh.metrics import Registry
 from mesh.package.manifest import PackageManifest
+from mesh.speculative import (
+    ConcurrencyRule,
+    DrafterFactory,
+    RoundContext,
+    Telemetry,
+    plan_window,
+)
 from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
 from stage.node import LoadedStage, StageNode
 
@@ -32,13 +39,105 @@ class SchedulerLimits:
     max_queued: int = 32
     prefill_chunk_tokens: int = 512
     round_timeout_s: float = 120.0
+    recovery_timeout_s: float = 60.0
+
+
+class _RequestRun:
+    """One request's progress: every token so far, speculation state, counters."""
+
+    def __init__(self, request: GenerationRequest, speculation) -> None:
+        self.request = request
+        self.tokens: list[int] = list(request.prompt_tokens)
+        self.produced = 0
+        self.term = 0
+        self.recovered = False
+        self.prompt_ms = 0.0
+        self.decode_started = time.perf_counter()
+        self.drafter = self.policy = None
+        self.strategy = ""
+        self.telemetry: Telemetry | None = None
+        if speculation is not None:
+            self.drafter, self.policy, self.strategy = speculation
+            self.telemetry = Telemetry()
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the last committed token (the next frame's pos_start)."""
+        return len(self.tokens) - 1
+
+    def tokens_left(self) -> int:
+        return self.request.max_new_tokens - self.produced
+
+    def commit(self, emitted: list[int]) -> TokenEvent:
+        """Commit emitted tokens up to a stop token or the token budget."""
+        finish = None
+        out: list[int] = []
+        for token in emitted:
+            if token in self.request.stop_token_ids:
+                finish = "stop"
+                break
+            out.append(token)
+            if self.produced + len(out) >= self.request.max_new_tokens:
+                finish = "length"
+                break
+        self.produced += len(out)
+        self.tokens.extend(out)
+        return TokenEvent(token_ids=tuple(out), finish_reason=finish, stats=self.stats())
+
+    def observe(
+        self,
+        drafts: list[int],
+        accepted: int,
+        emitted: list[int],
+        round_s: float,
+        draft_s: float,
+    ) -> None:
+        if self.drafter is None or not emitted:
+            return
+        if drafts:
+            self.drafter.accept(accepted, emitted[-1])
+        else:
+            self.drafter.extend(emitted)
+        if not self.recovered:
+            self.policy.observe(len(drafts), accepted, round_s, draft_s)
+        self.telemetry.record_round(len(drafts), accepted, len(emitted), round_s, draft_s)
+
+    def stats(self) -> GenerationStats:
+        speculation: dict[str, float] = {}
+        if self.telemetry is not None:
+            t = self.telemetry
+            speculation = {
+                "drafted": t.drafted,
+                "accepted": t.accepted,
+                "accept_rate": round(t.accept_rate, 4),
+                "windows": t.windows,
+                "tokens_per_round": round(t.mean_tokens_per_round, 4),
+            }
+        return GenerationStats(
+            prompt_tokens=len(self.request.prompt_tokens),
+            completion_tokens=self.produced,
+            prompt_ms=self.prompt_ms,
+            decode_ms=(time.perf_counter() - self.decode_started) * 1000.0,
+            speculation=speculation,
+        )
 
 
 class PipelineScheduler:
     """Implements the HTTP layer's GenerationBackend over a stage-0 StageNode."""
 
-    def __init__(self, node: StageNode, model_id: str, limits: SchedulerLimits) -> None:
+    def __init__(
+        self,
+        node: StageNode,
+        model_id: str,
+        limits: SchedulerLimits,
+        concurrency: ConcurrencyRule | None = None,
+    ) -> None:
         self.node = node
+        self.speculation: DrafterFactory | None = None
+        self.detokenize: Callable[[Sequence[int]], str] | None = None
+        self.concurrency = concurrency or ConcurrencyRule()
+        self.telemetry_totals: dict[str, Telemetry] = {}
+        self.recoveries = 0
         self.model_id = model_id
         self.context_length = 0
         self.limits = limits
@@ -66,6 +165,14 @@ class PipelineScheduler:
             ("kind",),
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
         )
+        self._m_recoveries = self.registry.gauge(
+            "mesh_request_recoveries_total", "Requests resumed on a reloaded pipeline."
+        )
+        self._m_spec = self.registry.gauge(
+            "mesh_speculation_tokens_total",
+            "Speculation counters of finished requests, by strategy and counter.",
+            ("strategy", "counter"),
+        )
         node.set_result_sink(self._on_result)
         node.on_load_change(self._on_load_change)
 
@@ -82,6 +189,16 @@ class PipelineScheduler:
     def metrics_text(self) -> str:
         self._m_sessions.set(self._active)
         self._m_queued.set(self._queued)
+        self._m_recoveries.set(self.recoveries)
+        for strategy, totals in self.telemetry_totals.items():
+            for key, value in (
+                ("drafted", totals.drafted),
+                ("accepted", totals.accepted),
+                ("windows", totals.windows),
+                ("rounds", totals.rounds),
+                ("emitted", totals.emitted),
+            ):
+                self._m_spec.labels(strategy, key).set(value)
         return self.registry.render()
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
@@ -109,7 +226,7 @@ class PipelineScheduler:
             self._active -= 1
             self._slots.release()
             self._waiters.pop(session, None)
-            if self._loaded is loaded:
+            if self._loaded is not None:
                 self.node.submit(Frame(session, session, FrameKind.END, 0, term=self._term()))
 
     # ---- the per-request loop ---------------------------------------------------------
@@ -127,64 +244,164 @@ class PipelineScheduler:
     async def _run(
         self, loaded: LoadedStage, request: GenerationRequest, started: float
     ) -> AsyncGenerator[TokenEvent, None]:
-        session = request.request_id
-        term = loaded.request.term
+        """Prefill, then decode (or verify speculative windows) until a stop. When the
+        pipeline is lost mid-request, wait for the reloaded one and rebuild the
+        session's KV from the prompt and committed tokens, then carry on."""
         prompt = request.prompt_tokens
         if not prompt:
             raise InvalidRequest("the prompt is empty; send at least one token")
+        run = _RequestRun(request, self._new_speculation(request))
+        run.term = loaded.request.term
+        result = await self._resilient(run, lambda: self._prefill(run, prompt))
+        run.prompt_ms = (time.perf_counter() - started) * 1000.0
+        run.decode_started = time.perf_counter()
+        emitted = list(result.token_ids)
+        if run.drafter is not None:
+            run.drafter.extend(emitted)
+        while True:
+            event = run.commit(emitted)
+            if event.finish_reason is not None:
+                self._finish(run)
+                yield event
+                return
+            yield event
+            drafts, draft_s = self._propose(run)
+            sent = time.perf_counter()
+            run.recovered = False
+            result = await self._resilient(run, lambda d=drafts: self._step(run, d))
+            emitted = list(result.token_ids)
+            accepted = 0 if run.recovered else result.accepted_count
+            run.observe(drafts, accepted, emitted, time.perf_counter() - sent, draft_s)
+
+    def _new_speculation(self, request: GenerationRequest):
+        factory = self.speculation
+        if factory is None:
+            return None
+        drafter = factory.new_drafter()
+        text = self.detokenize(request.prompt_tokens) if self.detokenize else None
+        drafter.begin(request.prompt_tokens, prompt_text=text)
+        return drafter, factory.new_policy(), factory.name
+
+    def _propose(self, run: _RequestRun) -> tuple[list[int], float]:
+        if run.drafter is None:
+            return [], 0.0
+        context = RoundContext(
+            tokens_left=run.tokens_left(),
+            active_sessions=self._active,
+            draft_cost_per_token_s=run.drafter.cost_per_token_s,
+        )
+        window = plan_window(run.policy, context, self.concurrency)
+        if window <= 0:
+            return [], 0.0
+        started = time.perf_counter()
+        drafts = run.drafter.propose(window)
+        return drafts, time.perf_counter() - started
+
+    async def _prefill(self, run: _RequestRun, tokens: tuple[int, ...]) -> TokenResult:
+        """Send ``tokens`` from position 0 as PREFILL chunks; the last one samples."""
+        loaded = self._admit_check()
         chunk = max(1, self.limits.prefill_chunk_tokens)
-        for start in range(0, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
-            final = start + chunk >= len(prompt)
+        session = run.request.request_id
+        for start in range(0, len(tokens), chunk):
+            final = start + chunk >= len(tokens)
             frame = Frame(
                 request_id=session,
                 session_id=session,
                 kind=FrameKind.PREFILL,
                 pos_start=start,
-                token_ids=piece,
-                sampling=request.sampling if start == 0 else None,
-                term=term,
+                token_ids=tokens[start : start + chunk],
+                sampling=run.request.sampling if start == 0 else None,
+                term=loaded.request.term,
                 sample=final,
             )
             if final:
-                result = await self._round(frame)
-            else:
-                self._send(frame)
-        prompt_ms = (time.perf_counter() - started) * 1000.0
-        decode_started = time.perf_counter()
-        produced = 0
-        while True:
-            tokens = list(result.token_ids)
-            finish = None
-            out: list[int] = []
-            for token in tokens:
-                if token in request.stop_token_ids:
-                    finish = "stop"
-                    break
-                out.append(token)
-                if produced + len(out) >= request.max_new_tokens:
-                    finish = "length"
-                    break
-            produced += len(out)
-            stats = GenerationStats(
-                prompt_tokens=len(prompt),
-                completion_tokens=produced,
-                prompt_ms=prompt_ms,
-                decode_ms=(time.perf_counter() - decode_started) * 1000.0,
-            )
-            yield TokenEvent(token_ids=tuple(out), finish_reason=finish, stats=stats)
-            if finish is not None:
-                return
-            position = len(prompt) + produced - 1
-            frame = Frame(
+                return await self._round(frame)
+            self._send(frame)
+        raise InvalidRequest("the prompt is empty; send at least one token")
+
+    async def _step(self, run: _RequestRun, drafts: list[int]) -> TokenResult:
+        """One decode round: [current] or a verify window [current, d1..dk]."""
+        loaded = self._admit_check()
+        session = run.request.request_id
+        return await self._round(
+            Frame(
                 request_id=session,
                 session_id=session,
-                kind=FrameKind.DECODE,
-                pos_start=position,
-                token_ids=(out[-1],),
-                term=term,
+                kind=FrameKind.VERIFY if drafts else FrameKind.DECODE,
+                pos_start=run.position,
+                token_ids=(run.tokens[-1], *drafts),
+                term=loaded.request.term,
             )
-            result = await self._round(frame)
+        )
+
+    async def _resilient(self, run: _RequestRun, attempt) -> TokenResult:
+        """Run ``attempt``; if the pipeline is lost, wait for a new one (up to the
+        recovery deadline) and rebuild the KV by re-prefilling every token so far."""
+        try:
+            return await attempt()
+        except Unavailable as error:
+            if self.limits.recovery_timeout_s <= 0:
+                raise
+            lost_at = time.monotonic()
+            logger.warning(
+                "request %s: pipeline lost (%s); waiting up to %.0fs for recovery",
+                run.request.request_id,
+                error.message,
+                self.limits.recovery_timeout_s,
+            )
+        deadline = lost_at + self.limits.recovery_timeout_s
+        while True:
+            await self._await_new_pipeline(run, deadline)
+            try:
+                result = await self._prefill(run, tuple(run.tokens))
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                continue
+            self.recoveries += 1
+            run.recovered = True
+            logger.info(
+                "request %s resumed after %.1fs: re-prefilled %s tokens",
+                run.request.request_id,
+                time.monotonic() - lost_at,
+                len(run.tokens),
+            )
+            return result
+
+    async def _await_new_pipeline(self, run: _RequestRun, deadline: float) -> None:
+        failed_term = run.term
+        while True:
+            loaded = self._loaded
+            if loaded is not None and loaded.request.term > failed_term:
+                run.term = loaded.request.term
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"the pipeline did not recover within {self.limits.recovery_timeout_s:.0f}s "
+                    f"for request {run.request.request_id}; retry the request"
+                )
+            await asyncio.sleep(0.1)
+
+    def _finish(self, run: _RequestRun) -> None:
+        telemetry = run.telemetry
+        if telemetry is not None and run.strategy:
+            self.telemetry_totals[run.strategy] = (
+                self.telemetry_totals.get(run.strategy, Telemetry()) + telemetry
+            )
+        logger.info(
+            "request %s done: prompt %s tokens, %s generated, %.1f tok/s%s",
+            run.request.request_id,
+            len(run.request.prompt_tokens),
+            run.produced,
+            run.produced / max(1e-9, time.perf_counter() - run.decode_started),
+            (
+                f", {run.strategy}: drafted {telemetry.drafted} accepted {telemetry.accepted} "
+                f"rate {telemetry.accept_rate:.2f} windows {telemetry.windows} "
+                f"tokens/round {telemetry.mean_tokens_per_round:.2f}"
+                if telemetry is not None
+                else ""
+            ),
+        )
 
     def _send(self, frame: Frame) -> None:
         self._m_rounds.labels(frame.kind.value).inc()

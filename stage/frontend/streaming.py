@@ -170,9 +170,13 @@ class EventStreamResponse(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        async for chunk in self._events:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            async for chunk in self._events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            # ASGI servers of spec 2.4 report a closed connection by failing the send.
+            logger.info("client closed the event stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self._stream(send))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -275,4 +276,41 @@ def test_disconnect_during_non_streaming_request_cancels_it(http, backend, base_
     closed = backend.closed.wait_for(closed_before + 1, timeout_s=5.0)
     assert backend.requests[-1].request_id in closed
     metrics = http.get("/metrics").text
-    assert metric_value(metrics, "mesh_http_requests_total", f'endpoint="{COMPLETIONS}",status="499"')
+    assert metric_value(
+        metrics, "mesh_http_requests_total", f'endpoint="{COMPLETIONS}",status="499"'
+    )
+
+
+def test_client_leaving_during_the_body_upload_is_not_a_server_error(http, base_url) -> None:
+    host, port = base_url.removeprefix("http://").split(":")
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 5000\r\n\r\n"
+    ).encode()
+    before = metric_value(
+        http.get("/metrics").text,
+        "mesh_http_requests_total",
+        f'endpoint="{COMPLETIONS}",status="499"',
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + b'{"model": "tiny')
+    labels = f'endpoint="{COMPLETIONS}",status="499"'
+    deadline = time.monotonic() + 5.0
+    while metric_value(http.get("/metrics").text, "mesh_http_requests_total", labels) == before:
+        assert time.monotonic() < deadline, "the aborted upload was never accounted for"
+        time.sleep(0.02)
+
+
+def test_cors_origins_are_allowed(backend, tokenizer) -> None:
+    origin = "http://ui.example"
+    with live_server(backend, tokenizer, cors_origins=[origin]) as url:
+        preflight = httpx.options(
+            f"{url}{CHAT}",
+            headers={"origin": origin, "access-control-request-method": "POST"},
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == origin
+        response = httpx.get(f"{url}/v1/models", headers={"origin": origin})
+        assert response.headers["access-control-allow-origin"] == origin
+        other = httpx.get(f"{url}/v1/models", headers={"origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers

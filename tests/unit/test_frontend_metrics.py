@@ -50,7 +50,7 @@ def test_histogram_buckets_are_cumulative_with_sum_and_count() -> None:
 
 def test_label_values_and_help_are_escaped() -> None:
     registry = Registry()
-    counter = registry.counter("app_total", 'Help with \\ and\nnewline.', ("path",))
+    counter = registry.counter("app_total", "Help with \\ and\nnewline.", ("path",))
     counter.labels(path='a"b\\c\nd').inc()
     text = registry.render()
     assert "# HELP app_total Help with \\\\ and\\nnewline." in text

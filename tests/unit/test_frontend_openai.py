@@ -123,7 +123,12 @@ def test_stop_string_truncates_and_cancels_the_request(client, backend, stream: 
     if stream:
         chunks = list(
             client.completions.create(
-                model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True
+                model=MODEL_ID,
+                prompt=PROMPT,
+                max_tokens=16,
+                temperature=0,
+                stop=[stop],
+                stream=True,
             )
         )
         got = "".join(c.choices[0].text for c in chunks)

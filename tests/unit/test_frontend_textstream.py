@@ -102,7 +102,9 @@ def test_empty_stop_string_is_refused(tokenizer) -> None:
 ALPHABET = "ab c-é你🎉\n"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     text=st.text(alphabet=ALPHABET, min_size=1, max_size=40),
     stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=4),

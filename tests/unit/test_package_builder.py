@@ -210,3 +210,26 @@ def test_unknown_source_is_refused(tmp_path):
         build_package(str(tmp_path / "nowhere"), tmp_path / "pkg")
     with pytest.raises(InvalidRequest, match="dtype"):
         build_package(str(tmp_path), tmp_path / "pkg", dtype="int8")
+
+
+def test_gguf_sources_are_recognised(tmp_path, monkeypatch):
+    from mesh.package import sources
+
+    opened = []
+
+    class RecordingGguf:
+        def __init__(self, path, source, default_model_id):
+            opened.append((path, source, default_model_id))
+
+    monkeypatch.setattr(sources, "GgufCheckpoint", RecordingGguf)
+    gguf = tmp_path / "models" / "Tiny-1B.Q4_K_M.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    sources.open_checkpoint(str(gguf))
+    sources.open_checkpoint(str(gguf.parent))
+    expected_source = {"kind": "gguf", "file": gguf.name, "path": str(gguf.resolve())}
+    assert opened == [(gguf.resolve(), expected_source, "Tiny-1B.Q4_K_M")] * 2
+
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(PackageError, match="not a .gguf"):
+        sources.open_checkpoint(str(tmp_path / "weights.bin"))
