@@ -1,4 +1,5 @@
-"""`mesh-coordinator`: run the coordinator (`up`) or show the topology (`status`)."""
+"""`mesh-coordinator`: run the coordinator (`up`), show the topology (`status`), or
+create TLS certificates for a cluster (`certs`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.certs import add_certs_parser, run_certs
 from coordinator.driver import LoadSettings
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
@@ -25,6 +27,14 @@ from mesh.errors import MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.logsetup import configure_logging
 from mesh.proto.v1 import coordinator_pb2_grpc
+from mesh.security import (
+    MeshSecurity,
+    add_security_arguments,
+    install,
+    log_posture,
+    security_from_args,
+    validate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, default=None, help="mesh.toml")
     up.add_argument("--log-level", default=None)
     add_speculation_arguments(up)
+    add_security_arguments(up)
     status = sub.add_parser("status", help="print the topology")
     status.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON")
+    add_security_arguments(status)
+    add_certs_parser(sub)
     return parser
 
 
@@ -70,7 +83,12 @@ def _resolve_model_ref(ref: str) -> str:
 
 
 def _spawn_stage(
-    coordinator: str, index: int, args: argparse.Namespace, threads: int, frontend: bool
+    coordinator: str,
+    index: int,
+    args: argparse.Namespace,
+    threads: int,
+    frontend: bool,
+    security: MeshSecurity,
 ) -> subprocess.Popen:
     command = [
         sys.executable,
@@ -94,10 +112,11 @@ def _spawn_stage(
         command += ["--cache-dir", str(args.cache_dir / f"local-{index}")]
     if args.log_level:
         command += ["--log-level", args.log_level]
+    command += security.child_argv()
     if frontend:
         command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
         command += _speculation_argv(args)
-    return subprocess.Popen(command, start_new_session=True)
+    return subprocess.Popen(command, env=security.child_env(os.environ), start_new_session=True)
 
 
 def _speculation_argv(args: argparse.Namespace) -> list[str]:
@@ -119,6 +138,9 @@ def _speculation_argv(args: argparse.Namespace) -> list[str]:
 
 def up(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, prefix="coordinator")
+    security = validate(security_from_args(args), serving=True)
+    install(security)
+    log_posture(security, "the coordinator")
     ref = _resolve_model_ref(args.model)
     model = read_model(ref)
     local = (0 if args.no_local_stage else 1) + max(0, args.spawn_stages)
@@ -146,9 +168,9 @@ def up(args: argparse.Namespace) -> int:
     threads = args.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
     children: list[subprocess.Popen] = []
     if not args.no_local_stage:
-        children.append(_spawn_stage(address, 0, args, threads, frontend=True))
+        children.append(_spawn_stage(address, 0, args, threads, True, security))
     for index in range(1, 1 + max(0, args.spawn_stages)):
-        children.append(_spawn_stage(address, index, args, threads, frontend=False))
+        children.append(_spawn_stage(address, index, args, threads, False, security))
     stopped = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopped.set())
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
@@ -215,15 +237,16 @@ def _terminate(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:
             child.wait()
 
 
-def fetch_status(coordinator: str) -> StatusReply:
-    ch = channel(coordinator)
+def fetch_status(coordinator: str, security: MeshSecurity | None = None) -> StatusReply:
+    ch = channel(coordinator, security)
     try:
         reply = coordinator_pb2_grpc.CoordinatorStub(ch).Status(
             StatusRequest().to_proto(), timeout=CONTROL_DEADLINE_S
         )
     except grpc.RpcError as error:
         raise MeshError(
-            f"cannot reach the coordinator at {coordinator}: {error.code().name}"
+            f"cannot reach the coordinator at {coordinator}: {error.code().name} "
+            f"({error.details()})"
         ) from None
     finally:
         ch.close()
@@ -231,7 +254,7 @@ def fetch_status(coordinator: str) -> StatusReply:
 
 
 def status(args: argparse.Namespace) -> int:
-    reply = fetch_status(args.coordinator)
+    reply = fetch_status(args.coordinator, validate(security_from_args(args), serving=False))
     view = StatusView(
         coordinator_id=reply.coordinator_id,
         model_id=reply.model_id,
@@ -264,6 +287,9 @@ def status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "certs":
+            sys.stdout.write(run_certs(args) + "\n")
+            return 0
         return up(args) if args.command == "up" else status(args)
     except MeshError as error:
         sys.stderr.write(f"mesh-coordinator: {error.message}\n")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mesh.codec import StatusReply
+from mesh.security import MeshSecurity
 
 STARTUP_DEADLINE_S = 120.0
 
@@ -44,17 +45,30 @@ class MeshProcesses:
         coordinator_args: tuple[str, ...] = (),
         threads: int = 1,
         max_sessions: int = 16,
+        max_queued: int = 32,
+        stage0_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        stage_args: tuple[str, ...] = (),
+        security: MeshSecurity | None = None,
     ) -> None:
+        """``env`` is added to every process's environment and ``stage_args`` to every
+        stage's command line (e.g. a join token and TLS flags); ``security`` is what
+        this process uses to call the mesh (``status``)."""
         self.package = package
         self.workdir = workdir
         self.stage_count = stages
         self.threads = threads
         self.max_sessions = max_sessions
+        self.max_queued = max_queued
+        self.stage0_args = stage0_args
+        self.stage_args = stage_args
+        self.security = security
         self.stages: dict[str, subprocess.Popen] = {}
         self.state_file = workdir / "state.json"
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, MESH_HOME=str(workdir / "home"), PYTHONUNBUFFERED="1")
+        home = {"MESH_HOME": str(workdir / "home"), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **home, **(env or {})}
         self.env = env
         command = [
             sys.executable,
@@ -119,9 +133,11 @@ class MeshProcesses:
             str(self.workdir / "cache" / node_id),
             "--max-sessions",
             str(self.max_sessions),
+            *self.stage_args,
         ]
         if frontend:
             command += ["--frontend", "--http-host", "127.0.0.1", "--http-port", "0"]
+            command += ["--max-queued", str(self.max_queued), *self.stage0_args]
         process = subprocess.Popen(
             command,
             env=self.env,
@@ -153,7 +169,7 @@ class MeshProcesses:
     def status(self) -> StatusReply:
         from coordinator.cli import fetch_status
 
-        return fetch_status(self.coordinator_address)
+        return fetch_status(self.coordinator_address, self.security)
 
     def stage_address(self, node_id: str) -> str:
         for stage in self.status().stages:

@@ -236,14 +236,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def serve(service: CoordinatorService, listen: str, workers: int = 16) -> tuple[grpc.Server, int]:
-    from concurrent import futures
+    from mesh.grpc_util import bind, new_server
 
-    from mesh.grpc_util import SERVER_OPTIONS
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
+    server = new_server(workers)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(service), server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise MeshError(f"cannot bind the coordinator to {listen}")
+    port = bind(server, listen)
     server.start()
     return server, port

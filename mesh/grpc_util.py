@@ -1,13 +1,26 @@
-"""Shared gRPC settings: message limits, channel options, and error mapping.
+"""Shared gRPC settings: message limits, channels and servers with the mesh's
+security (join token, TLS), and error mapping.
 
 Used by the stage and coordinator servicers and clients (never by compute code).
+Every channel and server of the mesh is made here, so the settings installed with
+``mesh.security.install`` apply to all of them.
 """
 
 from __future__ import annotations
 
+from concurrent import futures
+
 import grpc
 
-from mesh.errors import MeshError, from_code, grpc_code_name
+from mesh.errors import MeshError, Unavailable, from_code, grpc_code_name
+from mesh.security import (
+    JoinTokenClientInterceptor,
+    JoinTokenInterceptor,
+    MeshSecurity,
+    active,
+    channel_credentials,
+    server_credentials,
+)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CONTROL_DEADLINE_S = 10.0
@@ -31,9 +44,47 @@ SERVER_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.Channel:
-    """An insecure channel to ``host:port`` with the mesh's limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, security: MeshSecurity | None = None) -> grpc.Channel:
+    """A channel to ``host:port`` with the mesh's limits: TLS when configured, and the
+    join token on every call when one is set. ``security`` defaults to the installed
+    settings (``mesh.security.install``)."""
+    security = active() if security is None else security
+    credentials = channel_credentials(security)
+    if credentials is None:
+        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        ch = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    if security.join_token:
+        ch = grpc.intercept_channel(ch, JoinTokenClientInterceptor(security.join_token))
+    return ch
+
+
+def new_server(max_workers: int, security: MeshSecurity | None = None) -> grpc.Server:
+    """A gRPC server with the mesh's limits that refuses calls without the join token
+    when one is set. Bind it with ``bind``."""
+    security = active() if security is None else security
+    interceptors = [JoinTokenInterceptor(security.join_token)] if security.join_token else []
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=SERVER_OPTIONS,
+        interceptors=interceptors,
+    )
+
+
+def bind(srv: grpc.Server, listen: str, security: MeshSecurity | None = None) -> int:
+    """Listen on ``host:port`` (TLS when a certificate is configured); the bound port."""
+    security = active() if security is None else security
+    credentials = server_credentials(security)
+    try:
+        if credentials is None:
+            port = srv.add_insecure_port(listen)
+        else:
+            port = srv.add_secure_port(listen, credentials)
+    except RuntimeError as error:
+        raise Unavailable(f"cannot listen on {listen}: {error}; is the port in use?") from error
+    if port == 0:
+        raise Unavailable(f"cannot listen on {listen}; is the port in use?")
+    return port
 
 
 def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:

@@ -10,17 +10,15 @@ import socket
 import sys
 import threading
 import uuid
-from concurrent import futures
 from pathlib import Path
-
-import grpc
 
 from mesh.codec import HeartbeatRequest, JoinRequest
 from mesh.config import add_speculation_arguments
 from mesh.errors import MeshError
-from mesh.grpc_util import SERVER_OPTIONS
+from mesh.grpc_util import bind, new_server
 from mesh.logsetup import configure_logging
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
+from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
 from mesh.units import parse_bytes
 from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
@@ -58,16 +56,10 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--api-key-file", type=Path, default=None, help="file with the HTTP API key")
     join.add_argument("--max-sessions", type=int, default=16, help="frontend request limit")
     join.add_argument("--max-queued", type=int, default=32, help="frontend queue limit")
-    join.add_argument("--config", type=Path, default=None, help="mesh.toml (speculation keys)")
+    join.add_argument("--config", type=Path, default=None, help="mesh.toml (speculation, security)")
     join.add_argument("--log-level", default=None)
     add_speculation_arguments(join)
-
-
-def _bind(server: grpc.Server, listen: str) -> int:
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise MeshError(f"cannot bind the stage's gRPC server to {listen}")
-    return port
+    add_security_arguments(join)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
     node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     configure_logging(args.log_level, prefix=node_id)
     cache_dir = args.cache_dir or default_cache_dir()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS)
-    port = _bind(server, args.listen)
+    security = validate(security_from_args(args), serving=True)
+    install(security)
+    log_posture(security, f"stage {node_id}")
+    server = new_server(32)
+    port = bind(server, args.listen)
     host = args.advertise or args.listen.rsplit(":", 1)[0]
     if host in ("0.0.0.0", "[::]", ""):
         host = socket.gethostname()

@@ -51,7 +51,12 @@ class Membership:
                 self._stub.Join(self.join_request.to_proto(), timeout=CONTROL_DEADLINE_S)
             )
         except grpc.RpcError as error:
-            logger.warning("cannot join coordinator %s: %s", self.coordinator, error.code().name)
+            logger.warning(
+                "cannot join coordinator %s: %s (%s)",
+                self.coordinator,
+                error.code().name,
+                error.details(),
+            )
             return False
         if reply.heartbeat_interval_ms:
             self._interval_s = reply.heartbeat_interval_ms / 1000.0

@@ -110,7 +110,7 @@ def write_package(
     _check_shape(layout.embed, embed, (vocab, hidden))
     _save(directory, EMBED_PATH, {EMBED_TENSOR: embed})
     if description.tied_embeddings:
-        lm_head = embed.clone()
+        lm_head = embed  # written again into the head file: the last stage needs no embed file
     else:
         lm_head = _convert(checkpoint.tensor(layout.lm_head), torch_dtype)
         _check_shape(HEAD_TENSOR, lm_head, (vocab, hidden))

@@ -165,9 +165,7 @@ def _check_structure(layer: nn.Module, layer_index: int) -> None:
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [getattr(layer.self_attn, name) for name in _QK_NORMS & attn_parts]
         for norm in norms:
-            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(
-                norm, "variance_epsilon"
-            ):
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
                 problems.append(f"norm {type(norm).__name__}")
         if not callable(getattr(layer.mlp, "act_fn", None)):
             problems.append("MLP without act_fn")

@@ -137,7 +137,8 @@ class SessionTable:
         if end > self.max_tokens_per_session:
             raise InvalidRequest(
                 f"session {session_id} would hold {end} tokens, over this stage's limit of "
-                f"{self.max_tokens_per_session} tokens per session; shorten the prompt or max_tokens"
+                f"{self.max_tokens_per_session} tokens per session; "
+                "shorten the prompt or max_tokens"
             )
         if cache is None:
             if len(self._sessions) >= self.max_sessions:

@@ -6,10 +6,12 @@ token sequence (prompt + generated) and proposes continuations of it:
     begin(prompt)            committed = prompt
     propose(k)               up to k draft tokens continuing committed (may be [])
     accept(n, next_token)    committed += first n proposed + next_token
+    extend(tokens)           committed += tokens (not from this drafter's proposal)
     rollback(length)         committed = committed[:length]
 
 The caller commits the first generated token (sampled by the prefill) with
-``accept(0, token)``.
+``accept(0, token)``; ``last_token`` is the ``current`` token of the next window
+and ``committed_length - 1`` its position.
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ class Drafter(ABC):
     @property
     def committed_length(self) -> int:
         return len(self._tokens)
+
+    @property
+    def last_token(self) -> int:
+        """The newest committed token: the ``current`` token of the next window."""
+        if not self._tokens:
+            raise Fatal(f"{self.name}: nothing committed yet; call begin() first")
+        return self._tokens[-1]
 
     @property
     def committed(self) -> list[int]:

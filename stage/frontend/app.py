@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -115,13 +115,17 @@ class _Frontend:
         self.max_request_bytes = max_request_bytes
         self.limits = limits
         self.metrics = metrics
+        self.stop_token_ids = stop_token_ids
         self.created = int(time.time())
-        self.context = PromptContext(
-            tokenizer=tokenizer,
-            model_id=model_id,
-            context_length=backend.context_length,
-            stop_token_ids=stop_token_ids,
-            limits=limits,
+
+    def prompt_context(self) -> PromptContext:
+        # Read per request: a backend learns its context length when the pipeline loads.
+        return PromptContext(
+            tokenizer=self.tokenizer,
+            model_id=self.model_id,
+            context_length=self.backend.context_length,
+            stop_token_ids=self.stop_token_ids,
+            limits=self.limits,
         )
 
     def authorize(self, request: Request) -> None:
@@ -150,7 +154,7 @@ class _Frontend:
             "context_length": self.backend.context_length,
         }
 
-    async def generate(self, request: Request, kind: str) -> Response:
+    async def generate(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         arrival = time.perf_counter()
         self.authorize(request)
         try:
@@ -167,10 +171,17 @@ class _Frontend:
             raise from_validation_error(exc) from None
         self.check_ready()
         if kind == "chat":
-            prepared = await prepare_chat(body, self.context)
+            prepared = await prepare_chat(body, self.prompt_context())
         else:
-            prepared = await prepare_completion(body, self.context)
+            prepared = await prepare_completion(body, self.prompt_context())
         endpoint = CHAT_PATH if kind == "chat" else COMPLETIONS_PATH
+        logger.debug(
+            "request %s: %d prompt tokens, budget %d, user %r",
+            prepared.response_id,
+            len(prepared.request.prompt_tokens),
+            prepared.request.max_new_tokens,
+            body.user,
+        )
         run = GenerationRun(self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival)
         handed_over = False
         try:

@@ -84,14 +84,18 @@ def from_mesh_error(exc: MeshError, retry_after_s: int) -> OpenAIError:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
 
 
 def _clean_loc(loc: tuple) -> tuple[str, ...]:
-    """The data path of a pydantic error, without 'body' and union member tags."""
+    """The data path of a pydantic error, without its source ('body', 'query', ...)
+    and without union member tags."""
+    if loc and loc[0] in _SOURCES:
+        loc = loc[1:]
     parts = []
     for part in loc:
         text = str(part)
-        if part == "body" or text in _TYPE_TAGS or "[" in text or "-" in text:
+        if text in _TYPE_TAGS or "[" in text or "-" in text:
             continue
         parts.append(text)
     return tuple(parts)

@@ -11,6 +11,10 @@ token budget to the context:
   prompt is clamped to that room, and generation then ends with
   ``finish_reason="length"`` when it runs out; with no ``max_tokens`` the budget is
   ``limits.default_max_tokens`` or, when that is None, the whole room.
+
+Sampling defaults follow OpenAI: temperature 1, top_p 1, no top-k. A request
+without ``seed`` gets a fresh random one; a negative seed wraps modulo 2**64 (as
+an int64 would), so every seed OpenAI clients send is accepted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ class FrontendLimits:
     max_stop_chars: int = 256
     default_max_tokens: int | None = None
     retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_stop_sequences < 0 or self.max_stop_chars < 1:
+            raise ValueError(
+                f"stop limits must be >= 0 sequences of >= 1 characters, got "
+                f"{self.max_stop_sequences} and {self.max_stop_chars}"
+            )
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
 
 
 @dataclass(frozen=True)

@@ -433,7 +433,7 @@ class PipelineScheduler:
 
     def _on_result(self, result: TokenResult) -> None:
         loop = self._loop
-        if loop is None:
+        if loop is None or loop.is_closed():
             return
         loop.call_soon_threadsafe(self._deliver, result)
 
@@ -448,8 +448,10 @@ class PipelineScheduler:
             runtime = loaded.engine.runtime
             self.context_length = runtime.max_tokens_per_session
             self.model_id = PackageManifest.load(loaded.package_dir).model_id
-        if previous is not None and loaded is not previous and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all, "the pipeline was released")
+        loop = self._loop
+        if previous is not None and loaded is not previous and loop is not None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, "the pipeline was released")
 
     def _fail_all(self, reason: str) -> None:
         for waiter in list(self._waiters.values()):

@@ -13,7 +13,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
 

@@ -132,7 +132,7 @@ def http(tiny_model_factory) -> Iterator[httpx.Client]:
 
 
 @settings(
-    max_examples=150,
+    max_examples=120,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -314,3 +314,20 @@ def test_cors_origins_are_allowed(backend, tokenizer) -> None:
         assert response.headers["access-control-allow-origin"] == origin
         other = httpx.get(f"{url}/v1/models", headers={"origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+def test_fastapi_validation_errors_are_openai_400s(backend, tokenizer) -> None:
+    from fastapi.testclient import TestClient
+
+    from stage.frontend.app import create_app
+
+    app = create_app(backend, tokenizer, model_id=MODEL_ID)
+
+    @app.get("/typed")
+    async def typed(count: int) -> dict:
+        return {"count": count}
+
+    with TestClient(app) as client:
+        assert client.get("/typed", params={"count": 3}).json() == {"count": 3}
+        assert_openai_error(client.get("/typed", params={"count": "x"}), 400, param="count")
+        assert_openai_error(client.get("/typed"), 400, code="missing_field", param="count")

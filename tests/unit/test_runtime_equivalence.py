@@ -87,9 +87,7 @@ def test_interleaved_sessions_do_not_disturb_each_other(
 ) -> None:
     model, _ = tiny(family)
     weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
-    stages = [
-        build_stage_runtime(model.config, weights, layer_range) for layer_range in SPLITS[2]
-    ]
+    stages = [build_stage_runtime(model.config, weights, layer_range) for layer_range in SPLITS[2]]
     first, second = random_tokens(12, seed=4), random_tokens(12, seed=5)
     want = {"a": full_logits(model, first), "b": full_logits(model, second)}
     tokens = {"a": first, "b": second}

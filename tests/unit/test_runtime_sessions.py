@@ -11,8 +11,13 @@ import torch
 from runtime_support import SPLITS, full_logits, max_diff, package_of, reference_model, run_chain
 from transformers import GPT2Config, PreTrainedModel
 
-from mesh.errors import CapacityExceeded, InvalidRequest, NotFound, PackageError
-from mesh.errors import UnsupportedArchitecture
+from mesh.errors import (
+    CapacityExceeded,
+    InvalidRequest,
+    NotFound,
+    PackageError,
+    UnsupportedArchitecture,
+)
 from mesh.package.manifest import SUPPORTED_ARCHITECTURES, layer_path
 from mesh.runtime import StageRuntime, StateDictWeights, build_stage_runtime, load_stage_runtime
 from mesh.types import LayerRange

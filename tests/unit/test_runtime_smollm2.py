@@ -72,7 +72,10 @@ def test_two_way_split_greedy_equals_hf_generate(
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
         generated = smollm2_model.generate(
-            prompt, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(prompt)
+            prompt,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            attention_mask=torch.ones_like(prompt),
         )
     want = generated[0, prompt.shape[1] :].tolist()
     assert len(want) == NEW_TOKENS, "the prompt must not end early for this comparison"

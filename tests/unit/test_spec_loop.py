@@ -59,7 +59,7 @@ def speculative_decode(table, prompt, params, max_tokens, config):
         started = time.perf_counter()
         drafts = drafter.propose(plan_window(policy, state))
         draft_time_s = time.perf_counter() - started
-        window = [drafter.committed[-1], *drafts]
+        window = [drafter.last_token, *drafts]
         pos_start = drafter.committed_length - 1  # position of the current token
         started = time.perf_counter()
         logits = table[torch.tensor(window)]  # what the last stage computes

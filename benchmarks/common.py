@@ -1,0 +1,410 @@
+"""Shared parts of the mesh benchmarks: local meshes, workloads, metrics scrapes,
+machine description, statistics, tables and JSON output.
+
+The benchmark scripts run from the repository root as plain files
+(``.venv/bin/python benchmarks/pipeline_bench.py``), so they import this module as
+``common``. Nothing here asserts on timings: scripts report what they measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS_ENV = "MESH_BENCH_WORKLOADS"
+WORKLOAD_CANDIDATES = (
+    REPO_ROOT / "shared" / "bench" / "workloads.jsonl",
+    REPO_ROOT.parent / "shared" / "bench" / "workloads.jsonl",
+)
+MESH_START_DEADLINE_S = 900.0
+HTTP_TIMEOUT_S = 600.0
+
+
+# ---- workloads ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One line of workloads.jsonl: an OpenAI chat request of a named workload."""
+
+    workload: str
+    request_id: str
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int
+
+
+def default_workloads_path() -> Path:
+    """``$MESH_BENCH_WORKLOADS``, or ``shared/bench/workloads.jsonl`` next to the repo."""
+    value = os.environ.get(WORKLOADS_ENV)
+    if value:
+        return Path(value)
+    for candidate in WORKLOAD_CANDIDATES:
+        if candidate.is_file():
+            return candidate
+    return WORKLOAD_CANDIDATES[0]
+
+
+def load_workloads(path: Path) -> dict[str, list[WorkloadRequest]]:
+    """Every request of the file, grouped by workload, in file order."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"workload file {path} not found; pass --workloads or set ${WORKLOADS_ENV}"
+        )
+    grouped: dict[str, list[WorkloadRequest]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+            request = WorkloadRequest(
+                workload=str(body["workload"]),
+                request_id=str(body["id"]),
+                messages=tuple(dict(m) for m in body["messages"]),
+                max_tokens=int(body["max_tokens"]),
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"{path}:{number}: not a workload request ({error}); each line needs "
+                "workload, id, messages and max_tokens"
+            ) from error
+        grouped.setdefault(request.workload, []).append(request)
+    if not grouped:
+        raise ValueError(f"{path} holds no requests")
+    return grouped
+
+
+# ---- local meshes ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """One local mesh to benchmark: stage count, wire dtype and speculation."""
+
+    stages: int
+    wire_dtype: str = "f32"
+    speculation: str = "none"
+
+    @property
+    def label(self) -> str:
+        spec = "" if self.speculation == "none" else f" spec={self.speculation}"
+        return f"{self.stages} stage{'s' if self.stages > 1 else ''} {self.wire_dtype}{spec}"
+
+    def stage0_args(self) -> tuple[str, ...]:
+        """``none`` turns speculation off; ``package`` keeps the served default."""
+        if self.speculation == "package":
+            return ()
+        return ("--spec-type", self.speculation)
+
+
+@dataclass(frozen=True)
+class RunningMesh:
+    config: MeshConfig
+    http_url: str
+    model_id: str
+    processes: Any  # coordinator.localmesh.MeshProcesses
+
+
+@contextmanager
+def running_meshes(
+    package: Path,
+    configs: Sequence[MeshConfig],
+    *,
+    threads: int,
+    workdir: Path | None = None,
+    max_sessions: int = 16,
+) -> Iterator[list[RunningMesh]]:
+    """Start every mesh at once (their loads overlap), wait until all serve, and
+    stop every process on exit, even when a benchmark fails."""
+    from coordinator.localmesh import MeshProcesses
+
+    with ExitStack() as stack:
+        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-")))
+        started = []
+        for index, config in enumerate(configs):
+            mesh = MeshProcesses(
+                package,
+                root / f"mesh{index}-{config.stages}st-{config.wire_dtype}",
+                config.stages,
+                wire_dtype=config.wire_dtype,
+                threads=threads,
+                max_sessions=max_sessions,
+                max_queued=max_sessions,
+                stage0_args=config.stage0_args(),
+            )
+            stack.callback(mesh.close)
+            started.append((config, mesh.start()))
+        meshes = []
+        for config, mesh in started:
+            body = mesh.wait_serving(deadline_s=MESH_START_DEADLINE_S)
+            logger.info("%s serving at %s", config.label, mesh.http_url)
+            meshes.append(RunningMesh(config, mesh.http_url, body["model_id"], mesh))
+        yield meshes
+
+
+def openai_client(http_url: str):
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S
+    )
+
+
+# ---- the frontend's Prometheus metrics -----------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_histogram_totals(text: str, name: str) -> dict[str, tuple[float, float]]:
+    """``{label_string: (sum, count)}`` of histogram ``name`` in Prometheus text."""
+    totals: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match is None:
+            continue
+        metric, labels, value = match.groups()
+        labels = labels or ""
+        if metric == f"{name}_sum":
+            totals.setdefault(labels, [0.0, 0.0])[0] = float(value)
+        elif metric == f"{name}_count":
+            totals.setdefault(labels, [0.0, 0.0])[1] = float(value)
+    return {labels: (pair[0], pair[1]) for labels, pair in totals.items()}
+
+
+def histogram_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean of the observations made between two scrapes, per label string."""
+    means: dict[str, float] = {}
+    for labels, (total, count) in after.items():
+        old_total, old_count = before.get(labels, (0.0, 0.0))
+        if count > old_count:
+            means[labels] = (total - old_total) / (count - old_count)
+    return means
+
+
+def histogram_sums(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Sum of the observations made between two scrapes, per label string."""
+    return {labels: total - before.get(labels, (0.0, 0.0))[0] for labels, (total, _) in after.items()}
+
+
+def label_value(labels: str, key: str) -> str | None:
+    """``label_value('{stage="1"}', "stage") == "1"``."""
+    match = re.search(rf'{key}="([^"]*)"', labels)
+    return match.group(1) if match else None
+
+
+@dataclass(frozen=True)
+class PipelineMetrics:
+    """One scrape of stage 0's round and per-stage compute histograms."""
+
+    round_ms: dict[str, tuple[float, float]]
+    stage_compute_ms: dict[str, tuple[float, float]]
+
+
+def scrape_pipeline_metrics(http_url: str) -> PipelineMetrics:
+    with urllib.request.urlopen(http_url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return PipelineMetrics(
+        round_ms=parse_histogram_totals(text, "mesh_pipeline_round_ms"),
+        stage_compute_ms=parse_histogram_totals(text, "mesh_stage_compute_ms"),
+    )
+
+
+def by_label(values: dict[str, float], key: str) -> dict[str, float]:
+    """Re-key ``{'{stage="0"}': x}`` as ``{"0": x}``."""
+    out = {}
+    for labels, value in values.items():
+        name = label_value(labels, key)
+        if name is not None:
+            out[name] = value
+    return dict(sorted(out.items()))
+
+
+# ---- statistics ----------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    """Median, or NaN for no values."""
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and count of ``values`` (JSON-friendly)."""
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    if not finite:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {
+        "median": statistics.median(finite),
+        "min": min(finite),
+        "max": max(finite),
+        "n": len(finite),
+    }
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    if denominator == 0 or math.isnan(denominator) or math.isnan(numerator):
+        return math.nan
+    return numerator / denominator
+
+
+def rotated(items: Sequence[Any], offset: int) -> list[Any]:
+    """``items`` starting at ``offset``: repeats visit configurations in shifted order,
+    so no configuration always runs first (or right after a heavy one)."""
+    if not items:
+        return []
+    shift = offset % len(items)
+    return list(items[shift:]) + list(items[:shift])
+
+
+# ---- machine, output -----------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        grpc_version = version("grpcio")
+    except Exception:  # noqa: BLE001 - the version is informative only
+        grpc_version = "unknown"
+    return {
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu": "cuda" if torch.cuda.is_available() else "none",
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc_version,
+        "torch_threads_per_stage": threads,
+        "load_average_at_start": load_average(),
+    }
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (it reads in a terminal and pastes into docs)."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(payload), indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf become null: strict JSON readers refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument(
+        "--package",
+        type=Path,
+        default=None,
+        help="model package directory (default: the SmolLM2-135M-Instruct package, "
+        "built under $MESH_HOME on first use)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads of every stage process"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="measured repeats (>= 1)")
+    parser.add_argument(
+        "--workloads", type=Path, default=None, help="workloads.jsonl (default: shared/bench)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results") / f"{name}.json", help="JSON output"
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="keep mesh logs here")
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def resolve_package(package: Path | None) -> Path:
+    if package is not None:
+        return package.resolve()
+    from mesh.package.default import build_default_package
+
+    return build_default_package()
+
+
+def configure(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    if args.threads < 1:
+        raise SystemExit("--threads must be at least 1: a fair comparison fixes the count")
+
+
+def emit(text: str) -> None:
+    """Write a result block to stdout (benchmarks are CLI entry points)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
