@@ -56,6 +56,12 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--api-key-file", type=Path, default=None, help="file with the HTTP API key")
     join.add_argument("--max-sessions", type=int, default=16, help="frontend request limit")
     join.add_argument("--max-queued", type=int, default=32, help="frontend queue limit")
+    join.add_argument(
+        "--inject-delay-ms",
+        type=float,
+        default=0.0,
+        help="add this latency to every outgoing data hop (benchmarks; emulates a network)",
+    )
     join.add_argument("--config", type=Path, default=None, help="mesh.toml (speculation, security)")
     join.add_argument("--log-level", default=None)
     add_speculation_arguments(join)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
@@ -26,8 +27,15 @@ CONNECT_TIMEOUT_S = 10.0
 class _StreamLink(ABC):
     """Base: a client stream whose requests come from a queue."""
 
-    def __init__(self, address: str, name: str, on_broken: Callable[[Exception], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        on_broken: Callable[[Exception], None],
+        delay_s: float = 0.0,
+    ) -> None:
         self.address = address
+        self.delay_s = delay_s
         self.name = name
         self._on_broken = on_broken
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,7 +58,11 @@ class _StreamLink(ABC):
             item = self._queue.get()
             if item is _CLOSE:
                 return
-            yield item
+            due, message = item
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            yield message
 
     def _run(self) -> None:
         try:
@@ -77,7 +89,7 @@ class _StreamLink(ABC):
             raise Unavailable(
                 f"{self.name} link to {self.address} is down: {_describe(self._broken)}"
             )
-        self._queue.put(message)
+        self._queue.put((time.monotonic() + self.delay_s, message))
 
     def close(self) -> None:
         self._closed = True
@@ -93,9 +105,10 @@ class ForwardLink(_StreamLink):
         address: str,
         on_broken: Callable[[Exception], None],
         on_ack: Callable[[FrameAck], None],
+        delay_s: float = 0.0,
     ) -> None:
         self._on_ack = on_ack
-        super().__init__(address, "forward", on_broken)
+        super().__init__(address, "forward", on_broken, delay_s)
 
     def _consume(self) -> None:
         for ack in self._stub.Forward(self._requests()):
@@ -105,8 +118,10 @@ class ForwardLink(_StreamLink):
 class ReturnLink(_StreamLink):
     """Token results (and errors) straight to stage 0."""
 
-    def __init__(self, address: str, on_broken: Callable[[Exception], None]) -> None:
-        super().__init__(address, "return", on_broken)
+    def __init__(
+        self, address: str, on_broken: Callable[[Exception], None], delay_s: float = 0.0
+    ) -> None:
+        super().__init__(address, "return", on_broken, delay_s)
 
     def _consume(self) -> None:
         self._stub.Return(self._requests())

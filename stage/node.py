@@ -47,6 +47,8 @@ class NodeSettings:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_frame_tokens: int = DEFAULT_MAX_FRAME_TOKENS
     allowed_wire_dtypes: tuple[WireDType, ...] = tuple(WireDType)
+    # Added to every outgoing hop (Forward and Return) to emulate a network; 0 = off.
+    inject_delay_ms: float = 0.0
 
 
 @dataclass
@@ -168,10 +170,13 @@ class StageNode:
                         request.downstream.address,
                         on_broken=self._downstream_broken,
                         on_ack=self._downstream_ack,
+                        delay_s=self.settings.inject_delay_ms / 1000.0,
                     )
                 if not request.is_first:
                     loaded.returns = ReturnLink(
-                        request.return_endpoint, on_broken=self._return_broken
+                        request.return_endpoint,
+                        on_broken=self._return_broken,
+                        delay_s=self.settings.inject_delay_ms / 1000.0,
                     )
             except MeshError:
                 for link in (loaded.forward, loaded.returns):

@@ -95,14 +95,13 @@ class StageModules:
                 yield from module.parameters()
 
     def param_bytes(self) -> int:
-        """Bytes of distinct parameter storage (a shared tied matrix counts once)."""
+        """Bytes of distinct parameters (a matrix shared by embedding and head counts once)."""
         seen: set[int] = set()
         total = 0
         for param in self.parameters():
-            key = param.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += param.untyped_storage().nbytes()
+            if param.data_ptr() not in seen:
+                seen.add(param.data_ptr())
+                total += param.numel() * param.element_size()
         return total
 
 

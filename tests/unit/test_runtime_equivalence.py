@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 from runtime_support import (
     FAMILIES,
     LAYERS,
@@ -18,6 +19,7 @@ from runtime_support import (
     reference_model,
     run_chain,
 )
+from transformers import AutoModelForCausalLM
 
 from mesh.runtime import StateDictWeights, build_stage_runtime
 from mesh.types import LayerRange
@@ -161,3 +163,30 @@ def test_half_precision_stages_follow_the_hf_model(
     want = full_logits(model, sequence)
     assert max_diff(logits, want) <= 0.05 * want.abs().max().item()
     assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_layers_match_the_unsplit_model(family: str) -> None:
+    """Windowed attention (all layers for Mistral, the upper half for Qwen2)."""
+    base = tiny_config(family, layers=LAYERS, vocab_size=512).to_dict()
+    windowed = {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 3}
+    unwindowed = {"sliding_window": None, "use_sliding_window": False, "layer_types": None}
+    config_class = type(tiny_config(family, layers=1))
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_config(config_class(**{**base, **windowed})).eval()
+    model.config.architectures = [type(model).__name__]
+    if family == "qwen2":
+        assert model.config.layer_types[:3] == ["full_attention"] * 3
+        assert model.config.layer_types[3:] == ["sliding_attention"] * 3
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    stages = [build_stage_runtime(model.config, weights, r) for r in SPLITS[2]]
+    sequence = random_tokens(16, seed=12, vocab=512)
+    want = full_logits(model, sequence)
+    got = [run_chain(stages, "w", 0, sequence[:7])]
+    got += [run_chain(stages, "w", pos, sequence[pos : pos + 1]) for pos in range(7, 12)]
+    got.append(run_chain(stages, "w", 12, sequence[12:16]))
+    assert max_diff(torch.cat(got), want) <= TOLERANCE
+    # The window matters: the same weights attending to everything give other logits.
+    plain = AutoModelForCausalLM.from_config(config_class(**{**base, **unwindowed})).eval()
+    plain.load_state_dict(model.state_dict())
+    assert max_diff(full_logits(plain, sequence)[12:], want[12:]) > 1e-3

@@ -1,0 +1,360 @@
+"""Decode speed of the mesh against its stage count, and what a stage boundary costs.
+
+Starts one local mesh (real coordinator and stage processes on 127.0.0.1) per
+configuration, all at the same time, and drives greedy decode through each one's
+OpenAI endpoint with the ``openai`` client: one warm-up request per mesh, then
+``--repeats`` rounds in which every mesh serves the same request (visiting the meshes
+in a shifted order each round). The primary figure is the server's decode-only
+``timings.predicted_per_second``; the client's wall time is reported beside it.
+
+Reported per configuration: median decode tok/s, its ratio to 1 stage (f32), the
+per-hop overhead ``(t_per_token(N) - t_per_token(1)) / (N - 1)``, and a breakdown of
+one decode round from stage 0's ``/metrics`` (round time, compute per stage, and the
+rest: wire encoding, gRPC, queues and thread hand-offs). Also: bytes per token per
+stage boundary for each wire dtype, from ``mesh.codec.bytes_per_token`` and from the
+encoded size of a real decode frame, with the frame's encode+decode time.
+
+    .venv/bin/python benchmarks/pipeline_bench.py --repeats 5 --wire-sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    MeshConfig,
+    RunningMesh,
+    WorkloadRequest,
+    add_common_arguments,
+    by_label,
+    command_line,
+    configure,
+    default_workloads_path,
+    emit,
+    fmt,
+    histogram_means,
+    load_workloads,
+    load_average,
+    machine_info,
+    median,
+    openai_client,
+    ratio,
+    render_table,
+    resolve_package,
+    rotated,
+    scrape_pipeline_metrics,
+    spread,
+    write_json,
+)
+
+from mesh.codec import Frame, FrameKind, StageTiming, TokenResult, WireDType, bytes_per_token
+from mesh.package.manifest import PackageManifest
+
+logger = logging.getLogger("pipeline_bench")
+
+WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
+FRAME_TIMING_ITERATIONS = 2000
+
+
+def build_configs(stage_counts: list[int], wire_sweep: bool) -> list[MeshConfig]:
+    """f32 meshes for each stage count, plus 2-stage meshes for the other wire dtypes."""
+    configs = [MeshConfig(stages=n, wire_dtype="f32") for n in stage_counts]
+    if wire_sweep:
+        configs += [MeshConfig(stages=2, wire_dtype=w) for w in WIRE_DTYPES if w != "f32"]
+    return configs
+
+
+def pick_prompt(workloads: dict[str, list[WorkloadRequest]], request_id: str | None):
+    chat = workloads.get("chat")
+    if not chat:
+        raise SystemExit("the workload file has no 'chat' requests to take the prompt from")
+    if request_id is None:
+        return chat[0]
+    for request in chat:
+        if request.request_id == request_id:
+            return request
+    raise SystemExit(f"no chat request with id {request_id!r}")
+
+
+def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> dict[str, Any]:
+    """One greedy, non-streaming chat completion; server timings plus a metrics delta."""
+    client = openai_client(mesh.http_url)
+    before = scrape_pipeline_metrics(mesh.http_url)
+    started = time.perf_counter()
+    reply = client.chat.completions.create(
+        model=mesh.model_id,
+        messages=list(prompt.messages),
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    wall_s = time.perf_counter() - started
+    after = scrape_pipeline_metrics(mesh.http_url)
+    timings = (reply.model_extra or {}).get("timings") or {}
+    rounds = by_label(histogram_means(before.round_ms, after.round_ms), "kind")
+    compute = by_label(histogram_means(before.stage_compute_ms, after.stage_compute_ms), "stage")
+    tokens = reply.usage.completion_tokens
+    return {
+        "completion_tokens": tokens,
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "predicted_n": timings.get("predicted_n"),
+        "predicted_ms": timings.get("predicted_ms"),
+        "predicted_per_second": timings.get("predicted_per_second"),
+        "prompt_ms": timings.get("prompt_ms"),
+        "wall_s": wall_s,
+        "wall_tokens_per_s": tokens / wall_s if wall_s > 0 else float("nan"),
+        "decode_round_ms": rounds.get("decode"),
+        "stage_compute_ms": compute,
+        "text": reply.choices[0].message.content or "",
+    }
+
+
+def measure(
+    meshes: list[RunningMesh], prompt: WorkloadRequest, max_tokens: int, repeats: int
+) -> list[dict[str, Any]]:
+    runs = []
+    for mesh in meshes:
+        logger.info("warm-up: %s", mesh.config.label)
+        decode_once(mesh, prompt, max_tokens)
+    for repeat in range(repeats):
+        for mesh in rotated(meshes, repeat):
+            run = decode_once(mesh, prompt, max_tokens)
+            run.update(repeat=repeat, stages=mesh.config.stages, wire=mesh.config.wire_dtype)
+            logger.info(
+                "repeat %s %s: %.2f tok/s", repeat, mesh.config.label, run["predicted_per_second"]
+            )
+            runs.append(run)
+    return runs
+
+
+def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration: medians over repeats and the derived ratios and overheads."""
+    rows = []
+    for config in configs:
+        mine = [r for r in runs if r["stages"] == config.stages and r["wire"] == config.wire_dtype]
+        tok_s = median([r["predicted_per_second"] for r in mine])
+        compute = {
+            stage: median([r["stage_compute_ms"].get(stage, float("nan")) for r in mine])
+            for stage in sorted({s for r in mine for s in r["stage_compute_ms"]})
+        }
+        round_ms = median([r["decode_round_ms"] or float("nan") for r in mine])
+        rows.append(
+            {
+                "stages": config.stages,
+                "wire": config.wire_dtype,
+                "decode_tokens_per_s": spread([r["predicted_per_second"] for r in mine]),
+                "ms_per_token": 1000.0 / tok_s if tok_s else float("nan"),
+                "wall_tokens_per_s": spread([r["wall_tokens_per_s"] for r in mine]),
+                "decode_round_ms": round_ms,
+                "stage_compute_ms": compute,
+                "round_minus_compute_ms": round_ms - sum(compute.values()),
+                "same_text_as_1_stage": None,
+            }
+        )
+    base = next((r for r in rows if r["stages"] == 1 and r["wire"] == "f32"), None)
+    base_text = _texts(runs, 1, "f32")
+    for row in rows:
+        if base is None:
+            break
+        tok_s = row["decode_tokens_per_s"]["median"]
+        row["ratio_vs_1_stage"] = ratio(tok_s, base["decode_tokens_per_s"]["median"])
+        row["wall_ratio_vs_1_stage"] = ratio(
+            row["wall_tokens_per_s"]["median"], base["wall_tokens_per_s"]["median"]
+        )
+        hops = row["stages"] - 1
+        row["per_hop_overhead_ms"] = (
+            (row["ms_per_token"] - base["ms_per_token"]) / hops if hops else float("nan")
+        )
+        row["same_text_as_1_stage"] = _texts(runs, row["stages"], row["wire"]) == base_text
+    return rows
+
+
+def _texts(runs: list[dict[str, Any]], stages: int, wire: str) -> set[str]:
+    return {r["text"] for r in runs if r["stages"] == stages and r["wire"] == wire}
+
+
+def wire_sizes(hidden_size: int, prompt_tokens: int, decode_tokens: int) -> list[dict[str, Any]]:
+    """Bytes per decode token crossing one boundary, per wire dtype: the activation
+    payload (``bytes_per_token``) and the whole encoded decode frame as stage k sends
+    it to stage k+1 (ids, one StageTiming, token id), plus its encode+decode time."""
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    hidden = torch.randn(1, hidden_size)
+    frame = Frame(
+        request_id=request_id,
+        session_id=request_id,
+        kind=FrameKind.DECODE,
+        pos_start=prompt_tokens + decode_tokens,
+        token_ids=(12345,),
+        hidden=hidden,
+        term=1,
+        timings=(StageTiming(stage_index=0, compute_ms=41.5, queue_ms=0.2),),
+    )
+    result = TokenResult(
+        request_id=request_id,
+        session_id=request_id,
+        pos_start=prompt_tokens + decode_tokens + 1,
+        token_ids=(12345,),
+        timings=(StageTiming(0, 41.5, 0.2), StageTiming(1, 40.1, 0.3)),
+        term=1,
+    )
+    rows = []
+    for wire in WIRE_DTYPES:
+        pb = frame.to_proto(wire)
+        payload = bytes_per_token(hidden_size, wire)
+        rows.append(
+            {
+                "wire": wire,
+                "bytes_per_token": payload,
+                "decode_frame_bytes": pb.ByteSize(),
+                "frame_overhead_bytes": pb.ByteSize() - payload,
+                "return_result_bytes": result.to_proto().ByteSize(),
+                "encode_decode_us": _codec_time_us(frame, WireDType.parse(wire)),
+            }
+        )
+    return rows
+
+
+def _codec_time_us(frame: Frame, wire: WireDType) -> float:
+    """Median time to encode a decode frame to bytes and decode it back, in us."""
+    from mesh.proto.v1 import data_pb2
+
+    samples = []
+    for _ in range(FRAME_TIMING_ITERATIONS):
+        started = time.perf_counter()
+        data = frame.to_proto(wire).SerializeToString()
+        Frame.from_proto(data_pb2.Frame.FromString(data))
+        samples.append(time.perf_counter() - started)
+    return median(samples) * 1e6
+
+
+def stage_table(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        "config",
+        "decode tok/s",
+        "min-max",
+        "vs 1 stage",
+        "ms/token",
+        "per-hop ms",
+        "wall tok/s",
+        "round ms",
+        "compute ms per stage",
+        "round - compute ms",
+        "same text",
+    ]
+    body = []
+    for row in rows:
+        tok = row["decode_tokens_per_s"]
+        body.append(
+            [
+                f"{row['stages']} stage{'s' if row['stages'] > 1 else ''} {row['wire']}",
+                fmt(tok["median"]),
+                f"{fmt(tok['min'])}-{fmt(tok['max'])}",
+                fmt(row.get("ratio_vs_1_stage"), 3),
+                fmt(row["ms_per_token"], 1),
+                fmt(row.get("per_hop_overhead_ms"), 1),
+                fmt(row["wall_tokens_per_s"]["median"]),
+                fmt(row["decode_round_ms"], 1),
+                " + ".join(fmt(v, 1) for v in row["stage_compute_ms"].values()),
+                fmt(row["round_minus_compute_ms"], 1),
+                "yes" if row["same_text_as_1_stage"] else "no",
+            ]
+        )
+    return render_table(headers, body)
+
+
+def wire_table(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        "wire",
+        "payload B/token",
+        "decode frame B",
+        "frame overhead B",
+        "return result B",
+        "encode+decode us",
+    ]
+    body = [
+        [
+            r["wire"],
+            str(r["bytes_per_token"]),
+            str(r["decode_frame_bytes"]),
+            str(r["frame_overhead_bytes"]),
+            str(r["return_result_bytes"]),
+            fmt(r["encode_decode_us"], 1),
+        ]
+        for r in rows
+    ]
+    return render_table(headers, body)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser, "pipeline")
+    parser.add_argument("--stages", default="1,2,3", help="stage counts, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per request")
+    parser.add_argument("--prompt-id", default=None, help="chat request id (default: the first)")
+    parser.add_argument(
+        "--wire-sweep", action="store_true", help="also 2 stages with f16, bf16 and int8"
+    )
+    args = parser.parse_args(argv)
+    args.stage_counts = sorted({int(s) for s in args.stages.split(",") if s.strip()})
+    if 1 not in args.stage_counts:
+        parser.error("--stages must include 1: it is the baseline")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure(args)
+    package = resolve_package(args.package)
+    manifest = PackageManifest.load(package)
+    workloads = load_workloads(args.workloads or default_workloads_path())
+    prompt = pick_prompt(workloads, args.prompt_id)
+    configs = build_configs(args.stage_counts, args.wire_sweep)
+    machine = machine_info(args.threads)
+    started = time.time()
+    with running_meshes_for(package, configs, args) as meshes:
+        runs = measure(meshes, prompt, args.max_tokens, args.repeats)
+    rows = summarize(configs, runs)
+    sizes = wire_sizes(manifest.hidden_size, runs[0]["prompt_tokens"], args.max_tokens // 2)
+    machine["load_average_at_end"] = load_average()
+    payload = {
+        "benchmark": "pipeline",
+        "command": command_line(),
+        "machine": machine,
+        "settings": {
+            "model_id": manifest.model_id,
+            "layers": manifest.layer_count,
+            "hidden_size": manifest.hidden_size,
+            "model_dtype": manifest.dtype,
+            "prompt_id": prompt.request_id,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "speculation": "none",
+            "configs": [c.label for c in configs],
+            "duration_s": round(time.time() - started, 1),
+        },
+        "summary": rows,
+        "wire_sizes": sizes,
+        "runs": runs,
+    }
+    write_json(args.out, payload)
+    emit(f"pipeline benchmark: {manifest.model_id}, {args.threads} torch thread(s) per stage")
+    emit(stage_table(rows))
+    emit("")
+    emit(wire_table(sizes))
+    emit(f"\nJSON: {args.out}")
+    return 0
+
+
+def running_meshes_for(package: Path, configs: list[MeshConfig], args: argparse.Namespace):
+    from common import running_meshes
+
+    return running_meshes(package, configs, threads=args.threads, workdir=args.workdir)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
