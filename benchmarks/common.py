@@ -205,7 +205,9 @@ def histogram_sums(
     before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
 ) -> dict[str, float]:
     """Sum of the observations made between two scrapes, per label string."""
-    return {labels: total - before.get(labels, (0.0, 0.0))[0] for labels, (total, _) in after.items()}
+    return {
+        labels: total - before.get(labels, (0.0, 0.0))[0] for labels, (total, _) in after.items()
+    }
 
 
 def label_value(labels: str, key: str) -> str | None:

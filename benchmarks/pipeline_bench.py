@@ -23,12 +23,12 @@ import argparse
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 from common import (
     MeshConfig,
+    PipelineMetrics,
     RunningMesh,
     WorkloadRequest,
     add_common_arguments,
@@ -39,8 +39,9 @@ from common import (
     emit,
     fmt,
     histogram_means,
-    load_workloads,
+    label_value,
     load_average,
+    load_workloads,
     machine_info,
     median,
     openai_client,
@@ -48,6 +49,7 @@ from common import (
     render_table,
     resolve_package,
     rotated,
+    running_meshes,
     scrape_pipeline_metrics,
     spread,
     write_json,
@@ -82,22 +84,47 @@ def pick_prompt(workloads: dict[str, list[WorkloadRequest]], request_id: str | N
     raise SystemExit(f"no chat request with id {request_id!r}")
 
 
-def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> dict[str, Any]:
-    """One greedy, non-streaming chat completion; server timings plus a metrics delta."""
+def _chat(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int):
     client = openai_client(mesh.http_url)
-    before = scrape_pipeline_metrics(mesh.http_url)
-    started = time.perf_counter()
-    reply = client.chat.completions.create(
+    return client.chat.completions.create(
         model=mesh.model_id,
         messages=list(prompt.messages),
         max_tokens=max_tokens,
         temperature=0,
     )
+
+
+def _compute_totals(mesh: RunningMesh) -> dict[str, tuple[float, float]]:
+    return _compute_totals_from(scrape_pipeline_metrics(mesh.http_url))
+
+
+def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> dict[str, Any]:
+    """One greedy, non-streaming chat completion: the server's timings, the client's
+    wall time, and a decode-round breakdown from stage 0's metrics.
+
+    The per-stage compute histogram mixes the prefill frame with the decode frames,
+    so a one-token request with the same prompt first measures the prefill's compute
+    on each stage, which is then taken out of the measured request's totals."""
+    probe_before = _compute_totals(mesh)
+    _chat(mesh, prompt, 1)
+    before = scrape_pipeline_metrics(mesh.http_url)
+    prefill = {
+        stage: total - probe_before.get(stage, (0.0, 0.0))[0]
+        for stage, (total, _) in _compute_totals_from(before).items()
+    }
+    started = time.perf_counter()
+    reply = _chat(mesh, prompt, max_tokens)
     wall_s = time.perf_counter() - started
     after = scrape_pipeline_metrics(mesh.http_url)
     timings = (reply.model_extra or {}).get("timings") or {}
     rounds = by_label(histogram_means(before.round_ms, after.round_ms), "kind")
-    compute = by_label(histogram_means(before.stage_compute_ms, after.stage_compute_ms), "stage")
+    compute = {}
+    old = _compute_totals_from(before)
+    for stage, (total, count) in _compute_totals_from(after).items():
+        old_total, old_count = old.get(stage, (0.0, 0.0))
+        frames = count - old_count - 1  # the measured request's decode frames
+        if frames > 0:
+            compute[stage] = (total - old_total - prefill.get(stage, 0.0)) / frames
     tokens = reply.usage.completion_tokens
     return {
         "completion_tokens": tokens,
@@ -109,8 +136,16 @@ def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> 
         "wall_s": wall_s,
         "wall_tokens_per_s": tokens / wall_s if wall_s > 0 else float("nan"),
         "decode_round_ms": rounds.get("decode"),
-        "stage_compute_ms": compute,
+        "prefill_compute_ms": dict(sorted(prefill.items())),
+        "stage_compute_ms": dict(sorted(compute.items())),
         "text": reply.choices[0].message.content or "",
+    }
+
+
+def _compute_totals_from(scrape: PipelineMetrics) -> dict[str, tuple[float, float]]:
+    return {
+        label_value(labels, "stage") or labels: pair
+        for labels, pair in scrape.stage_compute_ms.items()
     }
 
 
@@ -316,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = build_configs(args.stage_counts, args.wire_sweep)
     machine = machine_info(args.threads)
     started = time.time()
-    with running_meshes_for(package, configs, args) as meshes:
+    with running_meshes(package, configs, threads=args.threads, workdir=args.workdir) as meshes:
         runs = measure(meshes, prompt, args.max_tokens, args.repeats)
     rows = summarize(configs, runs)
     sizes = wire_sizes(manifest.hidden_size, runs[0]["prompt_tokens"], args.max_tokens // 2)
@@ -348,12 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     emit(wire_table(sizes))
     emit(f"\nJSON: {args.out}")
     return 0
-
-
-def running_meshes_for(package: Path, configs: list[MeshConfig], args: argparse.Namespace):
-    from common import running_meshes
-
-    return running_meshes(package, configs, threads=args.threads, workdir=args.workdir)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
         host = socket.gethostname()
     address = f"{host}:{port}"
     node = StageNode(
-        NodeSettings(node_id=node_id, cache_dir=cache_dir, device=args.device), address
+        NodeSettings(
+            node_id=node_id,
+            cache_dir=cache_dir,
+            device=args.device,
+            inject_delay_ms=args.inject_delay_ms,
+        ),
+        address,
     )
     stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
     data_pb2_grpc.add_StageDataServicer_to_server(DataServicer(node, node.deliver_result), server)

@@ -124,6 +124,11 @@ class StageRuntime:
     def max_tokens_per_session(self) -> int:
         return self._sessions.max_tokens_per_session
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token of one session takes on this stage."""
+        return self._sessions.layout.bytes_per_token()
+
     def kv_bytes(self) -> int:
         """Bytes currently allocated to the KV caches of all sessions."""
         with self._lock:

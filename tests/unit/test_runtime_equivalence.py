@@ -170,6 +170,7 @@ def test_sliding_window_layers_match_the_unsplit_model(family: str) -> None:
     """Windowed attention (all layers for Mistral, the upper half for Qwen2)."""
     base = tiny_config(family, layers=LAYERS, vocab_size=512).to_dict()
     windowed = {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 3}
+    windowed["layer_types"] = None
     unwindowed = {"sliding_window": None, "use_sliding_window": False, "layer_types": None}
     config_class = type(tiny_config(family, layers=1))
     torch.manual_seed(11)

@@ -176,6 +176,10 @@ def test_description_properties(llama) -> None:
     assert first.device == "cpu" and first.dtype == "float32"
     assert first.max_sessions == 3
     assert first.kv_bytes() == 0
+    # 2 layers x (K + V) x 2 KV heads x head_dim 16 x 4 bytes
+    assert first.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    first.forward("s", 0, TOKENS[:3])
+    assert first.kv_bytes() >= 3 * first.kv_bytes_per_token
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
