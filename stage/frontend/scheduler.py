@@ -27,7 +27,8 @@ from mesh.speculative import (
     Telemetry,
     plan_window,
 )
-from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
+from stage.frontend.backend import GenerationRequest, TokenEvent
+from stage.frontend.request_run import RequestRun
 from stage.node import LoadedStage, StageNode
 
 logger = logging.getLogger(__name__)
@@ -40,86 +41,6 @@ class SchedulerLimits:
     prefill_chunk_tokens: int = 512
     round_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
-
-
-class _RequestRun:
-    """One request's progress: every token so far, speculation state, counters."""
-
-    def __init__(self, request: GenerationRequest, speculation) -> None:
-        self.request = request
-        self.tokens: list[int] = list(request.prompt_tokens)
-        self.produced = 0
-        self.term = 0
-        self.recovered = False
-        self.prompt_ms = 0.0
-        self.decode_started = time.perf_counter()
-        self.drafter = self.policy = None
-        self.strategy = ""
-        self.telemetry: Telemetry | None = None
-        if speculation is not None:
-            self.drafter, self.policy, self.strategy = speculation
-            self.telemetry = Telemetry()
-
-    @property
-    def position(self) -> int:
-        """Absolute position of the last committed token (the next frame's pos_start)."""
-        return len(self.tokens) - 1
-
-    def tokens_left(self) -> int:
-        return self.request.max_new_tokens - self.produced
-
-    def commit(self, emitted: list[int]) -> TokenEvent:
-        """Commit emitted tokens up to a stop token or the token budget."""
-        finish = None
-        out: list[int] = []
-        for token in emitted:
-            if token in self.request.stop_token_ids:
-                finish = "stop"
-                break
-            out.append(token)
-            if self.produced + len(out) >= self.request.max_new_tokens:
-                finish = "length"
-                break
-        self.produced += len(out)
-        self.tokens.extend(out)
-        return TokenEvent(token_ids=tuple(out), finish_reason=finish, stats=self.stats())
-
-    def observe(
-        self,
-        drafts: list[int],
-        accepted: int,
-        emitted: list[int],
-        round_s: float,
-        draft_s: float,
-    ) -> None:
-        if self.drafter is None or not emitted:
-            return
-        if drafts:
-            self.drafter.accept(accepted, emitted[-1])
-        else:
-            self.drafter.extend(emitted)
-        if not self.recovered:
-            self.policy.observe(len(drafts), accepted, round_s, draft_s)
-        self.telemetry.record_round(len(drafts), accepted, len(emitted), round_s, draft_s)
-
-    def stats(self) -> GenerationStats:
-        speculation: dict[str, float] = {}
-        if self.telemetry is not None:
-            t = self.telemetry
-            speculation = {
-                "drafted": t.drafted,
-                "accepted": t.accepted,
-                "accept_rate": round(t.accept_rate, 4),
-                "windows": t.windows,
-                "tokens_per_round": round(t.mean_tokens_per_round, 4),
-            }
-        return GenerationStats(
-            prompt_tokens=len(self.request.prompt_tokens),
-            completion_tokens=self.produced,
-            prompt_ms=self.prompt_ms,
-            decode_ms=(time.perf_counter() - self.decode_started) * 1000.0,
-            speculation=speculation,
-        )
 
 
 class PipelineScheduler:
@@ -250,7 +171,7 @@ class PipelineScheduler:
         prompt = request.prompt_tokens
         if not prompt:
             raise InvalidRequest("the prompt is empty; send at least one token")
-        run = _RequestRun(request, self._new_speculation(request))
+        run = RequestRun(request, self._new_speculation(request))
         run.term = loaded.request.term
         result = await self._resilient(run, lambda: self._prefill(run, prompt))
         run.prompt_ms = (time.perf_counter() - started) * 1000.0
@@ -282,7 +203,7 @@ class PipelineScheduler:
         drafter.begin(request.prompt_tokens, prompt_text=text)
         return drafter, factory.new_policy(), factory.name
 
-    def _propose(self, run: _RequestRun) -> tuple[list[int], float]:
+    def _propose(self, run: RequestRun) -> tuple[list[int], float]:
         if run.drafter is None:
             return [], 0.0
         context = RoundContext(
@@ -297,7 +218,7 @@ class PipelineScheduler:
         drafts = run.drafter.propose(window)
         return drafts, time.perf_counter() - started
 
-    async def _prefill(self, run: _RequestRun, tokens: tuple[int, ...]) -> TokenResult:
+    async def _prefill(self, run: RequestRun, tokens: tuple[int, ...]) -> TokenResult:
         """Send ``tokens`` from position 0 as PREFILL chunks; the last one samples."""
         loaded = self._admit_check()
         chunk = max(1, self.limits.prefill_chunk_tokens)
@@ -319,7 +240,7 @@ class PipelineScheduler:
             self._send(frame)
         raise InvalidRequest("the prompt is empty; send at least one token")
 
-    async def _step(self, run: _RequestRun, drafts: list[int]) -> TokenResult:
+    async def _step(self, run: RequestRun, drafts: list[int]) -> TokenResult:
         """One decode round: [current] or a verify window [current, d1..dk]."""
         loaded = self._admit_check()
         session = run.request.request_id
@@ -334,7 +255,7 @@ class PipelineScheduler:
             )
         )
 
-    async def _resilient(self, run: _RequestRun, attempt) -> TokenResult:
+    async def _resilient(self, run: RequestRun, attempt) -> TokenResult:
         """Run ``attempt``; if the pipeline is lost, wait for a new one (up to the
         recovery deadline) and rebuild the KV by re-prefilling every token so far."""
         try:
@@ -368,7 +289,7 @@ class PipelineScheduler:
             )
             return result
 
-    async def _await_new_pipeline(self, run: _RequestRun, deadline: float) -> None:
+    async def _await_new_pipeline(self, run: RequestRun, deadline: float) -> None:
         failed_term = run.term
         while True:
             loaded = self._loaded
@@ -382,7 +303,7 @@ class PipelineScheduler:
                 )
             await asyncio.sleep(0.1)
 
-    def _finish(self, run: _RequestRun) -> None:
+    def _finish(self, run: RequestRun) -> None:
         telemetry = run.telemetry
         if telemetry is not None and run.strategy:
             self.telemetry_totals[run.strategy] = (
