@@ -20,14 +20,17 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS_ENV = "MESH_BENCH_WORKLOADS"
@@ -121,6 +124,32 @@ class RunningMesh:
     http_url: str
     model_id: str
     processes: Any  # coordinator.localmesh.MeshProcesses
+    # Measurements repeated because the pipeline was reloading (503) when they ran.
+    interruptions: list[str] = field(default_factory=list)
+
+    def pids(self) -> dict[str, int]:
+        """Process ids by role: ``coordinator``, ``stage-0`` ... ``stage-N-1``."""
+        pids = {"coordinator": self.processes.coordinator.pid}
+        for node_id, process in sorted(self.processes.stages.items()):
+            pids[node_id] = process.pid
+        return pids
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User+system CPU seconds used so far by each process (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for role, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[role] = (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {role: after[role] - before[role] for role in after if role in before}
 
 
 @contextmanager
@@ -131,9 +160,15 @@ def running_meshes(
     threads: int,
     workdir: Path | None = None,
     max_sessions: int = 16,
+    coordinator_nice: int = 0,
+    heartbeat_timeout_s: float = 0.0,
 ) -> Iterator[list[RunningMesh]]:
     """Start every mesh at once (their loads overlap), wait until all serve, and
-    stop every process on exit, even when a benchmark fails."""
+    stop every process on exit, even when a benchmark fails. A positive
+    ``coordinator_nice`` lowers the coordinators' CPU priority (they sit outside the
+    data path). A positive ``heartbeat_timeout_s`` replaces the coordinator's
+    default: on a crowded machine a starved process can miss a short one, and the
+    coordinator then reloads the pipeline in the middle of a measurement."""
     from coordinator.localmesh import MeshProcesses
 
     with ExitStack() as stack:
@@ -149,15 +184,74 @@ def running_meshes(
                 max_sessions=max_sessions,
                 max_queued=max_sessions,
                 stage0_args=config.stage0_args(),
+                coordinator_args=(
+                    ("--heartbeat-timeout", str(heartbeat_timeout_s))
+                    if heartbeat_timeout_s > 0
+                    else ()
+                ),
             )
             stack.callback(mesh.close)
             started.append((config, mesh.start()))
+            if coordinator_nice:
+                lower_priority(mesh.coordinator.pid, coordinator_nice)
         meshes = []
         for config, mesh in started:
             body = mesh.wait_serving(deadline_s=MESH_START_DEADLINE_S)
             logger.info("%s serving at %s", config.label, mesh.http_url)
             meshes.append(RunningMesh(config, mesh.http_url, body["model_id"], mesh))
         yield meshes
+
+
+def lower_priority(pid: int, nice: int) -> None:
+    """Set the nice value of ``pid``. Local meshes start each process in its own
+    session, and with the kernel's autogroup scheduling a process's nice value only
+    ranks it within its session's group, so the group's nice value is set as well."""
+    os.setpriority(os.PRIO_PROCESS, pid, nice)
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    try:
+        autogroup.write_text(str(nice))
+    except OSError as error:
+        logger.debug("cannot set the autogroup nice of %s: %s", pid, error)
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """A 503 from the frontend (the pipeline is reloading) or a refused connection."""
+    import openai
+
+    if isinstance(error, openai.APIStatusError):
+        return error.status_code == 503
+    return isinstance(error, openai.APIConnectionError)
+
+
+def wait_ready(http_url: str, deadline_s: float = MESH_START_DEADLINE_S) -> None:
+    """Poll ``/health`` until the frontend answers 200."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(http_url + "/health", timeout=10) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            raise TimeoutError(f"{http_url} did not become ready within {deadline_s:.0f}s")
+        time.sleep(0.5)
+
+
+def with_recovery(mesh: RunningMesh, what: str, measure: Callable[[], T], attempts: int = 3) -> T:
+    """Run ``measure``; when the pipeline was unavailable, wait until it serves again
+    and measure again (the interrupted attempt is discarded and noted on ``mesh``)."""
+    attempt = 1
+    while True:
+        try:
+            return measure()
+        except Exception as error:
+            if not is_unavailable(error) or attempt >= attempts:
+                raise
+            mesh.interruptions.append(f"{what}: {error}")
+            logger.warning("%s: %s; waiting for the pipeline and measuring again", what, error)
+        wait_ready(mesh.http_url)
+        attempt += 1
 
 
 def openai_client(http_url: str):
@@ -385,6 +479,20 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "--out", type=Path, default=Path("bench-results") / f"{name}.json", help="JSON output"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep mesh logs here")
+    parser.add_argument(
+        "--coordinator-nice",
+        type=int,
+        default=19,
+        help="nice value of the coordinator processes (0: leave them as they are); the "
+        "coordinator is off the data path, so it should not compete with the stages",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="coordinator heartbeat timeout in seconds (0: its default); generous, so a "
+        "starved process on a busy machine does not trigger a reload mid-measurement",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 

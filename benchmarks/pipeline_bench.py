@@ -35,6 +35,8 @@ from common import (
     by_label,
     command_line,
     configure,
+    cpu_delta,
+    cpu_seconds,
     default_workloads_path,
     emit,
     fmt,
@@ -52,6 +54,7 @@ from common import (
     running_meshes,
     scrape_pipeline_metrics,
     spread,
+    with_recovery,
     write_json,
 )
 
@@ -112,9 +115,12 @@ def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> 
         stage: total - probe_before.get(stage, (0.0, 0.0))[0]
         for stage, (total, _) in _compute_totals_from(before).items()
     }
+    pids = mesh.pids()
+    cpu_before = cpu_seconds(pids)
     started = time.perf_counter()
     reply = _chat(mesh, prompt, max_tokens)
     wall_s = time.perf_counter() - started
+    cpu = cpu_delta(cpu_before, cpu_seconds(pids))
     after = scrape_pipeline_metrics(mesh.http_url)
     timings = (reply.model_extra or {}).get("timings") or {}
     rounds = by_label(histogram_means(before.round_ms, after.round_ms), "kind")
@@ -138,6 +144,7 @@ def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> 
         "decode_round_ms": rounds.get("decode"),
         "prefill_compute_ms": dict(sorted(prefill.items())),
         "stage_compute_ms": dict(sorted(compute.items())),
+        "cpu_ms_per_token": {role: 1000.0 * used / max(1, tokens) for role, used in cpu.items()},
         "text": reply.choices[0].message.content or "",
     }
 
@@ -155,10 +162,14 @@ def measure(
     runs = []
     for mesh in meshes:
         logger.info("warm-up: %s", mesh.config.label)
-        decode_once(mesh, prompt, max_tokens)
+        with_recovery(mesh, "warm-up", lambda m=mesh: decode_once(m, prompt, max_tokens))
     for repeat in range(repeats):
         for mesh in rotated(meshes, repeat):
-            run = decode_once(mesh, prompt, max_tokens)
+            run = with_recovery(
+                mesh,
+                f"repeat {repeat}",
+                lambda m=mesh: decode_once(m, prompt, max_tokens),
+            )
             run.update(repeat=repeat, stages=mesh.config.stages, wire=mesh.config.wire_dtype)
             logger.info(
                 "repeat %s %s: %.2f tok/s", repeat, mesh.config.label, run["predicted_per_second"]
@@ -178,6 +189,10 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
             for stage in sorted({s for r in mine for s in r["stage_compute_ms"]})
         }
         round_ms = median([r["decode_round_ms"] or float("nan") for r in mine])
+        cpu = {
+            role: median([r["cpu_ms_per_token"].get(role, float("nan")) for r in mine])
+            for role in mine[0]["cpu_ms_per_token"]
+        }
         rows.append(
             {
                 "stages": config.stages,
@@ -188,6 +203,7 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
                 "decode_round_ms": round_ms,
                 "stage_compute_ms": compute,
                 "round_minus_compute_ms": round_ms - sum(compute.values()),
+                "cpu_ms_per_token": cpu,
                 "same_text_as_1_stage": None,
             }
         )
@@ -213,7 +229,12 @@ def _texts(runs: list[dict[str, Any]], stages: int, wire: str) -> set[str]:
     return {r["text"] for r in runs if r["stages"] == stages and r["wire"] == wire}
 
 
-def wire_sizes(hidden_size: int, prompt_tokens: int, decode_tokens: int) -> list[dict[str, Any]]:
+def wire_sizes(
+    hidden_size: int,
+    prompt_tokens: int,
+    decode_tokens: int,
+    iterations: int = FRAME_TIMING_ITERATIONS,
+) -> list[dict[str, Any]]:
     """Bytes per decode token crossing one boundary, per wire dtype: the activation
     payload (``bytes_per_token``) and the whole encoded decode frame as stage k sends
     it to stage k+1 (ids, one StageTiming, token id), plus its encode+decode time."""
@@ -248,18 +269,18 @@ def wire_sizes(hidden_size: int, prompt_tokens: int, decode_tokens: int) -> list
                 "decode_frame_bytes": pb.ByteSize(),
                 "frame_overhead_bytes": pb.ByteSize() - payload,
                 "return_result_bytes": result.to_proto().ByteSize(),
-                "encode_decode_us": _codec_time_us(frame, WireDType.parse(wire)),
+                "encode_decode_us": _codec_time_us(frame, WireDType.parse(wire), iterations),
             }
         )
     return rows
 
 
-def _codec_time_us(frame: Frame, wire: WireDType) -> float:
+def _codec_time_us(frame: Frame, wire: WireDType, iterations: int) -> float:
     """Median time to encode a decode frame to bytes and decode it back, in us."""
     from mesh.proto.v1 import data_pb2
 
     samples = []
-    for _ in range(FRAME_TIMING_ITERATIONS):
+    for _ in range(iterations):
         started = time.perf_counter()
         data = frame.to_proto(wire).SerializeToString()
         Frame.from_proto(data_pb2.Frame.FromString(data))
@@ -279,6 +300,8 @@ def stage_table(rows: list[dict[str, Any]]) -> str:
         "round ms",
         "compute ms per stage",
         "round - compute ms",
+        "stage CPU ms/token",
+        "coordinator CPU ms/token",
         "same text",
     ]
     body = []
@@ -296,6 +319,10 @@ def stage_table(rows: list[dict[str, Any]]) -> str:
                 fmt(row["decode_round_ms"], 1),
                 " + ".join(fmt(v, 1) for v in row["stage_compute_ms"].values()),
                 fmt(row["round_minus_compute_ms"], 1),
+                " + ".join(
+                    fmt(v, 1) for k, v in row["cpu_ms_per_token"].items() if k != "coordinator"
+                ),
+                fmt(row["cpu_ms_per_token"].get("coordinator"), 1),
                 "yes" if row["same_text_as_1_stage"] else "no",
             ]
         )
@@ -351,8 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     configs = build_configs(args.stage_counts, args.wire_sweep)
     machine = machine_info(args.threads)
     started = time.time()
-    with running_meshes(package, configs, threads=args.threads, workdir=args.workdir) as meshes:
+    with running_meshes(
+        package,
+        configs,
+        threads=args.threads,
+        workdir=args.workdir,
+        coordinator_nice=args.coordinator_nice,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    ) as meshes:
         runs = measure(meshes, prompt, args.max_tokens, args.repeats)
+        interruptions = {m.config.label: list(m.interruptions) for m in meshes}
     rows = summarize(configs, runs)
     sizes = wire_sizes(manifest.hidden_size, runs[0]["prompt_tokens"], args.max_tokens // 2)
     machine["load_average_at_end"] = load_average()
@@ -374,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "summary": rows,
         "wire_sizes": sizes,
+        "interruptions": interruptions,
         "runs": runs,
     }
     write_json(args.out, payload)

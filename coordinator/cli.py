@@ -29,10 +29,12 @@ from mesh.logsetup import configure_logging
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import (
     MeshSecurity,
+    active,
     add_security_arguments,
     install,
     log_posture,
     security_from_args,
+    unavailable_hint,
     validate,
 )
 
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", default="float32", help="compute dtype: float32|bfloat16|float16")
     up.add_argument("--max-sessions", type=int, default=16)
     up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
+    up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
     up.add_argument("--stage-threads", type=int, default=0, help="torch threads per local stage")
     up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
     up.add_argument("--cache-dir", type=Path, default=None, help="slice cache of local stages")
@@ -105,6 +108,8 @@ def _spawn_stage(
         f"local-{index}",
         "--threads",
         str(threads),
+        "--device",
+        args.device,
         "--max-sessions",
         str(args.max_sessions),
     ]
@@ -238,15 +243,19 @@ def _terminate(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:
 
 
 def fetch_status(coordinator: str, security: MeshSecurity | None = None) -> StatusReply:
+    security = active() if security is None else security
     ch = channel(coordinator, security)
     try:
         reply = coordinator_pb2_grpc.CoordinatorStub(ch).Status(
             StatusRequest().to_proto(), timeout=CONTROL_DEADLINE_S
         )
     except grpc.RpcError as error:
+        hint = (
+            f"; {unavailable_hint(security)}" if error.code() == grpc.StatusCode.UNAVAILABLE else ""
+        )
         raise MeshError(
             f"cannot reach the coordinator at {coordinator}: {error.code().name} "
-            f"({error.details()})"
+            f"({error.details()}){hint}"
         ) from None
     finally:
         ch.close()

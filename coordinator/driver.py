@@ -254,5 +254,3 @@ def release_nodes(addresses: list[tuple[str, str]], term: int, reason: str) -> N
 def _strip(message: str, step: str) -> str:
     prefix = f"{step}: "
     return message[len(prefix) :] if message.startswith(prefix) else message
-
-

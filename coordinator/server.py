@@ -76,8 +76,9 @@ class CoordinatorService:
 
     def apply(self, event: registry.Event) -> registry.State:
         with self._lock:
-            self.state = registry.apply(self.state, event)
-            self._changed.set()
+            before, self.state = self.state, registry.apply(self.state, event)
+            if self.state is not before:  # an unchanged state must not wake the supervisor
+                self._changed.set()
             return self.state
 
     def _device_of(self, node_id: str) -> str:

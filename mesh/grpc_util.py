@@ -3,24 +3,36 @@ security (join token, TLS), and error mapping.
 
 Used by the stage and coordinator servicers and clients (never by compute code).
 Every channel and server of the mesh is made here, so the settings installed with
-``mesh.security.install`` apply to all of them.
+``mesh.security.install`` apply to all of them: TLS credentials, and the join token
+added to every outgoing call and checked (constant-time) on every incoming one.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
+import threading
+import time
+from collections import namedtuple
+from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 
 from mesh.errors import MeshError, Unavailable, from_code, grpc_code_name
 from mesh.security import (
-    JoinTokenClientInterceptor,
-    JoinTokenInterceptor,
+    REFUSED_MESSAGE,
+    TOKEN_METADATA_KEY,
     MeshSecurity,
     active,
-    channel_credentials,
-    server_credentials,
+    check_token,
+    read_pem,
 )
+
+logger = logging.getLogger(__name__)
+
+REFUSAL_LOG_INTERVAL_S = 30.0
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CONTROL_DEADLINE_S = 10.0
@@ -100,3 +112,145 @@ def error_from_rpc(error: grpc.RpcError, what: str) -> MeshError:
     name = code.name if code is not None else "UNAVAILABLE"
     details = error.details() if hasattr(error, "details") else str(error)
     return from_code(name, f"{what}: {details}")
+
+
+# ---- credentials ---------------------------------------------------------------------
+
+
+def server_credentials(security: MeshSecurity) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server, or None for plaintext."""
+    if security.tls_cert is None or security.tls_key is None:
+        return None
+    pair = [(read_pem(security.tls_key), read_pem(security.tls_cert))]
+    if security.tls_mutual:
+        return grpc.ssl_server_credentials(
+            pair, root_certificates=read_pem(security.tls_ca), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials(pair)
+
+
+def channel_credentials(security: MeshSecurity) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a client, or None for plaintext. A node with a certificate
+    presents it (a server that does not ask for it ignores it)."""
+    if not security.tls_enabled:
+        return None
+    ca = read_pem(security.tls_ca) if security.tls_ca is not None else None
+    if security.tls_cert is not None and security.tls_key is not None:
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=read_pem(security.tls_key),
+            certificate_chain=read_pem(security.tls_cert),
+        )
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
+# ---- the join token on the wire ------------------------------------------------------
+
+
+class JoinTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose ``mesh-join-token`` metadata is missing or wrong."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = check_token(token, "the join token").encode()
+        self._lock = threading.Lock()
+        self._last_log = float("-inf")
+        self._suppressed = 0
+
+    def authorized(self, metadata: Any) -> bool:
+        presented = b""
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+                break
+        return hmac.compare_digest(presented, self._expected)
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or self.authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _refusing_handler(handler, handler_call_details.method, self._note)
+
+    def _note(self, method: str, peer: str) -> None:
+        """Log refusals, at most one line per interval (a scanner must not flood logs)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last_log < REFUSAL_LOG_INTERVAL_S:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last_log = self._suppressed, 0, now
+        logger.warning(
+            "refused %s from %s: missing or wrong join token (%s more refusals not logged)",
+            method,
+            peer,
+            suppressed,
+        )
+
+
+def _refusing_handler(
+    handler: grpc.RpcMethodHandler, method: str, note: Callable[[str, str], None]
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
+
+    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+        note(method, context.peer())
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED_MESSAGE)
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class _CallDetails(
+    namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """Call details with the token added to the metadata."""
+
+
+class JoinTokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the join token to the metadata of every call on a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = check_token(token, "the join token")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), (TOKEN_METADATA_KEY, self._token)]
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)

@@ -11,23 +11,21 @@ every channel and server the process opens (``mesh.grpc_util``) uses it.
 - TLS: servers present ``tls_cert``/``tls_key``; clients verify against ``tls_ca``.
   With ``tls_mutual`` servers also require a client certificate signed by the CA,
   and clients present theirs.
+
+This module resolves and checks the settings; ``mesh.grpc_util`` turns them into
+credentials and interceptors.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import os
 import threading
-import time
-from collections import namedtuple
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import grpc
 
 from mesh.errors import InvalidRequest
 
@@ -39,7 +37,6 @@ REFUSED_MESSAGE = (
     "missing or wrong mesh join token; set MESH_JOIN_TOKEN or --join-token-file on every node"
 )
 SECURITY_KEYS = ("join_token_file", "tls_cert", "tls_key", "tls_ca", "tls_mutual")
-REFUSAL_LOG_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -210,11 +207,12 @@ def validate(security: MeshSecurity, serving: bool) -> MeshSecurity:
         )
     for path in (security.tls_cert, security.tls_key, security.tls_ca):
         if path is not None:
-            _read_pem(path)
+            read_pem(path)
     return security
 
 
-def _read_pem(path: Path) -> bytes:
+def read_pem(path: Path) -> bytes:
+    """The bytes of a PEM file; InvalidRequest when unreadable or not PEM."""
     try:
         data = Path(path).expanduser().read_bytes()
     except OSError as error:
@@ -267,143 +265,14 @@ def log_posture(security: MeshSecurity, role: str) -> None:
     logger.info("%s security: %s", role, security.describe())
 
 
-# ---- credentials ---------------------------------------------------------------------
-
-
-def server_credentials(security: MeshSecurity) -> grpc.ServerCredentials | None:
-    """TLS credentials for a server, or None for plaintext."""
-    if security.tls_cert is None or security.tls_key is None:
-        return None
-    pair = [(_read_pem(security.tls_key), _read_pem(security.tls_cert))]
-    if security.tls_mutual:
-        return grpc.ssl_server_credentials(
-            pair, root_certificates=_read_pem(security.tls_ca), require_client_auth=True
-        )
-    return grpc.ssl_server_credentials(pair)
-
-
-def channel_credentials(security: MeshSecurity) -> grpc.ChannelCredentials | None:
-    """TLS credentials for a client, or None for plaintext. A node with a certificate
-    presents it (a server that does not ask for it ignores it)."""
+def unavailable_hint(security: MeshSecurity) -> str:
+    """What to check when a peer cannot be reached: TLS mismatches look like that."""
     if not security.tls_enabled:
-        return None
-    ca = _read_pem(security.tls_ca) if security.tls_ca is not None else None
-    if security.tls_cert is not None and security.tls_key is not None:
-        return grpc.ssl_channel_credentials(
-            root_certificates=ca,
-            private_key=_read_pem(security.tls_key),
-            certificate_chain=_read_pem(security.tls_cert),
+        return (
+            "is it running, and does the mesh use TLS? then give --tls-ca "
+            "(and --tls-cert/--tls-key)"
         )
-    return grpc.ssl_channel_credentials(root_certificates=ca)
-
-
-# ---- the join token on the wire ------------------------------------------------------
-
-
-class JoinTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose ``mesh-join-token`` metadata is missing or wrong."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = check_token(token, "the join token").encode()
-        self._lock = threading.Lock()
-        self._last_log = float("-inf")
-        self._suppressed = 0
-
-    def authorized(self, metadata: Any) -> bool:
-        presented = b""
-        for key, value in metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                presented = value.encode() if isinstance(value, str) else bytes(value)
-                break
-        return hmac.compare_digest(presented, self._expected)
-
-    def intercept_service(
-        self, continuation: Callable[[Any], Any], handler_call_details: Any
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or self.authorized(handler_call_details.invocation_metadata):
-            return handler
-        return _refusing_handler(handler, handler_call_details.method, self._note)
-
-    def _note(self, method: str, peer: str) -> None:
-        """Log refusals, at most one line per interval (a scanner must not flood logs)."""
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last_log < REFUSAL_LOG_INTERVAL_S:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed, self._last_log = self._suppressed, 0, now
-        logger.warning(
-            "refused %s from %s: missing or wrong join token (%s more refusals not logged)",
-            method,
-            peer,
-            suppressed,
-        )
-
-
-def _refusing_handler(
-    handler: grpc.RpcMethodHandler, method: str, note: Callable[[str, str], None]
-) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED."""
-
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        note(method, context.peer())
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED_MESSAGE)
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
-    return make(
-        refuse,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
+    return (
+        "is it running with TLS, does its certificate name the address dialled "
+        "(--advertise), is it signed by --tls-ca, and does mutual TLS need --tls-cert/--tls-key?"
     )
-
-
-class _CallDetails(
-    namedtuple(
-        "_CallDetails",
-        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
-    ),
-    grpc.ClientCallDetails,
-):
-    """Call details with the token added to the metadata."""
-
-
-class JoinTokenClientInterceptor(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds the join token to the metadata of every call on a channel."""
-
-    def __init__(self, token: str) -> None:
-        self._token = check_token(token, "the join token")
-
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = [*(details.metadata or ()), (TOKEN_METADATA_KEY, self._token)]
-        return _CallDetails(
-            details.method,
-            details.timeout,
-            metadata,
-            details.credentials,
-            getattr(details, "wait_for_ready", None),
-            getattr(details, "compression", None),
-        )
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)

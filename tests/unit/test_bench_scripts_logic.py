@@ -1,0 +1,195 @@
+"""The pure parts of benchmarks/: workloads, metrics parsing, summaries, wire sizes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh.codec import bytes_per_token
+from mesh.metrics import Registry
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def bench(name: str):
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    return importlib.import_module(name)
+
+
+def test_workloads_group_by_name_in_file_order(tmp_path: Path):
+    common = bench("common")
+    path = tmp_path / "w.jsonl"
+    lines = [
+        {"workload": w, "id": i, "messages": [{"role": "user", "content": c}], "max_tokens": n}
+        for w, i, c, n in (("chat", "c0", "a", 8), ("code", "e0", "b", 9), ("chat", "c1", "c", 7))
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    grouped = common.load_workloads(path)
+    assert list(grouped) == ["chat", "code"]
+    assert [r.request_id for r in grouped["chat"]] == ["c0", "c1"]
+    assert grouped["code"][0].max_tokens == 9
+    assert grouped["chat"][1].messages == ({"role": "user", "content": "c"},)
+
+    path.write_text('{"workload": "chat", "id": "x"}\n')
+    with pytest.raises(ValueError, match=r"w.jsonl:1: .*max_tokens"):
+        common.load_workloads(path)
+    with pytest.raises(FileNotFoundError, match="--workloads"):
+        common.load_workloads(tmp_path / "missing.jsonl")
+
+
+def test_the_shared_workload_file_parses():
+    common = bench("common")
+    path = common.default_workloads_path()
+    if not path.is_file():
+        pytest.skip(f"no shared workload file at {path}")
+    grouped = common.load_workloads(path)
+    assert {"chat", "code-edit"} <= set(grouped)
+
+
+def test_histogram_deltas_from_the_registry_exposition():
+    common = bench("common")
+    registry = Registry()
+    compute = registry.histogram("mesh_stage_compute_ms", "c", ("stage",), buckets=(1, 10, 100))
+    rounds = registry.histogram("mesh_pipeline_round_ms", "r", ("kind",), buckets=(1, 10, 100))
+    compute.labels("0").observe(40.0)
+    rounds.labels("prefill").observe(90.0)
+    before = common.parse_histogram_totals(registry.render(), "mesh_stage_compute_ms")
+    before_rounds = common.parse_histogram_totals(registry.render(), "mesh_pipeline_round_ms")
+    for value in (10.0, 20.0):
+        compute.labels("0").observe(value)
+        compute.labels("1").observe(value * 3)
+        rounds.labels("decode").observe(value * 5)
+    after = common.parse_histogram_totals(registry.render(), "mesh_stage_compute_ms")
+    after_rounds = common.parse_histogram_totals(registry.render(), "mesh_pipeline_round_ms")
+    means = common.by_label(common.histogram_means(before, after), "stage")
+    assert means == {"0": pytest.approx(15.0), "1": pytest.approx(45.0)}
+    sums = common.by_label(common.histogram_sums(before, after), "stage")
+    assert sums == {"0": pytest.approx(30.0), "1": pytest.approx(90.0)}
+    # No new prefill round between the scrapes: only decode has a mean.
+    assert common.by_label(common.histogram_means(before_rounds, after_rounds), "kind") == {
+        "decode": pytest.approx(75.0)
+    }
+
+
+def test_statistics_rotation_table_and_json(tmp_path: Path):
+    common = bench("common")
+    assert common.median([3.0, float("nan"), 1.0, 2.0]) == 2.0
+    assert math.isnan(common.median([]))
+    assert common.spread([4.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 4.0, "n": 3}
+    assert math.isnan(common.ratio(1.0, 0.0))
+    assert common.rotated([1, 2, 4, 8], 1) == [2, 4, 8, 1]
+    assert common.rotated([1, 2, 4, 8], 4) == [1, 2, 4, 8]
+    text = common.render_table(["a", "long header"], [["1", "x"], ["22222", "y"]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1 and lines[1].startswith("|---")
+    out = tmp_path / "deep" / "r.json"
+    common.write_json(out, {"x": float("nan"), "y": [1.5, float("inf")]})
+    assert json.loads(out.read_text()) == {"x": None, "y": [1.5, None]}
+
+
+def test_mesh_config_speculation_flags():
+    common = bench("common")
+    assert common.MeshConfig(2).stage0_args() == ("--spec-type", "none")
+    assert common.MeshConfig(2, speculation="package").stage0_args() == ()
+    assert common.MeshConfig(3, "bf16").label == "3 stages bf16"
+
+
+def _run(stages: int, wire: str, tok_s: float, repeat: int, text: str = "same") -> dict:
+    return {
+        "stages": stages,
+        "wire": wire,
+        "repeat": repeat,
+        "predicted_per_second": tok_s,
+        "wall_tokens_per_s": tok_s * 0.9,
+        "decode_round_ms": 1000.0 / tok_s - 1.0,
+        "stage_compute_ms": {str(i): 900.0 / tok_s / stages for i in range(stages)},
+        "cpu_ms_per_token": {"coordinator": 0.5, "stage-0": 80.0},
+        "text": text,
+    }
+
+
+def test_pipeline_summary_ratios_and_per_hop_overhead():
+    pipeline = bench("pipeline_bench")
+    common = bench("common")
+    configs = pipeline.build_configs([1, 2, 3], wire_sweep=True)
+    assert [(c.stages, c.wire_dtype) for c in configs] == [
+        (1, "f32"), (2, "f32"), (3, "f32"), (2, "f16"), (2, "bf16"), (2, "int8")
+    ]  # fmt: skip
+    runs = []
+    for repeat, noise in enumerate((1.0, 0.5, 2.0)):
+        runs += [
+            _run(1, "f32", 10.0 * noise, repeat),
+            _run(2, "f32", 8.0 * noise, repeat),
+            _run(3, "f32", 5.0 * noise, repeat),
+        ]
+    runs.append(_run(2, "int8", 9.0, 0, text="different"))
+    rows = pipeline.summarize([common.MeshConfig(n) for n in (1, 2, 3)] + [configs[-1]], runs)
+    one, two, three, int8 = rows
+    assert one["decode_tokens_per_s"]["median"] == 10.0 and one["ratio_vs_1_stage"] == 1.0
+    assert two["ratio_vs_1_stage"] == pytest.approx(0.8)
+    # 100 ms/token at 1 stage, 125 at 2, 200 at 3: 25 and 50 ms per hop.
+    assert two["per_hop_overhead_ms"] == pytest.approx(25.0)
+    assert three["per_hop_overhead_ms"] == pytest.approx(50.0)
+    assert math.isnan(one["per_hop_overhead_ms"])
+    assert two["same_text_as_1_stage"] and not int8["same_text_as_1_stage"]
+    assert set(three["stage_compute_ms"]) == {"0", "1", "2"}
+    table = pipeline.stage_table(rows)
+    assert "0.800" in table and "2 stages int8" in table
+
+
+def test_wire_sizes_match_the_codec():
+    pipeline = bench("pipeline_bench")
+    rows = {
+        r["wire"]: r
+        for r in pipeline.wire_sizes(64, prompt_tokens=40, decode_tokens=30, iterations=20)
+    }
+    assert list(rows) == ["f32", "f16", "bf16", "int8"]
+    for wire, row in rows.items():
+        assert row["bytes_per_token"] == bytes_per_token(64, wire)
+        assert row["decode_frame_bytes"] == row["bytes_per_token"] + row["frame_overhead_bytes"]
+        assert 0 < row["frame_overhead_bytes"] < 200
+        assert row["encode_decode_us"] > 0
+    assert rows["f32"]["decode_frame_bytes"] > rows["f16"]["decode_frame_bytes"]
+    assert rows["f16"]["decode_frame_bytes"] > rows["int8"]["decode_frame_bytes"]
+
+
+def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
+    serving = bench("serving_bench")
+    common = bench("common")
+    requests = [common.WorkloadRequest("w", f"r{i}", (), 8) for i in range(4)]
+    assert [r.request_id for r in serving.pass_requests(requests, 1)] == ["r0", "r1", "r2", "r3"]
+    assert len(serving.pass_requests(requests, 8)) == 8
+    assert [r.request_id for r in serving.pass_requests(requests, 3)][4:] == ["r0", "r1"]
+
+    def one_pass(concurrency: int, repeat: int, aggregate: float) -> dict:
+        result = {"ttft_s": 0.2 * concurrency, "stream_tokens_per_s": aggregate / concurrency}
+        result.update(completion_tokens=10, server_predicted_per_second=5.0)
+        return {
+            "workload": "w",
+            "concurrency": concurrency,
+            "repeat": repeat,
+            "aggregate_tokens_per_s": aggregate,
+            "stage_busy_fraction": {"0": 0.5, "1": 0.6},
+            "cpu_cores_used": {"coordinator": 0.01, "stage-0": 0.7, "stage-1": 0.8},
+            "results": [result] * concurrency,
+        }
+
+    passes = [
+        one_pass(1, 0, 4.0), one_pass(4, 0, 6.0),
+        one_pass(1, 1, 2.0), one_pass(4, 1, 4.0),
+        one_pass(1, 2, 3.0), one_pass(4, 2, 3.0),
+    ]  # fmt: skip
+    rows = serving.summarize(passes)
+    solo, four = rows
+    assert solo["aggregate_ratio_vs_1_stream"] == 1.0
+    assert four["aggregate_tokens_per_s"]["median"] == 4.0
+    assert four["aggregate_ratio_vs_1_stream"] == pytest.approx(4.0 / 3.0)
+    assert four["aggregate_ratio_per_repeat"]["median"] == pytest.approx(1.5)
+    assert four["ttft_s"]["median"] == pytest.approx(0.8)
+    assert "1.33" in serving.table(rows)
