@@ -128,11 +128,17 @@ class RunningMesh:
     interruptions: list[str] = field(default_factory=list)
 
     def pids(self) -> dict[str, int]:
-        """Process ids by role: ``coordinator``, ``stage-0`` ... ``stage-N-1``."""
+        """Process ids by role: ``coordinator``, then each stage by its stage index
+        (``"0"``, ``"1"`` ...), as the coordinator assigned them, so the keys match
+        the ``stage`` label of stage 0's metrics."""
         pids = {"coordinator": self.processes.coordinator.pid}
-        for node_id, process in sorted(self.processes.stages.items()):
-            pids[node_id] = process.pid
-        return pids
+        index_of = {s.node_id: s.stage_index for s in self.processes.status().stages if s.assigned}
+        for node_id, process in self.processes.stages.items():
+            key = str(index_of[node_id]) if node_id in index_of else node_id
+            pids[key] = process.pid
+        return dict(
+            sorted(pids.items(), key=lambda item: (item[0] != "coordinator", len(item[0]), item[0]))
+        )
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -146,6 +152,25 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
             continue
         used[role] = (int(fields[11]) + int(fields[12])) / ticks
     return used
+
+
+def runqueue_wait_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """Seconds each process's threads spent runnable but waiting for a CPU, so far
+    (Linux schedstat, summed over threads; threads that ended are not counted)."""
+    waited = {}
+    for role, pid in pids.items():
+        total = 0
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+        waited[role] = total / 1e9
+    return waited
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -482,7 +507,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--coordinator-nice",
         type=int,
-        default=19,
+        default=0,
         help="nice value of the coordinator processes (0: leave them as they are); the "
         "coordinator is off the data path, so it should not compete with the stages",
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -52,6 +53,7 @@ from common import (
     resolve_package,
     rotated,
     running_meshes,
+    runqueue_wait_seconds,
     scrape_pipeline_metrics,
     spread,
     with_recovery,
@@ -117,10 +119,12 @@ def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> 
     }
     pids = mesh.pids()
     cpu_before = cpu_seconds(pids)
+    wait_before = runqueue_wait_seconds(pids)
     started = time.perf_counter()
     reply = _chat(mesh, prompt, max_tokens)
     wall_s = time.perf_counter() - started
     cpu = cpu_delta(cpu_before, cpu_seconds(pids))
+    waited = cpu_delta(wait_before, runqueue_wait_seconds(pids))
     after = scrape_pipeline_metrics(mesh.http_url)
     timings = (reply.model_extra or {}).get("timings") or {}
     rounds = by_label(histogram_means(before.round_ms, after.round_ms), "kind")
@@ -145,6 +149,9 @@ def decode_once(mesh: RunningMesh, prompt: WorkloadRequest, max_tokens: int) -> 
         "prefill_compute_ms": dict(sorted(prefill.items())),
         "stage_compute_ms": dict(sorted(compute.items())),
         "cpu_ms_per_token": {role: 1000.0 * used / max(1, tokens) for role, used in cpu.items()},
+        "runqueue_wait_ms_per_token": {
+            role: 1000.0 * used / max(1, tokens) for role, used in waited.items()
+        },
         "text": reply.choices[0].message.content or "",
     }
 
@@ -204,6 +211,14 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
                 "stage_compute_ms": compute,
                 "round_minus_compute_ms": round_ms - sum(compute.values()),
                 "cpu_ms_per_token": cpu,
+                "stage_cpu_ms_per_token": sum(v for k, v in cpu.items() if k != "coordinator"),
+                "runqueue_wait_ms_per_token": {
+                    role: median(
+                        [r["runqueue_wait_ms_per_token"].get(role, math.nan) for r in mine]
+                    )
+                    for role in mine[0]["runqueue_wait_ms_per_token"]
+                    if role != "coordinator"
+                },
                 "same_text_as_1_stage": None,
             }
         )
@@ -220,6 +235,11 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
         hops = row["stages"] - 1
         row["per_hop_overhead_ms"] = (
             (row["ms_per_token"] - base["ms_per_token"]) / hops if hops else float("nan")
+        )
+        row["per_hop_cpu_ms"] = (
+            (row["stage_cpu_ms_per_token"] - base["stage_cpu_ms_per_token"]) / hops
+            if hops
+            else float("nan")
         )
         row["same_text_as_1_stage"] = _texts(runs, row["stages"], row["wire"]) == base_text
     return rows
@@ -288,7 +308,12 @@ def _codec_time_us(frame: Frame, wire: WireDType, iterations: int) -> float:
     return median(samples) * 1e6
 
 
+def _config_name(row: dict[str, Any]) -> str:
+    return f"{row['stages']} stage{'s' if row['stages'] > 1 else ''} {row['wire']}"
+
+
 def stage_table(rows: list[dict[str, Any]]) -> str:
+    """Decode speed per configuration against 1 stage."""
     headers = [
         "config",
         "decode tok/s",
@@ -297,11 +322,7 @@ def stage_table(rows: list[dict[str, Any]]) -> str:
         "ms/token",
         "per-hop ms",
         "wall tok/s",
-        "round ms",
-        "compute ms per stage",
-        "round - compute ms",
-        "stage CPU ms/token",
-        "coordinator CPU ms/token",
+        "wall vs 1 stage",
         "same text",
     ]
     body = []
@@ -309,21 +330,47 @@ def stage_table(rows: list[dict[str, Any]]) -> str:
         tok = row["decode_tokens_per_s"]
         body.append(
             [
-                f"{row['stages']} stage{'s' if row['stages'] > 1 else ''} {row['wire']}",
+                _config_name(row),
                 fmt(tok["median"]),
                 f"{fmt(tok['min'])}-{fmt(tok['max'])}",
                 fmt(row.get("ratio_vs_1_stage"), 3),
                 fmt(row["ms_per_token"], 1),
                 fmt(row.get("per_hop_overhead_ms"), 1),
                 fmt(row["wall_tokens_per_s"]["median"]),
+                fmt(row.get("wall_ratio_vs_1_stage"), 3),
+                "yes" if row["same_text_as_1_stage"] else "no",
+            ]
+        )
+    return render_table(headers, body)
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    """Where a decode round goes: wall time per stage and CPU time per process."""
+    headers = [
+        "config",
+        "round ms",
+        "compute ms per stage",
+        "round - compute ms",
+        "CPU ms/token per stage",
+        "CPU ms/token, all stages",
+        "CPU per hop ms",
+        "runqueue wait ms/token per stage",
+        "coordinator CPU ms/token",
+    ]
+    body = []
+    for row in rows:
+        cpu = row["cpu_ms_per_token"]
+        body.append(
+            [
+                _config_name(row),
                 fmt(row["decode_round_ms"], 1),
                 " + ".join(fmt(v, 1) for v in row["stage_compute_ms"].values()),
                 fmt(row["round_minus_compute_ms"], 1),
-                " + ".join(
-                    fmt(v, 1) for k, v in row["cpu_ms_per_token"].items() if k != "coordinator"
-                ),
-                fmt(row["cpu_ms_per_token"].get("coordinator"), 1),
-                "yes" if row["same_text_as_1_stage"] else "no",
+                " + ".join(fmt(v, 1) for k, v in cpu.items() if k != "coordinator"),
+                fmt(row["stage_cpu_ms_per_token"], 1),
+                fmt(row.get("per_hop_cpu_ms"), 1),
+                " + ".join(fmt(v, 1) for v in row["runqueue_wait_ms_per_token"].values()),
+                fmt(cpu.get("coordinator"), 2),
             ]
         )
     return render_table(headers, body)
@@ -415,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, payload)
     emit(f"pipeline benchmark: {manifest.model_id}, {args.threads} torch thread(s) per stage")
     emit(stage_table(rows))
+    emit("")
+    emit(breakdown_table(rows))
     emit("")
     emit(wire_table(sizes))
     emit(f"\nJSON: {args.out}")

@@ -20,6 +20,7 @@ import argparse
 import logging
 import math
 import queue
+import resource
 import threading
 import time
 from typing import Any
@@ -48,6 +49,7 @@ from common import (
     resolve_package,
     rotated,
     running_meshes,
+    runqueue_wait_seconds,
     scrape_pipeline_metrics,
     spread,
     with_recovery,
@@ -139,6 +141,8 @@ def run_pass(
     pids = mesh.pids()
     metrics_before = scrape_pipeline_metrics(mesh.http_url)
     cpu_before = cpu_seconds(pids)
+    wait_before = runqueue_wait_seconds(pids)
+    client_before = _own_cpu_seconds()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     started = time.perf_counter()
     for thread in threads:
@@ -147,6 +151,8 @@ def run_pass(
         thread.join()
     wall_s = time.perf_counter() - started
     cpu = cpu_delta(cpu_before, cpu_seconds(pids))
+    waited = cpu_delta(wait_before, runqueue_wait_seconds(pids))
+    client_cpu = _own_cpu_seconds() - client_before
     metrics_after = scrape_pipeline_metrics(mesh.http_url)
     if errors:
         logger.warning(
@@ -164,9 +170,16 @@ def run_pass(
         "wall_s": wall_s,
         "aggregate_tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
         "stage_busy_fraction": {k: v / 1000.0 / wall_s for k, v in busy_ms.items()},
-        "cpu_cores_used": {k: v / wall_s for k, v in cpu.items()},
+        "cpu_cores_used": {k: v / wall_s for k, v in cpu.items()} | {"client": client_cpu / wall_s},
+        "runqueue_wait_fraction": {k: v / wall_s for k, v in waited.items()},
         "results": sorted(results, key=lambda r: r["started"]),
     }
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process (the client threads), user plus system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measure(
@@ -217,6 +230,7 @@ def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
         requests = [r for p in mine for r in p["results"]]
         stages = sorted({s for p in mine for s in p["stage_busy_fraction"]})
         roles = sorted({s for p in mine for s in p["cpu_cores_used"]})
+        waiting = sorted({s for p in mine for s in p.get("runqueue_wait_fraction", {})})
         rows.append(
             {
                 "workload": workload,
@@ -234,6 +248,10 @@ def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 },
                 "cpu_cores_used": {
                     s: median([p["cpu_cores_used"].get(s, math.nan) for p in mine]) for s in roles
+                },
+                "runqueue_wait_fraction": {
+                    s: median([p.get("runqueue_wait_fraction", {}).get(s, math.nan) for p in mine])
+                    for s in waiting
                 },
             }
         )
@@ -269,6 +287,7 @@ def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """Throughput and latency per workload and stream count, against 1 stream."""
     headers = [
         "workload",
         "streams",
@@ -279,14 +298,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         "TTFT s (max)",
         "tok/s per stream",
         "tokens/request",
-        "stage busy",
-        "CPU cores (coord, stages)",
     ]
     body = []
     for row in rows:
         per_repeat = row.get("aggregate_ratio_per_repeat") or {}
-        cores = row["cpu_cores_used"]
-        stage_cores = [fmt(v) for k, v in cores.items() if k != "coordinator"]
         body.append(
             [
                 row["workload"],
@@ -298,8 +313,39 @@ def table(rows: list[dict[str, Any]]) -> str:
                 fmt(row["ttft_s"]["max"]),
                 fmt(row["stream_tokens_per_s"]["median"]),
                 fmt(row["completion_tokens_per_request"], 0),
+            ]
+        )
+    return render_table(headers, body)
+
+
+def _stages_only(values: dict[str, float]) -> list[float]:
+    return [v for k, v in values.items() if k not in ("coordinator", "client")]
+
+
+def resource_table(rows: list[dict[str, Any]]) -> str:
+    """Where the time goes: each stage's compute time, CPU use and CPU wait, as
+    fractions of the pass's wall time (stage 0 first)."""
+    headers = [
+        "workload",
+        "streams",
+        "stage compute busy",
+        "stage CPU cores",
+        "stage runqueue wait",
+        "client CPU cores",
+        "coordinator CPU cores",
+    ]
+    body = []
+    for row in rows:
+        cores = row["cpu_cores_used"]
+        body.append(
+            [
+                row["workload"],
+                str(row["concurrency"]),
                 " / ".join(f"{100 * v:.0f}%" for v in row["stage_busy_fraction"].values()),
-                f"{fmt(cores.get('coordinator'))}, {' + '.join(stage_cores)}",
+                " / ".join(fmt(v) for v in _stages_only(cores)),
+                " / ".join(fmt(v) for v in _stages_only(row.get("runqueue_wait_fraction", {}))),
+                fmt(cores.get("client")),
+                fmt(cores.get("coordinator")),
             ]
         )
     return render_table(headers, body)
@@ -383,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} torch thread(s) per stage"
     )
     emit(table(rows))
+    emit("")
+    emit(resource_table(rows))
     emit(f"\nJSON: {args.out}")
     return 0
 

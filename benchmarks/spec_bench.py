@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import re
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from typing import Any
 from common import (
     WorkloadRequest,
     add_common_arguments,
+    by_label,
     command_line,
     configure,
     default_workloads_path,
@@ -48,6 +50,7 @@ from common import (
     machine_info,
     median,
     openai_client,
+    parse_histogram_totals,
     render_table,
     resolve_package,
     rotated,
@@ -118,10 +121,26 @@ def build_configs(
 # ---- one latency: start the meshes, measure every request ---------------------------
 
 
+def metrics_text(http_url: str) -> str:
+    with urllib.request.urlopen(http_url + "/metrics", timeout=30) as reply:
+        return reply.read().decode()
+
+
+def round_breakdown(http_url: str) -> dict[str, dict[str, float]]:
+    """Mean pipeline round time by frame kind and mean compute per frame by stage (ms),
+    over everything the mesh served."""
+    text = metrics_text(http_url)
+    out = {}
+    for name, key in (("mesh_pipeline_round_ms", "kind"), ("mesh_stage_compute_ms", "stage")):
+        totals = parse_histogram_totals(text, name)
+        means = {labels: s / c for labels, (s, c) in totals.items() if c > 0}
+        out[name] = by_label(means, key)
+    return out
+
+
 def scrape_counters(http_url: str) -> dict[str, float]:
     """Stage 0's speculation counters (drafted, accepted, windows, rounds, emitted)."""
-    with urllib.request.urlopen(http_url + "/metrics", timeout=30) as reply:
-        text = reply.read().decode()
+    text = metrics_text(http_url)
     counters: dict[str, float] = {}
     for line in text.splitlines():
         match = _COUNTER.match(line.strip())
@@ -175,13 +194,14 @@ def run_latency(
     configs: Sequence[SpecConfig],
     requests: Sequence[WorkloadRequest],
     args: argparse.Namespace,
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every request x config x repeat at one injected latency."""
     from coordinator.localmesh import MeshProcesses
 
     records: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        root = args.workdir or Path(stack.enter_context(_tempdir()))
+        temporary = tempfile.TemporaryDirectory(prefix="spec-bench-")
+        root = args.workdir or Path(stack.enter_context(temporary))
         meshes = {}
         for config in configs:
             mesh = MeshProcesses(
@@ -217,36 +237,50 @@ def run_latency(
                         latency_ms, config.name, request.request_id, repeat,
                         record["completion_tokens"], record["wall_s"],
                     )  # fmt: skip
-    return records, resolved
-
-
-def _tempdir():
-    import tempfile
-
-    return tempfile.TemporaryDirectory(prefix="spec-bench-")
+        rounds = {name: round_breakdown(url) for name, (url, _, _) in served.items()}
+    return records, {"speculation": resolved, "round_ms": rounds}
 
 
 # ---- summary, table, chart ------------------------------------------------------------
 
 
+def _per_repeat(items: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    repeats: dict[int, list[dict[str, Any]]] = {}
+    for item in items:
+        repeats.setdefault(item["repeat"], []).append(item)
+    return repeats
+
+
+def _rate(items: Sequence[dict[str, Any]]) -> float:
+    return sum(i["completion_tokens"] for i in items) / sum(i["wall_s"] for i in items)
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (latency, workload, config), with the speedup over the baseline."""
+    """One row per (latency, workload, config): medians over repeats of the workload's
+    tok/s and wall time, acceptance, tokens per round, the speedup over the baseline of
+    the same latency (ratio of medians; ``speedup_paired`` is the median of per-repeat
+    ratios), and how many replies differ from the baseline's."""
     groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
     for record in records:
         key = (record["latency_ms"], record["workload"], record["config"])
         groups.setdefault(key, []).append(record)
+    texts = {
+        (r["latency_ms"], r["request_id"], r["repeat"]): r["text_sha1"]
+        for r in records
+        if r["config"] == BASELINE
+    }
     rows = []
     for (latency, workload, config), items in groups.items():
-        repeats: dict[int, list[dict[str, Any]]] = {}
-        for item in items:
-            repeats.setdefault(item["repeat"], []).append(item)
-        rates = [
-            sum(i["completion_tokens"] for i in r) / sum(i["wall_s"] for i in r)
-            for r in repeats.values()
-        ]
-        walls = [sum(i["wall_s"] for i in r) for r in repeats.values()]
+        repeats = _per_repeat(items)
+        base = _per_repeat(groups.get((latency, workload, BASELINE), []))
+        rates = [_rate(r) for r in repeats.values()]
         drafted = sum(i["drafted"] for i in items)
         rounds = sum(i["rounds"] for i in items)
+        compared = [
+            i["text_sha1"] == texts[key]
+            for i in items
+            if (key := (latency, i["request_id"], i["repeat"])) in texts
+        ]
         rows.append(
             {
                 "latency_ms": latency,
@@ -257,29 +291,21 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tok_s": median(rates),
                 "tok_s_min": min(rates),
                 "tok_s_max": max(rates),
-                "wall_s": median(walls),
+                "wall_s": median([sum(i["wall_s"] for i in r) for r in repeats.values()]),
                 "drafted": drafted,
                 "accept_rate": sum(i["accepted"] for i in items) / drafted if drafted else None,
                 "tokens_per_round": sum(i["emitted"] for i in items) / rounds if rounds else 1.0,
+                "speedup": median(rates) / median([_rate(r) for r in base.values()])
+                if base
+                else None,
+                "speedup_paired": median(
+                    [_rate(r) / _rate(base[n]) for n, r in repeats.items() if n in base]
+                )
+                if base
+                else None,
+                "text_differs": compared.count(False) if compared else None,
             }
         )
-    base = {(r["latency_ms"], r["workload"]): r for r in rows if r["config"] == BASELINE}
-    texts = {
-        (r["latency_ms"], r["request_id"], r["repeat"]): r["text_sha1"]
-        for r in records
-        if r["config"] == BASELINE
-    }
-    for row in rows:
-        reference = base.get((row["latency_ms"], row["workload"]))
-        row["speedup"] = row["tok_s"] / reference["tok_s"] if reference else None
-        compared = [
-            r["text_sha1"] == texts[key]
-            for r in records
-            if (r["latency_ms"], r["workload"], r["config"])
-            == (row["latency_ms"], row["workload"], row["config"])
-            and (key := (r["latency_ms"], r["request_id"], r["repeat"])) in texts
-        ]
-        row["text_differs"] = compared.count(False) if compared else None
     order = {name: i for i, name in enumerate(dict.fromkeys(r["config"] for r in records))}
     loads = {name: i for i, name in enumerate(dict.fromkeys(r["workload"] for r in records))}
     rows.sort(key=lambda r: (r["latency_ms"], loads[r["workload"]], order[r["config"]]))
@@ -289,7 +315,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: Sequence[dict[str, Any]]) -> str:
     headers = [
         "latency", "workload", "config", "tok/s", "(min-max)", "wall s",
-        "accept", "tok/round", "speedup", "text != base",
+        "accept", "tok/round", "speedup", "paired", "text != base",
     ]  # fmt: skip
     body = [
         [
@@ -302,6 +328,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             fmt(r["accept_rate"]),
             fmt(r["tokens_per_round"]),
             f"{fmt(r['speedup'])}x" if r["speedup"] is not None else "-",
+            f"{fmt(r['speedup_paired'])}x" if r["speedup_paired"] is not None else "-",
             "-" if r["text_differs"] is None else f"{r['text_differs']}",
         ]
         for r in rows
@@ -393,11 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         machine = machine_info(args.threads)
         started = time.time()
         records: list[dict[str, Any]] = []
-        resolved: dict[str, dict[str, str]] = {}
+        meshes: dict[str, dict[str, Any]] = {}
         for latency in args.latency_ms:
-            part, lines = run_latency(package, latency, configs, requests, args)
+            part, about = run_latency(package, latency, configs, requests, args)
             records += part
-            resolved[f"{latency:g}"] = lines
+            meshes[f"{latency:g}"] = about
         payload = {
             "benchmark": "spec_bench",
             "command": command_line(),
@@ -408,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             "configs": {
                 c.name: {"label": c.label, "stage0_args": list(c.stage0_args)} for c in configs
             },
-            "resolved_speculation": resolved,
+            "meshes": meshes,
             "max_tokens": args.max_tokens or "from the workload file",
             "rows": summarize(records),
             "records": records,

@@ -145,8 +145,15 @@ class GenerationRun:
                 self._metrics.time_to_first_token.labels(endpoint=self._endpoint).observe(
                     now - self._arrival_s
                 )
-            self.completion_tokens += len(ids)
-        text = self._text.push(ids)
+        text = ""
+        for index, token in enumerate(ids):
+            # One token at a time: when a stop string ends inside a multi-token
+            # (speculative) event, the tokens after the one completing it are not counted.
+            text += self._text.push([token])
+            if self._text.stopped:
+                ids = ids[: index + 1]
+                break
+        self.completion_tokens += len(ids)
         if self._text.stopped:
             finish = "stop"
         elif finish is None and event.finish_reason is not None:

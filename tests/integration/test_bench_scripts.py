@@ -66,7 +66,7 @@ def test_pipeline_bench_reports_each_stage_count(tiny_package_factory, workloads
     # The f32 split reproduces the unsplit model's greedy text.
     assert two["same_text_as_1_stage"] is True
     assert set(two["stage_compute_ms"]) == {"0", "1"}
-    assert {"coordinator", "stage-0", "stage-1"} <= set(two["cpu_ms_per_token"])
+    assert set(two["cpu_ms_per_token"]) == {"coordinator", "0", "1"}
     runs = body["runs"]
     assert len(runs) == 2 and all(0 < r["completion_tokens"] <= 6 for r in runs)
     assert [w["wire"] for w in body["wire_sizes"]] == ["f32", "f16", "bf16", "int8"]

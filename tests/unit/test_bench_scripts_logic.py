@@ -109,7 +109,11 @@ def _run(stages: int, wire: str, tok_s: float, repeat: int, text: str = "same") 
         "wall_tokens_per_s": tok_s * 0.9,
         "decode_round_ms": 1000.0 / tok_s - 1.0,
         "stage_compute_ms": {str(i): 900.0 / tok_s / stages for i in range(stages)},
-        "cpu_ms_per_token": {"coordinator": 0.5, "stage-0": 80.0},
+        "cpu_ms_per_token": {
+            "coordinator": 0.5,
+            **{str(i): 80.0 / stages + 2.0 for i in range(stages)},
+        },
+        "runqueue_wait_ms_per_token": {"coordinator": 0.0, "0": 3.0},
         "text": text,
     }
 
@@ -137,10 +141,14 @@ def test_pipeline_summary_ratios_and_per_hop_overhead():
     assert two["per_hop_overhead_ms"] == pytest.approx(25.0)
     assert three["per_hop_overhead_ms"] == pytest.approx(50.0)
     assert math.isnan(one["per_hop_overhead_ms"])
+    # Stage CPU per token: 80 ms of compute plus 2 ms per stage process.
+    assert three["stage_cpu_ms_per_token"] == pytest.approx(86.0)
+    assert three["per_hop_cpu_ms"] == pytest.approx(2.0)
     assert two["same_text_as_1_stage"] and not int8["same_text_as_1_stage"]
     assert set(three["stage_compute_ms"]) == {"0", "1", "2"}
     table = pipeline.stage_table(rows)
     assert "0.800" in table and "2 stages int8" in table
+    assert "86.0" in pipeline.breakdown_table(rows)
 
 
 def test_wire_sizes_match_the_codec():
@@ -176,7 +184,8 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
             "repeat": repeat,
             "aggregate_tokens_per_s": aggregate,
             "stage_busy_fraction": {"0": 0.5, "1": 0.6},
-            "cpu_cores_used": {"coordinator": 0.01, "stage-0": 0.7, "stage-1": 0.8},
+            "cpu_cores_used": {"coordinator": 0.01, "0": 0.7, "1": 0.8, "client": 0.1},
+            "runqueue_wait_fraction": {"coordinator": 0.0, "0": 0.05, "1": 0.25},
             "results": [result] * concurrency,
         }
 
@@ -193,3 +202,5 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
     assert four["aggregate_ratio_per_repeat"]["median"] == pytest.approx(1.5)
     assert four["ttft_s"]["median"] == pytest.approx(0.8)
     assert "1.33" in serving.table(rows)
+    resources = serving.resource_table(rows)
+    assert "0.70 / 0.80" in resources and "0.05 / 0.25" in resources and "50% / 60%" in resources
