@@ -185,13 +185,11 @@ def running_meshes(
     threads: int,
     workdir: Path | None = None,
     max_sessions: int = 16,
-    coordinator_nice: int = 0,
     heartbeat_timeout_s: float = 0.0,
 ) -> Iterator[list[RunningMesh]]:
     """Start every mesh at once (their loads overlap), wait until all serve, and
     stop every process on exit, even when a benchmark fails. A positive
-    ``coordinator_nice`` lowers the coordinators' CPU priority (they sit outside the
-    data path). A positive ``heartbeat_timeout_s`` replaces the coordinator's
+    ``heartbeat_timeout_s`` replaces the coordinator's
     default: on a crowded machine a starved process can miss a short one, and the
     coordinator then reloads the pipeline in the middle of a measurement."""
     from coordinator.localmesh import MeshProcesses
@@ -217,26 +215,12 @@ def running_meshes(
             )
             stack.callback(mesh.close)
             started.append((config, mesh.start()))
-            if coordinator_nice:
-                lower_priority(mesh.coordinator.pid, coordinator_nice)
         meshes = []
         for config, mesh in started:
             body = mesh.wait_serving(deadline_s=MESH_START_DEADLINE_S)
             logger.info("%s serving at %s", config.label, mesh.http_url)
             meshes.append(RunningMesh(config, mesh.http_url, body["model_id"], mesh))
         yield meshes
-
-
-def lower_priority(pid: int, nice: int) -> None:
-    """Set the nice value of ``pid``. Local meshes start each process in its own
-    session, and with the kernel's autogroup scheduling a process's nice value only
-    ranks it within its session's group, so the group's nice value is set as well."""
-    os.setpriority(os.PRIO_PROCESS, pid, nice)
-    autogroup = Path(f"/proc/{pid}/autogroup")
-    try:
-        autogroup.write_text(str(nice))
-    except OSError as error:
-        logger.debug("cannot set the autogroup nice of %s: %s", pid, error)
 
 
 def is_unavailable(error: BaseException) -> bool:
@@ -504,13 +488,6 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "--out", type=Path, default=Path("bench-results") / f"{name}.json", help="JSON output"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep mesh logs here")
-    parser.add_argument(
-        "--coordinator-nice",
-        type=int,
-        default=0,
-        help="nice value of the coordinator processes (0: leave them as they are); the "
-        "coordinator is off the data path, so it should not compete with the stages",
-    )
     parser.add_argument(
         "--heartbeat-timeout",
         type=float,

@@ -430,7 +430,6 @@ def main(argv: list[str] | None = None) -> int:
         configs,
         threads=args.threads,
         workdir=args.workdir,
-        coordinator_nice=args.coordinator_nice,
         heartbeat_timeout_s=args.heartbeat_timeout,
     ) as meshes:
         runs = measure(meshes, prompt, args.max_tokens, args.repeats)

@@ -397,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         workdir=args.workdir,
         max_sessions=max(16, max(args.concurrencies)),
-        coordinator_nice=args.coordinator_nice,
         heartbeat_timeout_s=args.heartbeat_timeout,
     ) as (mesh,):
         passes = measure(mesh, workloads, args.concurrencies, args.repeats, args.max_tokens)
