@@ -106,13 +106,26 @@ def tiny_package_factory(
     cache: dict[tuple, Path] = {}
 
     def build(
-        family: str = "llama", layers: int = 6, seed: int = 0, dtype: str = "float32"
+        family: str = "llama",
+        layers: int = 6,
+        seed: int = 0,
+        dtype: str = "float32",
+        quant: str | None = None,
+        group_size: int | None = None,
     ) -> Path:
-        key = (family, layers, seed, dtype)
+        key = (family, layers, seed, dtype, quant, group_size)
         if key not in cache:
             source = tiny_model_factory(family, layers=layers, seed=seed)
-            out = tmp_path_factory.mktemp(f"package-{family}-{layers}-{seed}-{dtype}") / "pkg"
-            build_package(str(source), out, dtype=dtype, model_id=f"tiny-{family}")
+            name = f"package-{family}-{layers}-{seed}-{dtype}-{quant}-{group_size}"
+            out = tmp_path_factory.mktemp(name) / "pkg"
+            build_package(
+                str(source),
+                out,
+                dtype=dtype,
+                model_id=f"tiny-{family}",
+                quant=quant,
+                group_size=group_size,
+            )
             cache[key] = out
         return cache[key]
 

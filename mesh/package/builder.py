@@ -33,6 +33,9 @@ from mesh.package.manifest import (
 )
 from mesh.package.sources import Checkpoint, open_checkpoint
 from mesh.package.tensors import EMBED_TENSOR, HEAD_TENSOR, NORM_TENSOR, classify
+from mesh.package.weight_store import WeightStore
+from mesh.package.weight_store import convert_plain as _convert
+from mesh.quant import QuantScheme, make_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +51,22 @@ def build_package(
     speculative: dict | None = None,
     *,
     overwrite: bool = False,
+    quant: str | None = None,
+    group_size: int | None = None,
 ) -> PackageManifest:
     """Build a package from ``src`` into ``out`` and return its manifest.
 
     ``src`` is ``default``, a ``.gguf`` file, an HF model directory or an HF repo id
     (``org/name[@revision]``). An existing package at ``out`` is replaced; any other
-    non-empty directory is refused unless ``overwrite`` is set.
+    non-empty directory is refused unless ``overwrite`` is set. ``quant`` (int8 or
+    int4, with ``group_size`` for int4) stores the linear weights quantised; ``dtype``
+    is then the dtype of the tensors left plain (norms, biases).
     """
     if dtype not in DTYPES:
         raise InvalidRequest(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    scheme = None if quant is None else make_scheme(quant, group_size)
+    if scheme is None and group_size:
+        raise InvalidRequest("--group-size applies only with --quant int4")
     generation = None if speculative is None else speculative_block(speculative)
     out = Path(out).expanduser().absolute()
     _check_out(out, overwrite)
@@ -66,17 +76,23 @@ def build_package(
         build_dir.chmod(0o755)
         try:
             manifest = write_package(
-                checkpoint, build_dir, dtype, model_id or checkpoint.default_model_id, generation
+                checkpoint,
+                build_dir,
+                dtype,
+                model_id or checkpoint.default_model_id,
+                generation,
+                scheme,
             )
             _install(build_dir, out, overwrite)
         except BaseException:
             shutil.rmtree(build_dir, ignore_errors=True)
             raise
     logger.info(
-        "built package %s (%d layers, %s) at %s",
+        "built package %s (%d layers, %s%s) at %s",
         manifest.model_id,
         manifest.layer_count,
         dtype,
+        "" if scheme is None else f", {scheme.kind} weights",
         out,
     )
     return manifest
@@ -88,8 +104,10 @@ def write_package(
     dtype: str,
     model_id: str,
     generation: dict[str, Any] | None,
+    scheme: QuantScheme | None = None,
 ) -> PackageManifest:
-    """Write every package file of ``checkpoint`` into the empty ``directory``."""
+    """Write every package file of ``checkpoint`` into the empty ``directory``;
+    with ``scheme``, linear weights and the head quantised, the embedding in int8."""
     description = checkpoint.description
     layout = classify(checkpoint.tensor_names(), description.layer_count)
     if layout.lm_head is None and not description.tied_embeddings:
@@ -106,24 +124,29 @@ def write_package(
     checkpoint.write_meta(directory)
 
     vocab, hidden = description.vocab_size, description.hidden_size
-    embed = _convert(checkpoint.tensor(layout.embed), torch_dtype)
+    store = WeightStore(checkpoint, scheme, torch_dtype)
+    embed = checkpoint.tensor(layout.embed)
     _check_shape(layout.embed, embed, (vocab, hidden))
-    _save(directory, EMBED_PATH, {EMBED_TENSOR: embed})
+    _save(directory, EMBED_PATH, store.embedding(EMBED_TENSOR, layout.embed, embed))
+    head: dict[str, torch.Tensor] = {}
     if description.tied_embeddings:
-        lm_head = embed  # written again into the head file: the last stage needs no embed file
+        # Written again into the head file: the last stage needs no embed file.
+        head.update(store.linear(HEAD_TENSOR, layout.embed, embed, tied=True))
     else:
-        lm_head = _convert(checkpoint.tensor(layout.lm_head), torch_dtype)
+        lm_head = checkpoint.tensor(layout.lm_head)
         _check_shape(HEAD_TENSOR, lm_head, (vocab, hidden))
+        head.update(store.linear(HEAD_TENSOR, layout.lm_head, lm_head))
     del embed
     norm = _convert(checkpoint.tensor(layout.norm), torch_dtype)
     _check_shape(layout.norm, norm, (hidden,))
-    _save(directory, HEAD_PATH, {NORM_TENSOR: norm, HEAD_TENSOR: lm_head})
-    del lm_head, norm
+    head[NORM_TENSOR] = norm
+    _save(directory, HEAD_PATH, head)
+    del head, norm
 
     for index, entries in enumerate(layout.layers):
-        tensors = {
-            name: _convert(checkpoint.tensor(source), torch_dtype) for name, source in entries
-        }
+        tensors: dict[str, torch.Tensor] = {}
+        for name, source in entries:
+            tensors.update(store.layer_tensor(name, source))
         _save(directory, layer_path(index), tensors)
         logger.debug("wrote layer %d/%d", index + 1, description.layer_count)
         del tensors
@@ -145,15 +168,10 @@ def write_package(
         source=dict(checkpoint.source),
         files=tuple(files),
         generation=generation,
+        quantization=store.summary(),
     )
     manifest.save(directory)
     return manifest
-
-
-def _convert(tensor: torch.Tensor, torch_dtype: torch.dtype) -> torch.Tensor:
-    if tensor.is_floating_point():
-        tensor = tensor.to(torch_dtype)
-    return tensor.contiguous()
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

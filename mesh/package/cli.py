@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mesh.errors import MeshError
 from mesh.package.manifest import DTYPES, PackageManifest
+from mesh.quant import INT4_GROUP_SIZES, QUANT_SCHEMES
 from mesh.types import LayerRange
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     build.add_argument("--out", type=Path, help="package directory (optional for 'default')")
     build.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (float32)")
+    build.add_argument(
+        "--quant",
+        choices=QUANT_SCHEMES,
+        default=None,
+        help="keep linear weights quantised: int4 (group-wise, from a GGUF's own 4-bit "
+        "codes where they convert exactly) or int8 (per channel); default: plain",
+    )
+    build.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help=f"int4 group size, one of {', '.join(map(str, INT4_GROUP_SIZES))} (default 32)",
+    )
     build.add_argument("--model-id", help="model id served to clients (default: from SRC)")
     build.add_argument("--speculative", help="generation.speculative_decoding: JSON or @file")
     build.add_argument(
@@ -84,7 +98,9 @@ def _build(args: argparse.Namespace) -> int:
     from mesh.package.generation import parse_speculative_arg
 
     speculative = None if args.speculative is None else parse_speculative_arg(args.speculative)
-    plain_default = args.src == "default" and not (args.dtype or args.model_id or speculative)
+    plain_default = args.src == "default" and not (
+        args.dtype or args.model_id or speculative or args.quant or args.group_size
+    )
     if plain_default:
         out = build_default_package(args.out, force=args.force)
         manifest = PackageManifest.load(out)
@@ -101,12 +117,23 @@ def _build(args: argparse.Namespace) -> int:
             dtype=args.dtype or "float32",
             model_id=args.model_id,
             speculative=speculative,
+            quant=args.quant,
+            group_size=args.group_size,
         )
     sys.stdout.write(
-        f"{manifest.model_id}: {manifest.layer_count} layers, {manifest.dtype}, "
+        f"{manifest.model_id}: {manifest.layer_count} layers, {manifest.dtype}"
+        f"{_quant_label(manifest)}, "
         f"{len(manifest.files)} files, manifest sha256 {manifest.sha256()[:12]} at {out}\n"
     )
     return EXIT_OK
+
+
+def _quant_label(manifest: PackageManifest) -> str:
+    scheme = manifest.scheme()
+    if scheme is None:
+        return ""
+    group = f" group {scheme.group_size}" if scheme.kind == "int4" else " per channel"
+    return f" with {scheme.kind}{group} weights"
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -155,6 +182,7 @@ def format_manifest(manifest: PackageManifest) -> str:
         ("hidden", str(manifest.hidden_size)),
         ("vocab", str(manifest.vocab_size)),
         ("dtype", manifest.dtype),
+        ("quantization", _quant_label(manifest).removeprefix(" with ") or "none"),
         ("tied", "yes" if manifest.tied_embeddings else "no"),
         ("source", source),
         ("manifest", f"sha256 {manifest.sha256()}"),

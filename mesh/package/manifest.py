@@ -10,6 +10,11 @@ layer under ``layers/``. Tensor names inside the files:
   needs the embed file)
 - ``layers/NNNNN.safetensors``: the HF decoder layer's own names with the
   ``model.layers.N.`` prefix removed (``self_attn.q_proj.weight``, ...)
+
+A quantised package (``quantization`` set in the manifest) stores every linear
+weight and the LM head as the parts mesh/quant.py describes
+(``self_attn.q_proj.weight.qweight``, ``.scales``, ``.mins``) and the embedding as
+group-wise int8; norms and biases stay plain float32.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.errors import PackageError, UnsupportedArchitecture
+from mesh.quant import QuantScheme
 from mesh.types import LayerRange
 
 MANIFEST_NAME = "model-package.json"
@@ -81,6 +87,7 @@ class PackageManifest:
     source: dict[str, Any]
     files: tuple[PackageFile, ...]
     generation: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -117,7 +124,15 @@ class PackageManifest:
         body["files"] = [asdict(f) for f in self.files]
         if self.generation is None:
             body.pop("generation")
+        if self.quantization is None:
+            body.pop("quantization")
         return body
+
+    def scheme(self) -> QuantScheme | None:
+        """How the linear weights are stored; None for plain tensors."""
+        if self.quantization is None:
+            return None
+        return QuantScheme.from_json(self.quantization, MANIFEST_NAME)
 
     def sha256(self) -> str:
         """Digest of the canonical manifest JSON: the package identity."""
@@ -147,8 +162,9 @@ class PackageManifest:
             "source",
             "files",
             "generation",
+            "quantization",
         }
-        required = known - {"generation"}
+        required = known - {"generation", "quantization"}
         missing = sorted(required - body.keys())
         if missing:
             raise PackageError(f"{origin}: missing field(s) {', '.join(missing)}")
@@ -166,6 +182,8 @@ class PackageManifest:
         if not isinstance(body["files"], list):
             raise PackageError(f"{origin}: files must be a list")
         files = tuple(_parse_file(entry, origin) for entry in body["files"])
+        if body.get("quantization") is not None:
+            QuantScheme.from_json(body["quantization"], origin)
         manifest = cls(
             model_id=str(body["model_id"]),
             architecture=body["architecture"],
@@ -178,6 +196,7 @@ class PackageManifest:
             source=dict(body["source"]),
             files=files,
             generation=body.get("generation"),
+            quantization=body.get("quantization"),
             extra={k: v for k, v in body.items() if k not in known},
         )
         manifest._check_complete(origin)

@@ -22,6 +22,7 @@ import torch
 from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package import hub
 from mesh.package.embedded import DEFAULT_MODEL_ID, default_gguf_path, default_source_info
+from mesh.package.gguf_quant import GgufQuantReader
 from mesh.package.manifest import check_architecture
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,15 @@ class Checkpoint(ABC):
     @abstractmethod
     def write_meta(self, out_dir: Path) -> None:
         """Write tokenizer and generation files (everything but config.json) into out_dir."""
+
+    def quantized_parts(self, name: str, kind: str, group: int) -> dict[str, torch.Tensor] | None:
+        """The checkpoint's own codes for ``name`` in quantised form ``kind`` (int4 or
+        int8g, mesh/quant.py) with ``group``, where it stores them so; else None."""
+        return None
+
+    def source_type(self, name: str) -> str:
+        """How the checkpoint stores ``name`` (a dtype or a GGUF block type)."""
+        return "float"
 
     def close(self) -> None:
         return None
@@ -236,6 +246,20 @@ class GgufCheckpoint(Checkpoint):
         self.config_json = config_json
         self._generation_config = model.generation_config
         self._state: dict[str, torch.Tensor] = dict(model.state_dict())
+        self._quant: GgufQuantReader | None = None
+        self._heads = int(model.config.num_attention_heads)
+        self._kv_heads = int(getattr(model.config, "num_key_value_heads", None) or self._heads)
+
+    def _reader(self) -> GgufQuantReader:
+        if self._quant is None:
+            self._quant = GgufQuantReader(self.path, self._heads, self._kv_heads)
+        return self._quant
+
+    def quantized_parts(self, name: str, kind: str, group: int) -> dict[str, torch.Tensor] | None:
+        return self._reader().parts(name, kind, group)
+
+    def source_type(self, name: str) -> str:
+        return self._reader().type_name(name) or "float"
 
     def tensor_names(self) -> list[str]:
         return list(self._state)
@@ -258,6 +282,7 @@ class GgufCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self._state.clear()
+        self._quant = None
 
 
 def open_checkpoint(src: str) -> Checkpoint:

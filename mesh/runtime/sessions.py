@@ -77,6 +77,16 @@ class SessionCache:
     def commit(self, end: int) -> None:
         self.length = end
 
+    @property
+    def write_at(self) -> int:
+        """Where the current frame's keys and values go."""
+        return self._at
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers ``[1, kv_heads, capacity, D]`` of a layer."""
+        slot = layer_idx - self.layout.first_layer
+        return self._keys[slot], self._values[slot]
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: object
     ) -> tuple[torch.Tensor, torch.Tensor]:

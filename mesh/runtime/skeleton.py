@@ -1,15 +1,17 @@
 """Build the pieces of an HF decoder a stage owns, and load only their tensors.
 
-The full model is instantiated on the meta device (no memory), the owned modules
-are picked out of it, and their parameters are replaced by real tensors from a
-``WeightSource``. The rotary embedding holds no weights and is rebuilt for real on
-every stage, since each stage applies it inside its own attention layers.
+The full model is instantiated on the meta device (no memory): its owned layers are
+checked for structure and give the expected tensor names and shapes. The tensors
+themselves come from a ``WeightSource`` straight into ``DecoderBlock``s, an
+``Embedding`` and an LM head, dense or quantised as the package stores them. The
+rotary embedding holds no weights and is rebuilt for real on every stage, since
+each stage applies it inside its own attention layers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from mesh.errors import InvalidRequest, PackageError, UnsupportedArchitecture
 from mesh.package.manifest import SUPPORTED_ARCHITECTURES
+from mesh.quant import EMBED_GROUP, QuantScheme
+from mesh.runtime.block import DecoderBlock, block_shape, check_structure
+from mesh.runtime.layer_weights import ModuleTensors
+from mesh.runtime.linear import (
+    DenseLinear,
+    Embedding,
+    Linear,
+    build_linear,
+    distinct_bytes,
+    fuse,
+)
 from mesh.runtime.weights import EMBED_WEIGHT, LM_HEAD_WEIGHT, NORM_WEIGHT, WeightSource
 from mesh.types import LayerRange
 
@@ -80,29 +93,35 @@ def load_config(package_dir: Path) -> PretrainedConfig:
 
 @dataclass(frozen=True)
 class StageModules:
-    """The real modules of one stage. ``embed`` only on the first range; ``norm`` and
-    ``lm_head`` only on the last; ``rotary`` everywhere."""
+    """What one stage computes with. ``embed`` only on the first range; ``norm`` and
+    ``lm_head`` only on the last; ``rotary`` (no weights) everywhere."""
 
-    layers: nn.ModuleList
+    blocks: list[DecoderBlock]
     rotary: nn.Module
-    embed: nn.Embedding | None
-    norm: nn.Module | None
-    lm_head: nn.Linear | None
+    embed: Embedding | None
+    norm: torch.Tensor | None
+    norm_eps: float
+    lm_head: Linear | None
 
-    def parameters(self) -> Iterable[nn.Parameter]:
-        for module in (self.embed, self.layers, self.norm, self.lm_head):
-            if module is not None:
-                yield from module.parameters()
+    def tensors(self) -> list[torch.Tensor]:
+        held: list[torch.Tensor] = []
+        for block in self.blocks:
+            held += [block.input_norm, block.post_norm]
+            held += [t for t in (block.q_norm, block.k_norm) if t is not None]
+            for linear in block.linears():
+                held += linear.tensors()
+        if self.embed is not None:
+            held += self.embed.tensors()
+        if self.norm is not None:
+            held.append(self.norm)
+        if self.lm_head is not None:
+            held += self.lm_head.tensors()
+        return held
 
     def param_bytes(self) -> int:
-        """Bytes of distinct parameters (a matrix shared by embedding and head counts once)."""
-        seen: set[int] = set()
-        total = 0
-        for param in self.parameters():
-            if param.data_ptr() not in seen:
-                seen.add(param.data_ptr())
-                total += param.numel() * param.element_size()
-        return total
+        """Bytes of distinct parameter tensors (a matrix shared by embedding and head
+        counts once); quantised weights count in the form the kernels hold them."""
+        return distinct_bytes(self.tensors())
 
 
 def build_stage_modules(
@@ -111,8 +130,12 @@ def build_stage_modules(
     layer_range: LayerRange,
     device: torch.device,
     dtype: torch.dtype,
+    sliding_layers: frozenset[int] = frozenset(),
+    scheme: QuantScheme | None = None,
 ) -> StageModules:
-    """Instantiate the model on meta, keep ``layer_range`` (plus ends), load tensors."""
+    """Check the layers' structure on a meta-device model, then load ``layer_range``
+    (plus embedding or head at the ends) from ``weights`` into blocks on ``device``.
+    ``scheme`` is the package's quantisation (None: plain tensors)."""
     check_config_architecture(config, "the model config")
     layer_range.check_within(config.num_hidden_layers)
     is_first = layer_range.is_first()
@@ -120,76 +143,99 @@ def build_stage_modules(
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     decoder = skeleton.model
+    kind = None if scheme is None else scheme.kind
+    group = 0 if scheme is None else scheme.group_size
 
-    layers = nn.ModuleList([decoder.layers[i] for i in layer_range])
-    for index, layer in zip(layer_range, layers, strict=True):
-        _assign(layer, weights.layer(index), device, dtype, f"decoder layer {index}")
+    blocks = []
+    for index in layer_range:
+        layer = decoder.layers[index]
+        check_structure(layer, index)
+        tensors = ModuleTensors(layer, weights.layer(index), f"decoder layer {index}", kind, group)
+        blocks.append(_build_block(layer, tensors, index, index in sliding_layers, device, dtype))
 
     embed = None
+    embed_weight = None
     if is_first:
-        embed = decoder.embed_tokens
-        _assign(embed, _renamed(weights.embed(), {EMBED_WEIGHT: "weight"}), device, dtype, "embed")
+        found = ModuleTensors(
+            decoder.embed_tokens,
+            _renamed(weights.embed(), EMBED_WEIGHT),
+            "embed",
+            "int8g",
+            EMBED_GROUP,
+        )
+        vocab, hidden = decoder.embed_tokens.weight.shape
+        if found.has_plain("weight"):
+            embed_weight = found.plain("weight").to(device=device, dtype=dtype)
+            embed = Embedding(device, dtype, weight=embed_weight)
+        else:
+            parts = found.quant_parts("weight", "int8g", vocab, hidden)
+            embed = Embedding(device, dtype, parts=parts)
 
     norm = lm_head = None
+    norm_eps = float(decoder.norm.variance_epsilon)
     if is_last:
-        norm, lm_head = decoder.norm, skeleton.lm_head
         head = weights.head()
-        _assign(norm, _renamed(head, {NORM_WEIGHT: "weight"}), device, dtype, "final norm")
-        if embed is not None and getattr(config, "tie_word_embeddings", False):
-            lm_head.weight = embed.weight
+        norms = ModuleTensors(decoder.norm, _renamed(head, NORM_WEIGHT, strict=False), "norm", None)
+        norm = norms.plain("weight").to(device=device, dtype=dtype)
+        tied = getattr(config, "tie_word_embeddings", False)
+        if embed_weight is not None and tied:
+            lm_head = DenseLinear(embed_weight, None)
         else:
-            _assign(lm_head, _renamed(head, {LM_HEAD_WEIGHT: "weight"}), device, dtype, "LM head")
+            found = ModuleTensors(
+                skeleton.lm_head,
+                _renamed(head, LM_HEAD_WEIGHT, strict=False),
+                "LM head",
+                kind,
+                group,
+            )
+            lm_head = build_linear(found.linear(""), device, dtype)
 
     rotary = type(decoder.rotary_emb)(config=skeleton.config).to(device)
-    modules = StageModules(layers=layers, rotary=rotary, embed=embed, norm=norm, lm_head=lm_head)
-    for module in (layers, embed, norm, lm_head, rotary):
-        if module is not None:
-            module.eval()
-            module.requires_grad_(False)
-    _check_materialised(modules)
-    return modules
+    rotary.eval()
+    return StageModules(
+        blocks=blocks, rotary=rotary, embed=embed, norm=norm, norm_eps=norm_eps, lm_head=lm_head
+    )
 
 
-def _renamed(tensors: Mapping[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
-    missing = sorted(set(names) - set(tensors))
-    if missing:
-        raise PackageError(f"weights are missing tensor(s) {', '.join(missing)}")
-    return {new: tensors[old] for old, new in names.items()}
-
-
-def _assign(
-    module: nn.Module,
-    tensors: Mapping[str, torch.Tensor],
+def _build_block(
+    layer: nn.Module,
+    tensors: ModuleTensors,
+    index: int,
+    sliding: bool,
     device: torch.device,
     dtype: torch.dtype,
-    what: str,
-) -> None:
-    """Replace the module's meta parameters with the given tensors on device/dtype."""
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise PackageError(
-            f"{what}: tensor names do not match the model config "
-            f"(missing: {missing[:6] or 'none'}; unexpected: {unexpected[:6] or 'none'}); "
-            "the package was built for a different model: rebuild it"
-        )
-    converted: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise PackageError(
-                f"{what}: tensor {name} has shape {tuple(tensor.shape)}, "
-                f"the config expects {tuple(expected[name].shape)}; rebuild the package"
-            )
-        target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-        converted[name] = tensor.detach().to(device=device, dtype=target_dtype).contiguous()
-    module.load_state_dict(converted, strict=True, assign=True)
+) -> DecoderBlock:
+    norm_names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if hasattr(layer.self_attn, "q_norm"):
+        norm_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    norms = {name: tensors.plain(name).to(device=device, dtype=dtype) for name in norm_names}
+    attn = [tensors.linear(f"self_attn.{name}_proj") for name in ("q", "k", "v")]
+    mlp = [tensors.linear(f"mlp.{name}_proj") for name in ("gate", "up")]
+    return DecoderBlock(
+        block_shape(layer),
+        index,
+        sliding,
+        norms,
+        qkv=build_linear(fuse(attn), device, dtype),
+        o=build_linear(tensors.linear("self_attn.o_proj"), device, dtype),
+        gate_up=build_linear(fuse(mlp), device, dtype),
+        down=build_linear(tensors.linear("mlp.down_proj"), device, dtype),
+    )
 
 
-def _check_materialised(modules: StageModules) -> None:
-    for module in (modules.embed, modules.layers, modules.norm, modules.lm_head, modules.rotary):
-        if module is None:
-            continue
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.is_meta:
-                raise PackageError(f"tensor {name} was not loaded from the package")
+def _renamed(
+    tensors: Mapping[str, torch.Tensor], name: str, strict: bool = True
+) -> dict[str, torch.Tensor]:
+    """The tensors stored under package name ``name`` (and its quantised parts) renamed
+    to the module's own ``weight``; with ``strict``, nothing else may be there."""
+    renamed = {
+        "weight" + key[len(name) :]: tensor
+        for key, tensor in tensors.items()
+        if key == name or key.startswith(name + ".")
+    }
+    if not renamed:
+        raise PackageError(f"weights are missing tensor {name}")
+    if strict and len(renamed) != len(tensors):
+        extra = sorted(k for k in tensors if k != name and not k.startswith(name + "."))
+        raise PackageError(f"unexpected tensor(s) next to {name}: {', '.join(extra[:6])}")
+    return renamed

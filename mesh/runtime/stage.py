@@ -20,7 +20,8 @@ from transformers import PretrainedConfig
 
 from mesh.errors import InvalidRequest, PackageError
 from mesh.package.manifest import PackageManifest
-from mesh.runtime.block import DecoderBlock
+from mesh.quant import QuantScheme
+from mesh.runtime.block import rms_norm, run_block
 from mesh.runtime.sessions import KVLayout, SessionCache, SessionTable
 from mesh.runtime.skeleton import (
     StageModules,
@@ -68,10 +69,8 @@ class StageRuntime:
             clock=clock,
         )
         self._sliding_window = _sliding_window(config)
-        self._blocks = [
-            DecoderBlock(layer, index, _is_sliding(config, index, self._sliding_window))
-            for index, layer in zip(layer_range, modules.layers, strict=True)
-        ]
+        self._blocks = modules.blocks
+        self._compiled: Callable[..., torch.Tensor] | None = None
 
     # ---- description ------------------------------------------------------------
 
@@ -207,7 +206,7 @@ class StageRuntime:
         modules = self._modules
         count = prepared.shape[0]
         if self._is_first:
-            hidden = modules.embed(prepared.unsqueeze(0))
+            hidden = modules.embed(prepared.unsqueeze(0))  # type: ignore[misc]
         else:
             hidden = prepared.unsqueeze(0)
         positions = torch.arange(pos_start, pos_start + count, device=self._device).unsqueeze(0)
@@ -215,13 +214,52 @@ class StageRuntime:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         full_mask, sliding_mask = self._masks(pos_start, count)
         cache.begin(pos_start)
-        for block in self._blocks:
-            mask = sliding_mask if block.sliding else full_mask
-            hidden = block.forward(hidden, cos, sin, cache, mask)
+        masks = (full_mask, sliding_mask)
+        step = self._compiled if count == 1 else None
+        try:
+            layers_out = self._run_layers(hidden, cos, sin, cache, masks, step)
+        except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
+            if step is None:
+                raise
+            logger.warning("torch.compile failed (%s); running decode steps eagerly", error)
+            self._compiled = None
+            layers_out = self._run_layers(hidden, cos, sin, cache, masks, None)
+        hidden = layers_out
         cache.commit(pos_start + count)
         if not self._is_last:
             return hidden[0]
-        return modules.lm_head(modules.norm(hidden))[0].float()
+        normed = rms_norm(hidden, modules.norm, modules.norm_eps)  # type: ignore[arg-type]
+        return modules.lm_head(normed)[0].float()  # type: ignore[misc]
+
+    def enable_compile(self) -> None:
+        """Run the layers of single-token frames (decode steps) through ``torch.compile``.
+
+        One compiled ``run_block`` serves every layer (they share shapes), so the
+        compiler runs once, on the first decode frame. Where it fails (no C++
+        compiler, an operator it cannot take, ...) the runtime logs why and goes on
+        eagerly; no frame is lost to it.
+        """
+        self._compiled = torch.compile(run_block, dynamic=True)
+
+    @property
+    def compiled(self) -> bool:
+        """True while decode steps run through torch.compile."""
+        return self._compiled is not None
+
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: SessionCache,
+        masks: tuple[torch.Tensor | None, torch.Tensor | None],
+        step: Callable[..., torch.Tensor] | None,
+    ) -> torch.Tensor:
+        full_mask, sliding_mask = masks
+        for block in self._blocks:
+            mask = sliding_mask if block.sliding else full_mask
+            hidden = block.forward(hidden, cos, sin, cache, mask, step)
+        return hidden
 
     def _masks(self, pos_start: int, count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Boolean masks (True = attend) ``[1, 1, T, pos_start + T]`` for full and
@@ -296,12 +334,18 @@ def build_stage_runtime(
     max_sessions: int = 64,
     max_tokens_per_session: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    scheme: QuantScheme | None = None,
 ) -> StageRuntime:
     """A runtime for ``layer_range`` of the model described by ``config``, with tensors
-    from ``weights`` (a package, or an in-memory state dict in tests)."""
+    from ``weights`` (a package, or an in-memory state dict in tests) stored as
+    ``scheme`` says (None: plain tensors)."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
-    modules = build_stage_modules(config, weights, layer_range, torch_device, torch_dtype)
+    window = _sliding_window(config)
+    sliding = frozenset(i for i in layer_range if _is_sliding(config, i, window))
+    modules = build_stage_modules(
+        config, weights, layer_range, torch_device, torch_dtype, sliding, scheme
+    )
     return StageRuntime(
         config,
         modules,
@@ -314,15 +358,27 @@ def build_stage_runtime(
     )
 
 
+def compute_dtype_for(manifest: PackageManifest, dtype: str) -> str:
+    """The compute dtype a stage runs a package in: ``auto`` is bfloat16 for a
+    quantised package (torch's int4 kernels take bfloat16 activations, and bfloat16
+    halves the bytes every dense weight moves), else the package's own dtype."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if manifest.quantization is not None else manifest.dtype
+
+
 def load_stage_runtime(
     package_dir: Path,
     layer_range: LayerRange,
     device: str = "cpu",
-    dtype: str = "float32",
+    dtype: str = "auto",
     max_sessions: int = 64,
     max_tokens_per_session: int | None = None,
+    compile: bool = False,
 ) -> StageRuntime:
-    """Load the slice ``layer_range`` of a model package into a runtime."""
+    """Load the slice ``layer_range`` of a model package into a runtime. ``dtype``
+    ``auto`` picks the compute dtype from the package (see ``compute_dtype_for``);
+    ``compile`` runs decode steps through torch.compile where it works."""
     started = time.perf_counter()
     package_dir = Path(package_dir)
     config = load_config(package_dir)
@@ -332,6 +388,7 @@ def load_stage_runtime(
             f"{package_dir}: manifest says {manifest.layer_count} layers, config.json says "
             f"{config.num_hidden_layers}; rebuild the package"
         )
+    dtype = compute_dtype_for(manifest, dtype)
     runtime = build_stage_runtime(
         config,
         PackageWeights(package_dir, manifest),
@@ -340,13 +397,17 @@ def load_stage_runtime(
         dtype=dtype,
         max_sessions=max_sessions,
         max_tokens_per_session=max_tokens_per_session,
+        scheme=manifest.scheme(),
     )
+    if compile:
+        runtime.enable_compile()
     logger.info(
-        "loaded %s layers %s on %s/%s: %s parameter bytes in %.2fs",
+        "loaded %s layers %s on %s/%s (%s): %s parameter bytes in %.2fs",
         manifest.model_id,
         layer_range,
         device,
         dtype,
+        "plain" if manifest.quantization is None else manifest.quantization["linear"],
         runtime.param_bytes,
         time.perf_counter() - started,
     )

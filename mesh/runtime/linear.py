@@ -1,0 +1,227 @@
+"""Linear layers and embeddings over dense or quantised weights (see mesh/quant.py).
+
+``LinearSpec`` is a weight as it comes out of a package: a dense tensor, or the
+parts of a quantised one, plus an optional bias. ``fuse`` stacks several specs that
+read the same input (q/k/v, gate/up) into one, so a decode step runs one matmul
+where the checkpoint has three. ``build_linear`` turns a spec into a callable on a
+device: dense weights run ``F.linear``; int4 runs torch's int4 weight-only kernel
+(``_weight_int4pack_mm_for_cpu`` on CPU, ``_weight_int4pack_mm`` on CUDA) with
+bfloat16 activations; int8 runs ``_weight_int8pack_mm`` where torch has it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mesh import quant
+
+logger = logging.getLogger(__name__)
+
+# The int4 kernels take activations, scales and zeros in this dtype.
+INT4_ACTIVATION_DTYPE = torch.bfloat16
+# The CUDA int4 kernel's tile of the packed layout (K must be a multiple of 16 * this).
+CUDA_INNER_K_TILES = 8
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A weight ``[N, K]`` as stored: dense ``weight`` or quantised ``parts`` of ``kind``."""
+
+    out_features: int
+    in_features: int
+    kind: str = "dense"  # dense | int4 | int8
+    weight: torch.Tensor | None = None
+    parts: dict[str, torch.Tensor] | None = None
+    bias: torch.Tensor | None = None
+
+
+def fuse(specs: list[LinearSpec]) -> LinearSpec:
+    """One spec whose outputs are the concatenated outputs of ``specs`` (same input)."""
+    first = specs[0]
+    if any(s.kind != first.kind or s.in_features != first.in_features for s in specs):
+        raise ValueError("only weights of one kind and input size can be fused")
+    out = sum(s.out_features for s in specs)
+    bias = None
+    if any(s.bias is not None for s in specs):
+        bias = torch.cat(
+            [
+                s.bias
+                if s.bias is not None
+                else torch.zeros(s.out_features, dtype=_bias_dtype(specs))
+                for s in specs
+            ]
+        )
+    if first.kind == "dense":
+        weight = torch.cat([s.weight for s in specs])  # type: ignore[misc]
+        return LinearSpec(out, first.in_features, "dense", weight=weight, bias=bias)
+    parts = {key: torch.cat([s.parts[key] for s in specs]) for key in first.parts}  # type: ignore[index, union-attr]
+    return LinearSpec(out, first.in_features, first.kind, parts=parts, bias=bias)
+
+
+def _bias_dtype(specs: list[LinearSpec]) -> torch.dtype:
+    return next(s.bias.dtype for s in specs if s.bias is not None)  # type: ignore[union-attr]
+
+
+class DenseLinear:
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return F.linear(inputs, self.weight, self.bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
+
+class Int4Linear:
+    """Group-wise int4 weights in the device kernel's packed layout."""
+
+    __slots__ = ("packed", "scales_zeros", "group", "out_features", "bias", "_mm")
+
+    def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
+        parts = spec.parts or {}
+        codes_packed = parts["qweight"].to(device)
+        scales = parts["scales"].to(device=device, dtype=torch.float32)
+        mins = parts["mins"].to(device=device, dtype=torch.float32)
+        self.group = spec.in_features // scales.shape[1]
+        self.out_features = spec.out_features
+        # The kernels compute (code - 8) * scale + zero, so zero = min + 8 * scale.
+        zeros = mins + 8 * scales
+        self.scales_zeros = (torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()).to(
+            INT4_ACTIVATION_DTYPE
+        )
+        if device.type == "cpu":
+            codes = quant.unpack_int4(codes_packed)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(
+                codes_packed.contiguous(), CUDA_INNER_K_TILES
+            )
+            self._mm = torch.ops.aten._weight_int4pack_mm
+        self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        shape = inputs.shape
+        flat = inputs.reshape(-1, shape[-1])
+        if flat.dtype != INT4_ACTIVATION_DTYPE:
+            flat = flat.to(INT4_ACTIVATION_DTYPE)
+        out = self._mm(flat, self.packed, self.group, self.scales_zeros)
+        out = out.to(inputs.dtype).reshape(*shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales_zeros, self.bias) if t is not None]
+
+
+class Int8Linear:
+    """Per-channel int8 weights; torch's int8 weight-only kernel where it exists."""
+
+    __slots__ = ("qweight", "scales", "out_features", "bias", "_kernel")
+
+    def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
+        parts = spec.parts or {}
+        self.qweight = parts["qweight"].to(device).contiguous()
+        self.scales = parts["scales"].to(device=device, dtype=dtype)
+        self.out_features = spec.out_features
+        self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
+        self._kernel = device.type == "cpu"
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        shape = inputs.shape
+        flat = inputs.reshape(-1, shape[-1])
+        scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
+        if self._kernel:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)
+        else:
+            out = F.linear(flat, self.qweight.to(flat.dtype)) * scales
+        out = out.reshape(*shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.scales, self.bias) if t is not None]
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear
+
+
+def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> Linear:
+    """The callable for ``spec`` on ``device``; dense weights are cast to ``dtype``."""
+    if spec.kind == "dense":
+        weight = spec.weight.to(device=device, dtype=dtype).contiguous()  # type: ignore[union-attr]
+        bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
+        return DenseLinear(weight, bias)
+    if spec.kind == "int8":
+        return Int8Linear(spec, device, dtype)
+    if spec.kind == "int4":
+        try:
+            return Int4Linear(spec, device, dtype)
+        except RuntimeError as error:
+            if device.type == "cpu":
+                raise
+            logger.warning(
+                "the int4 kernel cannot take a [%s, %s] weight on %s (%s); holding it "
+                "dequantised in %s instead",
+                spec.out_features,
+                spec.in_features,
+                device,
+                error,
+                dtype,
+            )
+            weight = quant.dequantize_int4(spec.parts or {}, dtype)
+            return build_linear(
+                LinearSpec(spec.out_features, spec.in_features, weight=weight, bias=spec.bias),
+                device,
+                dtype,
+            )
+    raise ValueError(f"unknown linear kind {spec.kind!r}")
+
+
+class Embedding:
+    """Token embedding lookup over a dense table or a group-wise int8 one."""
+
+    __slots__ = ("weight", "parts", "dtype")
+
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        weight: torch.Tensor | None = None,
+        parts: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.dtype = dtype
+        self.weight = None if weight is None else weight.to(device=device, dtype=dtype)
+        self.parts = None if parts is None else {k: v.to(device) for k, v in parts.items()}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        rows = quant.dequantize_int8_groups(self.parts or {}, self.dtype, flat)
+        return rows.reshape(*ids.shape, -1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self.weight is not None:
+            return [self.weight]
+        return list((self.parts or {}).values())
+
+
+def distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the tensors, counting storage shared by several of them once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total

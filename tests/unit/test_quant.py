@@ -1,0 +1,170 @@
+"""Quantised weight formats, their kernels, and exact conversion of GGUF blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mesh import quant
+from mesh.errors import InvalidRequest
+from mesh.package.gguf_quant import _CONVERTERS, hf_name, rotary_row_order
+from mesh.runtime.linear import Embedding, LinearSpec, build_linear, fuse
+
+
+def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=generator) * 0.05
+
+
+def test_int4_codes_pack_two_per_byte_and_unpack_back() -> None:
+    codes = torch.randint(0, 16, (8, 64), generator=torch.Generator().manual_seed(1))
+    packed = quant.pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (8, 32)
+    assert int(packed[0, 0]) == int(codes[0, 0]) * 16 + int(codes[0, 1])
+    assert torch.equal(quant.unpack_int4(packed), codes.to(torch.int32))
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_rounding_error_is_at_most_half_a_step(group: int) -> None:
+    weight = random_weight(48, 128)
+    parts = quant.quantize_int4(weight, group)
+    assert parts["scales"].shape == (48, 128 // group)
+    restored = quant.dequantize_int4(parts, torch.float32)
+    step = parts["scales"].float().repeat_interleave(group, dim=1)
+    # Half a step of rounding, plus float16 rounding of the stored min.
+    slack = 0.5 * step + parts["mins"].float().abs().repeat_interleave(group, dim=1) * 1e-3
+    assert bool(((restored - weight).abs() <= slack + 1e-6).all())
+    assert float((restored - weight).abs().max()) > 0  # it is a real quantisation
+
+
+def test_int8_rounding_error_is_at_most_half_a_step() -> None:
+    weight = random_weight(40, 96)
+    parts = quant.quantize_int8(weight)
+    assert parts["qweight"].dtype == torch.int8 and parts["scales"].shape == (40,)
+    restored = quant.dequantize_int8(parts, torch.float32)
+    assert bool(((restored - weight).abs() <= parts["scales"].unsqueeze(1) / 2 + 1e-7).all())
+    grouped = quant.quantize_int8_groups(weight, 32)
+    restored = quant.dequantize_int8_groups(grouped, torch.float32)
+    step = grouped["scales"].float().repeat_interleave(32, dim=1)
+    assert bool(((restored - weight).abs() <= step / 2 + 1e-6).all())
+
+
+def test_scheme_checks_say_what_to_change() -> None:
+    assert quant.make_scheme("int4") == quant.QuantScheme("int4", 32)
+    assert quant.make_scheme("int4", 128).group_size == 128
+    assert quant.make_scheme("int8") == quant.QuantScheme("int8", 0)
+    with pytest.raises(InvalidRequest, match="one of int8, int4"):
+        quant.make_scheme("int3")
+    with pytest.raises(InvalidRequest, match="group size 48 is not supported"):
+        quant.make_scheme("int4", 48)
+    with pytest.raises(InvalidRequest, match="drop --group-size"):
+        quant.make_scheme("int8", 64)
+    with pytest.raises(InvalidRequest, match="not a multiple of the group size 64"):
+        quant.quantize_int4(random_weight(4, 96), 64)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantised_linear_matches_its_dequantised_weight(kind: str) -> None:
+    weight, bias = random_weight(96, 128, seed=2), torch.randn(96) * 0.1
+    if kind == "int4":
+        parts = quant.quantize_int4(weight, 32)
+        restored = quant.dequantize_int4(parts, torch.float32)
+    else:
+        parts = quant.quantize_int8(weight)
+        restored = quant.dequantize_int8(parts, torch.float32)
+    linear = build_linear(
+        LinearSpec(96, 128, kind, parts=parts, bias=bias), torch.device("cpu"), torch.bfloat16
+    )
+    inputs = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(3))
+    got = linear(inputs.to(torch.bfloat16)).float()
+    want = F.linear(inputs, restored, bias)
+    assert got.shape == (3, 5, 96)
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+def test_fused_linear_gives_each_part_its_own_output() -> None:
+    specs = []
+    for seed, rows in ((4, 64), (5, 32), (6, 32)):
+        parts = quant.quantize_int4(random_weight(rows, 64, seed), 32)
+        specs.append(LinearSpec(rows, 64, "int4", parts=parts, bias=None))
+    device = torch.device("cpu")
+    fused = build_linear(fuse(specs), device, torch.bfloat16)
+    inputs = torch.randn(2, 64).to(torch.bfloat16)
+    pieces = fused(inputs).split([64, 32, 32], dim=-1)
+    for spec, piece in zip(specs, pieces, strict=True):
+        assert torch.equal(build_linear(spec, device, torch.bfloat16)(inputs), piece)
+
+
+def test_int8_embedding_gathers_dequantised_rows() -> None:
+    table = random_weight(50, 64, seed=7)
+    parts = quant.quantize_int8_groups(table, 32)
+    embed = Embedding(torch.device("cpu"), torch.float32, parts=parts)
+    ids = torch.tensor([[3, 49, 0]])
+    got = embed(ids)
+    assert got.shape == (1, 3, 64)
+    assert torch.equal(got[0], quant.dequantize_int8_groups(parts, torch.float32)[ids[0]])
+
+
+# ---- GGUF blocks --------------------------------------------------------------------
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random GGUF rows of a block type, with sane float16 scales."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[type_name]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, size=(rows, cols // block_size, 2)).astype(np.float16)
+    data[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // block_size, 4)
+    if type_name == "Q4_1" or type_name == "Q4_K":
+        # The second float16 (min or dmin) may be negative for Q4_1.
+        sign = -1 if type_name == "Q4_1" else 1
+        second = (sign * scales[..., 1]).astype(np.float16)
+        data[..., 2:4] = second.view(np.uint8).reshape(rows, cols // block_size, 2)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize(
+    ("type_name", "kind"), [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q4_K", "int4"), ("Q8_0", "int8g")]
+)
+def test_gguf_blocks_convert_to_the_same_weights(type_name: str, kind: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows, cols = 6, 512
+    data = random_blocks(type_name, rows, cols, seed=11)
+    reference = dequantize(data, GGMLQuantizationType[type_name]).reshape(rows, cols)
+    parts = _CONVERTERS[(type_name, kind)](data)
+    if kind == "int4":
+        restored = quant.dequantize_int4(parts, torch.float32)
+    else:
+        restored = quant.dequantize_int8_groups(parts, torch.float32)
+    reference_t = torch.from_numpy(reference.astype(np.float32))
+    # Q4_K's d * sc products are rounded to float16 once; the others are exact.
+    tolerance = 2e-3 * float(reference_t.abs().max()) if type_name == "Q4_K" else 1e-6
+    assert float((restored - reference_t).abs().max()) <= tolerance
+
+
+def test_gguf_rotary_row_order_undoes_llama_permutation() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    heads, head_dim, cols = 4, 8, 3
+    weight = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
+    processor = LlamaTensorProcessor(config={})
+    expected = processor._reverse_permute_weights(weight, heads, heads)
+    order = rotary_row_order(heads * head_dim, heads)
+    assert np.array_equal(weight[order.numpy()], expected)
+
+
+def test_gguf_names_map_to_hf_names() -> None:
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("blk.1.attn_k.bias") == "model.layers.1.self_attn.k_proj.bias"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    assert hf_name("rope_freqs.weight") is None
