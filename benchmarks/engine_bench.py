@@ -513,6 +513,8 @@ def attempt(engine: Engine, prompt: Prompt, tokens: int, what: str) -> Generatio
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     common.configure(args)
+    if args.tokens < 2 or args.code_tokens < 16:
+        raise SystemExit("--tokens must be at least 2 and --code-tokens at least 16")
     import torch
     from transformers import AutoTokenizer
 
@@ -533,20 +535,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = {e.key: compare(e, summary, args.check_tokens) for e in engines}
     gguf_bytes = gguf.stat().st_size
     goal_list = goals(engines, rows, gguf_bytes)
-    lines = [
+    header = (
         f"{gguf.name}: chat prompt {len(prompts[0].ids)} tokens, code prompt "
         f"{len(prompts[1].ids)} tokens, {args.tokens} new tokens, median of "
-        f"{args.repeats}, {args.threads} threads",
-        "",
-        common.render_table(TABLE_HEADERS, table_rows(engines, summary, rows)),
-        "",
-        f"GGUF file {gguf_bytes / 1e6:.1f} MB; int4 parameter bytes / GGUF file size "
-        f"{common.fmt(int4_over_gguf(engines, gguf_bytes))}",
-    ]
-    for goal in goal_list:
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]
-        lines.append(f"goal: {goal['goal']}: {common.fmt(goal['value'])} -> {verdict}")
-    common.emit("\n".join(lines))
+        f"{args.repeats}, {args.threads} threads"
+    )
+    common.emit(
+        "\n".join(
+            [header, "", common.render_table(TABLE_HEADERS, table_rows(engines, summary, rows))]
+            + goal_lines(engines, goal_list, gguf_bytes)
+        )
+    )
     payload = {
         "benchmark": "engine",
         "command": common.command_line(),
@@ -563,6 +562,18 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.out, payload)
     common.emit(f"\nwrote {args.out}")
     return 0
+
+
+def goal_lines(engines: Sequence[Engine], goal_list: list[dict], gguf_bytes: int) -> list[str]:
+    lines = [
+        "",
+        f"GGUF file {gguf_bytes / 1e6:.1f} MB; int4 parameter bytes / GGUF file size "
+        f"{common.fmt(int4_over_gguf(engines, gguf_bytes))}",
+    ]
+    for goal in goal_list:
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]
+        lines.append(f"goal: {goal['goal']}: {common.fmt(goal['value'])} -> {verdict}")
+    return lines
 
 
 def engine_json(engine: Engine, summary: dict, rows: dict, runs: dict) -> dict[str, Any]:

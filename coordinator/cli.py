@@ -23,7 +23,7 @@ from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.codec import StatusReply, StatusRequest, WireDType
 from mesh.config import CLI_KEYS, add_speculation_arguments
-from mesh.errors import MeshError
+from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.logsetup import configure_logging
 from mesh.proto.v1 import coordinator_pb2_grpc
@@ -56,7 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-host", default="127.0.0.1", help="frontend bind host (local stage 0)")
     up.add_argument("--http-port", type=int, default=8000, help="frontend port (local stage 0)")
     up.add_argument("--wire-dtype", default="f32", help="activation dtype: f32|f16|bf16|int8")
-    up.add_argument("--dtype", default="float32", help="compute dtype: float32|bfloat16|float16")
+    up.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype: auto|float32|bfloat16|float16 (auto: bfloat16 for a quantised "
+        "package, else the package's dtype)",
+    )
+    up.add_argument(
+        "--quant",
+        choices=("int4", "int8"),
+        default=None,
+        help="with --model default: serve a quantised build of the default model",
+    )
+    up.add_argument(
+        "--compile",
+        action="store_true",
+        help="local stages run decode steps through torch.compile",
+    )
     up.add_argument("--max-sessions", type=int, default=16)
     up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
     up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
@@ -76,13 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_model_ref(ref: str) -> str:
+def _resolve_model_ref(ref: str, quant: str | None = None) -> str:
     if ref != DEFAULT_MODEL:
+        if quant:
+            raise InvalidRequest(
+                "--quant applies to --model default; quantise other models with "
+                "`mesh-package build SRC --out DIR --quant ...` and pass --model DIR"
+            )
         return ref
     from mesh.package.default import build_default_package
 
     logger.info("building the default package (SmolLM2-135M-Instruct) if needed ...")
-    return str(build_default_package())
+    return str(build_default_package(quant=quant))
 
 
 def _spawn_stage(
@@ -113,6 +134,8 @@ def _spawn_stage(
         "--max-sessions",
         str(args.max_sessions),
     ]
+    if args.compile:
+        command.append("--compile")
     if args.cache_dir is not None:
         command += ["--cache-dir", str(args.cache_dir / f"local-{index}")]
     if args.log_level:
@@ -146,7 +169,7 @@ def up(args: argparse.Namespace) -> int:
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, "the coordinator")
-    ref = _resolve_model_ref(args.model)
+    ref = _resolve_model_ref(args.model, args.quant)
     model = read_model(ref)
     local = (0 if args.no_local_stage else 1) + max(0, args.spawn_stages)
     max_tokens = args.max_tokens_per_session or model.context_length

@@ -42,7 +42,7 @@ class LoadSettings:
     manifest_sha256: str
     model_id: str
     wire_dtype: WireDType = WireDType.F32
-    torch_dtype: str = "float32"
+    torch_dtype: str = "auto"
     max_sessions: int = 16
     max_tokens_per_session: int = 2048
     max_batch_tokens: int = 512

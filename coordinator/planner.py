@@ -335,14 +335,19 @@ def footprint_from_manifest(
 ) -> ModelFootprint:
     """Footprint from the package's file sizes, rescaled from the package dtype to ``dtype``.
 
-    ``dtype`` ``"auto"`` keeps the package dtype. The layer cost is the largest layer
+    ``dtype`` ``"auto"`` keeps the package dtype, or for a quantised package computes
+    in bfloat16; quantised weights are held at their file size. The layer cost is the largest layer
     (a layer may be stored as several files). KV is budgeted for every session at
     its full length: ``max_sessions * max_tokens_per_session * 2 (K and V) *
     num_kv_heads * head_dim * dtype bytes`` per layer.
     """
-    serving = manifest.dtype if dtype == "auto" else dtype
+    quantised = manifest.quantization is not None
+    if dtype == "auto":
+        serving = "bfloat16" if quantised else manifest.dtype
+    else:
+        serving = dtype
     serve_bytes = _dtype_bytes(serving)
-    scale = serve_bytes / _dtype_bytes(manifest.dtype)
+    scale = 1.0 if quantised else serve_bytes / _dtype_bytes(manifest.dtype)
     for name, value in (
         ("max_sessions", max_sessions),
         ("max_tokens_per_session", max_tokens_per_session),

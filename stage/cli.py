@@ -50,6 +50,12 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--speed", type=float, default=1.0, help="relative speed hint")
     join.add_argument("--cache-dir", type=Path, default=None, help="slice cache directory")
     join.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    join.add_argument(
+        "--compile",
+        action="store_true",
+        help="run decode steps through torch.compile (compiles on the first request; "
+        "falls back to eager where it cannot compile)",
+    )
     join.add_argument("--frontend", action="store_true", help="host the OpenAI HTTP frontend")
     join.add_argument("--http-host", default="0.0.0.0", help="frontend bind host")
     join.add_argument("--http-port", type=int, default=8000, help="frontend port (0: any)")
@@ -91,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             cache_dir=cache_dir,
             device=args.device,
             inject_delay_ms=args.inject_delay_ms,
+            compile=args.compile,
         ),
         address,
     )

@@ -49,6 +49,8 @@ class NodeSettings:
     allowed_wire_dtypes: tuple[WireDType, ...] = tuple(WireDType)
     # Added to every outgoing hop (Forward and Return) to emulate a network; 0 = off.
     inject_delay_ms: float = 0.0
+    # Run decode steps through torch.compile (mesh-stage join --compile).
+    compile: bool = False
 
 
 @dataclass
@@ -158,9 +160,10 @@ class StageNode:
                 package_dir,
                 request.layer_range,
                 device=request.device or self.settings.device,
-                dtype=request.torch_dtype or "float32",
+                dtype=request.torch_dtype or "auto",
                 max_sessions=request.max_sessions or 64,
                 max_tokens_per_session=request.max_tokens_per_session or None,
+                compile=self.settings.compile,
             )
             engine = StageEngine(runtime, request.stage_index, request.term)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)

@@ -31,30 +31,35 @@ def mesh_home() -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "mesh"
 
 
-def default_package_dir() -> Path:
-    """Where the default package lives: ``$MESH_HOME/packages/SmolLM2-135M-Instruct``."""
-    return mesh_home() / "packages" / DEFAULT_MODEL_ID
+def default_package_dir(quant: str | None = None) -> Path:
+    """Where the default package lives: ``$MESH_HOME/packages/SmolLM2-135M-Instruct``
+    (with ``-int4`` / ``-int8`` appended for a quantised build)."""
+    suffix = f"-{quant}" if quant else ""
+    return mesh_home() / "packages" / f"{DEFAULT_MODEL_ID}{suffix}"
 
 
-def build_default_package(out: Path | None = None, *, force: bool = False) -> Path:
+def build_default_package(
+    out: Path | None = None, *, force: bool = False, quant: str | None = None
+) -> Path:
     """Build the default package into ``out`` (default: default_package_dir()) unless a
-    current, intact one is already there. Returns the package directory."""
-    out = Path(out).expanduser().absolute() if out is not None else default_package_dir()
+    current, intact one is already there. ``quant`` (int4 / int8) builds it with
+    quantised weights. Returns the package directory."""
+    out = Path(out).expanduser().absolute() if out is not None else default_package_dir(quant)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out):
         if not force:
-            problem = _staleness(out)
+            problem = _staleness(out, quant)
             if problem is None:
                 logger.debug("default package at %s is current", out)
                 return out
             logger.info("building the default package at %s (%s)", out, problem)
         from mesh.package.builder import build_package  # imports torch: only when building
 
-        build_package("default", out, dtype=DEFAULT_DTYPE, model_id=DEFAULT_MODEL_ID)
+        build_package("default", out, dtype=DEFAULT_DTYPE, model_id=DEFAULT_MODEL_ID, quant=quant)
     return out
 
 
-def _staleness(out: Path) -> str | None:
+def _staleness(out: Path, quant: str | None = None) -> str | None:
     """Why the package at ``out`` must be (re)built, or None if it is current."""
     if not out.is_dir():
         return "not built yet"
@@ -67,6 +72,9 @@ def _staleness(out: Path) -> str | None:
         return f"built from {manifest.source}, the installed wheel is {expected}"
     if manifest.model_id != DEFAULT_MODEL_ID or manifest.dtype != DEFAULT_DTYPE:
         return f"holds {manifest.model_id} in {manifest.dtype}"
+    held = None if manifest.quantization is None else manifest.quantization.get("linear")
+    if held != quant:
+        return f"holds {held or 'plain'} weights, {quant or 'plain'} wanted"
     problems = verify_package(out, quick=True)
     if problems:
         return "; ".join(problems[:3])

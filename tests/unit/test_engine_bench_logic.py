@@ -325,3 +325,14 @@ def test_pooled_weighs_prompts_by_positions():
     assert figures["mean_kl"] == pytest.approx(0.2)
     assert figures["worst_kl"] == 0.5
     assert math.isnan(quant_quality.pooled([])["agreement"])
+
+
+def test_goal_lines_print_verdicts():
+    engine_bench = bench("engine_bench")
+    engines, summary = _engines_and_summary(engine_bench)
+    rows = {e.key: engine_bench.compare(e, summary, 32) for e in engines}
+    goal_list = engine_bench.goals(engines, rows, gguf_bytes=100_000_000)
+    text = "\n".join(engine_bench.goal_lines(engines, goal_list, 100_000_000))
+    assert "int4 parameter bytes / GGUF file size 1.20" in text
+    assert "mesh-dense-float32-eager decode >= 1.5x HF float32: 1.25 -> NOT met" in text
+    assert "mesh-int8-eager decode >= 1.5x HF bfloat16: - -> not measured" in text

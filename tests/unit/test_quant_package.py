@@ -146,10 +146,14 @@ def test_cli_builds_and_inspects_a_quantised_package(
 
 
 def test_smollm2_int4_keeps_the_gguf_codes_and_size(smollm2_gguf: Path, tmp_path: Path) -> None:
-    """The int4 package of the default GGUF keeps its Q4_1 codes exactly and holds
-    its parameters in about the GGUF's size."""
-    out = tmp_path / "int4"
-    manifest = build_package(str(smollm2_gguf), out, quant="int4")
+    """The int4 build of the default model keeps the GGUF's Q4_1 codes exactly and
+    holds its parameters in about the GGUF's size."""
+    from mesh.package import default
+
+    out = default.build_default_package(tmp_path / "int4", quant="int4")
+    manifest = PackageManifest.load(out)
+    assert default._staleness(out, "int4") is None
+    assert default._staleness(out, None) == "holds int4 weights, plain wanted"
     assert manifest.quantization["from_source_codes"] == {"Q4_1": 210, "Q8_0": 1}
     assert manifest.quantization["rounded"] == {"Q8_0": 1}  # the tied head, from the embedding
     runtime = load_stage_runtime(out, LayerRange(0, manifest.layer_count))
