@@ -125,12 +125,15 @@ def test_an_incomplete_default_package_is_rebuilt(smollm2_package: Path, tmp_pat
     calls = []
     monkeypatch.setattr(builder, "build_package", lambda *a, **k: calls.append((a, k)))
     default.build_default_package(copy)
-    assert calls == [(("default", copy), {"dtype": "float32", "model_id": DEFAULT_MODEL_ID})]
+    assert calls == [
+        (("default", copy), {"dtype": "float32", "model_id": DEFAULT_MODEL_ID, "quant": None})
+    ]
 
 
 def test_default_locations(monkeypatch, tmp_path):
     monkeypatch.setenv("MESH_HOME", str(tmp_path / "mesh-home"))
     assert default.default_package_dir() == tmp_path / "mesh-home" / "packages" / DEFAULT_MODEL_ID
+    assert default.default_package_dir("int4").name == f"{DEFAULT_MODEL_ID}-int4"
     monkeypatch.delenv("MESH_HOME")
     assert default.default_package_dir() == Path.home() / ".cache" / "mesh" / "packages" / (
         DEFAULT_MODEL_ID
