@@ -128,7 +128,9 @@ class Int8Linear:
 
     def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
         parts = spec.parts or {}
-        self.qweight = parts["qweight"].to(device).contiguous()
+        # A fresh, aligned copy: the CPU kernel faults on int8 data that is not
+        # 64-byte aligned, as a tensor read out of a safetensors file can be.
+        self.qweight = parts["qweight"].to(device).clone(memory_format=torch.contiguous_format)
         self.scales = parts["scales"].to(device=device, dtype=dtype)
         self.out_features = spec.out_features
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)

@@ -117,6 +117,27 @@ def test_three_stage_mesh_matches_unsplit_model(
     )
 
 
+def test_int4_mesh_serves_the_quantised_model_and_reports_its_memory(
+    mesh_factory, tiny_package_factory
+):
+    from transformers import AutoTokenizer
+
+    package = tiny_package_factory("qwen2", layers=4, quant="int4")
+    mesh = mesh_factory(package, 2)
+    mesh.wait_serving()
+    ranges = stage_ranges(mesh)
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    text = mesh_tokens(client, "tiny-qwen2")
+    expected = reference_tokens(package, ranges, WireDType.F32)
+    assert text == AutoTokenizer.from_pretrained(package).decode(expected)
+    # Each stage reports the parameter bytes it holds, in their quantised form.
+    held = {s.layer_range: s.param_bytes for s in mesh.status().stages if s.assigned}
+    for layer_range in ranges:
+        assert held[layer_range] == load_stage_runtime(package, layer_range).param_bytes
+    dense = load_stage_runtime(tiny_package_factory("qwen2", layers=4), LayerRange(0, 4))
+    assert sum(held.values()) < 0.5 * dense.param_bytes
+
+
 def test_corrupt_slice_rolls_back_the_whole_attempt(mesh_factory, tiny_package_factory, tmp_path):
     source = tiny_package_factory("llama", layers=6)
     package = tmp_path / "corrupt-pkg"
