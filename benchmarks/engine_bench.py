@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import Generation, PackageVariant
+import single_stage
+from single_stage import Generation, PackageVariant
 
 logger = logging.getLogger("engine_bench")
 
@@ -133,19 +134,19 @@ def build_prompts(tokenizer: Any, workloads: dict, code_tokens: int) -> list[Pro
     """The first chat request, and a code prompt of ``code_tokens`` ids: code-edit
     requests joined in one message until long enough, then cut to length."""
     chat = workloads["chat"][0]
-    head, tail = common.chat_prompt_parts(tokenizer, chat.messages)
+    head, tail = single_stage.chat_prompt_parts(tokenizer, chat.messages)
     edits = workloads["code-edit"]
     candidates = []
     for count in range(1, len(edits) + 1):
         joined = "\n\n".join(r.messages[-1]["content"] for r in edits[:count])
         messages = [*edits[0].messages[:-1], {"role": "user", "content": joined}]
-        candidates.append(common.chat_prompt_parts(tokenizer, messages))
+        candidates.append(single_stage.chat_prompt_parts(tokenizer, messages))
     pick = choose_closest([len(h) + len(t) for h, t in candidates], code_tokens)
     return [
         Prompt("chat", tuple(head + tail), chat.request_id),
         Prompt(
             "code",
-            tuple(common.fit_prompt(*candidates[pick], code_tokens)),
+            tuple(single_stage.fit_prompt(*candidates[pick], code_tokens)),
             "+".join(r.request_id for r in edits[: pick + 1]),
         ),
     ]
@@ -233,7 +234,9 @@ def mesh_engine(
     layers = LayerRange(0, load_config(package).num_hidden_layers)
     runtime = load_stage_runtime(package, layers, device="cpu", dtype=dtype, compile=compile)
     engine = mesh_row(variant, dtype, compile)
-    engine.run = lambda ids, tokens: common.runtime_greedy(runtime, ids, tokens, banned=banned)
+    engine.run = lambda ids, tokens: single_stage.runtime_greedy(
+        runtime, ids, tokens, banned=banned
+    )
     engine.param_bytes = runtime.param_bytes
     if compile:
         engine.still_compiled = lambda: runtime.compiled
@@ -270,7 +273,7 @@ def llama_engine(gguf: Path, threads: int, banned: Sequence[int]) -> Engine:
         while True:
             # logits_all=False keeps llm.scores empty: read the last row from the context
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (vocab,))
-            emitted.append(common.greedy_token(torch.from_numpy(logits), banned))
+            emitted.append(single_stage.greedy_token(torch.from_numpy(logits), banned))
             stamps.append(time.perf_counter())
             if len(emitted) >= tokens:
                 return Generation(emitted, started, stamps)
@@ -459,8 +462,8 @@ def load_engines(
     for variant, dtype in package_variants(args.int4_group_size):
         failure, package = None, None
         try:
-            package = common.ensure_package(workdir, variant)
-            failure = common.probe_package(package, dtype)
+            package = single_stage.ensure_package(workdir, variant)
+            failure = single_stage.probe_package(package, dtype)
         except Exception as error:  # noqa: BLE001 - report the variant, go on
             failure = f"build failed: {type(error).__name__}: {error}"
         for compile in (False, True) if args.compile_variants else (False,):
@@ -527,9 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as scratch:
         workdir = (args.workdir or Path(scratch)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        dense = common.ensure_package(workdir, PackageVariant("float32"))
+        dense = single_stage.ensure_package(workdir, PackageVariant("float32"))
         prompts = build_prompts(AutoTokenizer.from_pretrained(dense), workloads, args.code_tokens)
-        engines = load_engines(args, workdir, gguf, common.package_eos_ids(dense))
+        engines = load_engines(args, workdir, gguf, single_stage.package_eos_ids(dense))
         runs = measure(engines, prompts, args)
     summary = {e.key: summarize(runs[e.key]) for e in engines}
     rows = {e.key: compare(e, summary, args.check_tokens) for e in engines}

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import common
+import single_stage
 import torch
-from common import PackageVariant
+from single_stage import PackageVariant
 
 logger = logging.getLogger("quant_quality")
 
@@ -174,8 +175,8 @@ def build_prompts(tokenizer: Any, workloads: dict, limit: int) -> list[QualityPr
     out = []
     for workload, requests in workloads.items():
         for request in requests:
-            head, tail = common.chat_prompt_parts(tokenizer, request.messages)
-            ids = common.fit_prompt(head, tail, limit)
+            head, tail = single_stage.chat_prompt_parts(tokenizer, request.messages)
+            ids = single_stage.fit_prompt(head, tail, limit)
             out.append(QualityPrompt(request.request_id, workload, tuple(ids)))
     return out
 
@@ -188,7 +189,7 @@ def reference_pass(
     runtime = load(package, REFERENCE.dtype)
     out = []
     for prompt in prompts:
-        generated = common.runtime_greedy(runtime, prompt.ids, tokens, stop=stop).tokens
+        generated = single_stage.runtime_greedy(runtime, prompt.ids, tokens, stop=stop).tokens
         sequence = [*prompt.ids, *generated]
         rows = generated_rows(len(prompt.ids), len(generated))
         out.append((sequence, rows, teacher_forced(runtime, sequence, rows)))
@@ -220,11 +221,11 @@ def score(
 def prepare(workdir: Path, candidate: Candidate) -> Path | None:
     """The candidate's package, or None with ``candidate.error`` set."""
     try:
-        package = common.ensure_package(workdir, candidate.variant)
+        package = single_stage.ensure_package(workdir, candidate.variant)
     except Exception as error:  # noqa: BLE001 - report the variant, go on
         candidate.error = f"build failed: {type(error).__name__}: {error}"
         return None
-    candidate.error = common.probe_package(package, candidate.dtype)
+    candidate.error = single_stage.probe_package(package, candidate.dtype)
     return None if candidate.error else package
 
 
@@ -264,11 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="quant-quality-") as scratch:
         workdir = (args.workdir or Path(scratch)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        reference = common.ensure_package(workdir, REFERENCE)
+        reference = single_stage.ensure_package(workdir, REFERENCE)
         prompts = build_prompts(
             AutoTokenizer.from_pretrained(reference), workloads, args.max_prompt_tokens
         )
-        stop = common.package_eos_ids(reference)
+        stop = single_stage.package_eos_ids(reference)
         references = reference_pass(reference, prompts, args.tokens, stop)
         for row in rows:
             package = prepare(workdir, row)

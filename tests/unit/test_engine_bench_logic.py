@@ -44,7 +44,7 @@ def test_quant_quality_arguments_and_rows():
 
 
 def test_package_variants_name_their_directories():
-    common = bench("common")
+    single_stage = bench("single_stage")
     engine_bench = bench("engine_bench")
     names = [(v.name, dtype) for v, dtype in engine_bench.package_variants(64)]
     assert names == [
@@ -53,20 +53,20 @@ def test_package_variants_name_their_directories():
         ("int8", "bfloat16"),
         ("int4-g64", "bfloat16"),
     ]
-    assert common.PackageVariant("bfloat16", "int4").name == "int4"
+    assert single_stage.PackageVariant("bfloat16", "int4").name == "int4"
 
 
 # ---- prompts -------------------------------------------------------------------------
 
 
 def test_fit_prompt_keeps_the_tail_and_cuts_the_head():
-    common = bench("common")
+    single_stage = bench("single_stage")
     head, tail = list(range(10)), [100, 101]
-    assert common.fit_prompt(head, tail, None) == head + tail
-    assert common.fit_prompt(head, tail, 12) == head + tail
-    assert common.fit_prompt(head, tail, 5) == [0, 1, 2, 100, 101]
+    assert single_stage.fit_prompt(head, tail, None) == head + tail
+    assert single_stage.fit_prompt(head, tail, 12) == head + tail
+    assert single_stage.fit_prompt(head, tail, 5) == [0, 1, 2, 100, 101]
     with pytest.raises(ValueError, match="no room"):
-        common.fit_prompt(head, tail, 2)
+        single_stage.fit_prompt(head, tail, 2)
 
 
 def test_choose_closest_prefers_the_shortest_that_reaches_the_target():
@@ -91,8 +91,10 @@ class WordTokenizer:
 
 
 def test_chat_prompt_parts_split_after_the_last_content():
-    common = bench("common")
-    head, tail = common.chat_prompt_parts(WordTokenizer(), [{"role": "user", "content": "a bb"}])
+    single_stage = bench("single_stage")
+    head, tail = single_stage.chat_prompt_parts(
+        WordTokenizer(), [{"role": "user", "content": "a bb"}]
+    )
     assert head == [6, 1, 2]  # <user> a bb
     assert tail == [5, 11]  # <end> <assistant>
 
@@ -119,11 +121,11 @@ def test_code_prompt_joins_requests_until_long_enough():
 
 
 def test_greedy_token_never_picks_a_banned_id():
-    common = bench("common")
+    single_stage = bench("single_stage")
     scores = torch.tensor([0.1, 3.0, 2.0, 3.0])
-    assert common.greedy_token(scores) == 1
-    assert common.greedy_token(scores, [1]) == 3
-    assert common.greedy_token(scores, [1, 3]) == 2
+    assert single_stage.greedy_token(scores) == 1
+    assert single_stage.greedy_token(scores, [1]) == 3
+    assert single_stage.greedy_token(scores, [1, 3]) == 2
     assert scores[1] == 3.0  # the caller's scores are left alone
 
 
@@ -135,14 +137,14 @@ def test_unique_param_bytes_counts_shared_tensors_once():
 
 
 def test_generation_figures_exclude_prefill_from_decode():
-    common = bench("common")
+    single_stage = bench("single_stage")
     engine_bench = bench("engine_bench")
-    generation = common.Generation([5, 6, 7, 8, 9], started=10.0, stamps=[12, 13, 14, 15, 16])
+    generation = single_stage.Generation([5, 6, 7, 8, 9], started=10.0, stamps=[12, 13, 14, 15, 16])
     figures = engine_bench.generation_figures(generation, prompt_tokens=400)
     assert figures["prefill_tok_s"] == pytest.approx(200.0)
     assert figures["decode_tok_s"] == pytest.approx(1.0)
     assert figures["tokens"] == [5, 6, 7, 8, 9]
-    single = engine_bench.generation_figures(common.Generation([5], 0.0, [1.0]), 4)
+    single = engine_bench.generation_figures(single_stage.Generation([5], 0.0, [1.0]), 4)
     assert math.isnan(single["decode_tok_s"])
 
 
@@ -250,20 +252,20 @@ def test_table_rows_show_figures_ratios_and_failures():
 
 
 def test_probe_failure_reads_the_child_exit():
-    common = bench("common")
-    assert common.probe_failure(0, "noise") is None
-    assert common.probe_failure(-11, "") == "crashed (SIGSEGV) in a probe run"
-    message = common.probe_failure(1, "Traceback\n  ...\nTypeError: bad\n\n")
+    single_stage = bench("single_stage")
+    assert single_stage.probe_failure(0, "noise") is None
+    assert single_stage.probe_failure(-11, "") == "crashed (SIGSEGV) in a probe run"
+    message = single_stage.probe_failure(1, "Traceback\n  ...\nTypeError: bad\n\n")
     assert message == "probe run failed: TypeError: bad"
 
 
 def test_package_eos_ids(tmp_path: Path):
-    common = bench("common")
-    assert common.package_eos_ids(tmp_path) == []
+    single_stage = bench("single_stage")
+    assert single_stage.package_eos_ids(tmp_path) == []
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0, 2]}')
-    assert common.package_eos_ids(tmp_path) == [0, 2]
+    assert single_stage.package_eos_ids(tmp_path) == [0, 2]
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7}')
-    assert common.package_eos_ids(tmp_path) == [7]
+    assert single_stage.package_eos_ids(tmp_path) == [7]
 
 
 # ---- quality maths -------------------------------------------------------------------
