@@ -53,7 +53,7 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument(
         "--compile",
         action="store_true",
-        help="run decode steps through torch.compile (compiles on the first request; "
+        help="run decode steps through torch.compile (compiles while loading; "
         "falls back to eager where it cannot compile)",
     )
     join.add_argument("--frontend", action="store_true", help="host the OpenAI HTTP frontend")

@@ -241,6 +241,20 @@ class StageRuntime:
         """
         self._compiled = torch.compile(run_block, dynamic=True)
 
+    def warm_up(self) -> None:
+        """Run a throw-away prefill and decode step (compiling the decode path when
+        compilation is on), so the first request does not pay for it."""
+        session = "__warm-up__"
+        if self._is_first:
+            inputs = torch.zeros(2, dtype=torch.long)
+        else:
+            inputs = torch.zeros(2, self._hidden_size, dtype=self._dtype)
+        try:
+            self.forward(session, 0, inputs[:1])
+            self.forward(session, 1, inputs[1:])
+        finally:
+            self.drop_session(session)
+
     @property
     def compiled(self) -> bool:
         """True while decode steps run through torch.compile."""
@@ -378,7 +392,8 @@ def load_stage_runtime(
 ) -> StageRuntime:
     """Load the slice ``layer_range`` of a model package into a runtime. ``dtype``
     ``auto`` picks the compute dtype from the package (see ``compute_dtype_for``);
-    ``compile`` runs decode steps through torch.compile where it works."""
+    ``compile`` runs decode steps through torch.compile where it works, compiling
+    them here rather than on the first request."""
     started = time.perf_counter()
     package_dir = Path(package_dir)
     config = load_config(package_dir)
@@ -401,6 +416,7 @@ def load_stage_runtime(
     )
     if compile:
         runtime.enable_compile()
+        runtime.warm_up()
     logger.info(
         "loaded %s layers %s on %s/%s (%s): %s parameter bytes in %.2fs",
         manifest.model_id,

@@ -36,6 +36,7 @@ def test_compiled_decode_follows_eager(tiny_package_factory: Callable[..., Path]
     want = decode(eager)
     got = decode(compiled)
     assert compiled.compiled, "compilation fell back to eager"
+    assert compiled.sessions() == ["s"]
     # A second session (another cache buffer, other lengths) runs through the same code.
     got_again = decode(compiled, session="t")
     scale = max(float(w.abs().max()) for w in want)
@@ -59,11 +60,22 @@ def test_failed_compilation_falls_back_to_eager(
     monkeypatch.setattr(stage_module.torch, "compile", broken_compile)
     package = tiny_package_factory("llama", layers=2)
     eager = load_stage_runtime(package, LayerRange(0, 2))
-    runtime = load_stage_runtime(package, LayerRange(0, 2), compile=True)
-    assert runtime.compiled
     with caplog.at_level(logging.WARNING, logger="mesh.runtime.stage"):
-        got = decode(runtime)
+        # Compilation is tried while loading (a warm-up step), and given up there.
+        runtime = load_stage_runtime(package, LayerRange(0, 2), compile=True)
     assert not runtime.compiled
     assert "no C++ compiler found" in caplog.text
+    assert runtime.sessions() == []  # the warm-up session is gone
+    got = decode(runtime)
     for a, b in zip(decode(eager), got, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_later_stage_compiles_while_loading(tiny_package_factory: Callable[..., Path]) -> None:
+    package = tiny_package_factory("llama", layers=3, quant="int4")
+    runtime = load_stage_runtime(package, LayerRange(1, 3), compile=True)
+    assert runtime.compiled
+    assert runtime.sessions() == []
+    hidden = torch.randn(4, 64)
+    eager = load_stage_runtime(package, LayerRange(1, 3))
+    assert torch.equal(runtime.forward("a", 0, hidden), eager.forward("a", 0, hidden))
