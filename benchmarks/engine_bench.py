@@ -117,6 +117,7 @@ def package_variants(int4_group_size: int) -> list[tuple[PackageVariant, str]]:
         (PackageVariant("bfloat16"), "bfloat16"),
         (PackageVariant("bfloat16", "int8"), "bfloat16"),
         (PackageVariant("bfloat16", "int4", int4_group_size), "bfloat16"),
+        (PackageVariant("bfloat16", "int4", int4_group_size, "int4"), "bfloat16"),
     ]
 
 
@@ -377,8 +378,12 @@ def goals(engines: Sequence[Engine], rows: dict[str, dict], gguf_bytes: int) -> 
             text = f"{engine.key} decode >= {GOAL_INT4_VS_LLAMA}x llama.cpp"
             worst = _worst(row.get("vs_llama", {}))
             out.append(_goal(text, worst, GOAL_INT4_VS_LLAMA, at_least=True))
-    text = f"int4 parameter bytes <= {GOAL_INT4_PARAMS_VS_GGUF}x GGUF file"
-    return [*out, _goal(text, int4_over_gguf(engines, gguf_bytes), GOAL_INT4_PARAMS_VS_GGUF)]
+    for engine in engines:
+        if engine.key.startswith("mesh-int4") and not engine.compile:
+            text = f"{engine.key} parameter bytes <= {GOAL_INT4_PARAMS_VS_GGUF}x GGUF file"
+            value = common.ratio(engine.param_bytes, gguf_bytes) if engine.param_bytes else math.nan
+            out.append(_goal(text, value, GOAL_INT4_PARAMS_VS_GGUF))
+    return out
 
 
 def int4_over_gguf(engines: Sequence[Engine], gguf_bytes: int) -> float:

@@ -96,6 +96,10 @@ def candidates(group_sizes: Sequence[int]) -> list[Candidate]:
         Candidate(PackageVariant("float32"), "float32"),
         Candidate(PackageVariant("bfloat16", "int8"), "bfloat16"),
         *(Candidate(PackageVariant("bfloat16", "int4", g), "bfloat16") for g in group_sizes),
+        *(
+            Candidate(PackageVariant("bfloat16", "int4", g, "int4"), "bfloat16")
+            for g in group_sizes
+        ),
     ]
 
 

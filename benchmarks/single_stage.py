@@ -29,13 +29,16 @@ class PackageVariant:
     dtype: str
     quant: str | None = None
     group_size: int | None = None
+    head_quant: str | None = None  # None: the builder's default (int8)
 
     @property
     def name(self) -> str:
-        """Directory name and label: ``dense-float32``, ``int8``, ``int4-g32``."""
+        """Directory name and label: ``dense-float32``, ``int8``, ``int4-g32``,
+        ``int4-g32-int4head``."""
         if self.quant is None:
             return f"dense-{self.dtype}"
-        return f"{self.quant}-g{self.group_size}" if self.group_size else self.quant
+        name = f"{self.quant}-g{self.group_size}" if self.group_size else self.quant
+        return f"{name}-{self.head_quant}head" if self.head_quant else name
 
 
 def ensure_package(workdir: Path, variant: PackageVariant) -> Path:
@@ -51,7 +54,11 @@ def ensure_package(workdir: Path, variant: PackageVariant) -> Path:
 
     options: dict[str, Any] = {}
     if variant.quant is not None:
-        options = {"quant": variant.quant, "group_size": variant.group_size}
+        options = {
+            "quant": variant.quant,
+            "group_size": variant.group_size,
+            "head_quant": variant.head_quant,
+        }
     started = time.perf_counter()
     build_package("default", out, dtype=variant.dtype, **options)
     logger.info("built the %s package in %.1fs", variant.name, time.perf_counter() - started)

@@ -32,14 +32,22 @@ PART_SUFFIXES = (".qweight", ".scales", ".mins")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How a package's linear weights are stored: ``kind`` int8 or int4; ``group_size``
-    is the int4 group (int8 scales whole rows); embeddings use int8 groups of ``EMBED_GROUP``."""
+    """How a package's weights are stored: decoder-layer linears as ``kind`` (int8 or
+    int4, ``group_size`` the int4 group; int8 scales whole rows), the LM head as
+    ``head`` (int8 by default: it moves next-token probabilities most), embeddings
+    as int8 groups of ``EMBED_GROUP``."""
 
     kind: str
     group_size: int
+    head: str = "int8"
 
     def to_json(self) -> dict[str, object]:
-        return {"linear": self.kind, "group_size": self.group_size, "embed": "int8g"}
+        return {
+            "linear": self.kind,
+            "group_size": self.group_size,
+            "head": self.head,
+            "embed": "int8g",
+        }
 
     @classmethod
     def from_json(cls, body: object, origin: str) -> QuantScheme:
@@ -48,28 +56,35 @@ class QuantScheme:
         if not isinstance(body, dict):
             raise PackageError(f"{origin}: quantization must be an object")
         try:
-            return make_scheme(str(body["linear"]), int(body["group_size"]))
+            kind = str(body["linear"])
+            return make_scheme(kind, int(body["group_size"]), str(body.get("head", kind)))
         except (KeyError, TypeError, ValueError, InvalidRequest) as error:
             raise PackageError(f"{origin}: malformed quantization {body!r}: {error}") from error
 
 
-def make_scheme(kind: str, group_size: int | None = None) -> QuantScheme:
-    """Check a scheme name and group size, with the default group for int4."""
+def make_scheme(kind: str, group_size: int | None = None, head: str | None = None) -> QuantScheme:
+    """Check a scheme name, group size and head form, with the defaults (int4 group
+    32, int8 head)."""
     if kind not in QUANT_SCHEMES:
         raise InvalidRequest(f"quant {kind!r} is not one of {', '.join(QUANT_SCHEMES)}")
+    head = head or "int8"
+    if head not in QUANT_SCHEMES:
+        raise InvalidRequest(f"head quant {head!r} is not one of {', '.join(QUANT_SCHEMES)}")
     if kind == "int8":
         if group_size not in (None, 0):
             raise InvalidRequest(
                 "int8 scales whole rows (torch's int8 kernel has no groups); drop --group-size"
             )
-        return QuantScheme("int8", 0)
+        if head != "int8":
+            raise InvalidRequest("an int8 package keeps an int8 head; drop --head-quant")
+        return QuantScheme("int8", 0, "int8")
     group = DEFAULT_INT4_GROUP if group_size in (None, 0) else int(group_size)
     if group not in INT4_GROUP_SIZES:
         raise InvalidRequest(
             f"int4 group size {group} is not supported; use one of "
             + ", ".join(map(str, INT4_GROUP_SIZES))
         )
-    return QuantScheme("int4", group)
+    return QuantScheme("int4", group, head)
 
 
 def check_groups(shape: tuple[int, ...], group: int, what: str) -> None:

@@ -112,11 +112,12 @@ def tiny_package_factory(
         dtype: str = "float32",
         quant: str | None = None,
         group_size: int | None = None,
+        head_quant: str | None = None,
     ) -> Path:
-        key = (family, layers, seed, dtype, quant, group_size)
+        key = (family, layers, seed, dtype, quant, group_size, head_quant)
         if key not in cache:
             source = tiny_model_factory(family, layers=layers, seed=seed)
-            name = f"package-{family}-{layers}-{seed}-{dtype}-{quant}-{group_size}"
+            name = f"package-{family}-{layers}-{seed}-{dtype}-{quant}-{group_size}-{head_quant}"
             out = tmp_path_factory.mktemp(name) / "pkg"
             build_package(
                 str(source),
@@ -125,6 +126,7 @@ def tiny_package_factory(
                 model_id=f"tiny-{family}",
                 quant=quant,
                 group_size=group_size,
+                head_quant=head_quant,
             )
             cache[key] = out
         return cache[key]

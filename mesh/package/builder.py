@@ -53,20 +53,22 @@ def build_package(
     overwrite: bool = False,
     quant: str | None = None,
     group_size: int | None = None,
+    head_quant: str | None = None,
 ) -> PackageManifest:
     """Build a package from ``src`` into ``out`` and return its manifest.
 
     ``src`` is ``default``, a ``.gguf`` file, an HF model directory or an HF repo id
     (``org/name[@revision]``). An existing package at ``out`` is replaced; any other
     non-empty directory is refused unless ``overwrite`` is set. ``quant`` (int8 or
-    int4, with ``group_size`` for int4) stores the linear weights quantised; ``dtype``
-    is then the dtype of the tensors left plain (norms, biases).
+    int4, with ``group_size`` for int4) stores the linear weights quantised and the
+    LM head as ``head_quant`` (default int8); ``dtype`` is then the dtype of the
+    tensors left plain (norms, biases).
     """
     if dtype not in DTYPES:
         raise InvalidRequest(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    scheme = None if quant is None else make_scheme(quant, group_size)
-    if scheme is None and group_size:
-        raise InvalidRequest("--group-size applies only with --quant int4")
+    scheme = None if quant is None else make_scheme(quant, group_size, head_quant)
+    if scheme is None and (group_size or head_quant):
+        raise InvalidRequest("--group-size and --head-quant apply only with --quant")
     generation = None if speculative is None else speculative_block(speculative)
     out = Path(out).expanduser().absolute()
     _check_out(out, overwrite)
@@ -131,11 +133,11 @@ def write_package(
     head: dict[str, torch.Tensor] = {}
     if description.tied_embeddings:
         # Written again into the head file: the last stage needs no embed file.
-        head.update(store.linear(HEAD_TENSOR, layout.embed, embed, tied=True))
+        head.update(store.linear(HEAD_TENSOR, layout.embed, embed, tied=True, head=True))
     else:
         lm_head = checkpoint.tensor(layout.lm_head)
         _check_shape(HEAD_TENSOR, lm_head, (vocab, hidden))
-        head.update(store.linear(HEAD_TENSOR, layout.lm_head, lm_head))
+        head.update(store.linear(HEAD_TENSOR, layout.lm_head, lm_head, head=True))
     del embed
     norm = _convert(checkpoint.tensor(layout.norm), torch_dtype)
     _check_shape(layout.norm, norm, (hidden,))

@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
         "codes where they convert exactly) or int8 (per channel); default: plain",
     )
     build.add_argument(
+        "--head-quant",
+        choices=QUANT_SCHEMES,
+        default=None,
+        help="with --quant: how the LM head is stored, int8 (default; keeps next-token "
+        "probabilities close to the float model) or int4 (smaller and faster, less exact)",
+    )
+    build.add_argument(
         "--group-size",
         type=int,
         default=None,
@@ -99,7 +106,12 @@ def _build(args: argparse.Namespace) -> int:
 
     speculative = None if args.speculative is None else parse_speculative_arg(args.speculative)
     plain_default = args.src == "default" and not (
-        args.dtype or args.model_id or speculative or args.quant or args.group_size
+        args.dtype
+        or args.model_id
+        or speculative
+        or args.quant
+        or args.group_size
+        or args.head_quant
     )
     if plain_default:
         out = build_default_package(args.out, force=args.force)
@@ -119,6 +131,7 @@ def _build(args: argparse.Namespace) -> int:
             speculative=speculative,
             quant=args.quant,
             group_size=args.group_size,
+            head_quant=args.head_quant,
         )
     sys.stdout.write(
         f"{manifest.model_id}: {manifest.layer_count} layers, {manifest.dtype}"
@@ -133,7 +146,7 @@ def _quant_label(manifest: PackageManifest) -> str:
     if scheme is None:
         return ""
     group = f" group {scheme.group_size}" if scheme.kind == "int4" else " per channel"
-    return f" with {scheme.kind}{group} weights"
+    return f" with {scheme.kind}{group} weights, {scheme.head} head"
 
 
 def _inspect(args: argparse.Namespace) -> int:

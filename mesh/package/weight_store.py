@@ -48,19 +48,21 @@ class WeightStore:
         return {name: convert_plain(tensor, self.torch_dtype)}
 
     def linear(
-        self, name: str, source: str, tensor: torch.Tensor, tied: bool = False
+        self, name: str, source: str, tensor: torch.Tensor, tied: bool = False, head: bool = False
     ) -> dict[str, torch.Tensor]:
-        """A linear weight (or the LM head): plain, or quantised parts under ``name.*``."""
+        """A linear weight (or, with ``head``, the LM head): plain, or quantised parts
+        under ``name.*``."""
         scheme = self.scheme
         if scheme is None:
             return {name: convert_plain(tensor, self.torch_dtype)}
+        kind = scheme.head if head else scheme.kind
         parts = None
-        if scheme.kind == "int4" and not tied:
+        if kind == "int4" and not tied:
             parts = self.checkpoint.quantized_parts(source, "int4", scheme.group_size)
         origin = self.checkpoint.source_type(source)
         if parts is not None:
             self.exact[origin] += 1
-        elif scheme.kind == "int4":
+        elif kind == "int4":
             parts = quant.quantize_int4(tensor, scheme.group_size)
             self.requantized[origin] += 1
         else:

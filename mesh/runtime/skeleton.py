@@ -185,7 +185,7 @@ def build_stage_modules(
                 skeleton.lm_head,
                 _renamed(head, LM_HEAD_WEIGHT, strict=False),
                 "LM head",
-                kind,
+                None if scheme is None else scheme.head,
                 group,
             )
             lm_head = build_linear(found.linear(""), device, dtype)

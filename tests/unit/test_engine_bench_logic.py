@@ -39,8 +39,16 @@ def test_quant_quality_arguments_and_rows():
     assert (args.tokens, args.max_prompt_tokens, args.group_sizes) == (64, 512, [32])
     args = quant_quality.build_parser().parse_args(["--group-sizes", "32", "128"])
     labels = [c.label for c in quant_quality.candidates(args.group_sizes)]
-    assert labels == ["dense-float32", "int8", "int4-g32", "int4-g128"]
-    assert [c.dtype for c in quant_quality.candidates([32])] == ["float32", "bfloat16", "bfloat16"]
+    assert labels == [
+        "dense-float32",
+        "int8",
+        "int4-g32",
+        "int4-g128",
+        "int4-g32-int4head",
+        "int4-g128-int4head",
+    ]
+    dtypes = [c.dtype for c in quant_quality.candidates([32])]
+    assert dtypes == ["float32", "bfloat16", "bfloat16", "bfloat16"]
 
 
 def test_package_variants_name_their_directories():
@@ -52,6 +60,7 @@ def test_package_variants_name_their_directories():
         ("dense-bfloat16", "bfloat16"),
         ("int8", "bfloat16"),
         ("int4-g64", "bfloat16"),
+        ("int4-g64-int4head", "bfloat16"),
     ]
     assert single_stage.PackageVariant("bfloat16", "int4").name == "int4"
 

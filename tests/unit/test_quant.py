@@ -61,6 +61,12 @@ def test_scheme_checks_say_what_to_change() -> None:
         quant.make_scheme("int4", 48)
     with pytest.raises(InvalidRequest, match="drop --group-size"):
         quant.make_scheme("int8", 64)
+    assert quant.make_scheme("int4").head == "int8"
+    assert quant.make_scheme("int4", None, "int4").head == "int4"
+    with pytest.raises(InvalidRequest, match="keeps an int8 head"):
+        quant.make_scheme("int8", None, "int4")
+    with pytest.raises(InvalidRequest, match="head quant 'fp8'"):
+        quant.make_scheme("int4", None, "fp8")
     with pytest.raises(InvalidRequest, match="not a multiple of the group size 64"):
         quant.quantize_int4(random_weight(4, 96), 64)
 
