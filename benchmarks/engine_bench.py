@@ -101,12 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int4-group-size", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="tokens per warm-up run")
     parser.add_argument("--check-tokens", type=int, default=32, help="tokens compared with HF")
-    parser.add_argument(
-        "--workdir", type=Path, default=None, help="build packages here (reused when present)"
-    )
-    parser.add_argument("--workloads", type=Path, default=None, help="workloads.jsonl")
-    parser.add_argument("--out", type=Path, default=Path("bench-results") / "engine.json")
-    parser.add_argument("--log-level", default="WARNING")
+    single_stage.add_output_arguments(parser, "engine")
     return parser
 
 

@@ -81,12 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-sizes", type=int, nargs="+", default=[32], help="int4 group sizes to compare"
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument(
-        "--workdir", type=Path, default=None, help="build packages here (reused when present)"
-    )
-    parser.add_argument("--workloads", type=Path, default=None, help="workloads.jsonl")
-    parser.add_argument("--out", type=Path, default=Path("bench-results") / "quant_quality.json")
-    parser.add_argument("--log-level", default="WARNING")
+    single_stage.add_output_arguments(parser, "quant_quality")
     return parser
 
 

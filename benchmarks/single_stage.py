@@ -41,6 +41,17 @@ class PackageVariant:
         return f"{name}-{self.head_quant}head" if self.head_quant else name
 
 
+def add_output_arguments(parser: Any, name: str) -> None:
+    """``--workdir``, ``--workloads``, ``--out`` and ``--log-level`` of the
+    single-stage benchmarks (``name``: the JSON file's stem)."""
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="build packages here (reused when present)"
+    )
+    parser.add_argument("--workloads", type=Path, default=None, help="workloads.jsonl")
+    parser.add_argument("--out", type=Path, default=Path("bench-results") / f"{name}.json")
+    parser.add_argument("--log-level", default="WARNING")
+
+
 def ensure_package(workdir: Path, variant: PackageVariant) -> Path:
     """The package of ``variant`` under ``workdir``: reused when a manifest is already
     there, else built from the default GGUF."""
