@@ -106,6 +106,13 @@ def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
     context.abort(code, message)
 
 
+def rpc_status_name(error: grpc.RpcError) -> str:
+    """The status name of a failed call. A server-side request stream that ends
+    because its caller went away raises a bare RpcError with no status: CANCELLED."""
+    code = getattr(error, "code", None)
+    return code().name if callable(code) else "CANCELLED"
+
+
 def error_from_rpc(error: grpc.RpcError, what: str) -> MeshError:
     """A typed MeshError for a failed call, with ``what`` naming the call and peer."""
     code = error.code() if hasattr(error, "code") else None

@@ -26,7 +26,7 @@ from mesh.codec import (
     validate_frame,
 )
 from mesh.errors import InvalidRequest, MeshError, Unavailable
-from mesh.grpc_util import abort_with
+from mesh.grpc_util import abort_with, rpc_status_name
 from mesh.proto.v1 import data_pb2, data_pb2_grpc, stage_pb2, stage_pb2_grpc
 from stage.node import StageNode
 
@@ -108,7 +108,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
             for pb in request_iterator:
                 self._accept(pb, acks.put)
         except grpc.RpcError as error:
-            logger.info("upstream Forward stream ended: %s", error.code().name)
+            logger.info("upstream Forward stream ended: %s", rpc_status_name(error))
         except Exception:  # noqa: BLE001 - the stream ends, the stage stays up
             logger.exception("Forward stream reader failed")
         finally:
@@ -165,5 +165,5 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
             for pb in request_iterator:
                 self.on_result(TokenResult.from_proto(pb))
         except grpc.RpcError as error:
-            logger.info("Return stream ended: %s", error.code().name)
+            logger.info("Return stream ended: %s", rpc_status_name(error))
         return ReturnAck().to_proto()
