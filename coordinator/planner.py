@@ -342,10 +342,7 @@ def footprint_from_manifest(
     num_kv_heads * head_dim * dtype bytes`` per layer.
     """
     quantised = manifest.quantization is not None
-    if dtype == "auto":
-        serving = "bfloat16" if quantised else manifest.dtype
-    else:
-        serving = dtype
+    serving = manifest.compute_dtype(dtype)
     serve_bytes = _dtype_bytes(serving)
     scale = 1.0 if quantised else serve_bytes / _dtype_bytes(manifest.dtype)
     for name, value in (

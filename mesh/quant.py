@@ -196,7 +196,3 @@ def split_parts(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.
         suffix[1:]: tensors[name + suffix] for suffix in PART_SUFFIXES if name + suffix in tensors
     }
     return found or None
-
-
-def parts_bytes(parts: dict[str, torch.Tensor]) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in parts.values())

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mesh.errors import PackageError
+from mesh.quant import pack_int4
 
 _LAYER_PARTS = {
     "attn_q": "self_attn.q_proj",
@@ -143,8 +144,6 @@ def _nibbles_split_halves(qs: np.ndarray) -> np.ndarray:
 
 
 def _pack(codes: np.ndarray, count: int) -> torch.Tensor:
-    from mesh.quant import pack_int4
-
     return pack_int4(torch.from_numpy(codes.reshape(count, -1).astype(np.uint8)))
 
 

@@ -128,6 +128,14 @@ class PackageManifest:
             body.pop("quantization")
         return body
 
+    def compute_dtype(self, requested: str = "auto") -> str:
+        """The dtype a stage computes this package in: ``auto`` is bfloat16 for a
+        quantised package (torch's int4 kernels take bfloat16 activations, and
+        bfloat16 halves the bytes every dense weight moves), else the package dtype."""
+        if requested != "auto":
+            return requested
+        return "bfloat16" if self.quantization is not None else self.dtype
+
     def scheme(self) -> QuantScheme | None:
         """How the linear weights are stored; None for plain tensors."""
         if self.quantization is None:

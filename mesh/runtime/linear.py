@@ -46,24 +46,17 @@ def fuse(specs: list[LinearSpec]) -> LinearSpec:
         raise ValueError("only weights of one kind and input size can be fused")
     out = sum(s.out_features for s in specs)
     bias = None
-    if any(s.bias is not None for s in specs):
+    present = [s.bias for s in specs if s.bias is not None]
+    if present:
+        # A part without a bias adds zeros (Qwen2 has q/k/v biases, others none).
         bias = torch.cat(
-            [
-                s.bias
-                if s.bias is not None
-                else torch.zeros(s.out_features, dtype=_bias_dtype(specs))
-                for s in specs
-            ]
+            [s.bias if s.bias is not None else present[0].new_zeros(s.out_features) for s in specs]
         )
     if first.kind == "dense":
         weight = torch.cat([s.weight for s in specs])  # type: ignore[misc]
         return LinearSpec(out, first.in_features, "dense", weight=weight, bias=bias)
     parts = {key: torch.cat([s.parts[key] for s in specs]) for key in first.parts}  # type: ignore[index, union-attr]
     return LinearSpec(out, first.in_features, first.kind, parts=parts, bias=bias)
-
-
-def _bias_dtype(specs: list[LinearSpec]) -> torch.dtype:
-    return next(s.bias.dtype for s in specs if s.bias is not None)  # type: ignore[union-attr]
 
 
 class DenseLinear:

@@ -2,9 +2,9 @@
 
 Each session owns one preallocated tensor holding keys and values of every owned
 layer; it grows by doubling when a frame needs more room. Cropping is only a change
-of the committed length: later frames overwrite the positions past it. The cache
-answers the ``update(key_states, value_states, layer_idx)`` call that HF attention
-layers make, so the HF decoder layer modules run unchanged on top of it.
+of the committed length: later frames overwrite the positions past it. A decoder
+block takes a layer's whole buffers (``layer``) and writes the frame's keys and values
+at ``write_at`` (mesh/runtime/block.py).
 """
 
 from __future__ import annotations
@@ -86,19 +86,6 @@ class SessionCache:
         """The whole key and value buffers ``[1, kv_heads, capacity, D]`` of a layer."""
         slot = layer_idx - self.layout.first_layer
         return self._keys[slot], self._values[slot]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this frame's keys/values for a layer; return all of them up to the frame end."""
-        slot = layer_idx - self.layout.first_layer
-        count = key_states.shape[2]
-        end = self._at + count
-        keys = self._keys[slot]
-        values = self._values[slot]
-        keys.narrow(2, self._at, count).copy_(key_states)
-        values.narrow(2, self._at, count).copy_(value_states)
-        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.nbytes

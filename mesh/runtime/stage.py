@@ -217,14 +217,13 @@ class StageRuntime:
         masks = (full_mask, sliding_mask)
         step = self._compiled if count == 1 else None
         try:
-            layers_out = self._run_layers(hidden, cos, sin, cache, masks, step)
+            hidden = self._run_layers(hidden, cos, sin, cache, masks, step)
         except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
             if step is None:
                 raise
             logger.warning("torch.compile failed (%s); running decode steps eagerly", error)
             self._compiled = None
-            layers_out = self._run_layers(hidden, cos, sin, cache, masks, None)
-        hidden = layers_out
+            hidden = self._run_layers(hidden, cos, sin, cache, masks, None)
         cache.commit(pos_start + count)
         if not self._is_last:
             return hidden[0]
@@ -235,7 +234,7 @@ class StageRuntime:
         """Run the layers of single-token frames (decode steps) through ``torch.compile``.
 
         One compiled ``run_block`` serves every layer (they share shapes), so the
-        compiler runs once, on the first decode frame. Where it fails (no C++
+        compiler runs once, on the first decode frame (``warm_up`` runs one). Where it fails (no C++
         compiler, an operator it cannot take, ...) the runtime logs why and goes on
         eagerly; no frame is lost to it.
         """
@@ -372,15 +371,6 @@ def build_stage_runtime(
     )
 
 
-def compute_dtype_for(manifest: PackageManifest, dtype: str) -> str:
-    """The compute dtype a stage runs a package in: ``auto`` is bfloat16 for a
-    quantised package (torch's int4 kernels take bfloat16 activations, and bfloat16
-    halves the bytes every dense weight moves), else the package's own dtype."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if manifest.quantization is not None else manifest.dtype
-
-
 def load_stage_runtime(
     package_dir: Path,
     layer_range: LayerRange,
@@ -391,7 +381,7 @@ def load_stage_runtime(
     compile: bool = False,
 ) -> StageRuntime:
     """Load the slice ``layer_range`` of a model package into a runtime. ``dtype``
-    ``auto`` picks the compute dtype from the package (see ``compute_dtype_for``);
+    ``auto`` picks the compute dtype from the package (``PackageManifest.compute_dtype``);
     ``compile`` runs decode steps through torch.compile where it works, compiling
     them here rather than on the first request."""
     started = time.perf_counter()
@@ -403,7 +393,7 @@ def load_stage_runtime(
             f"{package_dir}: manifest says {manifest.layer_count} layers, config.json says "
             f"{config.num_hidden_layers}; rebuild the package"
         )
-    dtype = compute_dtype_for(manifest, dtype)
+    dtype = manifest.compute_dtype(dtype)
     runtime = build_stage_runtime(
         config,
         PackageWeights(package_dir, manifest),
