@@ -179,3 +179,11 @@ def test_smollm2_int4_keeps_the_gguf_codes_and_size(smollm2_gguf: Path, tmp_path
                 parts = {key: stored[f"{name}.{key}"] for key in ("qweight", "scales", "mins")}
                 expected = checkpoint.tensor(f"model.layers.{index}.{name}")
                 assert torch.equal(quant.dequantize_int4(parts, torch.float32), expected)
+
+
+def test_coordinator_quant_applies_to_the_default_model_only() -> None:
+    from coordinator.cli import _resolve_model_ref
+
+    with pytest.raises(InvalidRequest, match="--quant applies to --model default"):
+        _resolve_model_ref("./packages/my-model", "int4")
+    assert _resolve_model_ref("./packages/my-model", None) == "./packages/my-model"
