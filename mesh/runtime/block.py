@@ -31,16 +31,19 @@ _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: statistics in float32, scale applied in the input dtype."""
-    dtype = hidden.dtype
-    states = hidden.to(torch.float32)
-    variance = states.pow(2).mean(-1, keepdim=True)
-    return weight * (states * torch.rsqrt(variance + eps)).to(dtype)
+    normed = F.rms_norm(hidden.to(torch.float32), hidden.shape[-1:], eps=eps)
+    return weight * normed.to(hidden.dtype)
 
 
-def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = states.shape[-1] // 2
-    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-    return states * cos + rotated * sin
+def rotate_into(
+    out: torch.Tensor, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Write ``states`` ``[..., head_dim]`` rotated by ``cos`` and the sign-folded
+    ``sin`` (mesh/runtime/rotary.py) into ``out``, which may be ``states`` itself."""
+    shape = states.shape
+    swapped = states.unflatten(-1, (2, shape[-1] // 2)).flip(-2).reshape(shape)
+    torch.mul(states, cos, out=out)
+    out.addcmul_(swapped, sin)
 
 
 def attention(
@@ -53,52 +56,55 @@ def attention(
 ) -> torch.Tensor:
     """SDPA dispatched the way transformers' sdpa integration does on this input.
 
-    ``query`` is ``[1, heads, T, D]``; ``keys``/``values`` ``[1, kv_heads, L, D]``;
+    ``query`` is ``[T, heads, D]``; ``keys``/``values`` ``[1, kv_heads, L, D]``;
     ``mask`` is None (a fresh causal prefill, or one query seeing every key) or a
-    boolean ``[1, 1, T, L]``. Returns ``[1, heads, T, D]``.
+    boolean ``[1, 1, T, L]``. Returns ``[T, heads * D]``.
     """
-    count = query.shape[2]
-    if groups > 1 and count == 1:
+    count, heads, dim = query.shape
+    if count == 1:
         # One query per head: the heads sharing a key/value head become that head's
         # query rows, so SDPA runs without repeating keys (several times faster than
         # enable_gqa in bfloat16 on CPU).
-        batch, heads, _, dim = query.shape
-        packed = query.reshape(batch, heads // groups, groups, dim)
+        packed = query.reshape(1, heads // groups, groups, dim)
         output = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
-        return output.reshape(batch, heads, count, dim)
+        return output.reshape(1, heads * dim)
+    query = query.transpose(0, 1).unsqueeze(0)
     if mask is None:
-        return F.scaled_dot_product_attention(
-            query, keys, values, scale=scaling, is_causal=count > 1, enable_gqa=groups > 1
+        output = F.scaled_dot_product_attention(
+            query, keys, values, scale=scaling, is_causal=True, enable_gqa=groups > 1
         )
-    if groups > 1:
-        batch, kv_heads, length, dim = keys.shape
-        shape = (batch, kv_heads, groups, length, dim)
-        keys = keys[:, :, None].expand(shape).reshape(batch, kv_heads * groups, length, dim)
-        values = values[:, :, None].expand(shape).reshape(batch, kv_heads * groups, length, dim)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    else:
+        if groups > 1:
+            _, kv_heads, length, dim = keys.shape
+            shape = (1, kv_heads, groups, length, dim)
+            keys = keys[:, :, None].expand(shape).reshape(1, heads, length, dim)
+            values = values[:, :, None].expand(shape).reshape(1, heads, length, dim)
+        output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    return output[0].transpose(0, 1).reshape(count, heads * dim)
 
 
 class DecoderBlock:
     """One decoder layer's weights and its forward over a session cache.
 
     q/k/v run as one fused linear and gate/up as another (see ``fuse``); every
-    linear is dense or quantised (mesh/runtime/linear.py).
+    linear is dense or quantised (mesh/runtime/linear.py). Queries and keys are
+    normed (Qwen3) and rotated together, as one ``[T, heads + kv_heads, D]`` tensor.
     """
 
     __slots__ = (
         "layer_index",
         "sliding",
         "head_dim",
+        "heads",
         "groups",
         "scaling",
         "norm_eps",
         "input_norm",
         "post_norm",
-        "q_norm",
-        "k_norm",
-        "qk_norm_eps",
+        "qk_norm",
+        "qk_width",
+        "q_width",
         "qkv",
-        "qkv_split",
         "o",
         "gate_up",
         "down",
@@ -119,17 +125,21 @@ class DecoderBlock:
         self.layer_index = layer_index
         self.sliding = sliding
         self.head_dim = shape.head_dim
+        self.heads = shape.heads
         self.groups = shape.heads // shape.kv_heads
         self.scaling = shape.scaling
         self.norm_eps = shape.norm_eps
         self.input_norm = norms["input_layernorm.weight"]
         self.post_norm = norms["post_attention_layernorm.weight"]
-        self.q_norm = norms.get("self_attn.q_norm.weight")
-        self.k_norm = norms.get("self_attn.k_norm.weight")
-        self.qk_norm_eps = shape.norm_eps
-        q_out = shape.heads * shape.head_dim
-        kv_out = shape.kv_heads * shape.head_dim
-        self.qkv_split = (q_out, kv_out, kv_out)
+        self.qk_norm = None
+        q_norm = norms.get("self_attn.q_norm.weight")
+        k_norm = norms.get("self_attn.k_norm.weight")
+        if q_norm is not None and k_norm is not None:
+            # One weight row per query and key head, so both norms run as one.
+            rows = (q_norm.expand(shape.heads, -1), k_norm.expand(shape.kv_heads, -1))
+            self.qk_norm = torch.cat(rows)
+        self.qk_width = (shape.heads + shape.kv_heads) * shape.head_dim
+        self.q_width = shape.heads * shape.head_dim
         self.qkv = qkv
         self.o = o
         self.gate_up = gate_up
@@ -148,10 +158,10 @@ class DecoderBlock:
         mask: torch.Tensor | None,
         step: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``hidden`` ``[1, T, hidden]``; ``cos``/``sin`` ``[1, 1, T, D]``. ``step``
-        replaces ``run_block`` (with a compiled version of it)."""
-        keys, values = cache.layer(self.layer_index)
-        return (step or run_block)(self, hidden, cos, sin, keys, values, cache.write_at, mask)
+        """``hidden`` ``[T, hidden]``; ``cos``/``sin`` ``[T, 1, D]`` from
+        ``RotaryAngles``. ``step`` replaces ``run_block`` (with a compiled version of it)."""
+        kv = cache.layer(self.layer_index)
+        return (step or run_block)(self, hidden, cos, sin, kv, cache.write_at, mask)
 
 
 def run_block(
@@ -159,34 +169,30 @@ def run_block(
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    kv: torch.Tensor,
     at: int,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One layer over a frame of ``T`` tokens at positions ``at ..``: writes the frame's
-    keys and values into the layer's cache ``keys``/``values`` ``[1, kv_heads, C, D]``
-    and attends over positions ``0 .. at + T``. A plain function of its arguments, so
-    one compiled version serves every layer."""
-    batch, count, _ = hidden.shape
-    heads_shape = (batch, count, -1, block.head_dim)
+    """One layer over a frame of ``T`` tokens (``hidden`` ``[T, hidden]``) at positions
+    ``at ..``: writes the frame's keys and values into the layer's cache ``kv``
+    ``[2, 1, kv_heads, C, D]`` and attends over positions ``0 .. at + T``. A plain
+    function of its arguments, so one compiled version serves every layer."""
+    count = hidden.shape[0]
+    dim = block.head_dim
     states = rms_norm(hidden, block.input_norm, block.norm_eps)
-    query, key, value = block.qkv(states).split(block.qkv_split, dim=-1)
-    query = query.reshape(heads_shape)
-    key = key.reshape(heads_shape)
-    value = value.reshape(heads_shape).transpose(1, 2)
-    if block.q_norm is not None:
-        query = rms_norm(query, block.q_norm, block.qk_norm_eps)
-        key = rms_norm(key, block.k_norm, block.qk_norm_eps)  # type: ignore[arg-type]
-    query = apply_rotary(query.transpose(1, 2), cos, sin)
-    key = apply_rotary(key.transpose(1, 2), cos, sin)
-    keys.narrow(2, at, count).copy_(key)
-    values.narrow(2, at, count).copy_(value)
-    end = at + count
+    # [T, (heads + 2 * kv_heads) * D]: queries, keys, values; rotated in place.
+    qkv = block.qkv(states)
+    query_key = qkv[:, : block.qk_width].unflatten(-1, (-1, dim))
+    if block.qk_norm is None:
+        rotate_into(query_key, query_key, cos, sin)
+    else:
+        rotate_into(query_key, rms_norm(query_key, block.qk_norm, block.norm_eps), cos, sin)
+    new_kv = qkv[:, block.q_width :].view(count, 2, 1, -1, dim).permute(1, 2, 3, 0, 4)
+    kv.narrow(3, at, count).copy_(new_kv)
+    held = kv.narrow(3, 0, at + count)
     attended = attention(
-        query, keys.narrow(2, 0, end), values.narrow(2, 0, end), mask, block.scaling, block.groups
+        query_key[:, : block.heads], held[0], held[1], mask, block.scaling, block.groups
     )
-    attended = attended.transpose(1, 2).reshape(batch, count, -1)
     hidden = hidden + block.o(attended)
     states = rms_norm(hidden, block.post_norm, block.norm_eps)
     gate, up = block.gate_up(states).chunk(2, dim=-1)

@@ -102,12 +102,15 @@ class Int4Linear:
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        shape = inputs.shape
-        flat = inputs.reshape(-1, shape[-1])
+        """``inputs`` ``[T, in_features]`` (the runtime's layout) or any ``[..., in]``."""
+        flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         if flat.dtype != INT4_ACTIVATION_DTYPE:
             flat = flat.to(INT4_ACTIVATION_DTYPE)
         out = self._mm(flat, self.packed, self.group, self.scales_zeros)
-        out = out.to(inputs.dtype).reshape(*shape[:-1], self.out_features)
+        if out.dtype != inputs.dtype:
+            out = out.to(inputs.dtype)
+        if inputs.dim() != 2:
+            out = out.reshape(*inputs.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def tensors(self) -> list[torch.Tensor]:
@@ -130,14 +133,15 @@ class Int8Linear:
         self._kernel = device.type == "cpu"
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        shape = inputs.shape
-        flat = inputs.reshape(-1, shape[-1])
+        """``inputs`` ``[T, in_features]`` (the runtime's layout) or any ``[..., in]``."""
+        flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
         if self._kernel:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)
         else:
             out = F.linear(flat, self.qweight.to(flat.dtype)) * scales
-        out = out.reshape(*shape[:-1], self.out_features)
+        if inputs.dim() != 2:
+            out = out.reshape(*inputs.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def tensors(self) -> list[torch.Tensor]:

@@ -42,7 +42,7 @@ class KVLayout:
 class SessionCache:
     """Keys and values of one session, shaped for HF attention: ``[1, kv_heads, T, head_dim]``."""
 
-    __slots__ = ("layout", "length", "capacity", "last_used", "_buffer", "_keys", "_values", "_at")
+    __slots__ = ("layout", "length", "capacity", "last_used", "_buffer", "_layers", "_at")
 
     def __init__(self, layout: KVLayout, capacity: int, now: float) -> None:
         self.layout = layout
@@ -50,8 +50,7 @@ class SessionCache:
         self.capacity = 0
         self.last_used = now
         self._buffer: torch.Tensor | None = None
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
+        self._layers: list[torch.Tensor] = []
         self._at = 0
         self.reserve(capacity)
 
@@ -65,8 +64,7 @@ class SessionCache:
         if self._buffer is not None and self.length:
             buffer[..., : self.length, :] = self._buffer[..., : self.length, :]
         self._buffer = buffer
-        self._keys = [buffer[i, 0] for i in range(layout.layer_count)]
-        self._values = [buffer[i, 1] for i in range(layout.layer_count)]
+        self._layers = [buffer[i] for i in range(layout.layer_count)]
         self.capacity = tokens
 
     def begin(self, pos_start: int) -> None:
@@ -82,10 +80,10 @@ class SessionCache:
         """Where the current frame's keys and values go."""
         return self._at
 
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole key and value buffers ``[1, kv_heads, capacity, D]`` of a layer."""
-        slot = layer_idx - self.layout.first_layer
-        return self._keys[slot], self._values[slot]
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """A layer's whole buffer ``[2, 1, kv_heads, capacity, D]``: keys, then values
+        (each shaped for SDPA)."""
+        return self._layers[layer_idx - self.layout.first_layer]
 
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.nbytes

@@ -107,7 +107,7 @@ class StageModules:
         held: list[torch.Tensor] = []
         for block in self.blocks:
             held += [block.input_norm, block.post_norm]
-            held += [t for t in (block.q_norm, block.k_norm) if t is not None]
+            held += [] if block.qk_norm is None else [block.qk_norm]
             for linear in block.linears():
                 held += linear.tensors()
         if self.embed is not None:

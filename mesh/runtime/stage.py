@@ -22,6 +22,7 @@ from mesh.errors import InvalidRequest, PackageError
 from mesh.package.manifest import PackageManifest
 from mesh.quant import QuantScheme
 from mesh.runtime.block import rms_norm, run_block
+from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import KVLayout, SessionCache, SessionTable
 from mesh.runtime.skeleton import (
     StageModules,
@@ -71,6 +72,7 @@ class StageRuntime:
         self._sliding_window = _sliding_window(config)
         self._blocks = modules.blocks
         self._compiled: Callable[..., torch.Tensor] | None = None
+        self._angles = RotaryAngles(modules.rotary, self._dtype, device)
 
     # ---- description ------------------------------------------------------------
 
@@ -205,13 +207,8 @@ class StageRuntime:
     def _run(self, cache: SessionCache, pos_start: int, prepared: torch.Tensor) -> torch.Tensor:
         modules = self._modules
         count = prepared.shape[0]
-        if self._is_first:
-            hidden = modules.embed(prepared.unsqueeze(0))  # type: ignore[misc]
-        else:
-            hidden = prepared.unsqueeze(0)
-        positions = torch.arange(pos_start, pos_start + count, device=self._device).unsqueeze(0)
-        cos, sin = modules.rotary(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
+        cos, sin = self._angles(pos_start, count)
         full_mask, sliding_mask = self._masks(pos_start, count)
         cache.begin(pos_start)
         masks = (full_mask, sliding_mask)
@@ -226,9 +223,9 @@ class StageRuntime:
             hidden = self._run_layers(hidden, cos, sin, cache, masks, None)
         cache.commit(pos_start + count)
         if not self._is_last:
-            return hidden[0]
+            return hidden
         normed = rms_norm(hidden, modules.norm, modules.norm_eps)  # type: ignore[arg-type]
-        return modules.lm_head(normed)[0].float()  # type: ignore[misc]
+        return modules.lm_head(normed).float()  # type: ignore[misc]
 
     def enable_compile(self) -> None:
         """Run the layers of single-token frames (decode steps) through ``torch.compile``.
