@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="local stages run decode steps through torch.compile",
     )
+    up.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="local stages on a CUDA --device replay decode steps as CUDA graphs",
+    )
     up.add_argument("--max-sessions", type=int, default=16)
     up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
     up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
@@ -136,6 +141,8 @@ def _spawn_stage(
     ]
     if args.compile:
         command.append("--compile")
+    if args.cuda_graphs:
+        command.append("--cuda-graphs")
     if args.cache_dir is not None:
         command += ["--cache-dir", str(args.cache_dir / f"local-{index}")]
     if args.log_level:

@@ -56,6 +56,12 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
         help="run decode steps through torch.compile (compiles while loading; "
         "falls back to eager where it cannot compile)",
     )
+    join.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="on a CUDA device, replay decode steps as CUDA graphs (checked against eager "
+        "steps while loading; falls back to eager where they cannot be captured)",
+    )
     join.add_argument("--frontend", action="store_true", help="host the OpenAI HTTP frontend")
     join.add_argument("--http-host", default="0.0.0.0", help="frontend bind host")
     join.add_argument("--http-port", type=int, default=8000, help="frontend port (0: any)")
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             inject_delay_ms=args.inject_delay_ms,
             compile=args.compile,
+            cuda_graphs=args.cuda_graphs,
         ),
         address,
     )

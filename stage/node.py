@@ -51,6 +51,8 @@ class NodeSettings:
     inject_delay_ms: float = 0.0
     # Run decode steps through torch.compile (mesh-stage join --compile).
     compile: bool = False
+    # Replay decode steps as CUDA graphs on a CUDA device (mesh-stage join --cuda-graphs).
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -164,6 +166,7 @@ class StageNode:
                 max_sessions=request.max_sessions or 64,
                 max_tokens_per_session=request.max_tokens_per_session or None,
                 compile=self.settings.compile,
+                cuda_graphs=self.settings.cuda_graphs,
             )
             engine = StageEngine(runtime, request.stage_index, request.term)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)

@@ -170,13 +170,14 @@ def run_block(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: torch.Tensor,
-    at: int,
+    at: int | torch.Tensor,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """One layer over a frame of ``T`` tokens (``hidden`` ``[T, hidden]``) at positions
-    ``at ..``: writes the frame's keys and values into the layer's cache ``kv``
-    ``[2, 1, kv_heads, C, D]`` and attends over positions ``0 .. at + T``. A plain
-    function of its arguments, so one compiled version serves every layer."""
+    ``at ..`` (an int, or a one-element tensor for a single token): writes the frame's
+    keys and values into the layer's cache ``kv`` ``[2, 1, kv_heads, C, D]`` and
+    attends over positions ``0 .. at + T``. A plain function of its arguments, so one
+    compiled version serves every layer."""
     count = hidden.shape[0]
     dim = block.head_dim
     states = rms_norm(hidden, block.input_norm, block.norm_eps)
@@ -188,8 +189,14 @@ def run_block(
     else:
         rotate_into(query_key, rms_norm(query_key, block.qk_norm, block.norm_eps), cos, sin)
     new_kv = qkv[:, block.q_width :].view(count, 2, 1, -1, dim).permute(1, 2, 3, 0, 4)
-    kv.narrow(3, at, count).copy_(new_kv)
-    held = kv.narrow(3, 0, at + count)
+    if isinstance(at, int):
+        kv.narrow(3, at, count).copy_(new_kv)
+        held = kv.narrow(3, 0, at + count)
+    else:
+        # A position held in a tensor (mesh/runtime/graphs.py): attend over the whole
+        # buffer, under the caller's mask.
+        kv.index_copy_(3, at, new_kv)
+        held = kv
     attended = attention(
         query_key[:, : block.heads], held[0], held[1], mask, block.scaling, block.groups
     )

@@ -40,9 +40,18 @@ class KVLayout:
 
 
 class SessionCache:
-    """Keys and values of one session, shaped for HF attention: ``[1, kv_heads, T, head_dim]``."""
+    """Keys and values of one session: per layer ``[2, 1, kv_heads, capacity, head_dim]``."""
 
-    __slots__ = ("layout", "length", "capacity", "last_used", "_buffer", "_layers", "_at")
+    __slots__ = (
+        "layout",
+        "length",
+        "capacity",
+        "last_used",
+        "_buffer",
+        "_layers",
+        "_at",
+        "decode_graph",
+    )
 
     def __init__(self, layout: KVLayout, capacity: int, now: float) -> None:
         self.layout = layout
@@ -51,6 +60,8 @@ class SessionCache:
         self.last_used = now
         self._buffer: torch.Tensor | None = None
         self._layers: list[torch.Tensor] = []
+        # The session's captured decode step (mesh/runtime/graphs.py), if any.
+        self.decode_graph: object | None = None
         self._at = 0
         self.reserve(capacity)
 
@@ -60,7 +71,9 @@ class SessionCache:
             return
         layout = self.layout
         shape = (layout.layer_count, 2, 1, layout.kv_heads, tokens, layout.head_dim)
-        buffer = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        # Zero-filled: a fixed-shape decode step attends over the whole buffer under a
+        # mask, and masked positions must hold finite numbers.
+        buffer = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
         if self._buffer is not None and self.length:
             buffer[..., : self.length, :] = self._buffer[..., : self.length, :]
         self._buffer = buffer
@@ -164,6 +177,9 @@ class SessionTable:
 
     def ids(self) -> list[str]:
         return list(self._sessions)
+
+    def caches(self) -> list[SessionCache]:
+        return list(self._sessions.values())
 
     def trim(self, session_id: str, length: int) -> None:
         if length < 0:

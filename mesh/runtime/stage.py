@@ -22,6 +22,7 @@ from mesh.errors import InvalidRequest, PackageError
 from mesh.package.manifest import PackageManifest
 from mesh.quant import QuantScheme
 from mesh.runtime.block import rms_norm, run_block
+from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import KVLayout, SessionCache, SessionTable
 from mesh.runtime.skeleton import (
@@ -73,6 +74,9 @@ class StageRuntime:
         self._blocks = modules.blocks
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._angles = RotaryAngles(modules.rotary, self._dtype, device)
+        # Single-token frames through a fixed-shape step (mesh/runtime/graphs.py):
+        # None (off), or whether to capture it as a CUDA graph.
+        self._graph_capture: bool | None = None
 
     # ---- description ------------------------------------------------------------
 
@@ -207,6 +211,8 @@ class StageRuntime:
     def _run(self, cache: SessionCache, pos_start: int, prepared: torch.Tensor) -> torch.Tensor:
         modules = self._modules
         count = prepared.shape[0]
+        if count == 1 and self._graph_capture is not None:
+            return self._run_static(cache, pos_start, prepared)
         hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
         cos, sin = self._angles(pos_start, count)
         full_mask, sliding_mask = self._masks(pos_start, count)
@@ -226,6 +232,117 @@ class StageRuntime:
             return hidden
         normed = rms_norm(hidden, modules.norm, modules.norm_eps)  # type: ignore[arg-type]
         return modules.lm_head(normed).float()  # type: ignore[misc]
+
+    def _run_static(
+        self, cache: SessionCache, pos_start: int, prepared: torch.Tensor
+    ) -> torch.Tensor:
+        graph = cache.decode_graph
+        if not isinstance(graph, DecodeGraph) or graph.capacity != cache.capacity:
+            graph = DecodeGraph(self._static_step(cache), capture=bool(self._graph_capture))
+            cache.decode_graph = graph
+        cos, sin = self._angles(pos_start, 1)
+        cache.begin(pos_start)
+        try:
+            output = graph(prepared, pos_start, cos, sin)
+        except Exception as error:  # noqa: BLE001 - a step that cannot be captured runs eagerly
+            if not self._graph_capture:
+                raise
+            logger.warning("CUDA graph capture failed (%s); running decode steps eagerly", error)
+            self._drop_graphs()
+            return self._run(cache, pos_start, prepared)
+        cache.commit(pos_start + 1)
+        return output
+
+    def _static_step(self, cache: SessionCache) -> StaticDecode:
+        modules = self._modules
+        head = None
+        if self._is_last:
+            head = (modules.norm, modules.norm_eps, modules.lm_head)
+        return StaticDecode(
+            self._blocks,
+            [cache.layer(block.layer_index) for block in self._blocks],
+            embed=modules.embed if self._is_first else None,
+            head=head,  # type: ignore[arg-type]
+            hidden_size=self._hidden_size,
+            head_dim=self._sessions.layout.head_dim,
+            window=self._sliding_window,
+            dtype=self._dtype,
+            device=self._device,
+        )
+
+    def enable_cuda_graphs(self) -> bool:
+        """Replay single-token frames (decode steps) as CUDA graphs, one captured per
+        session and KV buffer size (mesh/runtime/graphs.py). Only on a CUDA device:
+        elsewhere it logs why and returns False. A step that cannot be captured, or
+        whose replay disagrees with the eager step at warm-up, turns graphs off again
+        with a logged reason."""
+        if self._device.type != "cuda":
+            logger.warning(
+                "CUDA graphs need a CUDA device; %s runs decode steps eagerly", self._device
+            )
+            return False
+        self.use_static_decode(capture=True)
+        return True
+
+    def use_static_decode(self, capture: bool) -> None:
+        """Run single-token frames through the fixed-shape step, captured as a CUDA
+        graph when ``capture`` (CUDA only), else run as it is (any device; the tests
+        use it to check the step's arithmetic)."""
+        if capture and self._device.type != "cuda":
+            raise ValueError("capturing a CUDA graph needs a CUDA device")
+        self._graph_capture = capture
+
+    def disable_graphs(self) -> None:
+        """Back to the regular decode path; drops every captured step."""
+        with self._lock:
+            self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        self._graph_capture = None
+        for cache in self._sessions.caches():
+            cache.decode_graph = None
+
+    def check_graphs(self, tolerance: float = 1e-2) -> bool:
+        """Decode a throw-away step both replayed and eagerly; when they disagree by more
+        than ``tolerance`` of the eager output's magnitude, or the step could not be
+        captured, log it and turn graphs off. Returns whether graphs stay on."""
+        session = "__graph-check__"
+        generator = torch.Generator().manual_seed(0)
+        if self._is_first:
+            inputs = torch.randint(0, self._vocab_size, (2,), generator=generator)
+        else:
+            inputs = torch.randn(2, self._hidden_size, generator=generator).to(self._dtype)
+        try:
+            self.forward(session, 0, inputs[:1])
+            replayed = self.forward(session, 1, inputs[1:])
+            capture = self._graph_capture
+            if capture is None:
+                return False  # the capture failed and said why
+            self._graph_capture = None
+            try:
+                eager = self.forward(session, 1, inputs[1:])
+            finally:
+                self._graph_capture = capture
+        finally:
+            self.drop_session(session)
+        difference = (replayed.float() - eager.float()).abs().max().item()
+        scale = max(eager.float().abs().max().item(), 1.0)
+        if not difference <= tolerance * scale:
+            logger.warning(
+                "a CUDA graph replay differs from the eager step by %.3g (scale %.3g); "
+                "running decode steps eagerly",
+                difference,
+                scale,
+            )
+            self.disable_graphs()
+            return False
+        logger.info("decode steps replay as CUDA graphs (checked: max difference %.3g)", difference)
+        return True
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """True while decode steps replay as CUDA graphs."""
+        return bool(self._graph_capture)
 
     def enable_compile(self) -> None:
         """Run the layers of single-token frames (decode steps) through ``torch.compile``.
@@ -376,11 +493,13 @@ def load_stage_runtime(
     max_sessions: int = 64,
     max_tokens_per_session: int | None = None,
     compile: bool = False,
+    cuda_graphs: bool = False,
 ) -> StageRuntime:
     """Load the slice ``layer_range`` of a model package into a runtime. ``dtype``
     ``auto`` picks the compute dtype from the package (``PackageManifest.compute_dtype``);
     ``compile`` runs decode steps through torch.compile where it works, compiling
-    them here rather than on the first request."""
+    them here rather than on the first request; ``cuda_graphs`` replays them as CUDA
+    graphs on a CUDA device, after checking a replay against an eager step."""
     started = time.perf_counter()
     package_dir = Path(package_dir)
     config = load_config(package_dir)
@@ -404,6 +523,8 @@ def load_stage_runtime(
     if compile:
         runtime.enable_compile()
         runtime.warm_up()
+    if cuda_graphs and runtime.enable_cuda_graphs():
+        runtime.check_graphs()
     logger.info(
         "loaded %s layers %s on %s/%s (%s): %s parameter bytes in %.2fs",
         manifest.model_id,

@@ -1,0 +1,154 @@
+"""The fixed-shape decode step (what CUDA graphs replay) computes what the regular
+decode path computes: checked eagerly on the CPU, and captured on CUDA where a GPU
+is present."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from runtime_support import LAYERS, SPLITS, full_logits, max_diff, package_of, run_chain
+from transformers import AutoModelForCausalLM
+
+from mesh.runtime import StateDictWeights, build_stage_runtime
+from mesh.runtime.graphs import DecodeGraph, StaticDecode
+from mesh.runtime.sessions import CAPACITY_STEP_TOKENS
+from mesh.runtime.stage import StageRuntime, load_stage_runtime
+from mesh.types import LayerRange
+
+TOLERANCE = 1e-4
+
+
+def tiny_model(family: str, **overrides) -> AutoModelForCausalLM:
+    config = tiny_config(family, layers=LAYERS, vocab_size=512)
+    config_class = type(config)
+    torch.manual_seed(21)
+    model = AutoModelForCausalLM.from_config(config_class(**{**config.to_dict(), **overrides}))
+    model.eval()
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def chain(model: AutoModelForCausalLM, device: str = "cpu") -> list[StageRuntime]:
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    return [build_stage_runtime(model.config, weights, r, device=device) for r in SPLITS[2]]
+
+
+def tokens(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 512, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("mistral", {"sliding_window": 6, "layer_types": None}),
+    ],
+)
+def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dict) -> None:
+    """Decode steps through the fixed-shape step on both stages of a split, across a
+    KV buffer growth, after a rewind, and for a session that starts with one token."""
+    model = tiny_model(family, **overrides)
+    stages = chain(model)
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+    length = CAPACITY_STEP_TOKENS + 6
+    sequence = tokens(length, seed=4)
+    want = full_logits(model, sequence)
+    prefill = CAPACITY_STEP_TOKENS - 4
+    got = [run_chain(stages, "s", 0, sequence[:prefill])]
+    first_graph = stages[0]._sessions._sessions["s"].decode_graph  # noqa: SLF001
+    assert first_graph is None  # prefill frames take the regular path
+    got += [run_chain(stages, "s", p, sequence[p : p + 1]) for p in range(prefill, length)]
+    assert max_diff(torch.cat(got), want) <= TOLERANCE
+    graph = stages[1]._sessions._sessions["s"].decode_graph  # noqa: SLF001
+    assert isinstance(graph, DecodeGraph) and graph.capacity > CAPACITY_STEP_TOKENS
+
+    # Rewind ten positions and decode them again: the same logits.
+    again = [run_chain(stages, "s", p, sequence[p : p + 1]) for p in range(length - 10, length)]
+    assert max_diff(torch.cat(again), want[length - 10 :]) <= TOLERANCE
+
+    # A session whose every frame is one token, from position 0.
+    single = [run_chain(stages, "one", p, sequence[p : p + 1]) for p in range(12)]
+    assert max_diff(torch.cat(single), want[:12]) <= TOLERANCE
+
+
+def test_static_decode_keeps_sessions_apart() -> None:
+    model = tiny_model("llama")
+    stages = chain(model)
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+    first, second = tokens(20, seed=5), tokens(20, seed=6)
+    run_chain(stages, "a", 0, first[:10])
+    run_chain(stages, "b", 0, second[:10])
+    steps_a, steps_b = [], []
+    for p in range(10, 20):
+        steps_a.append(run_chain(stages, "a", p, first[p : p + 1]))
+        steps_b.append(run_chain(stages, "b", p, second[p : p + 1]))
+    assert max_diff(torch.cat(steps_a), full_logits(model, first)[10:]) <= TOLERANCE
+    assert max_diff(torch.cat(steps_b), full_logits(model, second)[10:]) <= TOLERANCE
+    stages[0].disable_graphs()
+    assert stages[0]._sessions._sessions["a"].decode_graph is None  # noqa: SLF001
+
+
+def test_cuda_graphs_need_a_cuda_device(caplog: pytest.LogCaptureFixture) -> None:
+    stage = chain(tiny_model("llama"))[0]
+    with caplog.at_level(logging.WARNING):
+        assert stage.enable_cuda_graphs() is False
+    assert not stage.cuda_graphs
+    assert "CUDA graphs need a CUDA device" in caplog.text
+    with pytest.raises(ValueError, match="CUDA device"):
+        stage.use_static_decode(capture=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_match_eager_decode_on_a_gpu() -> None:
+    model = tiny_model("llama")
+    stages = chain(model, device="cuda")
+    for stage in stages:
+        assert stage.enable_cuda_graphs()
+    sequence = tokens(40, seed=8)
+    got = [run_chain(stages, "g", 0, sequence[:20])]
+    got += [run_chain(stages, "g", p, sequence[p : p + 1]) for p in range(20, 40)]
+    assert all(stage.cuda_graphs for stage in stages)
+    graph = stages[0]._sessions._sessions["g"].decode_graph  # noqa: SLF001
+    assert graph is not None and graph.graph is not None
+    assert max_diff(torch.cat(got).cpu(), full_logits(model, sequence)) <= 1e-3
+
+
+def test_the_load_time_check_turns_a_disagreeing_step_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stages = chain(tiny_model("llama"))
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+        assert stage.check_graphs()  # the same arithmetic: stays on
+        assert stage.sessions() == []
+    original = StaticDecode.run
+
+    def skewed(self: StaticDecode) -> torch.Tensor:
+        return original(self) + 1.0
+
+    monkeypatch.setattr(StaticDecode, "run", skewed)
+    with caplog.at_level(logging.WARNING):
+        assert not stages[1].check_graphs()
+    assert "differs from the eager step" in caplog.text
+    assert stages[1]._graph_capture is None  # noqa: SLF001
+    assert stages[1].sessions() == []
+
+
+def test_loading_with_cuda_graphs_on_a_cpu_runs_eagerly(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    package = package_of(tiny_model_factory("llama", layers=LAYERS), tmp_path / "pkg")
+    with caplog.at_level(logging.WARNING):
+        runtime = load_stage_runtime(package, LayerRange(0, LAYERS), cuda_graphs=True)
+    assert not runtime.cuda_graphs
+    assert "CUDA graphs need a CUDA device" in caplog.text
+    logits = runtime.forward("s", 0, tokens(3, seed=1))
+    assert logits.shape == (3, runtime.vocab_size)
