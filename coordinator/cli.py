@@ -119,6 +119,19 @@ def _spawn_stage(
     frontend: bool,
     security: MeshSecurity,
 ) -> subprocess.Popen:
+    command = local_stage_argv(coordinator, index, args, threads, frontend, security)
+    return subprocess.Popen(command, env=security.child_env(os.environ), start_new_session=True)
+
+
+def local_stage_argv(
+    coordinator: str,
+    index: int,
+    args: argparse.Namespace,
+    threads: int,
+    frontend: bool,
+    security: MeshSecurity,
+) -> list[str]:
+    """The command line of local stage ``index`` started by ``up``."""
     command = [
         sys.executable,
         "-m",
@@ -151,7 +164,7 @@ def _spawn_stage(
     if frontend:
         command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
         command += _speculation_argv(args)
-    return subprocess.Popen(command, env=security.child_env(os.environ), start_new_session=True)
+    return command
 
 
 def _speculation_argv(args: argparse.Namespace) -> list[str]:
