@@ -6,7 +6,8 @@ read the same input (q/k/v, gate/up) into one, so a decode step runs one matmul
 where the checkpoint has three. ``build_linear`` turns a spec into a callable on a
 device: dense weights run ``F.linear``; int4 runs torch's int4 weight-only kernel
 (``_weight_int4pack_mm_for_cpu`` on CPU, ``_weight_int4pack_mm`` on CUDA) with
-bfloat16 activations; int8 runs ``_weight_int8pack_mm`` where torch has it.
+bfloat16 activations; int8 runs ``_weight_int8pack_mm`` where torch has it (CPU,
+and CUDA in recent builds; elsewhere the weight is cast per call).
 """
 
 from __future__ import annotations
@@ -130,7 +131,25 @@ class Int8Linear:
         self.scales = parts["scales"].to(device=device, dtype=dtype)
         self.out_features = spec.out_features
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
-        self._kernel = device.type == "cpu"
+        self._kernel = device.type == "cpu" or self._kernel_runs(dtype)
+
+    def _kernel_runs(self, dtype: torch.dtype) -> bool:
+        """Whether torch's int8 kernel takes this weight on its (non-CPU) device; recent
+        CUDA builds have one. Otherwise each call multiplies by the cast weight."""
+        probe = torch.zeros(1, self.qweight.shape[1], dtype=dtype, device=self.qweight.device)
+        try:
+            torch.ops.aten._weight_int8pack_mm(probe, self.qweight, self.scales)
+        except (RuntimeError, NotImplementedError) as error:
+            logger.warning(
+                "no int8 weight-only kernel for a %s weight on %s (%s); multiplying by "
+                "the weight cast to %s on every call",
+                tuple(self.qweight.shape),
+                self.qweight.device,
+                str(error).splitlines()[0] if str(error) else type(error).__name__,
+                dtype,
+            )
+            return False
+        return True
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs`` ``[T, in_features]`` (the runtime's layout) or any ``[..., in]``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -352,7 +353,12 @@ class StageRuntime:
         compiler, an operator it cannot take, ...) the runtime logs why and goes on
         eagerly; no frame is lost to it.
         """
-        self._compiled = torch.compile(run_block, dynamic=True)
+        # A copy of the function's code: the compiler keeps its compiled versions (and
+        # its recompile limit) per code object, so runtimes in one process must not
+        # share one.
+        code = run_block.__code__.replace()
+        fresh = types.FunctionType(code, run_block.__globals__, run_block.__name__)
+        self._compiled = torch.compile(fresh, dynamic=True)
 
     def warm_up(self) -> None:
         """Run a throw-away prefill and decode step (compiling the decode path when
