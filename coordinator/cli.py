@@ -111,18 +111,6 @@ def _resolve_model_ref(ref: str, quant: str | None = None) -> str:
     return str(build_default_package(quant=quant))
 
 
-def _spawn_stage(
-    coordinator: str,
-    index: int,
-    args: argparse.Namespace,
-    threads: int,
-    frontend: bool,
-    security: MeshSecurity,
-) -> subprocess.Popen:
-    command = local_stage_argv(coordinator, index, args, threads, frontend, security)
-    return subprocess.Popen(command, env=security.child_env(os.environ), start_new_session=True)
-
-
 def local_stage_argv(
     coordinator: str,
     index: int,
@@ -165,6 +153,10 @@ def local_stage_argv(
         command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
         command += _speculation_argv(args)
     return command
+
+
+def _spawn_stage(command: list[str], security: MeshSecurity) -> subprocess.Popen:
+    return subprocess.Popen(command, env=security.child_env(os.environ), start_new_session=True)
 
 
 def _speculation_argv(args: argparse.Namespace) -> list[str]:
@@ -216,9 +208,11 @@ def up(args: argparse.Namespace) -> int:
     threads = args.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
     children: list[subprocess.Popen] = []
     if not args.no_local_stage:
-        children.append(_spawn_stage(address, 0, args, threads, True, security))
+        argv = local_stage_argv(address, 0, args, threads, True, security)
+        children.append(_spawn_stage(argv, security))
     for index in range(1, 1 + max(0, args.spawn_stages)):
-        children.append(_spawn_stage(address, index, args, threads, False, security))
+        argv = local_stage_argv(address, index, args, threads, False, security)
+        children.append(_spawn_stage(argv, security))
     stopped = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopped.set())
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
