@@ -122,6 +122,8 @@ class DecodeGraph:
                 self.step.run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA work of other threads (a draft model on stage 0) may go on
+        # during the capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.step.run()
         return graph
