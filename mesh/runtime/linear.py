@@ -96,6 +96,13 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         else:
+            tile = 16 * CUDA_INNER_K_TILES
+            if spec.in_features % tile or spec.out_features % 8:
+                # The packed layout has whole tiles only; a partial one would be cut off.
+                raise RuntimeError(
+                    f"the CUDA int4 layout needs in_features % {tile} == 0 and "
+                    "out_features % 8 == 0"
+                )
             self.packed = torch.ops.aten._convert_weight_to_int4pack(
                 codes_packed.contiguous(), CUDA_INNER_K_TILES
             )

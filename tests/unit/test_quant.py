@@ -174,3 +174,15 @@ def test_gguf_names_map_to_hf_names() -> None:
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("output_norm.weight") == "model.norm.weight"
     assert hf_name("rope_freqs.weight") is None
+
+
+@pytest.mark.parametrize(("in_features", "kernel"), [(1536, True), (576, False)])
+def test_cuda_int4_layout_takes_whole_tiles_only(in_features: int, kernel: bool) -> None:
+    """Off the CPU, a weight whose K is not a whole number of the packed layout's
+    tiles is held dequantised instead (checked on the meta device: no GPU here)."""
+    from mesh.runtime.linear import DenseLinear, Int4Linear
+
+    parts = quant.quantize_int4(random_weight(64, in_features), 32)
+    spec = LinearSpec(64, in_features, "int4", parts=parts)
+    linear = build_linear(spec, torch.device("meta"), torch.bfloat16)
+    assert isinstance(linear, Int4Linear if kernel else DenseLinear)
