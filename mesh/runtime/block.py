@@ -83,6 +83,26 @@ def attention(
     return output[0].transpose(0, 1).reshape(count, heads * dim)
 
 
+def attention_masks(
+    pos_start: int, count: int, window: int | None, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Boolean masks (True = attend) ``[1, 1, T, pos_start + T]`` for full and
+    sliding-window layers; None where SDPA's own causal handling is exact (a single
+    query attends to every key; a fresh prefill is plain causal)."""
+    end = pos_start + count
+    needs_window = window is not None and end > window
+    if (count == 1 or pos_start == 0) and not needs_window:
+        return None, None
+    queries = torch.arange(pos_start, end, device=device).unsqueeze(1)
+    keys = torch.arange(end, device=device).unsqueeze(0)
+    causal = keys <= queries
+    full = None if count == 1 or pos_start == 0 else causal.view(1, 1, count, end)
+    if not needs_window:
+        return full, full
+    sliding = (causal & (keys > queries - window)).view(1, 1, count, end)
+    return full, sliding
+
+
 class DecoderBlock:
     """One decoder layer's weights and its forward over a session cache.
 

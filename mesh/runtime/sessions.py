@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from mesh.errors import CapacityExceeded, InvalidRequest, NotFound
+from mesh.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
@@ -204,3 +206,35 @@ class SessionTable:
 
     def kv_bytes(self) -> int:
         return sum(cache.nbytes() for cache in self._sessions.values())
+
+
+def kv_layout(
+    config: PretrainedConfig, layer_range: LayerRange, device: torch.device, dtype: torch.dtype
+) -> KVLayout:
+    """The cache shape of ``layer_range`` of the model ``config`` describes."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVLayout(
+        first_layer=layer_range.start,
+        layer_count=len(layer_range),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        dtype=dtype,
+        device=device,
+    )
+
+
+def token_limit(config: PretrainedConfig, max_tokens_per_session: int | None) -> int:
+    """Tokens a session may hold: the requested limit, at most the model's context."""
+    context = int(config.max_position_embeddings)
+    if max_tokens_per_session is None:
+        return context
+    if max_tokens_per_session > context:
+        logger.warning(
+            "max_tokens_per_session %s exceeds the model context %s; using %s",
+            max_tokens_per_session,
+            context,
+            context,
+        )
+        return context
+    return max_tokens_per_session

@@ -14,26 +14,16 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from mesh.errors import InvalidRequest, PackageError
-from mesh.package.manifest import PackageManifest
-from mesh.quant import QuantScheme
-from mesh.runtime.block import rms_norm, run_block
+from mesh.errors import InvalidRequest
+from mesh.runtime.block import attention_masks, rms_norm, run_block
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.rotary import RotaryAngles
-from mesh.runtime.sessions import KVLayout, SessionCache, SessionTable
-from mesh.runtime.skeleton import (
-    StageModules,
-    build_stage_modules,
-    load_config,
-    resolve_device,
-    resolve_dtype,
-)
-from mesh.runtime.weights import PackageWeights, WeightSource
+from mesh.runtime.sessions import SessionCache, SessionTable, kv_layout, token_limit
+from mesh.runtime.skeleton import StageModules, resolve_dtype
 from mesh.types import LayerRange
 
 logger = logging.getLogger(__name__)
@@ -66,12 +56,12 @@ class StageRuntime:
         self._param_bytes = modules.param_bytes()
         self._lock = threading.Lock()
         self._sessions = SessionTable(
-            _kv_layout(config, layer_range, device, self._dtype),
+            kv_layout(config, layer_range, device, self._dtype),
             max_sessions=max_sessions,
-            max_tokens_per_session=_token_limit(config, max_tokens_per_session),
+            max_tokens_per_session=token_limit(config, max_tokens_per_session),
             clock=clock,
         )
-        self._sliding_window = _sliding_window(config)
+        self._sliding_window = sliding_window(config)
         self._blocks = modules.blocks
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._angles = RotaryAngles(modules.rotary, self._dtype, device)
@@ -216,9 +206,8 @@ class StageRuntime:
             return self._run_static(cache, pos_start, prepared)
         hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
         cos, sin = self._angles(pos_start, count)
-        full_mask, sliding_mask = self._masks(pos_start, count)
+        masks = attention_masks(pos_start, count, self._sliding_window, self._device)
         cache.begin(pos_start)
-        masks = (full_mask, sliding_mask)
         step = self._compiled if count == 1 else None
         try:
             hidden = self._run_layers(hidden, cos, sin, cache, masks, step)
@@ -394,151 +383,11 @@ class StageRuntime:
             hidden = block.forward(hidden, cos, sin, cache, mask, step)
         return hidden
 
-    def _masks(self, pos_start: int, count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Boolean masks (True = attend) ``[1, 1, T, pos_start + T]`` for full and
-        sliding-window layers; None where SDPA's own causal handling is exact (a single
-        query attends to every key; a fresh prefill is plain causal)."""
-        end = pos_start + count
-        window = self._sliding_window
-        needs_window = window is not None and end > window
-        if (count == 1 or pos_start == 0) and not needs_window:
-            return None, None
-        queries = torch.arange(pos_start, end, device=self._device).unsqueeze(1)
-        keys = torch.arange(end, device=self._device).unsqueeze(0)
-        causal = keys <= queries
-        full = None if count == 1 or pos_start == 0 else causal.view(1, 1, count, end)
-        if not needs_window:
-            return full, full
-        sliding = (causal & (keys > queries - window)).view(1, 1, count, end)
-        return full, sliding
 
-
-def _kv_layout(
-    config: PretrainedConfig, layer_range: LayerRange, device: torch.device, dtype: torch.dtype
-) -> KVLayout:
-    heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVLayout(
-        first_layer=layer_range.start,
-        layer_count=len(layer_range),
-        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(head_dim),
-        dtype=dtype,
-        device=device,
-    )
-
-
-def _token_limit(config: PretrainedConfig, max_tokens_per_session: int | None) -> int:
-    context = int(config.max_position_embeddings)
-    if max_tokens_per_session is None:
-        return context
-    if max_tokens_per_session > context:
-        logger.warning(
-            "max_tokens_per_session %s exceeds the model context %s; using %s",
-            max_tokens_per_session,
-            context,
-            context,
-        )
-        return context
-    return max_tokens_per_session
-
-
-def _sliding_window(config: PretrainedConfig) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The model's attention window, when any layer uses one."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if window is None or (layer_types and "sliding_attention" not in layer_types):
         return None
     return int(window)
-
-
-def _is_sliding(config: PretrainedConfig, layer_index: int, window: int | None) -> bool:
-    if window is None:
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    return not layer_types or layer_types[layer_index] == "sliding_attention"
-
-
-def build_stage_runtime(
-    config: PretrainedConfig,
-    weights: WeightSource,
-    layer_range: LayerRange,
-    device: str = "cpu",
-    dtype: str = "float32",
-    max_sessions: int = 64,
-    max_tokens_per_session: int | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    scheme: QuantScheme | None = None,
-) -> StageRuntime:
-    """A runtime for ``layer_range`` of the model described by ``config``, with tensors
-    from ``weights`` (a package, or an in-memory state dict in tests) stored as
-    ``scheme`` says (None: plain tensors)."""
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype)
-    window = _sliding_window(config)
-    sliding = frozenset(i for i in layer_range if _is_sliding(config, i, window))
-    modules = build_stage_modules(
-        config, weights, layer_range, torch_device, torch_dtype, sliding, scheme
-    )
-    return StageRuntime(
-        config,
-        modules,
-        layer_range,
-        torch_device,
-        dtype,
-        max_sessions=max_sessions,
-        max_tokens_per_session=max_tokens_per_session,
-        clock=clock,
-    )
-
-
-def load_stage_runtime(
-    package_dir: Path,
-    layer_range: LayerRange,
-    device: str = "cpu",
-    dtype: str = "auto",
-    max_sessions: int = 64,
-    max_tokens_per_session: int | None = None,
-    compile: bool = False,
-    cuda_graphs: bool = False,
-) -> StageRuntime:
-    """Load the slice ``layer_range`` of a model package into a runtime. ``dtype``
-    ``auto`` picks the compute dtype from the package (``PackageManifest.compute_dtype``);
-    ``compile`` runs decode steps through torch.compile where it works, compiling
-    them here rather than on the first request; ``cuda_graphs`` replays them as CUDA
-    graphs on a CUDA device, after checking a replay against an eager step."""
-    started = time.perf_counter()
-    package_dir = Path(package_dir)
-    config = load_config(package_dir)
-    manifest = PackageManifest.load(package_dir)
-    if manifest.layer_count != config.num_hidden_layers:
-        raise PackageError(
-            f"{package_dir}: manifest says {manifest.layer_count} layers, config.json says "
-            f"{config.num_hidden_layers}; rebuild the package"
-        )
-    dtype = manifest.compute_dtype(dtype)
-    runtime = build_stage_runtime(
-        config,
-        PackageWeights(package_dir, manifest),
-        layer_range,
-        device=device,
-        dtype=dtype,
-        max_sessions=max_sessions,
-        max_tokens_per_session=max_tokens_per_session,
-        scheme=manifest.scheme(),
-    )
-    if compile:
-        runtime.enable_compile()
-        runtime.warm_up()
-    if cuda_graphs and runtime.enable_cuda_graphs():
-        runtime.check_graphs()
-    logger.info(
-        "loaded %s layers %s on %s/%s (%s): %s parameter bytes in %.2fs",
-        manifest.model_id,
-        layer_range,
-        device,
-        dtype,
-        "plain" if manifest.quantization is None else manifest.quantization["linear"],
-        runtime.param_bytes,
-        time.perf_counter() - started,
-    )
-    return runtime

@@ -14,10 +14,9 @@ from conftest import tiny_config
 from runtime_support import LAYERS, SPLITS, full_logits, max_diff, package_of, run_chain
 from transformers import AutoModelForCausalLM
 
-from mesh.runtime import StateDictWeights, build_stage_runtime
+from mesh.runtime import StageRuntime, StateDictWeights, build_stage_runtime, load_stage_runtime
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.sessions import CAPACITY_STEP_TOKENS
-from mesh.runtime.stage import StageRuntime, load_stage_runtime
 from mesh.types import LayerRange
 
 TOLERANCE = 1e-4
