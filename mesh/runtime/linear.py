@@ -177,10 +177,24 @@ class Int8Linear:
 Linear = DenseLinear | Int4Linear | Int8Linear
 
 
+def dense_weight(weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` ``[N, K]`` on ``device`` in ``dtype``, laid out for one-row matmuls.
+
+    On CPU, float32 weights are stored ``[K, N]`` and returned as an ``[N, K]`` view:
+    torch's float32 matrix-vector product reads that layout faster (measured on a
+    2-core AVX-512 VM: 1.2x on a whole float32 decode step, 1.7x on SmolLM2's LM
+    head; prefill unchanged). bfloat16 is faster in the plain layout, kept as is.
+    """
+    weight = weight.to(device=device, dtype=dtype)
+    if device.type == "cpu" and dtype == torch.float32:
+        return weight.t().contiguous().t()
+    return weight.contiguous()
+
+
 def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> Linear:
     """The callable for ``spec`` on ``device``; dense weights are cast to ``dtype``."""
     if spec.kind == "dense":
-        weight = spec.weight.to(device=device, dtype=dtype).contiguous()  # type: ignore[union-attr]
+        weight = dense_weight(spec.weight, device, dtype)  # type: ignore[arg-type]
         bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
         return DenseLinear(weight, bias)
     if spec.kind == "int8":

@@ -29,6 +29,7 @@ from mesh.runtime.linear import (
     Embedding,
     Linear,
     build_linear,
+    dense_weight,
     distinct_bytes,
     fuse,
 )
@@ -165,7 +166,12 @@ def build_stage_modules(
         )
         vocab, hidden = decoder.embed_tokens.weight.shape
         if found.has_plain("weight"):
-            embed_weight = found.plain("weight").to(device=device, dtype=dtype)
+            plain = found.plain("weight")
+            if is_last and getattr(config, "tie_word_embeddings", False):
+                # The same matrix is the LM head here: store it the way the head reads it.
+                embed_weight = dense_weight(plain, device, dtype)
+            else:
+                embed_weight = plain.to(device=device, dtype=dtype)
             embed = Embedding(device, dtype, weight=embed_weight)
         else:
             parts = found.quant_parts("weight", "int8g", vocab, hidden)

@@ -186,3 +186,16 @@ def test_cuda_int4_layout_takes_whole_tiles_only(in_features: int, kernel: bool)
     spec = LinearSpec(64, in_features, "int4", parts=parts)
     linear = build_linear(spec, torch.device("meta"), torch.bfloat16)
     assert isinstance(linear, Int4Linear if kernel else DenseLinear)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "strides"), [(torch.float32, (1, 48)), (torch.bfloat16, (32, 1))]
+)
+def test_dense_weights_take_the_layout_their_matmul_reads_fastest(
+    dtype: torch.dtype, strides: tuple[int, int]
+) -> None:
+    weight = random_weight(48, 32)
+    linear = build_linear(LinearSpec(48, 32, weight=weight), torch.device("cpu"), dtype)
+    assert linear.weight.shape == (48, 32) and linear.weight.stride() == strides
+    inputs = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert torch.allclose(linear(inputs), F.linear(inputs, weight.to(dtype)), rtol=1e-2, atol=1e-4)
