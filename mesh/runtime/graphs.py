@@ -20,6 +20,8 @@ runs eagerly: that is how the tests check its arithmetic against the regular pat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mesh.runtime.block import DecoderBlock, rms_norm, run_block
@@ -37,8 +39,8 @@ class StaticDecode:
         self,
         blocks: list[DecoderBlock],
         kv_layers: list[torch.Tensor],
-        embed: object | None,
-        head: tuple[torch.Tensor, float, object] | None,
+        embed: Callable[[torch.Tensor], torch.Tensor] | None,
+        head: tuple[torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor]] | None,
         hidden_size: int,
         head_dim: int,
         window: int | None,
@@ -61,7 +63,9 @@ class StaticDecode:
         self.key_positions = torch.arange(self.capacity, device=device)
         self.output: torch.Tensor | None = None
 
-    def load(self, inputs: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor):
+    def load(
+        self, inputs: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
         """Copy one step's inputs into the owned tensors."""
         self.inputs.copy_(inputs)
         self.position.fill_(position)
@@ -77,13 +81,13 @@ class StaticDecode:
             sliding = (seen & (self.key_positions > self.position - self.window)).view(
                 1, 1, 1, self.capacity
             )
-        hidden = self.embed(self.inputs) if self.embed is not None else self.inputs  # type: ignore[operator]
+        hidden = self.embed(self.inputs) if self.embed is not None else self.inputs
         for block, kv in zip(self.blocks, self.kv_layers, strict=True):
             mask = sliding if block.sliding else full
             hidden = run_block(block, hidden, self.cos, self.sin, kv, self.position, mask)
         if self.head is not None:
             norm, eps, lm_head = self.head
-            hidden = lm_head(rms_norm(hidden, norm, eps)).float()  # type: ignore[operator]
+            hidden = lm_head(rms_norm(hidden, norm, eps)).float()
         self.output = hidden
         return hidden
 
