@@ -191,11 +191,31 @@ def test_cuda_int4_layout_takes_whole_tiles_only(in_features: int, kernel: bool)
 @pytest.mark.parametrize(
     ("dtype", "strides"), [(torch.float32, (1, 48)), (torch.bfloat16, (32, 1))]
 )
-def test_dense_weights_take_the_layout_their_matmul_reads_fastest(
+def test_plain_dense_weights_take_the_layout_their_matmul_reads_fastest(
     dtype: torch.dtype, strides: tuple[int, int]
 ) -> None:
+    from mesh.runtime.linear import dense_weight
+
     weight = random_weight(48, 32)
-    linear = build_linear(LinearSpec(48, 32, weight=weight), torch.device("cpu"), dtype)
-    assert linear.weight.shape == (48, 32) and linear.weight.stride() == strides
-    inputs = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert torch.allclose(linear(inputs), F.linear(inputs, weight.to(dtype)), rtol=1e-2, atol=1e-4)
+    laid_out = dense_weight(weight, torch.device("cpu"), dtype)
+    assert laid_out.shape == (48, 32) and laid_out.stride() == strides
+    assert torch.equal(laid_out, weight.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_dense_linears_run_packed_for_onednn_on_cpu(dtype: torch.dtype, rows: int) -> None:
+    from mesh.runtime.linear import PackedLinear, distinct_bytes
+
+    weight = random_weight(48, 32)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(2))
+    spec = LinearSpec(48, 32, weight=weight, bias=bias)
+    linear = build_linear(spec, torch.device("cpu"), dtype)
+    assert isinstance(linear, PackedLinear) == torch.backends.mkldnn.is_available()
+    inputs = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = F.linear(inputs.float(), weight.to(dtype).float(), bias.to(dtype).float())
+    got = linear(inputs)
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+    element = torch.empty((), dtype=dtype).element_size()
+    assert distinct_bytes(linear.tensors()) == (48 * 32 + 48) * element
