@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh.errors import UnsupportedArchitecture
-from mesh.runtime.linear import Linear
+from mesh.runtime.linear import Linear, packed, unpacked
 from mesh.runtime.sessions import SessionCache
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -168,6 +168,16 @@ class DecoderBlock:
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
+
+    def unpack(self) -> None:
+        """Plain weights instead of oneDNN-packed ones (the compiler cannot lower those)."""
+        self.qkv, self.o = unpacked(self.qkv), unpacked(self.o)
+        self.gate_up, self.down = unpacked(self.gate_up), unpacked(self.down)
+
+    def pack(self) -> None:
+        """Back to oneDNN-packed weights where the device has oneDNN (``unpack`` undone)."""
+        self.qkv, self.o = packed(self.qkv), packed(self.o)
+        self.gate_up, self.down = packed(self.gate_up), packed(self.down)
 
     def forward(
         self,

@@ -96,6 +96,27 @@ class PackedLinear:
         return [t for t in (self.weight, self.bias) if t is not None]
 
 
+def unpacked(linear: Linear) -> Linear:
+    """``linear`` with a plain weight (``DenseLinear``) if it is a ``PackedLinear``."""
+    if not isinstance(linear, PackedLinear):
+        return linear
+    weight = linear.weight.to_dense()
+    return DenseLinear(dense_weight(weight, weight.device, weight.dtype), linear.bias)
+
+
+def packed(linear: Linear) -> Linear:
+    """``linear`` as a ``PackedLinear`` if it is a ``DenseLinear`` oneDNN can take."""
+    if not isinstance(linear, DenseLinear):
+        return linear
+    weight = linear.weight
+    if not _packable(weight.device, weight.dtype):
+        return linear
+    try:
+        return PackedLinear(weight.contiguous(), linear.bias)
+    except RuntimeError:
+        return linear
+
+
 def _packable(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"

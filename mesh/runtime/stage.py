@@ -216,6 +216,8 @@ class StageRuntime:
                 raise
             logger.warning("torch.compile failed (%s); running decode steps eagerly", error)
             self._compiled = None
+            for block in self._blocks:
+                block.pack()
             hidden = self._run_layers(hidden, cos, sin, cache, masks, None)
         cache.commit(pos_start + count)
         if not self._is_last:
@@ -338,10 +340,14 @@ class StageRuntime:
         """Run the layers of single-token frames (decode steps) through ``torch.compile``.
 
         One compiled ``run_block`` serves every layer (they share shapes), so the
-        compiler runs once, on the first decode frame (``warm_up`` runs one). Where it fails (no C++
-        compiler, an operator it cannot take, ...) the runtime logs why and goes on
-        eagerly; no frame is lost to it.
+        compiler runs once, on the first decode frame (``warm_up`` runs one). The
+        layers' dense weights go back from oneDNN's packed layout to plain tensors,
+        which the compiler can lower (prefill frames then use them too). Where it
+        fails (no C++ compiler, an operator it cannot take, ...) the runtime logs why
+        and goes on eagerly; no frame is lost to it.
         """
+        for block in self._blocks:
+            block.unpack()
         # A copy of the function's code: the compiler keeps its compiled versions (and
         # its recompile limit) per code object, so runtimes in one process must not
         # share one.

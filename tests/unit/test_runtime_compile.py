@@ -29,8 +29,12 @@ def decode(runtime, session: str = "s") -> list[torch.Tensor]:
     return logits
 
 
-def test_compiled_decode_follows_eager(tiny_package_factory: Callable[..., Path]) -> None:
-    package = tiny_package_factory("qwen2", layers=3, quant="int4")
+@pytest.mark.parametrize("quant", ["int4", None])
+def test_compiled_decode_follows_eager(
+    tiny_package_factory: Callable[..., Path], quant: str | None
+) -> None:
+    """int4 weights, and dense ones (held packed for oneDNN until compiling)."""
+    package = tiny_package_factory("qwen2", layers=3, quant=quant)
     eager = load_stage_runtime(package, LayerRange(0, 3))
     compiled = load_stage_runtime(package, LayerRange(0, 3), compile=True)
     want = decode(eager)
@@ -41,7 +45,7 @@ def test_compiled_decode_follows_eager(tiny_package_factory: Callable[..., Path]
     got_again = decode(compiled, session="t")
     scale = max(float(w.abs().max()) for w in want)
     for a, b, c in zip(want, got, got_again, strict=True):
-        # bfloat16 compute: the compiler fuses ops, so roundings differ slightly.
+        # The compiler fuses ops, so roundings differ slightly.
         assert float((a - b).abs().max()) <= 0.02 * scale
         assert torch.equal(b, c)
 
