@@ -113,7 +113,7 @@ def packed(linear: Linear) -> Linear:
         return linear
     try:
         return PackedLinear(weight.contiguous(), linear.bias)
-    except RuntimeError:
+    except (RuntimeError, AttributeError, NotImplementedError):
         return linear
 
 
@@ -252,7 +252,8 @@ def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> 
             try:
                 plain = spec.weight.to(device=device, dtype=dtype).contiguous()  # type: ignore[union-attr]
                 return PackedLinear(plain, bias)
-            except RuntimeError as error:
+            except (RuntimeError, AttributeError, NotImplementedError) as error:
+                # A torch without these oneDNN ops, or one that refuses this weight.
                 logger.warning("oneDNN cannot take a %s weight (%s); using F.linear", dtype, error)
         return DenseLinear(dense_weight(spec.weight, device, dtype), bias)  # type: ignore[arg-type]
     if spec.kind == "int8":

@@ -219,3 +219,23 @@ def test_dense_linears_run_packed_for_onednn_on_cpu(dtype: torch.dtype, rows: in
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
     element = torch.empty((), dtype=dtype).element_size()
     assert distinct_bytes(linear.tensors()) == (48 * 32 + 48) * element
+
+
+def test_dense_linears_fall_back_to_f_linear_without_onednn(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from mesh.runtime import linear as linear_module
+
+    def missing(*_: object) -> None:
+        raise AttributeError("no op named _reorder_linear_weight")
+
+    monkeypatch.setattr(linear_module.PackedLinear, "__init__", missing)
+    weight = random_weight(48, 32)
+    with caplog.at_level(logging.WARNING):
+        linear = build_linear(LinearSpec(48, 32, weight=weight), torch.device("cpu"), torch.float32)
+    assert isinstance(linear, linear_module.DenseLinear)
+    assert "oneDNN cannot take a torch.float32 weight" in caplog.text
+    inputs = torch.randn(2, 32, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(linear(inputs), F.linear(inputs, weight), atol=1e-5)
