@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 # The int4 kernels take activations, scales and zeros in this dtype.
 INT4_ACTIVATION_DTYPE = torch.bfloat16
+# What a torch without oneDNN's linear ops, or one refusing a weight, raises.
+ONEDNN_ERRORS = (RuntimeError, AttributeError, NotImplementedError)
 # The CUDA int4 kernel's tile of the packed layout (K must be a multiple of 16 * this).
 CUDA_INNER_K_TILES = 8
 
@@ -113,7 +115,7 @@ def packed(linear: Linear) -> Linear:
         return linear
     try:
         return PackedLinear(weight.contiguous(), linear.bias)
-    except (RuntimeError, AttributeError, NotImplementedError):
+    except ONEDNN_ERRORS:
         return linear
 
 
@@ -252,8 +254,7 @@ def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> 
             try:
                 plain = spec.weight.to(device=device, dtype=dtype).contiguous()  # type: ignore[union-attr]
                 return PackedLinear(plain, bias)
-            except (RuntimeError, AttributeError, NotImplementedError) as error:
-                # A torch without these oneDNN ops, or one that refuses this weight.
+            except ONEDNN_ERRORS as error:
                 logger.warning("oneDNN cannot take a %s weight (%s); using F.linear", dtype, error)
         return DenseLinear(dense_weight(spec.weight, device, dtype), bias)  # type: ignore[arg-type]
     if spec.kind == "int8":
