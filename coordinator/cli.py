@@ -20,11 +20,13 @@ from coordinator.certs import add_certs_parser, run_certs
 from coordinator.driver import LoadSettings
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
+from coordinator.state_file import record_term, term_floor, update_state
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.codec import StatusReply, StatusRequest, WireDType
 from mesh.config import CLI_KEYS, add_speculation_arguments
 from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
+from mesh.lifetime import PARENT_PID_ENV
 from mesh.logsetup import configure_logging
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import (
@@ -84,7 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--stage-threads", type=int, default=0, help="torch threads per local stage")
     up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
     up.add_argument("--cache-dir", type=Path, default=None, help="slice cache of local stages")
-    up.add_argument("--state-file", type=Path, default=None, help="write JSON once serving")
+    up.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="JSON written once serving; also keeps the highest term used, so that a "
+        "restarted coordinator continues above it",
+    )
+    up.add_argument(
+        "--load-attempts",
+        type=int,
+        default=3,
+        help="before the mesh first serves, exit non-zero after this many failed load "
+        "attempts in a row (0: keep trying)",
+    )
     up.add_argument("--config", type=Path, default=None, help="mesh.toml")
     up.add_argument("--log-level", default=None)
     add_speculation_arguments(up)
@@ -156,7 +171,9 @@ def local_stage_argv(
 
 
 def _spawn_stage(command: list[str], security: MeshSecurity) -> subprocess.Popen:
-    return subprocess.Popen(command, env=security.child_env(os.environ), start_new_session=True)
+    # The stage exits when this process dies, however it dies (see mesh.lifetime).
+    env = security.child_env(os.environ) | {PARENT_PID_ENV: str(os.getpid())}
+    return subprocess.Popen(command, env=env, start_new_session=True)
 
 
 def _speculation_argv(args: argparse.Namespace) -> list[str]:
@@ -198,8 +215,12 @@ def up(args: argparse.Namespace) -> int:
         min_stages=max(args.min_stages, local, 1),
         max_stages=args.max_stages,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        load_attempts=max(0, args.load_attempts),
+        term_floor=term_floor(args.state_file),
     )
-    service = CoordinatorService(model, settings)
+    service = CoordinatorService(
+        model, settings, on_term=lambda term: record_term(args.state_file, term)
+    )
     server, port = serve(service, args.listen)
     host = args.listen.rsplit(":", 1)[0]
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
@@ -217,7 +238,12 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopped.set())
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     announced_term = 0
+    exit_code = 0
     while not stopped.wait(0.25):
+        if service.gave_up is not None:
+            sys.stderr.write(f"mesh-coordinator: {service.gave_up}\n")
+            exit_code = 1
+            break
         state = service.state
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
@@ -230,7 +256,7 @@ def up(args: argparse.Namespace) -> int:
     service.stop()
     _terminate(children)
     server.stop(grace=1.0).wait()
-    return 0
+    return exit_code
 
 
 def _announce(service: CoordinatorService, address: str, state_file: Path | None) -> None:
@@ -254,16 +280,13 @@ def _announce(service: CoordinatorService, address: str, state_file: Path | None
     lines.append(f"Topology: mesh-coordinator status --coordinator {address}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
-    if state_file is not None:
-        body = {
-            "coordinator": address,
-            "http_url": url,
-            "term": status.term,
-            "model_id": status.model_id,
-        }
-        tmp = state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(state_file)
+    update_state(
+        state_file,
+        coordinator=address,
+        http_url=url,
+        term=status.term,
+        model_id=status.model_id,
+    )
 
 
 def _terminate(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:

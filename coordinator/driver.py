@@ -29,7 +29,7 @@ from mesh.codec import (
     StageLoadRequest,
     WireDType,
 )
-from mesh.errors import MeshError
+from mesh.errors import MeshError, StaleTerm
 from mesh.grpc_util import CONTROL_DEADLINE_S, LOAD_DEADLINE_S, channel, error_from_rpc
 from mesh.proto.v1 import stage_pb2_grpc
 
@@ -57,7 +57,9 @@ class LoadError(MeshError):
     grpc_code = "UNAVAILABLE"
     http_status = 503
 
-    def __init__(self, stage: StageAssignment | None, step: str, cause: str) -> None:
+    def __init__(
+        self, stage: StageAssignment | None, step: str, cause: str, held_term: int = 0
+    ) -> None:
         where = (
             f"stage {stage.stage_index} ({stage.node_id} at {stage.address})"
             if stage is not None
@@ -66,6 +68,8 @@ class LoadError(MeshError):
         super().__init__(f"{where} failed at {step}: {cause}")
         self.stage = stage
         self.step = step
+        # The term the stage holds when it refused a stale term (0 otherwise).
+        self.held_term = held_term
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,8 @@ class LoadDriver:
             return fn()
         except grpc.RpcError as error:
             cause = error_from_rpc(error, step)
-            raise LoadError(stage, step, _strip(cause.message, step)) from None
+            held = cause.held_term if isinstance(cause, StaleTerm) else 0
+            raise LoadError(stage, step, _strip(cause.message, step), held) from None
 
     def _release_all(self, stages, stubs, term: int, reason: str) -> None:
         for stage in stages:

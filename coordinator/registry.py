@@ -15,6 +15,9 @@ Invariants:
 - ``needs_replan`` is true while nothing is loaded yet, after a degradation, and
   after a failure once the set of alive nodes has changed (a new node may be what
   the model needed); it is never true while loading or serving.
+- Terms only grow, across coordinator restarts too: ``next_term`` is above the
+  current term, every term a node reports (on join and heartbeat) and
+  ``term_floor`` (a persisted term, or one a stage refused a claim with).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class State:
     error: str = ""
     degraded: bool = False
     membership_changed: bool = False
+    term_floor: int = 0
     model_id: str = ""
     package_ref: str = ""
     layer_count: int = 0
@@ -117,6 +121,15 @@ class NodeJoined:
     speed_hint: float = 1.0
     frontend: bool = False
     http_url: str = ""
+    term: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TermObserved:
+    """A term used elsewhere (a persisted one, or one a stage holds): later terms
+    must be above it."""
+
+    term: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +194,7 @@ Event = (
     | LoadFailed
     | LoadSucceeded
     | NodeLeft
+    | TermObserved
 )
 
 
@@ -206,7 +220,9 @@ def needs_replan(state: State) -> bool:
 
 
 def next_term(state: State) -> int:
-    return state.term + 1
+    """The term of the next load: above every term this coordinator used or heard of."""
+    reported = max((n.accepted_term for n in state.nodes), default=0)
+    return max(state.term, state.term_floor, reported) + 1
 
 
 # ---- transitions ------------------------------------------------------------------
@@ -253,6 +269,8 @@ def apply(state: State, event: Event) -> State:
             if event.term != state.term or state.mesh_state != "loading":
                 return state
             return replace(state, mesh_state="serving", error="")
+        case TermObserved():
+            return replace(state, term_floor=max(state.term_floor, event.term))
         case NodeLeft():
             if not state.is_known(event.node_id):
                 return state
@@ -277,6 +295,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             http_url=event.http_url,
             joined_at=event.now,
             last_heartbeat_at=event.now,
+            accepted_term=event.term,
         )
         logger.info("node %s joined from %s (%s)", event.node_id, event.address, event.device)
         return replace(state, nodes=state.nodes + (record,), membership_changed=True)
@@ -295,7 +314,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             last_heartbeat_at=event.now,
             health="alive",
             stage_state="idle",
-            accepted_term=0,
+            accepted_term=event.term,
             active_sessions=0,
             param_bytes=0,
         ),

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -39,16 +40,32 @@ class CoordinatorSettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
     supervise_interval_s: float = 0.25
+    # A failed load is tried again after retry_backoff_s, doubling per failure up
+    # to retry_backoff_max_s.
     retry_backoff_s: float = 2.0
+    retry_backoff_max_s: float = 30.0
+    # Before the mesh has ever served, give up after this many failed attempts in a
+    # row (0: never); `up` then exits non-zero with the last error.
+    load_attempts: int = 3
+    # The highest term used before this coordinator started (from its state file).
+    term_floor: int = 0
 
 
 class CoordinatorService:
     """Owns the registry state; every change goes through ``registry.apply``."""
 
-    def __init__(self, model: ModelInfo, settings: CoordinatorSettings) -> None:
+    def __init__(
+        self,
+        model: ModelInfo,
+        settings: CoordinatorSettings,
+        on_term: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_term`` is called with each new term before any stage hears of it
+        (`up` persists it, so a restarted coordinator never reuses a term)."""
         self.coordinator_id = f"coord-{uuid.uuid4().hex[:8]}"
         self.model = model
         self.settings = settings
+        self._on_term = on_term
         self._lock = threading.RLock()
         self.state = registry.apply(
             registry.State(),
@@ -58,6 +75,10 @@ class CoordinatorService:
                 layer_count=model.manifest.layer_count,
             ),
         )
+        self.state = registry.apply(self.state, registry.TermObserved(term=settings.term_floor))
+        self._failures = 0
+        # Set when `up` should give up: the last error after load_attempts failures.
+        self.gave_up: str | None = None
         self._driver = LoadDriver(self.coordinator_id, self._device_of)
         self._stop = threading.Event()
         self._changed = threading.Event()
@@ -96,9 +117,16 @@ class CoordinatorService:
                 speed_hint=request.speed_hint,
                 frontend=request.frontend,
                 http_url=request.http_url,
+                term=request.term,
             )
         )
-        logger.info("node %s joined from %s (%s)", request.node_id, request.address, request.device)
+        logger.info(
+            "node %s joined from %s (%s, holding term %s)",
+            request.node_id,
+            request.address,
+            request.device,
+            request.term,
+        )
         return JoinReply(
             coordinator_id=self.coordinator_id,
             heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
@@ -157,7 +185,12 @@ class CoordinatorService:
                 self._load_once()
 
     def _should_load(self, state: registry.State) -> bool:
-        if not registry.needs_replan(state):
+        if self.gave_up is not None:
+            return False
+        # A failed load is retried (with backoff) even when no node came or went: the
+        # cause may have been passing (a stage restarting, a slow download).
+        retry = state.mesh_state == "failed" and bool(registry.alive_nodes(state))
+        if not (registry.needs_replan(state) or retry):
             return False
         # min_stages gates the first load only; after a loss, serve with who is left.
         needed = 1 if self._served_once else self.settings.min_stages
@@ -167,7 +200,24 @@ class CoordinatorService:
             n.frontend for n in registry.alive_nodes(state)
         ):
             return False
-        return time.monotonic() - self._last_attempt >= self.settings.retry_backoff_s
+        return time.monotonic() - self._last_attempt >= self._backoff_s()
+
+    def _backoff_s(self) -> float:
+        if self._failures == 0:
+            return self.settings.retry_backoff_s
+        doubled = self.settings.retry_backoff_s * 2 ** (self._failures - 1)
+        return min(self.settings.retry_backoff_max_s, doubled)
+
+    def _failed(self, error: str) -> None:
+        """Count a failed attempt; before the mesh ever served, give up after
+        load_attempts of them in a row."""
+        self._failures += 1
+        limit = self.settings.load_attempts
+        if not self._served_once and limit > 0 and self._failures >= limit:
+            self.gave_up = f"the model could not be loaded after {self._failures} attempts: {error}"
+            logger.error("%s", self.gave_up)
+        else:
+            logger.info("load attempt failed; trying again in %.0fs", self._backoff_s())
 
     def _release_survivors(self, before: registry.State) -> None:
         """After a stage is lost, release the others at once so that stage 0 stops
@@ -198,14 +248,25 @@ class CoordinatorService:
         except MeshError as error:
             logger.error("cannot plan: %s", error.message)
             self.apply(registry.PlanFailed(error=error.message))
+            self._failed(error.message)
             return
         term = registry.next_term(state)
+        if self._on_term is not None:
+            self._on_term(term)
         logger.info("term %s: loading\n%s", term, plan.describe())
         self.apply(registry.LoadStarted(term=term, plan=plan))
         try:
             outcome = self._driver.load(plan, term, load)
         except LoadError as error:
             self.apply(registry.LoadFailed(term=term, error=error.message))
+            if error.held_term > term:
+                # A stage holds a newer term (a coordinator before this one used it):
+                # claim again at once, above it. Not a failure of the model.
+                logger.info("stage holds term %s; claiming again above it", error.held_term)
+                self.apply(registry.TermObserved(term=error.held_term))
+                self._last_attempt = 0.0
+                return
+            self._failed(error.message)
             return
         for stage, ready in zip(plan.stages, outcome.ready, strict=True):
             self.apply(
@@ -213,6 +274,7 @@ class CoordinatorService:
             )
         self.apply(registry.LoadSucceeded(term=term))
         self._served_once = True
+        self._failures = 0
         logger.info("term %s: serving %s", term, self.model.manifest.model_id)
 
 

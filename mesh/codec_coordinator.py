@@ -23,6 +23,7 @@ class JoinRequest:
     speed_hint: float = 1.0
     frontend: bool = False
     http_url: str = ""
+    term: int = 0
 
     def to_proto(self) -> coordinator_pb2.JoinRequest:
         return coordinator_pb2.JoinRequest(
@@ -33,6 +34,7 @@ class JoinRequest:
             speed_hint=self.speed_hint,
             frontend=self.frontend,
             http_url=self.http_url,
+            term=self.term,
         )
 
     @classmethod
@@ -46,6 +48,7 @@ class JoinRequest:
             speed_hint=pb.speed_hint if pb.speed_hint > 0 else 1.0,
             frontend=pb.frontend,
             http_url=pb.http_url,
+            term=pb.term,
         )
 
 

@@ -59,11 +59,16 @@ class Unavailable(MeshError):
 
 
 class StaleTerm(MeshError):
-    """A request carried a term older than one already accepted."""
+    """A request carried a term older than one already accepted. ``held_term`` is
+    the term the refusing node holds (0: not said)."""
 
     grpc_code = "FAILED_PRECONDITION"
     http_status = 409
     openai_type = "invalid_request_error"
+
+    def __init__(self, message: str, held_term: int = 0) -> None:
+        super().__init__(message)
+        self.held_term = held_term
 
 
 class Unauthenticated(MeshError):

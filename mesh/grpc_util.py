@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from mesh.errors import MeshError, Unavailable, from_code, grpc_code_name
+from mesh.errors import MeshError, StaleTerm, Unavailable, from_code, grpc_code_name
 from mesh.security import (
     REFUSED_MESSAGE,
     TOKEN_METADATA_KEY,
@@ -36,6 +36,8 @@ REFUSAL_LOG_INTERVAL_S = 30.0
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CONTROL_DEADLINE_S = 10.0
+# Trailing metadata of a FAILED_PRECONDITION refusal: the term the refusing node holds.
+HELD_TERM_KEY = "mesh-held-term"
 LOAD_DEADLINE_S = 600.0
 
 CHANNEL_OPTIONS = [
@@ -103,6 +105,8 @@ def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
     """Abort an RPC with the status code that matches the error class."""
     code = getattr(grpc.StatusCode, grpc_code_name(error), grpc.StatusCode.INTERNAL)
     message = error.message if isinstance(error, MeshError) else f"internal error: {error}"
+    if isinstance(error, StaleTerm) and error.held_term:
+        context.set_trailing_metadata(((HELD_TERM_KEY, str(error.held_term)),))
     context.abort(code, message)
 
 
@@ -118,7 +122,12 @@ def error_from_rpc(error: grpc.RpcError, what: str) -> MeshError:
     code = error.code() if hasattr(error, "code") else None
     name = code.name if code is not None else "UNAVAILABLE"
     details = error.details() if hasattr(error, "details") else str(error)
-    return from_code(name, f"{what}: {details}")
+    typed = from_code(name, f"{what}: {details}")
+    if isinstance(typed, StaleTerm) and hasattr(error, "trailing_metadata"):
+        for key, value in error.trailing_metadata() or ():
+            if key == HELD_TERM_KEY and value.isdigit():
+                typed.held_term = int(value)
+    return typed
 
 
 # ---- credentials ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ from mesh.codec import HeartbeatRequest, JoinRequest
 from mesh.config import add_speculation_arguments
 from mesh.errors import MeshError
 from mesh.grpc_util import bind, new_server
+from mesh.lifetime import watch_parent
 from mesh.logsetup import configure_logging
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
 from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
@@ -25,6 +26,8 @@ from stage.node import NodeSettings, StageNode
 from stage.servicers import ControlServicer, DataServicer
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 20.0
 
 
 def default_cache_dir() -> Path:
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         http_url = frontend.url
     membership = Membership(
         args.coordinator,
-        JoinRequest(
+        lambda: JoinRequest(
             node_id=node_id,
             address=address,
             device=args.device,
@@ -129,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             speed_hint=args.speed,
             frontend=args.frontend,
             http_url=http_url,
+            term=node.term,
         ),
         lambda: HeartbeatRequest(
             node_id=node_id,
@@ -136,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
             state=node.state,
             active_sessions=node.active_sessions(),
         ),
+        on_term=node.observe_coordinator_term,
     )
+    node.on_newer_term(membership.poke)
     membership.start()
     stopped = threading.Event()
 
@@ -146,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    watch_parent(stopped.set)
     stopped.wait()
+    # Whatever happens while shutting down, the process ends.
+    deadline = threading.Timer(SHUTDOWN_GRACE_S, lambda: os._exit(1))
+    deadline.daemon = True
+    deadline.start()
     membership.stop()
     if frontend is not None:
         frontend.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -16,26 +17,35 @@ from mesh.security import active, unavailable_hint
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
-RETRY_S = 1.0
+# Retrying an unreachable coordinator: the wait doubles from the first to the last.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 15.0
 
 
 class Membership:
     """Joins with ``join_request`` and heartbeats until stopped; rejoins when the
-    coordinator forgets the node or restarts."""
+    coordinator forgets the node or restarts. Every reply's term goes to
+    ``on_term``. While the coordinator cannot be reached it retries with a doubling
+    wait (up to RETRY_MAX_S) and logs the outage once, not every beat."""
 
     def __init__(
         self,
         coordinator: str,
-        join_request: JoinRequest,
+        join_request: Callable[[], JoinRequest],
         heartbeat: Callable[[], HeartbeatRequest],
+        on_term: Callable[[int], None] | None = None,
     ) -> None:
         self.coordinator = coordinator
-        self.join_request = join_request
+        self._join_request = join_request
         self._heartbeat = heartbeat
+        self._on_term = on_term
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._channel = channel(coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._interval_s = DEFAULT_HEARTBEAT_S
+        self._retry_s = RETRY_FIRST_S
+        self._outage_since: float | None = None
         self.joined = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
 
@@ -44,32 +54,67 @@ class Membership:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._channel.close()
 
+    def poke(self) -> None:
+        """Send the next heartbeat now (something suggests the term moved on)."""
+        self._wake.set()
+
+    def _wait(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _unreachable(self, what: str, error: grpc.RpcError) -> None:
+        """Log the first failure of an outage; later ones only at debug level."""
+        code = error.code()
+        hint = f"; {unavailable_hint(active())}" if code == grpc.StatusCode.UNAVAILABLE else ""
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            logger.warning(
+                "%s to coordinator %s failed: %s (%s)%s; retrying with backoff up to %.0fs",
+                what,
+                self.coordinator,
+                code.name,
+                error.details(),
+                hint,
+                RETRY_MAX_S,
+            )
+        else:
+            logger.debug("%s to %s failed again: %s", what, self.coordinator, code.name)
+        self._retry_s = min(RETRY_MAX_S, self._retry_s * 2)
+
+    def _reachable(self) -> None:
+        if self._outage_since is not None:
+            logger.info(
+                "coordinator %s reachable again after %.1fs",
+                self.coordinator,
+                time.monotonic() - self._outage_since,
+            )
+        self._outage_since = None
+        self._retry_s = RETRY_FIRST_S
+
     def _join(self) -> bool:
+        request = self._join_request()
         try:
             reply = JoinReply.from_proto(
-                self._stub.Join(self.join_request.to_proto(), timeout=CONTROL_DEADLINE_S)
+                self._stub.Join(request.to_proto(), timeout=CONTROL_DEADLINE_S)
             )
         except grpc.RpcError as error:
-            logger.warning(
-                "cannot join coordinator %s: %s (%s)%s",
-                self.coordinator,
-                error.code().name,
-                error.details(),
-                f"; {unavailable_hint(active())}"
-                if error.code() == grpc.StatusCode.UNAVAILABLE
-                else "",
-            )
+            if self._stop.is_set():
+                return False
+            self._unreachable("join", error)
             return False
+        self._reachable()
         if reply.heartbeat_interval_ms:
             self._interval_s = reply.heartbeat_interval_ms / 1000.0
         logger.info(
-            "joined coordinator %s (%s) as %s at %s",
+            "joined coordinator %s (%s) as %s at %s (holding term %s)",
             self.coordinator,
             reply.coordinator_id,
-            self.join_request.node_id,
-            self.join_request.address,
+            request.node_id,
+            request.address,
+            request.term,
         )
         self.joined.set()
         return True
@@ -80,18 +125,23 @@ class Membership:
             if not joined:
                 joined = self._join()
                 if not joined:
-                    self._stop.wait(RETRY_S)
+                    self._wait(self._retry_s)
                     continue
             try:
                 reply = HeartbeatReply.from_proto(
                     self._stub.Heartbeat(self._heartbeat().to_proto(), timeout=CONTROL_DEADLINE_S)
                 )
-                if not reply.known:
-                    logger.info("coordinator does not know this node; joining again")
-                    joined = False
-                    continue
             except grpc.RpcError as error:
                 if self._stop.is_set():
                     return
-                logger.warning("heartbeat to %s failed: %s", self.coordinator, error.code().name)
-            self._stop.wait(self._interval_s)
+                self._unreachable("heartbeat", error)
+                self._wait(self._retry_s)
+                continue
+            self._reachable()
+            if not reply.known:
+                logger.info("coordinator does not know this node; joining again")
+                joined = False
+                continue
+            if self._on_term is not None:
+                self._on_term(reply.term)
+            self._wait(self._interval_s)

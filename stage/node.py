@@ -90,6 +90,7 @@ class StageNode:
         self._result_sink: Callable[[TokenResult], None] | None = None
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
+        self._on_newer_term: Callable[[], None] | None = None
         self._worker = threading.Thread(target=self._work_loop, name="stage-worker", daemon=True)
         self._worker.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="idle-sweep", daemon=True)
@@ -120,7 +121,8 @@ class StageNode:
             if request.term < self.term:
                 raise StaleTerm(
                     f"node {self.settings.node_id} accepted term {self.term}; "
-                    f"claim with term {request.term} refused"
+                    f"claim with term {request.term} refused",
+                    held_term=self.term,
                 )
             if request.term > self.term and self.loaded is not None:
                 logger.info("term %s fences off term %s: releasing", request.term, self.term)
@@ -135,7 +137,8 @@ class StageNode:
         if term != self.term:
             raise StaleTerm(
                 f"{call} with term {term} refused by node {self.settings.node_id}: "
-                f"it holds term {self.term}; claim it first"
+                f"it holds term {self.term}; claim it first",
+                held_term=self.term,
             )
 
     def prepare(self, request: PrepareRequest) -> None:
@@ -225,10 +228,32 @@ class StageNode:
             )
         return Path(inv.local_dir)
 
+    def observe_coordinator_term(self, term: int) -> None:
+        """The coordinator's current term (from a heartbeat reply). A loaded stage whose
+        term is older has been left out of the coordinator's newer pipeline (it was
+        declared dead while it hung, say): it drops its layers, sessions and queued
+        work at once instead of serving stale frames."""
+        with self._lock:
+            if term <= self.term or self.loaded is None:
+                return
+            logger.warning(
+                "the coordinator serves term %s; this stage still held term %s: releasing",
+                term,
+                self.term,
+            )
+            self._release_locked(f"term {self.term} is over (the coordinator is at term {term})")
+
+    def on_newer_term(self, callback: Callable[[], None]) -> None:
+        """Called (from the frame worker) when a frame of a newer term arrives."""
+        self._on_newer_term = callback
+
     def release(self, term: int, reason: str) -> None:
         with self._lock:
             if term < self.term:
-                raise StaleTerm(f"Release with term {term} refused: node holds term {self.term}")
+                raise StaleTerm(
+                    f"Release with term {term} refused: node holds term {self.term}",
+                    held_term=self.term,
+                )
             self._release_locked(reason)
 
     def _release_locked(self, reason: str) -> None:
@@ -283,7 +308,11 @@ class StageNode:
                 raise Unavailable(
                     f"node {self.settings.node_id} has no layers loaded; the mesh is reloading"
                 )
-            if frame.term and frame.term != loaded.engine.term:
+            if frame.term != loaded.engine.term:
+                if frame.term > loaded.engine.term and self._on_newer_term is not None:
+                    # Upstream already serves a newer term: this stage's term is
+                    # probably over. Ask the coordinator now rather than at the next beat.
+                    self._on_newer_term()
                 raise StaleTerm(
                     f"frame of term {frame.term} dropped: this stage serves term "
                     f"{loaded.engine.term}"
@@ -318,7 +347,9 @@ class StageNode:
         if frame.kind is FrameKind.END:
             return
         index = loaded.request.stage_index if loaded is not None else 0
-        result = StageEngine.error_for(frame, error, index, self.term)
+        # The error answers this frame: it carries the frame's term, never the
+        # node's, so that stage 0 can tell it from an error of its current term.
+        result = StageEngine.error_for(frame, error, index, frame.term)
         if work.ack is not None:
             work.ack(FrameAck(frame.request_id, frame.session_id, result.error))
         if loaded is not None:
@@ -345,9 +376,10 @@ class StageNode:
             return
         index = loaded.request.stage_index
         failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
+        term = loaded.request.term
         for session_id, request_id in loaded.engine.active_requests():
-            frame = Frame(request_id, session_id, FrameKind.DECODE, 0)
-            self._route_result(loaded, StageEngine.error_for(frame, failure, index))
+            frame = Frame(request_id, session_id, FrameKind.DECODE, 0, term=term)
+            self._route_result(loaded, StageEngine.error_for(frame, failure, index, term))
 
     def _return_broken(self, error: Exception) -> None:
         logger.warning("return link to stage 0 broke: %s", error)

@@ -153,7 +153,8 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
                 session_id=pb.session_id,
                 pos_start=pb.pos_start,
                 error=info,
-                term=self.node.term,
+                # The refusal answers this frame: it carries the frame's term.
+                term=pb.term,
             )
             try:
                 loaded.returns.send(result.to_proto())

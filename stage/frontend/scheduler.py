@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from mesh.codec import Frame, FrameKind, TokenResult
-from mesh.errors import CapacityExceeded, InvalidRequest, Unavailable
+from mesh.errors import CapacityExceeded, InvalidRequest, StaleTerm, Unavailable
 from mesh.metrics import Registry
 from mesh.package.manifest import PackageManifest
 from mesh.speculative import (
@@ -28,6 +28,7 @@ from mesh.speculative import (
     plan_window,
 )
 from stage.frontend.backend import GenerationRequest, TokenEvent
+from stage.frontend.expectation import Expected, stale_reason
 from stage.frontend.request_run import RequestRun
 from stage.node import LoadedStage, StageNode
 
@@ -64,7 +65,7 @@ class PipelineScheduler:
         self.limits = limits
         self._loaded: LoadedStage | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: dict[str, asyncio.Future] = {}
+        self._waiters: dict[str, tuple[asyncio.Future, Expected]] = {}
         self._active = 0
         self._queued = 0
         self._slots: asyncio.Semaphore | None = None
@@ -88,6 +89,13 @@ class PipelineScheduler:
         )
         self._m_recoveries = self.registry.gauge(
             "mesh_request_recoveries_total", "Requests resumed on a reloaded pipeline."
+        )
+        self._m_stale = self.registry.counter(
+            "mesh_stale_results_total",
+            "Results and errors dropped because they answer no frame in flight: of an "
+            "older term (term), another position (position), too many tokens (count), or "
+            "for a request no longer waiting (unclaimed).",
+            ("reason",),
         )
         self._m_spec = self.registry.gauge(
             "mesh_speculation_tokens_total",
@@ -223,6 +231,7 @@ class PipelineScheduler:
         loaded = self._admit_check()
         chunk = max(1, self.limits.prefill_chunk_tokens)
         session = run.request.request_id
+        run.term = loaded.request.term
         for start in range(0, len(tokens), chunk):
             final = start + chunk >= len(tokens)
             frame = Frame(
@@ -244,6 +253,7 @@ class PipelineScheduler:
         """One decode round: [current] or a verify window [current, d1..dk]."""
         loaded = self._admit_check()
         session = run.request.request_id
+        run.term = loaded.request.term
         return await self._round(
             Frame(
                 request_id=session,
@@ -331,7 +341,7 @@ class PipelineScheduler:
     async def _round(self, frame: Frame) -> TokenResult:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self._waiters[frame.request_id] = waiter
+        self._waiters[frame.request_id] = (waiter, Expected.for_frame(frame))
         sent = time.perf_counter()
         self._send(frame)
         try:
@@ -344,7 +354,11 @@ class PipelineScheduler:
         finally:
             self._waiters.pop(frame.request_id, None)
         if result.error is not None:
-            raise result.error.to_error()
+            error = result.error.to_error()
+            if isinstance(error, StaleTerm):
+                # A stage has moved past this frame's term: the pipeline was replaced.
+                raise Unavailable(f"the pipeline moved on from term {frame.term}: {error.message}")
+            raise error
         self._m_round_ms.labels(frame.kind.value).observe((time.perf_counter() - sent) * 1000.0)
         for timing in result.timings:
             self._m_stage_ms.labels(str(timing.stage_index)).observe(timing.compute_ms)
@@ -359,8 +373,30 @@ class PipelineScheduler:
         loop.call_soon_threadsafe(self._deliver, result)
 
     def _deliver(self, result: TokenResult) -> None:
-        waiter = self._waiters.get(result.request_id)
-        if waiter is not None and not waiter.done():
+        entry = self._waiters.get(result.request_id)
+        if entry is None:
+            # No frame of this request is waiting: it finished, failed or is recovering.
+            reason = "term" if result.term < self._term() else "unclaimed"
+            self._m_stale.labels(reason).inc()
+            logger.debug("dropped a result for %s: %s", result.request_id, reason)
+            return
+        waiter, expected = entry
+        reason = stale_reason(result, expected)
+        if reason is not None:
+            self._m_stale.labels(reason).inc()
+            logger.warning(
+                "request %s: dropped a %s of term %s at position %s (%s mismatch): it "
+                "waits for term %s, position %s",
+                result.request_id,
+                "error" if result.error is not None else "result",
+                result.term,
+                result.pos_start,
+                reason,
+                expected.term,
+                expected.result_pos,
+            )
+            return
+        if not waiter.done():
             waiter.set_result(result)
 
     def _on_load_change(self, loaded: LoadedStage | None) -> None:
@@ -375,6 +411,6 @@ class PipelineScheduler:
                 loop.call_soon_threadsafe(self._fail_all, "the pipeline was released")
 
     def _fail_all(self, reason: str) -> None:
-        for waiter in list(self._waiters.values()):
+        for waiter, _ in list(self._waiters.values()):
             if not waiter.done():
                 waiter.set_exception(Unavailable(reason))

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "address", "device", "memory_bytes", "speed_hint", "frontend", "http_url")
+    __slots__ = ("node_id", "address", "device", "memory_bytes", "speed_hint", "frontend", "http_url", "term")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class JoinRequest(_message.Message):
     SPEED_HINT_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     device: str
@@ -23,7 +24,8 @@ class JoinRequest(_message.Message):
     speed_hint: float
     frontend: bool
     http_url: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., speed_hint: _Optional[float] = ..., frontend: _Optional[bool] = ..., http_url: _Optional[str] = ...) -> None: ...
+    term: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., speed_hint: _Optional[float] = ..., frontend: _Optional[bool] = ..., http_url: _Optional[str] = ..., term: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("coordinator_id", "heartbeat_interval_ms")
