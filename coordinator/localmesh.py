@@ -70,15 +70,9 @@ class MeshProcesses:
         home = {"MESH_HOME": str(workdir / "home"), "PYTHONUNBUFFERED": "1"}
         env = {**os.environ, **home, **(env or {})}
         self.env = env
-        command = [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "up",
+        self._coordinator_argv = [
             "--model",
             str(package),
-            "--listen",
-            "127.0.0.1:0",
             "--no-local-stage",
             "--min-stages",
             str(stages),
@@ -90,15 +84,34 @@ class MeshProcesses:
             str(max_sessions),
             *coordinator_args,
         ]
-        self.coordinator = subprocess.Popen(
-            command,
-            env=env,
-            stdout=open(self.logs / "coordinator.log", "wb"),
+        self.coordinator = self._start_coordinator("127.0.0.1:0")
+        self.coordinator_address = ""
+        self.http_url = ""
+
+    def _start_coordinator(self, listen: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "coordinator.cli", "up", "--listen", listen]
+        return subprocess.Popen(
+            command + self._coordinator_argv,
+            env=self.env,
+            stdout=open(self.logs / "coordinator.log", "ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.coordinator_address = ""
-        self.http_url = ""
+
+    def restart_coordinator(self) -> None:
+        """SIGKILL the coordinator and start a new one on the same address, with the
+        same state file (the stages keep running and join the new one)."""
+        if not self.coordinator_address:
+            self.coordinator_address = wait_for(self._find_address, 60, "the coordinator")
+        self.kill_coordinator()
+        self.start_coordinator_again()
+
+    def kill_coordinator(self) -> None:
+        self.coordinator.send_signal(signal.SIGKILL)
+        self.coordinator.wait(10)
+
+    def start_coordinator_again(self) -> None:
+        self.coordinator = self._start_coordinator(self.coordinator_address)
 
     def coordinator_log(self) -> str:
         return (self.logs / "coordinator.log").read_text(errors="replace")
@@ -160,7 +173,7 @@ class MeshProcesses:
             if not self.state_file.exists():
                 return None
             body = json.loads(self.state_file.read_text())
-            return body if body["term"] >= term else None
+            return body if body.get("term", 0) >= term else None
 
         body = wait_for(serving, deadline_s, f"the mesh to serve term {term}")
         self.http_url = body["http_url"]
@@ -182,12 +195,17 @@ class MeshProcesses:
         process.send_signal(signal.SIGKILL)
         process.wait(10)
 
+    def signal_stage(self, node_id: str, signum: int) -> None:
+        """Send ``signum`` (e.g. SIGSTOP, SIGCONT) to a running stage process."""
+        self.stages[node_id].send_signal(signum)
+
     def stage_log(self, node_id: str) -> str:
         return (self.logs / f"{node_id}.log").read_text(errors="replace")
 
     def close(self) -> None:
         for process in [*self.stages.values(), self.coordinator]:
             if process.poll() is None:
+                process.send_signal(signal.SIGCONT)  # a stopped process cannot terminate
                 process.terminate()
         for process in [*self.stages.values(), self.coordinator]:
             try:

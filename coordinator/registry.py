@@ -219,6 +219,23 @@ def needs_replan(state: State) -> bool:
     return state.mesh_state == "failed" and (state.degraded or state.membership_changed)
 
 
+def undersized(state: State, want_stages: int) -> bool:
+    """Serving on fewer stages than ``want_stages`` while more alive nodes exist than
+    the pipeline uses (a failed stage came back, or a new one joined)."""
+    if state.mesh_state != "serving" or state.topology is None:
+        return False
+    current = len(state.topology.stages)
+    return current < want_stages and len(alive_nodes(state)) > current
+
+
+def frontend_idle(state: State) -> bool:
+    """Stage 0 reported no active sessions in its last heartbeat."""
+    if state.topology is None or not state.topology.stages:
+        return False
+    head = state.node(state.topology.stages[0].node_id)
+    return head is not None and head.active_sessions == 0
+
+
 def next_term(state: State) -> int:
     """The term of the next load: above every term this coordinator used or heard of."""
     reported = max((n.accepted_term for n in state.nodes), default=0)

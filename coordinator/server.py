@@ -49,6 +49,10 @@ class CoordinatorSettings:
     load_attempts: int = 3
     # The highest term used before this coordinator started (from its state file).
     term_floor: int = 0
+    # Serving on fewer than min_stages while more nodes are alive (a lost stage came
+    # back): plan again once stage 0 is idle, or after this long even if busy
+    # (in-flight requests then resume on the new pipeline).
+    regrow_busy_after_s: float = 60.0
 
 
 class CoordinatorService:
@@ -77,6 +81,7 @@ class CoordinatorService:
         )
         self.state = registry.apply(self.state, registry.TermObserved(term=settings.term_floor))
         self._failures = 0
+        self._undersized_since: float | None = None
         # Set when `up` should give up: the last error after load_attempts failures.
         self.gave_up: str | None = None
         self._driver = LoadDriver(self.coordinator_id, self._device_of)
@@ -183,6 +188,8 @@ class CoordinatorService:
                 self._release_survivors(before)
             if self._should_load(after):
                 self._load_once()
+            elif self._should_regrow(after):
+                self._load_once(grow_from=len(after.topology.stages))
 
     def _should_load(self, state: registry.State) -> bool:
         if self.gave_up is not None:
@@ -201,6 +208,18 @@ class CoordinatorService:
         ):
             return False
         return time.monotonic() - self._last_attempt >= self._backoff_s()
+
+    def _should_regrow(self, state: registry.State) -> bool:
+        if not registry.undersized(state, self.settings.min_stages):
+            self._undersized_since = None
+            return False
+        now = time.monotonic()
+        if self._undersized_since is None:
+            self._undersized_since = now
+        if now - self._last_attempt < self._backoff_s():
+            return False
+        busy_s = now - self._undersized_since
+        return registry.frontend_idle(state) or busy_s >= self.settings.regrow_busy_after_s
 
     def _backoff_s(self) -> float:
         if self._failures == 0:
@@ -229,7 +248,9 @@ class CoordinatorService:
         ]
         release_nodes(survivors, before.term, "a stage of the pipeline was lost")
 
-    def _load_once(self) -> None:
+    def _load_once(self, grow_from: int = 0) -> None:
+        """Plan and load a new term. With ``grow_from`` (the stage count serving now),
+        load only when the plan uses more stages than that."""
         self._last_attempt = time.monotonic()
         load = self.settings.load
         with self._lock:
@@ -246,10 +267,22 @@ class CoordinatorService:
         try:
             plan = plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
         except MeshError as error:
+            if grow_from:  # the pipeline serving now stays as it is
+                logger.info("cannot plan a larger pipeline: %s", error.message)
+                return
             logger.error("cannot plan: %s", error.message)
             self.apply(registry.PlanFailed(error=error.message))
             self._failed(error.message)
             return
+        if grow_from and len(plan.stages) <= grow_from:
+            return
+        if grow_from:
+            logger.info(
+                "serving on %s stage(s) with %s alive node(s): planning again on %s",
+                grow_from,
+                len(registry.alive_nodes(state)),
+                len(plan.stages),
+            )
         term = registry.next_term(state)
         if self._on_term is not None:
             self._on_term(term)
@@ -275,6 +308,7 @@ class CoordinatorService:
         self.apply(registry.LoadSucceeded(term=term))
         self._served_once = True
         self._failures = 0
+        self._undersized_since: float | None = None
         logger.info("term %s: serving %s", term, self.model.manifest.model_id)
 
 

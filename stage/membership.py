@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 1.0
 # Retrying an unreachable coordinator: the wait doubles from the first to the last.
 RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 15.0
+RETRY_MAX_S = 5.0
 
 
 class Membership:

@@ -17,11 +17,14 @@ from coordinator.registry import (
     PlanFailed,
     StageReady,
     State,
+    TermObserved,
     alive_nodes,
     apply,
+    frontend_idle,
     needs_replan,
     next_term,
     planner_nodes,
+    undersized,
 )
 from mesh.errors import InvalidRequest, StaleTerm
 from mesh.types import LayerRange
@@ -249,3 +252,44 @@ def test_plan_for_wrong_layer_count_is_refused() -> None:
     plan = plan_layers(planner_nodes(state), ModelFootprint(12, 1, 0, 0, 0))
     with pytest.raises(InvalidRequest, match="covers 12 layers but the model has 30"):
         apply(state, LoadStarted(term=1, plan=plan))
+
+
+def test_terms_go_above_every_term_a_node_reports_and_the_floor() -> None:
+    state = joined("a")
+    assert next_term(state) == 1
+    # A node that served a previous coordinator's term 7 joins this one.
+    state = apply(state, NodeJoined(node_id="b", address="10.0.0.2:7071", now=0.0, term=7))
+    assert state.node("b").accepted_term == 7
+    assert next_term(state) == 8
+    # A persisted or refused term raises the floor; the floor never goes down.
+    state = apply(state, TermObserved(term=12))
+    state = apply(state, TermObserved(term=3))
+    assert next_term(state) == 13
+    # Heartbeats keep the reported term current.
+    state = apply(state, HeartbeatReceived(node_id="a", now=1.0, term=20))
+    assert next_term(state) == 21
+
+
+def test_a_rejoining_node_keeps_the_term_it_reports() -> None:
+    state = joined("a", "b")
+    state = apply(state, NodeJoined(node_id="b", address="10.0.0.2:7071", now=2.0, term=4))
+    assert state.node("b").accepted_term == 4
+
+
+def test_undersized_only_while_serving_with_spare_alive_nodes() -> None:
+    state, _ = serving("a", "b")
+    assert not undersized(state, 3)  # two nodes, two stages: nothing to grow into
+    state = apply(state, NodeJoined(node_id="c", address="10.0.0.3:7071", now=1.0))
+    assert undersized(state, 3)
+    assert not undersized(state, 2)  # the operator asked for two stages
+    state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=10.0))
+    assert not undersized(state, 3)  # every node timed out: the mesh failed
+
+
+def test_frontend_idle_follows_stage_zero_heartbeats() -> None:
+    state, _ = serving("a", "b")
+    assert frontend_idle(state)
+    state = apply(state, HeartbeatReceived(node_id="a", now=1.0, term=1, active_sessions=2))
+    assert not frontend_idle(state)
+    state = apply(state, HeartbeatReceived(node_id="b", now=1.0, term=1, active_sessions=0))
+    assert not frontend_idle(state)  # only stage 0's sessions count

@@ -1,0 +1,346 @@
+"""Fault injection against a real local mesh, and the checker that judges every
+stream against its no-fault output.
+
+A round starts a few concurrent streams (greedy and seeded sampling), waits until
+each has produced tokens, injects one fault into the mesh, waits for the streams to
+end and classifies each one:
+
+- ``identical``: it completed and its text equals the no-fault text;
+- ``failed``: it ended with an explicit error (an HTTP error or an error event);
+- ``corrupted``: it completed without an error but its text differs. This must
+  never happen: a fault may cost a request, never its correctness.
+
+Faults: ``kill`` (SIGKILL a non-zero stage; it is started again after the round),
+``stop`` (SIGSTOP a non-zero stage for 1-15 s, then SIGCONT), ``throttle`` (a slow
+stage: stopped and continued on a duty cycle for a few seconds) and ``coordinator``
+(SIGKILL the coordinator, start a new one on the same address with the same state
+file). After each round the mesh is brought back to its full size before the next.
+Used by ``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from coordinator.localmesh import MeshProcesses, wait_for
+
+logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("kill", "stop", "throttle", "coordinator")
+OUTCOMES = ("identical", "failed", "corrupted")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One request: a completion of ``prompt``, or a chat of ``messages`` when set;
+    greedy when temperature is 0, else seeded sampling."""
+
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    messages: tuple[dict[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamOutcome:
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    target: str = ""  # node id; empty for the coordinator
+    duration_s: float = 0.0
+
+
+@dataclass
+class RoundRecord:
+    fault: Fault
+    outcomes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    failover: bool = False
+    # Seconds from the fault until the mesh served again (None: it never stopped).
+    recovery_s: float | None = None
+
+
+def default_specs(count: int, max_tokens: int, rng: random.Random) -> list[StreamSpec]:
+    """``count`` varied requests, half greedy, half seeded sampling."""
+    topics = ["rivers", "prime numbers", "bread", "the moon", "chess", "glaciers", "owls"]
+    specs = []
+    for index in range(count):
+        topic = rng.choice(topics)
+        prompt = f"Note {index}: write a few sentences about {topic}, then list three facts."
+        if index % 2:
+            specs.append(StreamSpec(prompt, max_tokens, 0.8, seed=rng.randrange(1 << 31)))
+        else:
+            specs.append(StreamSpec(prompt, max_tokens))
+    return specs
+
+
+def run_stream(
+    base_url: str, model: str, spec: StreamSpec, started: threading.Event | None = None
+) -> StreamOutcome:
+    """Stream one completion with the openai client; errors become an outcome."""
+    from openai import OpenAI, OpenAIError
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    pieces: list[str] = []
+    finish: str | None = None
+    params = dict(
+        model=model,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        seed=spec.seed,
+        stream=True,
+    )
+    try:
+        if spec.messages:
+            stream = client.chat.completions.create(messages=list(spec.messages), **params)
+        else:
+            stream = client.completions.create(prompt=spec.prompt, **params)
+        for chunk in stream:
+            for choice in chunk.choices:
+                text = choice.delta.content if spec.messages else choice.text
+                pieces.append(text or "")
+                finish = choice.finish_reason or finish
+            if started is not None and len(pieces) >= 2:
+                started.set()
+    except OpenAIError as error:
+        return StreamOutcome("".join(pieces), finish, f"{type(error).__name__}: {error}")
+    finally:
+        if started is not None:
+            started.set()
+    return StreamOutcome("".join(pieces), finish)
+
+
+def classify(outcome: StreamOutcome, expected: StreamOutcome) -> str:
+    """One of OUTCOMES for a stream run under a fault."""
+    if outcome.error is not None:
+        return "failed"
+    same = outcome.text == expected.text and outcome.finish_reason == expected.finish_reason
+    return "identical" if same else "corrupted"
+
+
+class ChaosRun:
+    """Rounds of concurrent streams with one fault each, on a started mesh."""
+
+    def __init__(
+        self,
+        mesh: MeshProcesses,
+        model: str,
+        specs: list[StreamSpec],
+        rng: random.Random,
+        *,
+        streams_per_round: int = 4,
+        full_stages: int = 3,
+        stop_range_s: tuple[float, float] = (1.0, 15.0),
+    ) -> None:
+        self.mesh = mesh
+        self.model = model
+        self.specs = specs
+        self.rng = rng
+        self.streams_per_round = streams_per_round
+        self.full_stages = full_stages
+        self.stop_range_s = stop_range_s
+        self.expected: dict[int, StreamOutcome] = {}
+        self.records: list[RoundRecord] = []
+        self.mismatches: list[tuple[StreamSpec, StreamOutcome, StreamOutcome]] = []
+
+    def baseline(self) -> None:
+        """Every spec's output with no fault (one at a time)."""
+        for index, spec in enumerate(self.specs):
+            outcome = run_stream(self.mesh.http_url, self.model, spec)
+            if outcome.error is not None:
+                raise RuntimeError(f"the no-fault run of {spec.prompt!r} failed: {outcome.error}")
+            self.expected[index] = outcome
+
+    def pick_fault(self, kind: str) -> Fault:
+        stages = [s for s in self.mesh.status().stages if s.assigned and s.stage_index > 0]
+        target = self.rng.choice(stages).node_id if stages else ""
+        if kind == "stop":
+            return Fault("stop", target, round(self.rng.uniform(*self.stop_range_s), 1))
+        if kind == "throttle":
+            return Fault("throttle", target, round(self.rng.uniform(2.0, 6.0), 1))
+        if kind == "kill":
+            return Fault("kill", target)
+        return Fault("coordinator", "", round(self.rng.uniform(0.5, 4.0), 1))
+
+    def round(self, fault: Fault) -> RoundRecord:
+        """Run one round with ``fault``; then restore the mesh to full size."""
+        record = RoundRecord(fault)
+        chosen = self.rng.sample(range(len(self.specs)), self.streams_per_round)
+        started = [threading.Event() for _ in chosen]
+        term_before = self.mesh.status().term
+        with ThreadPoolExecutor(len(chosen)) as pool:
+            futures = [
+                pool.submit(run_stream, self.mesh.http_url, self.model, self.specs[i], started[n])
+                for n, i in enumerate(chosen)
+            ]
+            for event in started:
+                event.wait(120)
+            time.sleep(self.rng.uniform(0.0, 0.5))
+            watcher = _RecoveryWatch(self.mesh, term_before)
+            self._inject(fault)
+            outcomes = [f.result(timeout=600) for f in futures]
+        for index, outcome in zip(chosen, outcomes, strict=True):
+            verdict = classify(outcome, self.expected[index])
+            record.outcomes.append(verdict)
+            if outcome.error is not None:
+                record.errors.append(outcome.error)
+            if verdict == "corrupted":
+                self.mismatches.append((self.specs[index], self.expected[index], outcome))
+        record.failover, record.recovery_s = watcher.result()
+        self._restore(fault)
+        self.records.append(record)
+        return record
+
+    def _inject(self, fault: Fault) -> None:
+        logger.info("fault: %s", fault)
+        mesh = self.mesh
+        if fault.kind == "kill":
+            mesh.kill_stage(fault.target)
+        elif fault.kind == "stop":
+            mesh.signal_stage(fault.target, signal.SIGSTOP)
+            time.sleep(fault.duration_s)
+            mesh.signal_stage(fault.target, signal.SIGCONT)
+        elif fault.kind == "throttle":
+            end = time.monotonic() + fault.duration_s
+            while time.monotonic() < end:  # stopped 60% of each 50 ms
+                mesh.signal_stage(fault.target, signal.SIGSTOP)
+                time.sleep(0.03)
+                mesh.signal_stage(fault.target, signal.SIGCONT)
+                time.sleep(0.02)
+        elif fault.kind == "coordinator":
+            mesh.kill_coordinator()
+            time.sleep(fault.duration_s)
+            mesh.start_coordinator_again()
+        else:
+            raise ValueError(f"unknown fault kind {fault.kind!r}; one of {FAULT_KINDS}")
+
+    def _restore(self, fault: Fault) -> None:
+        """Start a killed stage again and wait until the mesh serves on full size."""
+        if fault.kind == "kill":
+            self.mesh.start_stage(fault.target)
+
+        def full() -> bool:
+            status = _try_status(self.mesh)
+            if status is None or status.state != "serving":
+                return False
+            assigned = [s for s in status.stages if s.assigned]
+            return len(assigned) >= self.full_stages
+
+        wait_for(full, 180, f"the mesh to serve on {self.full_stages} stages again")
+
+
+class _RecoveryWatch:
+    """Polls the coordinator from the moment of a fault: did a new term serve, and
+    how long after the fault?"""
+
+    def __init__(self, mesh: MeshProcesses, term_before: int) -> None:
+        self.mesh = mesh
+        self.term_before = term_before
+        self.started = time.monotonic()
+        self.served_at: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            status = _try_status(self.mesh)
+            if status is not None and status.state == "serving":
+                if status.term > self.term_before:
+                    self.served_at = time.monotonic()
+                    return
+            time.sleep(0.1)
+
+    def result(self, settle_s: float = 180.0) -> tuple[bool, float | None]:
+        """(failover, seconds to serving again); waits for a failover in progress."""
+        status = _try_status(self.mesh)
+        in_progress = status is None or status.state != "serving"
+        if in_progress:
+            self._thread.join(settle_s)
+        self._done.set()
+        self._thread.join(5)
+        if self.served_at is None:
+            return False, None
+        return True, round(self.served_at - self.started, 2)
+
+
+def _try_status(mesh: MeshProcesses):
+    from mesh.errors import MeshError
+
+    try:
+        return mesh.status()
+    except MeshError:
+        return None
+
+
+def summarize(records: list[RoundRecord]) -> dict:
+    """Counts by fault kind and outcome, and recovery time percentiles."""
+    by_kind: dict[str, dict[str, int]] = {}
+    for record in records:
+        row = by_kind.setdefault(
+            record.fault.kind, {"faults": 0, "failovers": 0} | dict.fromkeys(OUTCOMES, 0)
+        )
+        row["faults"] += 1
+        row["failovers"] += int(record.failover)
+        for outcome in record.outcomes:
+            row[outcome] += 1
+    recoveries = sorted(r.recovery_s for r in records if r.recovery_s is not None)
+    return {
+        "by_kind": by_kind,
+        "totals": {
+            "faults": len(records),
+            **{o: sum(row[o] for row in by_kind.values()) for o in OUTCOMES},
+        },
+        "recovery_s": _percentiles(recoveries),
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "max": None, "count": 0}
+    cut = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else values * 9
+    return {
+        "p50": round(statistics.median(values), 2),
+        "p90": round(cut[8], 2),
+        "max": round(max(values), 2),
+        "count": len(values),
+    }
+
+
+def render_table(summary: dict) -> str:
+    """A Markdown table of ``summarize`` output."""
+    lines = [
+        "| fault | faults | failovers | identical | failed (error) | corrupted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind, row in sorted(summary["by_kind"].items()):
+        lines.append(
+            f"| {kind} | {row['faults']} | {row['failovers']} | {row['identical']} | "
+            f"{row['failed']} | {row['corrupted']} |"
+        )
+    totals = summary["totals"]
+    lines.append(
+        f"| **all** | {totals['faults']} | | {totals['identical']} | {totals['failed']} | "
+        f"**{totals['corrupted']}** |"
+    )
+    rec = summary["recovery_s"]
+    if rec["count"]:
+        lines.append("")
+        lines.append(
+            f"Recovery (fault to serving again, {rec['count']} failovers): "
+            f"p50 {rec['p50']} s, p90 {rec['p90']} s, max {rec['max']} s"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""Faults that lie, through real processes: a stage frozen (SIGSTOP) long enough to
+be declared dead and then woken, a frozen middle stage, a slow stage, a killed stage,
+and a coordinator killed and restarted, each during concurrent greedy and seeded
+streams. Every stream that completes must equal its no-fault output; a stream may
+fail only with an explicit error. `benchmarks/chaos.py` runs the same rounds with
+random faults, many more of them."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from coordinator.chaos import ChaosRun, Fault, default_specs
+from coordinator.localmesh import MeshProcesses, wait_for
+from mesh.errors import MeshError
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_package_factory):
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(package, tmp_path_factory.mktemp("chaos"), 3, max_sessions=8)
+    try:
+        mesh.start().wait_serving()
+        run = ChaosRun(mesh, MODEL, default_specs(6, 160, random.Random(7)), random.Random(11))
+        run.baseline()
+        yield run
+    finally:
+        mesh.close()
+
+
+def last_stage(run: ChaosRun) -> str:
+    stages = [s for s in run.mesh.status().stages if s.assigned]
+    return max(stages, key=lambda s: s.stage_index).node_id
+
+
+def middle_stage(run: ChaosRun) -> str:
+    return next(s.node_id for s in run.mesh.status().stages if s.assigned and s.stage_index == 1)
+
+
+def assert_no_corruption(run: ChaosRun, record) -> None:
+    assert "corrupted" not in record.outcomes, run.mismatches
+    # Greedy and seeded streams here recover from every fault: none is even lost.
+    assert record.outcomes == ["identical"] * len(record.outcomes), record.errors
+
+
+def test_a_frozen_last_stage_that_wakes_up_corrupts_nothing(chaos: ChaosRun):
+    target = last_stage(chaos)
+    record = chaos.round(Fault("stop", target, 8.0))
+    assert record.failover, "an 8 s freeze outlasts the heartbeat timeout"
+    assert_no_corruption(chaos, record)
+    # On waking, the stage learned from the coordinator that its term was over and
+    # dropped its layers and sessions at once (it did not wait for a new plan).
+    log = chaos.mesh.stage_log(target)
+    assert "this stage still held term" in log and "releasing layers" in log
+
+
+def test_a_frozen_middle_stage_that_wakes_up_fails_nothing(chaos: ChaosRun):
+    record = chaos.round(Fault("stop", middle_stage(chaos), 6.0))
+    assert record.failover
+    assert_no_corruption(chaos, record)
+
+
+def test_a_slow_stage_and_a_short_freeze_change_no_output(chaos: ChaosRun):
+    record = chaos.round(Fault("throttle", middle_stage(chaos), 3.0))
+    assert_no_corruption(chaos, record)
+    record = chaos.round(Fault("stop", last_stage(chaos), 1.0))
+    assert not record.failover, "a 1 s freeze is within the heartbeat timeout"
+    assert_no_corruption(chaos, record)
+
+
+def test_a_killed_stage_fails_over_and_the_mesh_grows_back(chaos: ChaosRun):
+    target = middle_stage(chaos)
+    record = chaos.round(Fault("kill", target))
+    assert record.failover
+    assert_no_corruption(chaos, record)
+    # The restarted stage took its place back: the mesh serves on 3 stages again.
+    assigned = [s.node_id for s in chaos.mesh.status().stages if s.assigned]
+    assert target in assigned and len(assigned) == 3
+
+
+def test_a_restarted_coordinator_takes_the_mesh_back_and_fails_over_later(chaos: ChaosRun):
+    term = chaos.mesh.status().term
+    record = chaos.round(Fault("coordinator", "", 2.0))
+    assert_no_corruption(chaos, record)
+    status = chaos.mesh.status()
+    assert status.state == "serving" and status.term > term
+    # The new coordinator supervises: a stage killed now fails over as before.
+    record = chaos.round(Fault("kill", last_stage(chaos)))
+    assert record.failover
+    assert_no_corruption(chaos, record)
+
+
+def test_a_coordinator_restarted_without_its_state_file_still_goes_above_the_stages_term(
+    tmp_path, tiny_package_factory
+):
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(package, tmp_path, 2)
+    try:
+        mesh.start().wait_serving()
+        term = mesh.status().term
+        mesh.kill_coordinator()
+        mesh.state_file.unlink()  # the new coordinator starts at term 0
+        mesh.start_coordinator_again()
+
+        def serving_above() -> bool:
+            try:
+                status = mesh.status()
+            except MeshError:  # the new coordinator is not listening yet
+                return False
+            return status.state == "serving" and status.term > term
+
+        wait_for(serving_above, 120, "the new coordinator to load above the stages' term")
+        assert "claim with term" not in mesh.coordinator_log().split("listening on")[-1]
+    finally:
+        mesh.close()
+
+
+def test_local_stages_do_not_outlive_up(tmp_path, tiny_package_factory):
+    """`up` spawns its stages; SIGKILL of `up` takes them down too."""
+    import subprocess
+    import sys
+
+    package = tiny_package_factory("llama", layers=6)
+    state = tmp_path / "state.json"
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "up",
+            "--model",
+            str(package),
+            "--listen",
+            "127.0.0.1:0",
+            "--http-port",
+            "0",
+            "--spawn-stages",
+            "1",
+            "--state-file",
+            str(state),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: state.exists() and "term" in state.read_text(), 120, "serving")
+        children = _children_of(up.pid)
+        assert len(children) == 2
+        up.send_signal(signal.SIGKILL)
+        up.wait(10)
+        wait_for(lambda: not any(_alive(pid) for pid in children), 30, "the stages to exit")
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _children_of(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

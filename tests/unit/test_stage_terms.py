@@ -1,0 +1,128 @@
+"""A stage node's terms, in process: errors carry the term of the frame they answer,
+a stage told that the coordinator moved on releases at once, and a frame of a newer
+term makes it ask the coordinator."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from mesh.codec import (
+    ClaimRequest,
+    Frame,
+    FrameKind,
+    PrepareRequest,
+    StageLoadRequest,
+    TokenResult,
+    WireDType,
+)
+from mesh.errors import StaleTerm
+from mesh.types import LayerRange, SamplingParams
+from stage.node import NodeSettings, StageNode
+
+
+@pytest.fixture
+def node(tmp_path, tiny_package_factory):
+    package = tiny_package_factory("llama", layers=2)
+    node = StageNode(NodeSettings(node_id="n", cache_dir=tmp_path / "cache"), "127.0.0.1:1")
+    results: queue.SimpleQueue[TokenResult] = queue.SimpleQueue()
+    node.set_result_sink(results.put)
+    node.claim(ClaimRequest(3, "coord", "tiny-llama", "t"))
+    node.prepare(PrepareRequest(3, str(package), LayerRange(0, 2)))
+    deadline = time.monotonic() + 60
+    while node.inventory(3).state != "ready":
+        assert time.monotonic() < deadline, node.inventory(3)
+        time.sleep(0.05)
+    node.load(
+        StageLoadRequest(
+            term=3,
+            topology_id="t",
+            stage_index=0,
+            stage_count=1,
+            layer_range=LayerRange(0, 2),
+            package_ref=str(package),
+            manifest_sha256="",
+            upstream=None,
+            downstream=None,
+            return_endpoint="",
+            wire_dtype=WireDType.F32,
+        )
+    )
+    node.results = results
+    yield node
+    node.stop()
+
+
+def prefill(term: int, session: str = "s") -> Frame:
+    return Frame(
+        session,
+        session,
+        FrameKind.PREFILL,
+        0,
+        token_ids=(1, 5, 9),
+        sampling=SamplingParams(),
+        term=term,
+        sample=True,
+    )
+
+
+def test_results_and_errors_carry_the_term_of_their_frame(node) -> None:
+    node.submit(prefill(3))
+    done = node.results.get(timeout=30)
+    assert done.error is None and done.term == 3 and done.pos_start == 3
+    node.submit(prefill(2, "old"))
+    refused = node.results.get(timeout=30)
+    # The refusal answers a frame of term 2: it says term 2, not the node's 3.
+    assert refused.error is not None and refused.error.code == "FAILED_PRECONDITION"
+    assert refused.term == 2
+
+
+def test_a_newer_term_frame_asks_the_coordinator(node) -> None:
+    asked: list[bool] = []
+    node.on_newer_term(lambda: asked.append(True))
+    node.submit(prefill(4))
+    refused = node.results.get(timeout=30)
+    assert refused.term == 4 and refused.error is not None
+    assert asked == [True]
+    assert node.loaded is not None  # a frame alone never releases the stage
+
+
+def test_a_stage_whose_term_is_over_releases_its_layers_and_sessions(node) -> None:
+    node.submit(prefill(3))
+    node.results.get(timeout=30)
+    assert node.active_sessions() == 1
+    node.observe_coordinator_term(3)  # the same term: nothing happens
+    assert node.loaded is not None
+    node.observe_coordinator_term(5)
+    assert node.loaded is None and node.active_sessions() == 0 and node.state == "idle"
+
+
+def test_a_stale_claim_reports_the_term_the_node_holds(node) -> None:
+    with pytest.raises(StaleTerm) as refused:
+        node.claim(ClaimRequest(2, "old-coordinator", "tiny-llama", "x"))
+    assert refused.value.held_term == 3
+
+
+def test_a_refused_claim_names_the_held_term_over_grpc(node) -> None:
+    import grpc
+
+    from mesh.grpc_util import bind, channel, error_from_rpc, new_server
+    from mesh.proto.v1 import stage_pb2_grpc
+    from stage.servicers import ControlServicer
+
+    server = new_server(2)
+    stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
+    port = bind(server, "127.0.0.1:0")
+    server.start()
+    ch = channel(f"127.0.0.1:{port}")
+    try:
+        stub = stage_pb2_grpc.StageControlStub(ch)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Claim(ClaimRequest(1, "old", "tiny-llama", "x").to_proto(), timeout=10)
+        error = error_from_rpc(refused.value, "Claim")
+        assert isinstance(error, StaleTerm) and error.held_term == 3
+    finally:
+        ch.close()
+        server.stop(0)
