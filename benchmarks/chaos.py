@@ -84,7 +84,13 @@ def main() -> int:
     from mesh.package.manifest import PackageManifest
 
     model = args.model or PackageManifest.load(package).model_id
-    specs = default_specs(8, args.max_tokens, rng)
+    # An instruct model answers chat turns: the varied prompts go as chat messages.
+    specs = [
+        StreamSpec(
+            "", s.max_tokens, s.temperature, s.seed, ({"role": "user", "content": s.prompt},)
+        )
+        for s in default_specs(8, args.max_tokens, rng)
+    ]
     workloads = args.workloads or default_workloads_path()
     if workloads.exists():
         specs += workload_specs(workloads, args.max_tokens, rng)

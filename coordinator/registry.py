@@ -165,6 +165,7 @@ class StageReady:
     node_id: str
     param_bytes: int
     term: int | None = None
+    now: float | None = None  # when the Ready reply was received
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,9 +276,13 @@ def apply(state: State, event: Event) -> State:
         case StageReady():
             if event.term is not None and event.term != state.term:
                 return state
-            return _update_node(
-                state, event.node_id, param_bytes=event.param_bytes, stage_state="loaded"
-            )
+            changes: dict[str, object] = {"param_bytes": event.param_bytes, "stage_state": "loaded"}
+            node = state.node(event.node_id)
+            if event.now is not None and node is not None:
+                # A Ready reply is proof of life: a stage busy loading its layers may
+                # have been too busy to heartbeat meanwhile.
+                changes["last_heartbeat_at"] = max(node.last_heartbeat_at, event.now)
+            return _update_node(state, event.node_id, **changes)
         case LoadFailed():
             if event.term != state.term or state.mesh_state not in ("loading", "serving"):
                 return state

@@ -303,7 +303,12 @@ class CoordinatorService:
             return
         for stage, ready in zip(plan.stages, outcome.ready, strict=True):
             self.apply(
-                registry.StageReady(node_id=stage.node_id, param_bytes=ready.param_bytes, term=term)
+                registry.StageReady(
+                    node_id=stage.node_id,
+                    param_bytes=ready.param_bytes,
+                    term=term,
+                    now=time.monotonic(),
+                )
             )
         self.apply(registry.LoadSucceeded(term=term))
         self._served_once = True

@@ -146,7 +146,7 @@ def test_corrupt_slice_rolls_back_the_whole_attempt(mesh_factory, tiny_package_f
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    mesh = mesh_factory(package, 3)
+    mesh = mesh_factory(package, 3, coordinator_args=("--load-attempts", "2"))
 
     def failed():
         status = mesh.status() if mesh.coordinator_address else None
@@ -162,6 +162,12 @@ def test_corrupt_slice_rolls_back_the_whole_attempt(mesh_factory, tiny_package_f
         10,
         "every stage to be released",
     )
+    # The load is tried again after a backoff; after the second failure `up` gives
+    # up and exits non-zero, saying why (scripts see the exit code).
+    assert mesh.coordinator.wait(120) == 1
+    log = mesh.coordinator_log()
+    assert "could not be loaded after 2 attempts" in log and "00005.safetensors" in log
+    assert not any("loaded layers" in mesh.stage_log(f"stage-{i}") for i in range(3))
 
 
 def test_stale_term_bad_frame_and_dead_stage(mesh_factory, tiny_package_factory):

@@ -293,3 +293,16 @@ def test_frontend_idle_follows_stage_zero_heartbeats() -> None:
     assert not frontend_idle(state)
     state = apply(state, HeartbeatReceived(node_id="b", now=1.0, term=1, active_sessions=0))
     assert not frontend_idle(state)  # only stage 0's sessions count
+
+
+def test_a_ready_reply_counts_as_a_heartbeat() -> None:
+    """A stage busy loading may miss beats; its Ready reply proves it alive."""
+    state = joined("a", "b", now=0.0)
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, LoadStarted(term=next_term(state), plan=plan))
+    state = apply(state, StageReady(node_id="a", param_bytes=1, term=1, now=9.5))
+    state = apply(state, StageReady(node_id="b", param_bytes=1, term=1))
+    state = apply(state, LoadSucceeded(term=1))
+    state = apply(state, HeartbeatsChecked(now=10.0, timeout_s=3.0))
+    assert state.node("a").health == "alive"
+    assert state.node("b").health == "dead"  # no reply time given, no beat since 0.0
