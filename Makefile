@@ -32,7 +32,7 @@ package: venv
 	$(VENV)/bin/mesh-package build default --out packages/default
 
 serve: venv
-	$(VENV)/bin/mesh-coordinator up --spawn-stages 1 --http-port 8000 $(SERVE_ARGS)
+	$(VENV)/bin/mesh-coordinator up --listen 127.0.0.1:7070 --spawn-stages 1 --http-port 8000 $(SERVE_ARGS)
 
 proto: venv
 	$(PY) scripts/gen_proto.py

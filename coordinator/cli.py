@@ -28,6 +28,7 @@ from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.lifetime import PARENT_PID_ENV
 from mesh.logsetup import configure_logging
+from mesh.netaddr import advertise_host, is_wildcard, split_host_port, url_host
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import (
     MeshSecurity,
@@ -51,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the coordinator (and local stages)")
     up.add_argument("--model", default=DEFAULT_MODEL, help="package dir, HF repo, or 'default'")
     up.add_argument("--listen", default="0.0.0.0:7070", help="coordinator gRPC HOST:PORT")
+    up.add_argument(
+        "--advertise",
+        default=None,
+        help="address other hosts use to reach this head (its coordinator, stage 0 and "
+        "HTTP API); default: the listen host, or this host's first global address when "
+        "listening on 0.0.0.0",
+    )
     up.add_argument("--no-local-stage", action="store_true", help="do not run a local stage 0")
     up.add_argument("--spawn-stages", type=int, default=0, help="extra local stage processes")
     up.add_argument("--min-stages", type=int, default=0, help="wait for this many stages")
@@ -133,8 +141,12 @@ def local_stage_argv(
     threads: int,
     frontend: bool,
     security: MeshSecurity,
+    listen_host: str = "127.0.0.1",
+    advertise: str = "127.0.0.1",
 ) -> list[str]:
-    """The command line of local stage ``index`` started by ``up``."""
+    """The command line of local stage ``index`` started by ``up``: it listens on
+    ``listen_host`` (where the coordinator listens) and advertises ``advertise``,
+    so that stages on other hosts can reach it."""
     command = [
         sys.executable,
         "-m",
@@ -143,9 +155,9 @@ def local_stage_argv(
         "--coordinator",
         coordinator,
         "--listen",
-        "127.0.0.1:0",
+        f"{url_host(listen_host)}:0",
         "--advertise",
-        "127.0.0.1",
+        advertise,
         "--node-id",
         f"local-{index}",
         "--threads",
@@ -222,17 +234,26 @@ def up(args: argparse.Namespace) -> int:
         model, settings, on_term=lambda term: record_term(args.state_file, term)
     )
     server, port = serve(service, args.listen)
-    host = args.listen.rsplit(":", 1)[0]
-    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
+    listen_host, _ = split_host_port(args.listen)
+    advertise = advertise_host(listen_host, args.advertise)
+    # Local stages reach the coordinator on the address it listens on (loopback for a
+    # wildcard, or the advertised name with TLS: the one its certificate names);
+    # everyone else is told the advertised one.
+    local_host = listen_host
+    if is_wildcard(listen_host):
+        local_host = advertise if security.tls_enabled else "127.0.0.1"
+    address = f"{url_host(local_host)}:{port}"
+    public = f"{url_host(advertise)}:{port}"
     logger.info("coordinator %s listening on %s", service.coordinator_id, address)
+    if public != address:
+        logger.info("other hosts reach this coordinator at %s", public)
     service.start()
     threads = args.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
     children: list[subprocess.Popen] = []
-    if not args.no_local_stage:
-        argv = local_stage_argv(address, 0, args, threads, True, security)
-        children.append(_spawn_stage(argv, security))
-    for index in range(1, 1 + max(0, args.spawn_stages)):
-        argv = local_stage_argv(address, index, args, threads, False, security)
+    for index in range(0 if not args.no_local_stage else 1, 1 + max(0, args.spawn_stages)):
+        argv = local_stage_argv(
+            address, index, args, threads, index == 0, security, listen_host, advertise
+        )
         children.append(_spawn_stage(argv, security))
     stopped = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopped.set())
@@ -247,7 +268,7 @@ def up(args: argparse.Namespace) -> int:
         state = service.state
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
-            _announce(service, address, args.state_file)
+            _announce(service, public, args.state_file)
         for child in children:
             if child.poll() is not None and not stopped.is_set():
                 logger.warning("local stage process %s exited with %s", child.pid, child.returncode)

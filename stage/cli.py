@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 from mesh.codec import HeartbeatRequest, JoinRequest
@@ -18,6 +18,7 @@ from mesh.errors import MeshError
 from mesh.grpc_util import bind, new_server
 from mesh.lifetime import watch_parent
 from mesh.logsetup import configure_logging
+from mesh.netaddr import advertise_host, split_host_port, url_host
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
 from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
 from mesh.units import parse_bytes
@@ -35,6 +36,13 @@ def default_cache_dir() -> Path:
     return home / "slices"
 
 
+def default_node_id(cache_dir: Path) -> str:
+    """Stable per host and cache directory: a stage restarted the same way rejoins
+    under the same id (and the coordinator puts it back in its place)."""
+    digest = hashlib.sha256(str(cache_dir.resolve()).encode()).hexdigest()[:6]
+    return f"{socket.gethostname()}-{digest}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh-stage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,8 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
 def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
     join.add_argument("--listen", default="0.0.0.0:7071", help="gRPC bind HOST:PORT (port 0: any)")
-    join.add_argument("--advertise", default=None, help="host other nodes use to reach this one")
-    join.add_argument("--node-id", default=None, help="stable node name (default: host-random)")
+    join.add_argument(
+        "--advertise",
+        default=None,
+        help="host other nodes use to reach this one (default: the listen host, or, when "
+        "listening on 0.0.0.0, this host's address on the route to the coordinator)",
+    )
+    join.add_argument(
+        "--node-id",
+        default=None,
+        help="node name; default: the host name and a digest of the cache directory, the "
+        "same on every restart, so a restarted stage takes its place back",
+    )
     join.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     join.add_argument("--memory", default="0", help="memory offered, e.g. 20GiB (0: unknown)")
     join.add_argument("--speed", type=float, default=1.0, help="relative speed hint")
@@ -88,18 +106,16 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-    configure_logging(args.log_level, prefix=node_id)
     cache_dir = args.cache_dir or default_cache_dir()
+    node_id = args.node_id or default_node_id(cache_dir)
+    configure_logging(args.log_level, prefix=node_id)
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, f"stage {node_id}")
     server = new_server(32)
     port = bind(server, args.listen)
-    host = args.advertise or args.listen.rsplit(":", 1)[0]
-    if host in ("0.0.0.0", "[::]", ""):
-        host = socket.gethostname()
-    address = f"{host}:{port}"
+    host = advertise_host(split_host_port(args.listen)[0], args.advertise, args.coordinator)
+    address = f"{url_host(host)}:{port}"
     node = StageNode(
         NodeSettings(
             node_id=node_id,
@@ -120,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.frontend:
         from stage.frontend.host import start_frontend
 
-        frontend = start_frontend(node, args)
+        frontend = start_frontend(node, args, host)
         http_url = frontend.url
     membership = Membership(
         args.coordinator,

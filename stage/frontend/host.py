@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from mesh.netaddr import is_wildcard, url_host
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.scheduler import PipelineScheduler, SchedulerLimits
 from stage.node import LoadedStage, StageNode
@@ -115,7 +116,11 @@ def _speculation(args: argparse.Namespace, model_id: str, loaded: LoadedStage, t
     return factory
 
 
-def start_frontend(node: StageNode, args: argparse.Namespace) -> FrontendHost:
+def start_frontend(
+    node: StageNode, args: argparse.Namespace, advertise: str = "127.0.0.1"
+) -> FrontendHost:
+    """Serve the OpenAI API on ``--http-host``; its announced URL uses ``advertise``
+    when that host is a wildcard (so a client on another host can use it)."""
     limits = SchedulerLimits(max_sessions=args.max_sessions, max_queued=args.max_queued)
     scheduler = PipelineScheduler(node, model_id="", limits=limits)
     switch = SwitchableApp()
@@ -140,7 +145,7 @@ def start_frontend(node: StageNode, args: argparse.Namespace) -> FrontendHost:
 
     node.on_load_change(on_load)
     server, thread, port = serve_app(switch, args.http_host, args.http_port, log_level="warning")
-    host = "127.0.0.1" if args.http_host in ("0.0.0.0", "") else args.http_host
-    url = f"http://{host}:{port}"
+    host = advertise if is_wildcard(args.http_host) else args.http_host
+    url = f"http://{url_host(host)}:{port}"
     logger.info("OpenAI frontend on %s (ready once the pipeline is loaded)", url)
     return FrontendHost(url=url, scheduler=scheduler, switch=switch, server=server, thread=thread)

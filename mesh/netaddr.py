@@ -1,0 +1,117 @@
+"""Which address a node tells others to dial.
+
+A node that listens on a wildcard (``0.0.0.0``) must advertise an address other
+hosts can reach: never loopback when its peers are elsewhere. In order:
+
+1. what the operator gave (``--advertise``);
+2. the listen host, when it is a specific address;
+3. the source address of the route to the coordinator, when the coordinator is on
+   another host (asking the kernel for the route sends no packet);
+4. the first global IPv4 address of this host's interfaces;
+5. loopback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import subprocess
+
+logger = logging.getLogger(__name__)
+
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 hosts in brackets) -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]") if host.startswith("[") else host, int(port)
+
+
+def is_wildcard(host: str) -> bool:
+    return host in WILDCARDS
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def route_source(peer_host: str, peer_port: int = 9) -> str | None:
+    """The local address the kernel would use to reach ``peer_host`` (a UDP socket
+    is connected, which picks the route and sends nothing); None if there is none."""
+    try:
+        infos = socket.getaddrinfo(peer_host, peer_port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(sockaddr)
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+def host_addresses() -> list[str]:
+    """Global (non-loopback) IPv4 addresses of this host's interfaces, in the order
+    ``ip`` lists them; empty when none can be found."""
+    try:
+        out = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    found = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+    if not found:
+        try:
+            found = [
+                a for a in socket.gethostbyname_ex(socket.gethostname())[2] if not is_loopback(a)
+            ]
+        except OSError:
+            found = []
+    return found
+
+
+def advertise_host(listen_host: str, advertise: str | None, coordinator: str | None = None) -> str:
+    """The host part a node advertises (see the module docstring for the order)."""
+    if advertise:
+        return advertise
+    if not is_wildcard(listen_host):
+        return listen_host
+    if coordinator:
+        try:
+            host, port = split_host_port(coordinator)
+        except ValueError:
+            host, port = "", 0
+        if host and not is_loopback(host):
+            source = route_source(host, port)
+            if source and not is_loopback(source):
+                return source
+    addresses = host_addresses()
+    if addresses:
+        if len(addresses) > 1:
+            logger.info(
+                "advertising %s (this host also has %s); pass --advertise to choose",
+                addresses[0],
+                ", ".join(addresses[1:]),
+            )
+        return addresses[0]
+    return "127.0.0.1"
+
+
+def url_host(host: str) -> str:
+    """A host as it goes into a URL or HOST:PORT (IPv6 in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,143 @@
+"""Hosts for multi-host tests: one network namespace per host, each with its own
+10.x address on a veth pair plugged into one bridge, so that processes in different
+"hosts" talk over a real (virtual) link and cannot use each other's loopback.
+
+    hosts = NetnsHosts(["head", "worker-1", "client"]).create()
+    hosts.address("head")                      # '10.213.N.1'
+    hosts.popen("head", [...], log_path)       # a process inside the head namespace
+    hosts.close()                              # kill processes, remove everything
+
+Needs root and iproute2 (`ip`); ``unavailable_reason()`` says why not, for a skip.
+Only addresses inside these namespaces are used.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+SUBNET_PREFIX = "10.213"
+# Addresses on a network no other test host is on.
+PRIVATE_PREFIX = "10.214"
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    command = ["ip", *(["netns", "exec", netns, "ip"] if netns else []), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, check=check)
+
+
+def unavailable_reason() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"mprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class NetnsHosts:
+    def __init__(self, names: list[str]) -> None:
+        tag = os.getpid() % 10000
+        self.prefix = f"m{tag}"
+        self.subnet = f"{SUBNET_PREFIX}.{20 + tag % 200}"
+        self.names = list(names)
+        self._index = {name: i for i, name in enumerate(names)}
+        self.bridge = f"{self.prefix}br"
+        self.processes: list[subprocess.Popen] = []
+
+    def netns(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    def address(self, name: str) -> str:
+        return f"{self.subnet}.{self._index[name] + 1}"
+
+    def host_link(self, name: str) -> str:
+        """The bridge-side end of ``name``'s veth pair (traffic *to* that host)."""
+        return f"{self.prefix}v{self._index[name]}"
+
+    def inner_link(self, name: str) -> str:
+        """The namespace-side end (traffic *from* that host)."""
+        return f"{self.prefix}p{self._index[name]}"
+
+    def create(self) -> NetnsHosts:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for name in self.names:
+                ns, outer, inner = self.netns(name), self.host_link(name), self.inner_link(name)
+                _ip("netns", "add", ns)
+                _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+                _ip("link", "set", inner, "netns", ns)
+                _ip("link", "set", outer, "master", self.bridge, "up")
+                _ip("addr", "add", f"{self.address(name)}/24", "dev", inner, netns=ns)
+                _ip("link", "set", inner, "up", netns=ns)
+                _ip("link", "set", "lo", "up", netns=ns)
+        except subprocess.CalledProcessError as error:
+            self.close()
+            raise RuntimeError(f"cannot build the test hosts: {error.stderr.strip()}") from error
+        return self
+
+    def command(self, name: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns(name), *argv]
+
+    def popen(
+        self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Start ``argv`` on host ``name``; stdout and stderr go to ``log``."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        process = subprocess.Popen(
+            self.command(name, argv),
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        return process
+
+    def run(
+        self, name: str, argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.command(name, argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+
+    def add_private_address(self, name: str) -> str:
+        """Give host ``name`` a second address that no other host has a route to
+        (as a head's address on a network its workers are not on)."""
+        private = f"{PRIVATE_PREFIX}.{self.subnet.rsplit('.', 1)[1]}.1"
+        _ip("addr", "add", f"{private}/24", "dev", self.inner_link(name), netns=self.netns(name))
+        return private
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Take ``name``'s link down or up (its processes keep running)."""
+        _ip("link", "set", self.host_link(name), "up" if up else "down")
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in self.names:
+            _ip("netns", "del", self.netns(name), check=False)
+            _ip("link", "del", self.host_link(name), check=False)
+        _ip("link", "del", self.bridge, check=False)

@@ -1,0 +1,227 @@
+"""The README's multi-machine recipe, run as written on hosts made of network
+namespaces: a head (coordinator + stage 0 + HTTP), two workers and a client host,
+each with its own 10.x address on a bridge. Nothing may dial another host's
+loopback: a stage that advertised 127.0.0.1 would fail here."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from netns_hosts import NetnsHosts, unavailable_reason
+
+from coordinator.localmesh import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PROMPT = [1, 517, 2049, 33, 1200, 77, 4051, 9, 300]
+NEW_TOKENS = 12
+HOSTS = ["head", "worker-1", "worker-2", "client"]
+
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"no network namespaces: {unavailable_reason()}"
+)
+
+
+def readme_recipe() -> dict[str, list[str]]:
+    """The commands of the README's "Across machines" block, by program and verb."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Across machines", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = {}
+    for line in block.splitlines():
+        if line.startswith("mesh-"):
+            argv = shlex.split(line)
+            commands[f"{argv[0]} {argv[1]}"] = argv
+    assert set(commands) == {"mesh-coordinator up", "mesh-stage join", "mesh-coordinator status"}
+    return commands
+
+
+def recipe(verb: str, head_ip: str, package: Path) -> list[str]:
+    argv = readme_recipe()[verb]
+    argv = [a.replace("HEAD_IP", head_ip).replace("PACKAGE", str(package)) for a in argv]
+    return [str(BIN / argv[0]), *argv[1:]]
+
+
+CLIENT_SCRIPT = """
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
+reply = client.completions.create(
+    model=sys.argv[2], prompt=json.loads(sys.argv[3]), max_tokens=int(sys.argv[4]), temperature=0
+)
+print(json.dumps({"text": reply.choices[0].text}))
+"""
+
+
+def client_completion(hosts: NetnsHosts, base_url: str, model: str) -> str:
+    """A greedy completion by the openai client, run on the client host."""
+    argv = [sys.executable, "-c", CLIENT_SCRIPT, base_url, model, json.dumps(PROMPT)]
+    done = hosts.run("client", [*argv, str(NEW_TOKENS)], timeout=180)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])["text"]
+
+
+def status_json(hosts: NetnsHosts, argv: list[str]) -> dict | None:
+    done = hosts.run("client", [*argv, "--json"], timeout=60)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def unsplit_text(model_dir: Path) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=0
+    )
+    return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(PROMPT) :].tolist())
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    made = NetnsHosts(HOSTS).create()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+class Recipe:
+    """The README recipe started on the namespace hosts."""
+
+    def __init__(self, hosts: NetnsHosts, package: Path, workdir: Path, extra=None) -> None:
+        self.hosts = hosts
+        self.head_ip = hosts.address("head")
+        self.workdir = workdir
+        extra = extra or {}
+        up = recipe("mesh-coordinator up", self.head_ip, package) + extra.get("head", [])
+        self.head = hosts.popen("head", up, workdir / "head.log", self._home("head"))
+        self.workers = {}
+        for name in ("worker-1", "worker-2"):
+            join = recipe("mesh-stage join", self.head_ip, package) + extra.get(name, [])
+            self.workers[name] = hosts.popen(name, join, workdir / f"{name}.log", self._home(name))
+        self.status_argv = recipe("mesh-coordinator status", self.head_ip, package)
+        self.status_argv += extra.get("client", [])
+
+    def _home(self, name: str) -> dict[str, str]:
+        # Each host has its own cache (its own disk); the shared package path stands
+        # for a shared file system.
+        return {"MESH_HOME": str(self.workdir / name / "home"), "PYTHONUNBUFFERED": "1"}
+
+    def status(self) -> dict | None:
+        return status_json(self.hosts, self.status_argv)
+
+    def wait_serving(self, stages: int, above_term: int = 0) -> dict:
+        def serving() -> dict | None:
+            if self.head.poll() is not None:
+                raise RuntimeError("the head exited:\n" + self.log("head"))
+            status = self.status()
+            if status is None or status["state"] != "serving" or status["term"] <= above_term:
+                return None
+            assigned = [s for s in status["stages"] if s["assigned"]]
+            return status if len(assigned) == stages else None
+
+        return wait_for(serving, 180, f"the mesh to serve on {stages} stages")
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        import os
+
+        process = self.workers.pop(name)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+    def stop(self) -> None:
+        import os
+
+        for process in [self.head, *self.workers.values()]:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in [self.head, *self.workers.values()]:
+            try:
+                process.wait(30)
+            except Exception:  # noqa: BLE001 - cleanup goes on; close() kills the rest
+                pass
+
+
+@pytest.fixture(scope="module")
+def package(tiny_package_factory) -> Path:
+    return tiny_package_factory("llama", layers=6)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_factory) -> str:
+    return unsplit_text(tiny_model_factory("llama", layers=6))
+
+
+def test_the_readme_recipe_serves_a_client_on_another_host_and_fails_over(
+    hosts, package, expected, tmp_path
+):
+    mesh = Recipe(hosts, package, tmp_path)
+    try:
+        status = mesh.wait_serving(stages=3)
+        addresses = {s["node_id"]: s["address"] for s in status["stages"] if s["assigned"]}
+        # Every stage advertised its own namespace address, never loopback.
+        hosts_of = {a.rsplit(":", 1)[0] for a in addresses.values()}
+        assert hosts_of == {hosts.address(h) for h in ("head", "worker-1", "worker-2")}
+        assert status["http_url"] == f"http://{mesh.head_ip}:8000"
+        # A client on a fourth host gets the unsplit model's greedy output.
+        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
+        # A worker host's processes die: the mesh fails over to the two hosts left.
+        mesh.kill("worker-2")
+        status = mesh.wait_serving(stages=2, above_term=status["term"])
+        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
+    finally:
+        mesh.stop()
+
+
+def test_the_recipe_with_tls_certificates_naming_the_host_addresses(
+    hosts, package, expected, tmp_path
+):
+    ips = [hosts.address(h) for h in ("head", "worker-1", "worker-2")]
+    certs = tmp_path / "tls"
+    made = hosts.run("head", [str(BIN / "mesh-coordinator"), "certs", "--out", str(certs),
+                              "--hosts", ",".join(ips)])  # fmt: skip
+    assert made.returncode == 0, made.stderr
+
+    def tls(ip: str) -> list[str]:
+        return ["--tls-cert", str(certs / f"node-{ip}.pem"), "--tls-key",
+                str(certs / f"node-{ip}-key.pem"), "--tls-ca", str(certs / "ca.pem")]  # fmt: skip
+
+    extra = {
+        "head": tls(ips[0]),
+        "worker-1": tls(ips[1]),
+        "worker-2": tls(ips[2]),
+        "client": ["--tls-ca", str(certs / "ca.pem")],
+    }
+    mesh = Recipe(hosts, package, tmp_path, extra)
+    try:
+        status = mesh.wait_serving(stages=3)
+        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
+        # Without the CA, status cannot talk to the TLS coordinator.
+        assert status_json(hosts, recipe("mesh-coordinator status", mesh.head_ip, package)) is None
+    finally:
+        mesh.stop()
+
+
+def test_a_worker_that_cannot_reach_stage_0_fails_naming_the_address(hosts, package, tmp_path):
+    # The head advertises an address of its own that the workers have no route to:
+    # the coordinator (on the head) reaches stage 0, the last stage cannot.
+    unreachable = hosts.add_private_address("head")
+    extra = {"head": ["--advertise", unreachable, "--load-attempts", "1"]}
+    mesh = Recipe(hosts, package, tmp_path, extra)
+    try:
+        started = time.monotonic()
+        assert mesh.head.wait(240) == 1, mesh.log("head")
+        log = mesh.log("head")
+        assert f"cannot reach {unreachable}:" in log and "could not be loaded" in log
+        assert time.monotonic() - started < 240
+    finally:
+        mesh.stop()
