@@ -187,11 +187,15 @@ class StageNode:
                         on_broken=self._return_broken,
                         delay_s=self.settings.inject_delay_ms / 1000.0,
                     )
-            except MeshError:
+            except MeshError as error:
                 for link in (loaded.forward, loaded.returns):
                     if link is not None:
                         link.close()
-                raise
+                raise Unavailable(
+                    f"{error.message}. This stage ({self.address}) must reach the address "
+                    "its neighbours advertise: check routes and firewalls between the hosts, "
+                    "or give that node an --advertise address this host can reach"
+                ) from error
             self.loaded = loaded
             self.state = "serving"
             load_ms = (time.perf_counter() - started) * 1000.0

@@ -114,6 +114,13 @@ class NetnsHosts:
             env={**os.environ, **(env or {})},
         )
 
+    def reach_from_test_process(self) -> str:
+        """Give the bridge an address, so that this (root-namespace) process can reach
+        every host directly; returns that address."""
+        address = f"{self.subnet}.254"
+        _ip("addr", "add", f"{address}/24", "dev", self.bridge)
+        return address
+
     def add_private_address(self, name: str) -> str:
         """Give host ``name`` a second address that no other host has a route to
         (as a head's address on a network its workers are not on)."""

@@ -9,7 +9,9 @@ import json
 import shlex
 import signal
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,7 @@ def unsplit_text(model_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def hosts():
     made = NetnsHosts(HOSTS).create()
+    made.reach_from_test_process()  # the link test's streams run from this process
     try:
         yield made
     finally:
@@ -223,5 +226,43 @@ def test_a_worker_that_cannot_reach_stage_0_fails_naming_the_address(hosts, pack
         log = mesh.log("head")
         assert f"cannot reach {unreachable}:" in log and "could not be loaded" in log
         assert time.monotonic() - started < 240
+    finally:
+        mesh.stop()
+
+
+def test_a_worker_link_down_and_up_during_streams_corrupts_nothing(hosts, package, tmp_path):
+    """A link fault, not a process fault: worker-2's link goes down for 6 s while
+    four streams run, then comes back. The coordinator fails over; when the link
+    returns, the worker learns its term is over and the mesh grows back to three
+    stages. Every stream equals its no-fault output."""
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    mesh = Recipe(hosts, package, tmp_path)
+    try:
+        status = mesh.wait_serving(stages=3)
+        url = status["http_url"]
+        specs = [
+            StreamSpec(f"Link test {i}: a story about {topic}", 160, 0.8 if i % 2 else 0.0, i)
+            for i, topic in enumerate(["ships", "bees", "rain", "clocks"])
+        ]
+        expected = [run_stream(url, "tiny-llama", spec) for spec in specs]
+        assert all(e.error is None for e in expected)
+        started = [threading.Event() for _ in specs]
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = [
+                pool.submit(run_stream, url, "tiny-llama", spec, started[i])
+                for i, spec in enumerate(specs)
+            ]
+            for event in started:
+                assert event.wait(60)
+            hosts.set_link("worker-2", up=False)
+            time.sleep(6.0)
+            hosts.set_link("worker-2", up=True)
+            outcomes = [f.result(timeout=300) for f in futures]
+        verdicts = [classify(o, e) for o, e in zip(outcomes, expected, strict=True)]
+        assert verdicts == ["identical"] * len(specs), [o.error for o in outcomes]
+        after = mesh.wait_serving(stages=3, above_term=status["term"])
+        assert after["term"] > status["term"]
+        assert "this stage still held term" in mesh.log("worker-2")
     finally:
         mesh.stop()
