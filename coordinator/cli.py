@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
     up.add_argument("--stage-threads", type=int, default=0, help="torch threads per local stage")
     up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
+    up.add_argument(
+        "--forget-dead-after",
+        type=float,
+        default=600.0,
+        help="seconds after which a dead node leaves the registry and `status` (0: never)",
+    )
     up.add_argument("--cache-dir", type=Path, default=None, help="slice cache of local stages")
     up.add_argument(
         "--state-file",
@@ -227,6 +233,7 @@ def up(args: argparse.Namespace) -> int:
         min_stages=max(args.min_stages, local, 1),
         max_stages=args.max_stages,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        forget_dead_after_s=max(0.0, args.forget_dead_after),
         load_attempts=max(0, args.load_attempts),
         term_floor=term_floor(args.state_file),
     )
@@ -355,6 +362,7 @@ def status(args: argparse.Namespace) -> int:
         http_url=reply.http_url,
         layer_count=reply.layer_count,
         stages=tuple(StageStatusView(**vars(s)) for s in reply.stages),
+        waiting_for=reply.waiting_for,
     )
     if args.json:
         body = vars(view) | {

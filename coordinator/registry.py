@@ -145,6 +145,8 @@ class HeartbeatReceived:
 class HeartbeatsChecked:
     now: float
     timeout_s: float
+    # Dead nodes silent for longer than this are forgotten (0: kept forever).
+    forget_after_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +237,43 @@ def frontend_idle(state: State) -> bool:
         return False
     head = state.node(state.topology.stages[0].node_id)
     return head is not None and head.active_sessions == 0
+
+
+def waiting_for(
+    state: State,
+    *,
+    min_stages: int,
+    served_once: bool,
+    retry_in_s: float | None = None,
+    gave_up: str | None = None,
+) -> str:
+    """What the mesh waits for before it serves (or grows back), for operators; empty
+    when it serves at the size asked for. ``retry_in_s``: seconds to the next load
+    attempt after a failure."""
+    alive = alive_nodes(state)
+    if gave_up:
+        return "nothing: the coordinator gave up (see error)"
+    if state.mesh_state == "loading":
+        return f"the stages to load term {state.term}"
+    if state.mesh_state == "serving":
+        if undersized(state, min_stages):
+            return (
+                f"stage 0 to be idle, to plan again on {len(alive)} alive nodes "
+                f"(serving on {len(state.topology.stages)}, --min-stages {min_stages})"
+            )
+        return ""
+    if any(n.frontend for n in state.nodes) and not any(n.frontend for n in alive):
+        return "the frontend stage (stage 0) to rejoin"
+    needed = 1 if served_once else min_stages
+    if len(alive) < needed:
+        return (
+            f"{needed - len(alive)} more stage(s) to join ({len(alive)} alive, "
+            f"--min-stages {min_stages})"
+        )
+    if state.mesh_state == "failed":
+        when = f" in {retry_in_s:.0f} s" if retry_in_s is not None else ""
+        return f"the next load attempt{when}"
+    return "the first load to start"
 
 
 def next_term(state: State) -> int:
@@ -369,6 +408,10 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
     after = state
     for record in state.nodes:
         silent_s = event.now - record.last_heartbeat_at
+        if not record.alive and 0 < event.forget_after_s < silent_s:
+            logger.info("forgetting node %s: silent for %.0f s", record.node_id, silent_s)
+            after = replace(after, nodes=tuple(n for n in after.nodes if n is not record))
+            continue
         if not record.alive or silent_s <= event.timeout_s:
             continue
         logger.warning(

@@ -39,6 +39,8 @@ class CoordinatorSettings:
     max_stages: int = 0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
+    # Dead nodes leave the registry (and `status`) after this long (0: never).
+    forget_dead_after_s: float = 600.0
     supervise_interval_s: float = 0.25
     # A failed load is tried again after retry_backoff_s, doubling per failure up
     # to retry_backoff_max_s.
@@ -154,9 +156,15 @@ class CoordinatorService:
             return HeartbeatReply(known=True, term=self.state.term)
 
     def status(self) -> StatusReply:
+        now = time.monotonic()
         with self._lock:
-            view = status_from_state(
-                self.state, now=time.monotonic(), coordinator_id=self.coordinator_id
+            view = status_from_state(self.state, now=now, coordinator_id=self.coordinator_id)
+            waiting = registry.waiting_for(
+                self.state,
+                min_stages=self.settings.min_stages,
+                served_once=self._served_once,
+                retry_in_s=max(0.0, self._last_attempt + self._backoff_s() - now),
+                gave_up=self.gave_up,
             )
         return StatusReply(
             coordinator_id=view.coordinator_id,
@@ -168,6 +176,7 @@ class CoordinatorService:
             http_url=view.http_url,
             layer_count=view.layer_count,
             stages=tuple(StageStatus(**vars(stage)) for stage in view.stages),
+            waiting_for=waiting,
         )
 
     # ---- supervision -------------------------------------------------------------
@@ -181,7 +190,9 @@ class CoordinatorService:
             before = self.state
             after = self.apply(
                 registry.HeartbeatsChecked(
-                    now=time.monotonic(), timeout_s=self.settings.heartbeat_timeout_s
+                    now=time.monotonic(),
+                    timeout_s=self.settings.heartbeat_timeout_s,
+                    forget_after_s=self.settings.forget_dead_after_s,
                 )
             )
             if before.topology is not None and after.topology is None and after.degraded:

@@ -61,6 +61,7 @@ class StatusView:
     http_url: str
     layer_count: int
     stages: tuple[StageStatusView, ...]
+    waiting_for: str = ""
 
 
 def status_from_state(state: State, *, now: float, coordinator_id: str = "") -> StatusView:
@@ -125,6 +126,8 @@ def render_status(
         header.insert(0, f"coordinator: {status.coordinator_id}")
     if status.error:
         header.append(f"error:       {status.error}")
+    if status.waiting_for:
+        header.append(f"waiting for: {status.waiting_for}")
     if not status.stages:
         return "\n".join(header + ["", "no nodes have joined"]) + "\n"
     table = _table([_row(stage) for stage in status.stages])

@@ -187,6 +187,7 @@ class StatusReply:
     http_url: str = ""
     layer_count: int = 0
     stages: tuple[StageStatus, ...] = ()
+    waiting_for: str = ""
 
     def to_proto(self) -> coordinator_pb2.StatusReply:
         return coordinator_pb2.StatusReply(
@@ -199,6 +200,7 @@ class StatusReply:
             http_url=self.http_url,
             layer_count=self.layer_count,
             stages=[s.to_proto() for s in self.stages],
+            waiting_for=self.waiting_for,
         )
 
     @classmethod
@@ -213,4 +215,5 @@ class StatusReply:
             http_url=pb.http_url,
             layer_count=pb.layer_count,
             stages=tuple(StageStatus.from_proto(s) for s in pb.stages),
+            waiting_for=pb.waiting_for,
         )

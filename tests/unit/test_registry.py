@@ -25,6 +25,7 @@ from coordinator.registry import (
     next_term,
     planner_nodes,
     undersized,
+    waiting_for,
 )
 from mesh.errors import InvalidRequest, StaleTerm
 from mesh.types import LayerRange
@@ -306,3 +307,39 @@ def test_a_ready_reply_counts_as_a_heartbeat() -> None:
     state = apply(state, HeartbeatsChecked(now=10.0, timeout_s=3.0))
     assert state.node("a").health == "alive"
     assert state.node("b").health == "dead"  # no reply time given, no beat since 0.0
+
+
+def test_dead_nodes_are_forgotten_after_a_while() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, NodeJoined(node_id="spare", address="10.0.0.9:7071", now=0.0))
+    for now in (5.0, 50.0):
+        for node_id in ("a", "b"):
+            state = apply(state, HeartbeatReceived(node_id=node_id, now=now, term=1))
+        state = apply(state, HeartbeatsChecked(now=now, timeout_s=3.0, forget_after_s=30.0))
+    assert state.node("spare") is None  # dead at 5 s, forgotten once silent > 30 s
+    assert [n.node_id for n in state.nodes] == ["a", "b"]
+    assert state.mesh_state == "serving"
+    # forget_after_s == 0 keeps dead nodes for good.
+    state = apply(state, NodeJoined(node_id="old", address="10.0.0.8:7071", now=50.0))
+    state = apply(state, HeartbeatsChecked(now=5000.0, timeout_s=3.0))
+    assert state.node("old") is not None and state.node("old").health == "dead"
+
+
+def test_waiting_for_says_what_the_mesh_waits_for() -> None:
+    state = joined("a")
+    assert "2 more stage(s) to join (1 alive, --min-stages 3)" in waiting_for(
+        state, min_stages=3, served_once=False
+    )
+    state, _ = serving("a", "b")
+    assert waiting_for(state, min_stages=2, served_once=True) == ""
+    state = apply(state, NodeJoined(node_id="c", address="10.0.0.3:7071", now=1.0))
+    assert "stage 0 to be idle" in waiting_for(state, min_stages=3, served_once=True)
+    state = apply(state, LoadFailed(term=1, error="boom"))
+    assert waiting_for(state, min_stages=3, served_once=True, retry_in_s=4.2) == (
+        "the next load attempt in 4 s"
+    )
+    assert "gave up" in waiting_for(state, min_stages=3, served_once=True, gave_up="x")
+    state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=3.0))
+    assert waiting_for(state, min_stages=3, served_once=True) == (
+        "the frontend stage (stage 0) to rejoin"
+    )

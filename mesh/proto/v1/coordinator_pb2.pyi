@@ -90,7 +90,7 @@ class StageStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., assigned: _Optional[bool] = ..., stage_index: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., health: _Optional[str] = ..., state: _Optional[str] = ..., term: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., param_bytes: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("coordinator_id", "model_id", "package_ref", "term", "state", "error", "http_url", "layer_count", "stages")
+    __slots__ = ("coordinator_id", "model_id", "package_ref", "term", "state", "error", "http_url", "layer_count", "stages", "waiting_for")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_REF_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class StatusReply(_message.Message):
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     model_id: str
     package_ref: str
@@ -109,4 +110,5 @@ class StatusReply(_message.Message):
     http_url: str
     layer_count: int
     stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
-    def __init__(self, coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ..., package_ref: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., http_url: _Optional[str] = ..., layer_count: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ...) -> None: ...
+    waiting_for: str
+    def __init__(self, coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ..., package_ref: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., http_url: _Optional[str] = ..., layer_count: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., waiting_for: _Optional[str] = ...) -> None: ...
