@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve_model_ref(ref: str, quant: str | None = None) -> str:
+    if Path(ref).expanduser().is_dir():
+        # Stages get the absolute path: the same path on a shared file system, or the
+        # name they ask the coordinator for when they cannot read it.
+        ref = str(Path(ref).expanduser().resolve())
     if ref != DEFAULT_MODEL:
         if quant:
             raise InvalidRequest(

@@ -349,10 +349,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def serve(service: CoordinatorService, listen: str, workers: int = 16) -> tuple[grpc.Server, int]:
+    from coordinator.package_server import PackageFilesServicer
     from mesh.grpc_util import bind, new_server
 
     server = new_server(workers)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(service), server)
+    coordinator_pb2_grpc.add_PackageFilesServicer_to_server(PackageFilesServicer(service), server)
     port = bind(server, listen)
     server.start()
     return server, port

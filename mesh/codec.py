@@ -32,9 +32,14 @@ from mesh.codec_coordinator import (
     HeartbeatRequest,
     JoinReply,
     JoinRequest,
+    PackageManifestRequest,
+    ReadFileRequest,
     StageStatus,
     StatusReply,
     StatusRequest,
+    chunk_parts,
+    file_chunk,
+    manifest_reply,
 )
 from mesh.codec_data import (
     ErrorInfo,
@@ -58,6 +63,11 @@ from mesh.errors import InvalidRequest
 from mesh.proto.v1 import common_pb2, data_pb2
 
 __all__ = [
+    "PackageManifestRequest",
+    "ReadFileRequest",
+    "chunk_parts",
+    "file_chunk",
+    "manifest_reply",
     "ClaimReply",
     "ClaimRequest",
     "ErrorInfo",

@@ -217,3 +217,52 @@ class StatusReply:
             stages=tuple(StageStatus.from_proto(s) for s in pb.stages),
             waiting_for=pb.waiting_for,
         )
+
+
+@dataclass(frozen=True)
+class PackageManifestRequest:
+    """A worker asks the coordinator for the manifest of the package it serves."""
+
+    package_ref: str
+    node_id: str = ""
+
+    def to_proto(self) -> coordinator_pb2.PackageManifestRequest:
+        return coordinator_pb2.PackageManifestRequest(
+            package_ref=self.package_ref, node_id=self.node_id
+        )
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.PackageManifestRequest) -> PackageManifestRequest:
+        return cls(package_ref=pb.package_ref, node_id=pb.node_id)
+
+
+@dataclass(frozen=True)
+class ReadFileRequest:
+    """A worker reads one package file from ``offset`` on."""
+
+    package_ref: str
+    path: str
+    offset: int = 0
+    node_id: str = ""
+
+    def to_proto(self) -> coordinator_pb2.ReadFileRequest:
+        return coordinator_pb2.ReadFileRequest(
+            package_ref=self.package_ref, path=self.path, offset=self.offset, node_id=self.node_id
+        )
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.ReadFileRequest) -> ReadFileRequest:
+        return cls(package_ref=pb.package_ref, path=pb.path, offset=pb.offset, node_id=pb.node_id)
+
+
+def manifest_reply(manifest_json: str) -> coordinator_pb2.PackageManifestReply:
+    return coordinator_pb2.PackageManifestReply(manifest_json=manifest_json)
+
+
+def file_chunk(offset: int, data: bytes) -> coordinator_pb2.FileChunk:
+    return coordinator_pb2.FileChunk(offset=offset, data=data)
+
+
+def chunk_parts(pb: coordinator_pb2.FileChunk) -> tuple[int, bytes]:
+    """(offset, data) of a received chunk."""
+    return int(pb.offset), bytes(pb.data)

@@ -24,6 +24,7 @@ from mesh.security import add_security_arguments, install, log_posture, security
 from mesh.units import parse_bytes
 from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
+from stage.package_client import CoordinatorPackageSource
 from stage.servicers import ControlServicer, DataServicer
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_graphs=args.cuda_graphs,
         ),
         address,
+        remote=CoordinatorPackageSource(args.coordinator, node_id),
     )
     stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
     data_pb2_grpc.add_StageDataServicer_to_server(DataServicer(node, node.deliver_result), server)

@@ -27,6 +27,7 @@ from mesh.codec import (
 )
 from mesh.errors import InvalidRequest, MeshError, StaleTerm, Unavailable
 from mesh.package.manifest import PackageManifest
+from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
 from mesh.runtime import load_stage_runtime
 from stage.engine import StageEngine
@@ -77,10 +78,14 @@ class LoadedStage:
 class StageNode:
     """One stage: control state machine plus the frame worker."""
 
-    def __init__(self, settings: NodeSettings, address: str) -> None:
+    def __init__(
+        self, settings: NodeSettings, address: str, remote: RemotePackageSource | None = None
+    ) -> None:
+        """``remote`` serves packages named by a path this host cannot read (the
+        coordinator, for a worker without a shared file system)."""
         self.settings = settings
         self.address = address
-        self.resolver = SliceResolver(settings.cache_dir)
+        self.resolver = SliceResolver(settings.cache_dir, remote=remote)
         self.term = 0
         self.coordinator_id = ""
         self.state = "idle"

@@ -3,8 +3,10 @@
 A stage owning ``[start, end)`` needs the meta files, the embed file when
 ``start == 0``, the head file when ``end == layer_count`` and its own layer files
 (``PackageManifest.files_for``). The resolver fetches only those, from a local
-package directory (plain reads) or an HF repo (``hf_hub_download`` per file into
-the hub cache), verifies each file's sha256 and installs it atomically under::
+package directory (plain reads), an HF repo (``hf_hub_download`` per file into
+the hub cache) or, for a path this host does not have, a ``RemotePackageSource``
+(the coordinator, streamed and resumable), verifies each file's sha256 and installs
+it atomically under::
 
     <cache_dir>/<model_id>-<manifest sha256[:12]>/model-package.json
                                                  /<same relative paths as the package>
@@ -27,12 +29,14 @@ from mesh.errors import Fatal, MeshError, PackageError, Unavailable, grpc_code_n
 from mesh.package import hub
 from mesh.package.copying import cleanup_stale_parts, install_verified
 from mesh.package.manifest import MANIFEST_NAME, PackageFile, PackageManifest, atomic_write_text
+from mesh.package.remote import RemotePackageSource, looks_like_path
 from mesh.package.verify import file_problem
 from mesh.types import LayerRange
 
 logger = logging.getLogger(__name__)
 
 SLICE_STATES = ("empty", "preparing", "ready", "failed")
+DOWNLOAD_SUFFIX = ".download"
 FILE_STATES = ("missing", "preparing", "ready", "failed")
 
 
@@ -71,22 +75,33 @@ class SliceInventory:
 
 @dataclass(frozen=True)
 class PackageOrigin:
-    """Where a package reference points: a local directory or an HF repo."""
+    """Where a package reference points: a local directory, an HF repo, or a path on
+    another host that ``remote`` serves."""
 
     ref: str
     local_dir: Path | None = None
     repo: hub.RepoRef | None = None
+    remote: RemotePackageSource | None = None
 
     def __str__(self) -> str:
-        return str(self.local_dir) if self.local_dir is not None else str(self.repo)
+        if self.local_dir is not None:
+            return str(self.local_dir)
+        if self.remote is not None:
+            return f"{self.ref} from {self.remote.describe()}"
+        return str(self.repo)
 
 
-def resolve_ref(ref: str, revision: str | None = None) -> PackageOrigin:
-    """A local package directory if ``ref`` names one, else an HF repo id
-    (``org/name`` or ``org/name@revision``)."""
+def resolve_ref(
+    ref: str, revision: str | None = None, remote: RemotePackageSource | None = None
+) -> PackageOrigin:
+    """A local package directory if ``ref`` names one; a path this host lacks comes
+    from ``remote`` when given; else an HF repo id (``org/name`` or
+    ``org/name@revision``)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return PackageOrigin(ref=ref, local_dir=path.resolve())
+    if remote is not None and looks_like_path(ref):
+        return PackageOrigin(ref=ref, remote=remote)
     repo = hub.parse_repo_ref(ref, revision)
     if repo is None:
         raise PackageError(
@@ -116,8 +131,10 @@ class _Job:
         layer_range: LayerRange,
         cache_dir: Path,
         chunk_bytes: int,
+        remote: RemotePackageSource | None = None,
     ) -> None:
         self.key = (ref, revision, layer_range)
+        self.remote = remote
         self.ref, self.revision, self.layer_range = ref, revision, layer_range
         self.cache_dir = cache_dir
         self.chunk_bytes = chunk_bytes
@@ -193,7 +210,7 @@ class _Job:
         self.done.set()
 
     def _materialise(self) -> Path:
-        origin = resolve_ref(self.ref, self.revision)
+        origin = resolve_ref(self.ref, self.revision, self.remote)
         manifest, fetch = _open_package(origin)
         needed = manifest.files_for(self.layer_range)
         slice_dir = self.cache_dir / slice_dir_name(manifest)
@@ -235,6 +252,9 @@ class _Job:
                 return
             logger.warning("cached %s is stale (%s); fetching it again", target, problem)
             target.unlink(missing_ok=True)
+        if origin.remote is not None:
+            self._install_remote(entry, target, origin)
+            return
         source = fetch(entry)
         install_verified(
             source,
@@ -249,6 +269,32 @@ class _Job:
         )
         self._set_file(entry, "ready", entry.bytes)
 
+    def _install_remote(self, entry: PackageFile, target: Path, origin: PackageOrigin) -> None:
+        """Download into a hidden file next to ``target`` (kept across failures, so
+        the next attempt resumes), then verify and install it like a local file."""
+        partial = target.with_name(f".{target.name}{DOWNLOAD_SUFFIX}")
+        try:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise Unavailable(f"cannot write the slice cache {partial.parent}: {error}") from error
+
+        def progress(done: int) -> None:
+            if self.cancelled.is_set():
+                raise _Cancelled()
+            self._set_file(entry, "preparing", done)
+
+        origin.remote.download(origin.ref, entry, partial, progress, self.cancelled.is_set)
+        try:
+            install_verified(
+                partial, target, entry, origin=str(origin), link=True, chunk_bytes=self.chunk_bytes
+            )
+        except PackageError:
+            partial.unlink(missing_ok=True)  # corrupt: the next attempt starts over
+            raise
+        partial.unlink(missing_ok=True)
+        logger.info("fetched %s (%s bytes) of %s", entry.path, entry.bytes, origin)
+        self._set_file(entry, "ready", entry.bytes)
+
 
 def _open_package(
     origin: PackageOrigin,
@@ -257,6 +303,8 @@ def _open_package(
     if origin.local_dir is not None:
         directory = origin.local_dir
         return PackageManifest.load(directory), lambda entry: directory / entry.path
+    if origin.remote is not None:
+        return origin.remote.manifest(origin.ref), _no_local_path
     repo = origin.repo
     local_manifest = hub.download_file(repo, MANIFEST_NAME)
     commit = hub.snapshot_commit(local_manifest, MANIFEST_NAME)
@@ -268,6 +316,10 @@ def _open_package(
         raise PackageError(f"{where} is not valid JSON: {error}") from error
     manifest = PackageManifest.from_json(body, origin=where)
     return manifest, lambda entry: hub.download_file(pinned, entry.path)
+
+
+def _no_local_path(entry: PackageFile) -> Path:
+    raise Fatal(f"{entry.path} of a remote package has no local path; it is downloaded")
 
 
 def _write_manifest(slice_dir: Path, manifest: PackageManifest) -> None:
@@ -288,9 +340,17 @@ class SliceResolver:
     a different request supersedes the old one. ``inventory`` reports progress.
     """
 
-    def __init__(self, cache_dir: Path, *, chunk_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        *,
+        chunk_bytes: int = 8 << 20,
+        remote: RemotePackageSource | None = None,
+    ) -> None:
+        """``remote`` serves packages named by a path this host does not have."""
         self.cache_dir = Path(cache_dir).expanduser()
         self.chunk_bytes = chunk_bytes
+        self.remote = remote
         self._lock = threading.Lock()
         self._job: _Job | None = None
 
@@ -309,7 +369,7 @@ class SliceResolver:
                 return current
             if current is not None:
                 current.cancelled.set()
-            job = _Job(ref, revision, layer_range, self.cache_dir, self.chunk_bytes)
+            job = _Job(ref, revision, layer_range, self.cache_dir, self.chunk_bytes, self.remote)
             self._job = job
         thread = threading.Thread(target=job.run, name=f"slice-{layer_range}", daemon=True)
         thread.start()

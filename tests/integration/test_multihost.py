@@ -19,6 +19,8 @@ import torch
 from netns_hosts import NetnsHosts, unavailable_reason
 
 from coordinator.localmesh import wait_for
+from mesh.package.manifest import PackageManifest
+from mesh.types import LayerRange
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -97,7 +99,16 @@ def hosts():
 class Recipe:
     """The README recipe started on the namespace hosts."""
 
-    def __init__(self, hosts: NetnsHosts, package: Path, workdir: Path, extra=None) -> None:
+    def __init__(
+        self,
+        hosts: NetnsHosts,
+        package: Path,
+        workdir: Path,
+        extra=None,
+        hide_package: bool = False,
+    ) -> None:
+        """``hide_package``: the workers run in a mount namespace where the package's
+        directory is an empty file system (no shared file system with the head)."""
         self.hosts = hosts
         self.head_ip = hosts.address("head")
         self.workdir = workdir
@@ -107,6 +118,9 @@ class Recipe:
         self.workers = {}
         for name in ("worker-1", "worker-2"):
             join = recipe("mesh-stage join", self.head_ip, package) + extra.get(name, [])
+            if hide_package:
+                hide = f"mount -t tmpfs tmpfs {shlex.quote(str(package.parent))}"
+                join = ["unshare", "-m", "sh", "-c", f"{hide} && exec {shlex.join(join)}"]
             self.workers[name] = hosts.popen(name, join, workdir / f"{name}.log", self._home(name))
         self.status_argv = recipe("mesh-coordinator status", self.head_ip, package)
         self.status_argv += extra.get("client", [])
@@ -264,5 +278,29 @@ def test_a_worker_link_down_and_up_during_streams_corrupts_nothing(hosts, packag
         after = mesh.wait_serving(stages=3, above_term=status["term"])
         assert after["term"] > status["term"]
         assert "this stage still held term" in mesh.log("worker-2")
+    finally:
+        mesh.stop()
+
+
+def test_workers_without_the_package_fetch_their_slices_from_the_head(
+    hosts, package, expected, tmp_path
+):
+    """The package exists only on the head: each worker's file system hides it, so
+    the workers fetch the files of their own layer range from the coordinator."""
+    mesh = Recipe(hosts, package, tmp_path, hide_package=True)
+    try:
+        status = mesh.wait_serving(stages=3)
+        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
+        manifest = PackageManifest.load(package)
+        workers = {hosts.address(n): n for n in ("worker-1", "worker-2")}
+        for stage in status["stages"]:
+            if not stage["assigned"] or stage["stage_index"] == 0:
+                continue
+            worker = workers[stage["address"].rsplit(":", 1)[0]]
+            assert "from the coordinator at" in mesh.log(worker)
+            cache = tmp_path / worker / "home" / "slices"
+            cached = {p.name for p in cache.rglob("*") if p.is_file()}
+            wanted = manifest.files_for(LayerRange(*stage["layer_range"]))
+            assert cached == {Path(e.path).name for e in wanted} | {"model-package.json"}
     finally:
         mesh.stop()

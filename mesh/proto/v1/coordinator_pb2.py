@@ -25,27 +25,37 @@ _sym_db = _symbol_database.Default()
 from mesh.proto.v1 import common_pb2 as mesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mesh/v1/coordinator.proto\x12\x07mesh.v1\x1a\x14mesh/v1/common.proto\"\x9b\x01\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x12\n\nspeed_hint\x18\x05 \x01(\x02\x12\x10\n\x08\x66rontend\x18\x06 \x01(\x08\x12\x10\n\x08http_url\x18\x07 \x01(\t\x12\x0c\n\x04term\x18\x08 \x01(\x04\"B\n\tJoinReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"Y\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\"-\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04term\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\x9a\x02\n\x0bStageStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x61ssigned\x18\x05 \x01(\x08\x12\x13\n\x0bstage_index\x18\x06 \x01(\r\x12(\n\x0blayer_range\x18\x07 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\x0e\n\x06health\x18\x08 \x01(\t\x12\r\n\x05state\x18\t \x01(\t\x12\x0c\n\x04term\x18\n \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\x0b \x01(\x01\x12\x13\n\x0bparam_bytes\x18\x0c \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\r \x01(\r\"\xda\x01\n\x0bStatusReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0bpackage_ref\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\r\n\x05state\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x10\n\x08http_url\x18\x07 \x01(\t\x12\x13\n\x0blayer_count\x18\x08 \x01(\r\x12$\n\x06stages\x18\t \x03(\x0b\x32\x14.mesh.v1.StageStatus\x12\x13\n\x0bwaiting_for\x18\n \x01(\t2\xb8\x01\n\x0b\x43oordinator\x12\x30\n\x04Join\x12\x14.mesh.v1.JoinRequest\x1a\x12.mesh.v1.JoinReply\x12?\n\tHeartbeat\x12\x19.mesh.v1.HeartbeatRequest\x1a\x17.mesh.v1.HeartbeatReply\x12\x36\n\x06Status\x12\x16.mesh.v1.StatusRequest\x1a\x14.mesh.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mesh/v1/coordinator.proto\x12\x07mesh.v1\x1a\x14mesh/v1/common.proto\">\n\x16PackageManifestRequest\x12\x13\n\x0bpackage_ref\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"-\n\x14PackageManifestReply\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\"U\n\x0fReadFileRequest\x12\x13\n\x0bpackage_ref\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0f\n\x07node_id\x18\x04 \x01(\t\")\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9b\x01\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x12\n\nspeed_hint\x18\x05 \x01(\x02\x12\x10\n\x08\x66rontend\x18\x06 \x01(\x08\x12\x10\n\x08http_url\x18\x07 \x01(\t\x12\x0c\n\x04term\x18\x08 \x01(\x04\"B\n\tJoinReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"Y\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\"-\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04term\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\x9a\x02\n\x0bStageStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x61ssigned\x18\x05 \x01(\x08\x12\x13\n\x0bstage_index\x18\x06 \x01(\r\x12(\n\x0blayer_range\x18\x07 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\x0e\n\x06health\x18\x08 \x01(\t\x12\r\n\x05state\x18\t \x01(\t\x12\x0c\n\x04term\x18\n \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\x0b \x01(\x01\x12\x13\n\x0bparam_bytes\x18\x0c \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\r \x01(\r\"\xda\x01\n\x0bStatusReply\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0bpackage_ref\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\r\n\x05state\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x10\n\x08http_url\x18\x07 \x01(\t\x12\x13\n\x0blayer_count\x18\x08 \x01(\r\x12$\n\x06stages\x18\t \x03(\x0b\x32\x14.mesh.v1.StageStatus\x12\x13\n\x0bwaiting_for\x18\n \x01(\t2\xb8\x01\n\x0b\x43oordinator\x12\x30\n\x04Join\x12\x14.mesh.v1.JoinRequest\x1a\x12.mesh.v1.JoinReply\x12?\n\tHeartbeat\x12\x19.mesh.v1.HeartbeatRequest\x1a\x17.mesh.v1.HeartbeatReply\x12\x36\n\x06Status\x12\x16.mesh.v1.StatusRequest\x1a\x14.mesh.v1.StatusReply2\x92\x01\n\x0cPackageFiles\x12J\n\x08Manifest\x12\x1f.mesh.v1.PackageManifestRequest\x1a\x1d.mesh.v1.PackageManifestReply\x12\x36\n\x04Read\x12\x18.mesh.v1.ReadFileRequest\x1a\x12.mesh.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mesh.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOINREQUEST']._serialized_start=61
-  _globals['_JOINREQUEST']._serialized_end=216
-  _globals['_JOINREPLY']._serialized_start=218
-  _globals['_JOINREPLY']._serialized_end=284
-  _globals['_HEARTBEATREQUEST']._serialized_start=286
-  _globals['_HEARTBEATREQUEST']._serialized_end=375
-  _globals['_HEARTBEATREPLY']._serialized_start=377
-  _globals['_HEARTBEATREPLY']._serialized_end=422
-  _globals['_STATUSREQUEST']._serialized_start=424
-  _globals['_STATUSREQUEST']._serialized_end=439
-  _globals['_STAGESTATUS']._serialized_start=442
-  _globals['_STAGESTATUS']._serialized_end=724
-  _globals['_STATUSREPLY']._serialized_start=727
-  _globals['_STATUSREPLY']._serialized_end=945
-  _globals['_COORDINATOR']._serialized_start=948
-  _globals['_COORDINATOR']._serialized_end=1132
+  _globals['_PACKAGEMANIFESTREQUEST']._serialized_start=60
+  _globals['_PACKAGEMANIFESTREQUEST']._serialized_end=122
+  _globals['_PACKAGEMANIFESTREPLY']._serialized_start=124
+  _globals['_PACKAGEMANIFESTREPLY']._serialized_end=169
+  _globals['_READFILEREQUEST']._serialized_start=171
+  _globals['_READFILEREQUEST']._serialized_end=256
+  _globals['_FILECHUNK']._serialized_start=258
+  _globals['_FILECHUNK']._serialized_end=299
+  _globals['_JOINREQUEST']._serialized_start=302
+  _globals['_JOINREQUEST']._serialized_end=457
+  _globals['_JOINREPLY']._serialized_start=459
+  _globals['_JOINREPLY']._serialized_end=525
+  _globals['_HEARTBEATREQUEST']._serialized_start=527
+  _globals['_HEARTBEATREQUEST']._serialized_end=616
+  _globals['_HEARTBEATREPLY']._serialized_start=618
+  _globals['_HEARTBEATREPLY']._serialized_end=663
+  _globals['_STATUSREQUEST']._serialized_start=665
+  _globals['_STATUSREQUEST']._serialized_end=680
+  _globals['_STAGESTATUS']._serialized_start=683
+  _globals['_STAGESTATUS']._serialized_end=965
+  _globals['_STATUSREPLY']._serialized_start=968
+  _globals['_STATUSREPLY']._serialized_end=1186
+  _globals['_COORDINATOR']._serialized_start=1189
+  _globals['_COORDINATOR']._serialized_end=1373
+  _globals['_PACKAGEFILES']._serialized_start=1376
+  _globals['_PACKAGEFILES']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

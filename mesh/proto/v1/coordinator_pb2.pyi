@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PackageManifestRequest(_message.Message):
+    __slots__ = ("package_ref", "node_id")
+    PACKAGE_REF_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_ref: str
+    node_id: str
+    def __init__(self, package_ref: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class PackageManifestReply(_message.Message):
+    __slots__ = ("manifest_json",)
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: str
+    def __init__(self, manifest_json: _Optional[str] = ...) -> None: ...
+
+class ReadFileRequest(_message.Message):
+    __slots__ = ("package_ref", "path", "offset", "node_id")
+    PACKAGE_REF_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_ref: str
+    path: str
+    offset: int
+    node_id: str
+    def __init__(self, package_ref: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "address", "device", "memory_bytes", "speed_hint", "frontend", "http_url", "term")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -187,3 +187,128 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PackageFilesStub:
+    """Served by the coordinator next to Coordinator: the files of the package it
+    serves, for workers that cannot read the package directory (no shared file
+    system). A worker may read only the files of the layer range it is assigned.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Manifest = channel.unary_unary(
+                '/mesh.v1.PackageFiles/Manifest',
+                request_serializer=mesh_dot_v1_dot_coordinator__pb2.PackageManifestRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_coordinator__pb2.PackageManifestReply.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_stream(
+                '/mesh.v1.PackageFiles/Read',
+                request_serializer=mesh_dot_v1_dot_coordinator__pb2.ReadFileRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_coordinator__pb2.FileChunk.FromString,
+                _registered_method=True)
+
+
+class PackageFilesServicer:
+    """Served by the coordinator next to Coordinator: the files of the package it
+    serves, for workers that cannot read the package directory (no shared file
+    system). A worker may read only the files of the layer range it is assigned.
+    """
+
+    def Manifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """The file's bytes from `offset` on, in chunks (a broken transfer resumes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PackageFilesServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=mesh_dot_v1_dot_coordinator__pb2.PackageManifestRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_coordinator__pb2.PackageManifestReply.SerializeToString,
+            ),
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=mesh_dot_v1_dot_coordinator__pb2.ReadFileRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_coordinator__pb2.FileChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mesh.v1.PackageFiles', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mesh.v1.PackageFiles', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PackageFiles:
+    """Served by the coordinator next to Coordinator: the files of the package it
+    serves, for workers that cannot read the package directory (no shared file
+    system). A worker may read only the files of the layer range it is assigned.
+    """
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.PackageFiles/Manifest',
+            mesh_dot_v1_dot_coordinator__pb2.PackageManifestRequest.SerializeToString,
+            mesh_dot_v1_dot_coordinator__pb2.PackageManifestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mesh.v1.PackageFiles/Read',
+            mesh_dot_v1_dot_coordinator__pb2.ReadFileRequest.SerializeToString,
+            mesh_dot_v1_dot_coordinator__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

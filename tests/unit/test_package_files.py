@@ -1,0 +1,93 @@
+"""The coordinator's PackageFiles service and the worker's client, over real gRPC on
+loopback: the manifest, only the files of the node's assigned range, resuming a
+broken transfer from the bytes already on disk."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import registry
+from coordinator.driver import LoadSettings
+from coordinator.model import read_model
+from coordinator.planner import plan_layers
+from coordinator.server import CoordinatorService, CoordinatorSettings, serve
+from mesh.errors import InvalidRequest, NotFound, StaleTerm
+from mesh.package.manifest import sha256_file
+from stage.package_client import CoordinatorPackageSource
+
+
+@pytest.fixture
+def coordinator(tiny_package_factory):
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+    service = CoordinatorService(model, settings)
+    for index, node_id in enumerate(("head", "worker")):
+        service.apply(
+            registry.NodeJoined(
+                node_id=node_id, address=f"127.0.0.1:{7100 + index}", now=0.0, frontend=index == 0
+            )
+        )
+    server, port = serve(service, "127.0.0.1:0")
+    yield service, package, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def assign(service: CoordinatorService) -> None:
+    from coordinator.planner import footprint_from_manifest
+
+    footprint = footprint_from_manifest(
+        service.model.manifest, dtype="float32", max_sessions=1, max_tokens_per_session=16,
+        num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    plan = plan_layers(registry.planner_nodes(service.state), footprint)
+    service.apply(registry.LoadStarted(term=1, plan=plan))
+
+
+def test_a_worker_reads_the_manifest_and_its_own_files(coordinator, tmp_path) -> None:
+    service, package, address = coordinator
+    source = CoordinatorPackageSource(address, "worker")
+    manifest = source.manifest(str(package))
+    assert manifest.sha256() == service.model.manifest.sha256()
+    assign(service)
+    stage = service.state.topology.stage_of("worker")
+    wanted = manifest.files_for(stage.layer_range)
+    seen: list[int] = []
+    for entry in wanted:
+        dest = tmp_path / entry.path.replace("/", "_")
+        source.download(str(package), entry, dest, seen.append, lambda: False)
+        assert sha256_file(dest) == entry.sha256
+    assert seen and seen[-1] == wanted[-1].bytes
+    # A file of the head's range is not the worker's to read.
+    other = next(e for e in manifest.files if e.kind == "embed")
+    assert other not in wanted
+    with pytest.raises(InvalidRequest, match="assigned"):
+        source.download(str(package), other, tmp_path / "embed", seen.append, lambda: False)
+
+
+def test_a_broken_transfer_resumes_from_the_bytes_on_disk(coordinator, tmp_path) -> None:
+    service, package, address = coordinator
+    assign(service)
+    source = CoordinatorPackageSource(address, "worker")
+    stage = service.state.topology.stage_of("worker")
+    entry = max(service.model.manifest.files_for(stage.layer_range), key=lambda e: e.bytes)
+    original = (package / entry.path).read_bytes()
+    dest = tmp_path / "partial"
+    dest.write_bytes(original[: entry.bytes // 3])  # what a broken transfer left
+    offsets: list[int] = []
+    source.download(str(package), entry, dest, offsets.append, lambda: False)
+    assert dest.read_bytes() == original
+    assert offsets[0] > entry.bytes // 3  # the first chunk continued, not restarted
+
+
+def test_unassigned_nodes_and_other_packages_are_refused(coordinator, tmp_path) -> None:
+    service, package, address = coordinator
+    entry = service.model.manifest.files[0]
+    with pytest.raises(StaleTerm, match="not assigned"):
+        CoordinatorPackageSource(address, "worker").download(
+            str(package), entry, tmp_path / "x", lambda _: None, lambda: False
+        )
+    with pytest.raises(NotFound, match="serves package"):
+        CoordinatorPackageSource(address, "worker").manifest("/some/other/package")
