@@ -80,9 +80,16 @@ class LoadOutcome:
 
 
 class LoadDriver:
-    def __init__(self, coordinator_id: str, devices: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        coordinator_id: str,
+        devices: Callable[[str], str],
+        on_progress: Callable[[str, int, int], None] | None = None,
+    ) -> None:
+        """``on_progress(node_id, bytes_done, bytes_total)`` hears every Inventory."""
         self.coordinator_id = coordinator_id
         self._devices = devices
+        self._on_progress = on_progress
 
     def load(self, plan: Plan, term: int, settings: LoadSettings) -> LoadOutcome:
         stages = list(plan.stages)
@@ -190,6 +197,8 @@ class LoadDriver:
                     )
                 )
                 last[node_id] = reply
+                if self._on_progress is not None:
+                    self._on_progress(node_id, reply.bytes_done, reply.bytes_total)
                 if reply.state == "failed":
                     raise LoadError(stage, "Prepare", reply.error or "slice preparation failed")
                 if reply.state == "ready" and reply.layer_range == stage.layer_range:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from mesh.codec import PackageManifestRequest, ReadFileRequest, file_chunk, manifest_reply
+from mesh.codec import FileChunk, PackageManifestReply, PackageManifestRequest, ReadFileRequest
 from mesh.errors import CapacityExceeded, InvalidRequest, MeshError, NotFound, StaleTerm
 from mesh.grpc_util import abort_with
 from mesh.package.manifest import MANIFEST_NAME, PackageManifest
@@ -63,7 +63,7 @@ class PackageFilesServicer(coordinator_pb2_grpc.PackageFilesServicer):
             decoded = PackageManifestRequest.from_proto(request)
             directory = self._package_dir(decoded.package_ref)
             body = PackageManifest.load(directory).to_json()
-            return manifest_reply(json.dumps(body))
+            return PackageManifestReply(json.dumps(body)).to_proto()
         except MeshError as error:
             abort_with(context, error)
 
@@ -98,5 +98,5 @@ def _chunks(path: Path, offset: int, context: grpc.ServicerContext) -> Iterator:
             data = source.read(CHUNK_BYTES)
             if not data:
                 return
-            yield file_chunk(offset, data)
+            yield FileChunk(offset, data).to_proto()
             offset += len(data)

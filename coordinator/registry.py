@@ -50,6 +50,8 @@ class NodeRecord:
     accepted_term: int = 0
     active_sessions: int = 0
     param_bytes: int = 0
+    slice_bytes_done: int = 0
+    slice_bytes_total: int = 0
 
     @property
     def alive(self) -> bool:
@@ -171,6 +173,15 @@ class StageReady:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SliceProgress:
+    """A node's Inventory during a load: bytes of its slice present and needed."""
+
+    node_id: str
+    bytes_done: int
+    bytes_total: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoadFailed:
     term: int
     error: str
@@ -198,6 +209,7 @@ Event = (
     | LoadSucceeded
     | NodeLeft
     | TermObserved
+    | SliceProgress
 )
 
 
@@ -330,6 +342,13 @@ def apply(state: State, event: Event) -> State:
             if event.term != state.term or state.mesh_state != "loading":
                 return state
             return replace(state, mesh_state="serving", error="")
+        case SliceProgress():
+            return _update_node(
+                state,
+                event.node_id,
+                slice_bytes_done=event.bytes_done,
+                slice_bytes_total=event.bytes_total,
+            )
         case TermObserved():
             return replace(state, term_floor=max(state.term_floor, event.term))
         case NodeLeft():

@@ -86,7 +86,7 @@ class CoordinatorService:
         self._undersized_since: float | None = None
         # Set when `up` should give up: the last error after load_attempts failures.
         self.gave_up: str | None = None
-        self._driver = LoadDriver(self.coordinator_id, self._device_of)
+        self._driver = LoadDriver(self.coordinator_id, self._device_of, self._slice_progress)
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._last_attempt = 0.0
@@ -108,6 +108,11 @@ class CoordinatorService:
             if self.state is not before:  # an unchanged state must not wake the supervisor
                 self._changed.set()
             return self.state
+
+    def _slice_progress(self, node_id: str, bytes_done: int, bytes_total: int) -> None:
+        self.apply(
+            registry.SliceProgress(node_id=node_id, bytes_done=bytes_done, bytes_total=bytes_total)
+        )
 
     def _device_of(self, node_id: str) -> str:
         node = self.state.node(node_id)

@@ -30,6 +30,7 @@ COLUMNS = (
     "params",
     "memory",
     "sessions",
+    "slice",
 )
 
 
@@ -48,6 +49,8 @@ class StageStatusView:
     heartbeat_age_s: float
     param_bytes: int
     active_sessions: int
+    slice_bytes_done: int = 0
+    slice_bytes_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ def status_from_state(state: State, *, now: float, coordinator_id: str = "") -> 
                     heartbeat_age_s=max(0.0, now - record.last_heartbeat_at),
                     param_bytes=record.param_bytes,
                     active_sessions=record.active_sessions,
+                    slice_bytes_done=record.slice_bytes_done,
+                    slice_bytes_total=record.slice_bytes_total,
                 ),
             )
         )
@@ -148,7 +153,18 @@ def _row(stage: StageStatusView) -> tuple[str, ...]:
         f"{stage.param_bytes / MIB:.1f} MiB",
         f"{stage.memory_bytes / GIB:.1f} GiB" if stage.memory_bytes else "unknown",
         str(stage.active_sessions),
+        _slice(stage),
     )
+
+
+def _slice(stage: StageStatusView) -> str:
+    """Slice progress: "-" before any, a percentage while it is fetched, "ready"."""
+    if not stage.slice_bytes_total:
+        return "-"
+    if stage.slice_bytes_done >= stage.slice_bytes_total:
+        return "ready"
+    done, total = stage.slice_bytes_done / MIB, stage.slice_bytes_total / MIB
+    return f"{100 * done / total:.0f}% of {total:.1f} MiB"
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:

@@ -28,18 +28,17 @@ from mesh.codec_control import (
     layer_range_to_proto,
 )
 from mesh.codec_coordinator import (
+    FileChunk,
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,
     JoinRequest,
+    PackageManifestReply,
     PackageManifestRequest,
     ReadFileRequest,
     StageStatus,
     StatusReply,
     StatusRequest,
-    chunk_parts,
-    file_chunk,
-    manifest_reply,
 )
 from mesh.codec_data import (
     ErrorInfo,
@@ -65,9 +64,8 @@ from mesh.proto.v1 import common_pb2, data_pb2
 __all__ = [
     "PackageManifestRequest",
     "ReadFileRequest",
-    "chunk_parts",
-    "file_chunk",
-    "manifest_reply",
+    "FileChunk",
+    "PackageManifestReply",
     "ClaimReply",
     "ClaimRequest",
     "ErrorInfo",

@@ -132,6 +132,8 @@ class StageStatus:
     heartbeat_age_s: float = 0.0
     param_bytes: int = 0
     active_sessions: int = 0
+    slice_bytes_done: int = 0
+    slice_bytes_total: int = 0
 
     def to_proto(self) -> coordinator_pb2.StageStatus:
         pb = coordinator_pb2.StageStatus(
@@ -147,6 +149,8 @@ class StageStatus:
             heartbeat_age_s=self.heartbeat_age_s,
             param_bytes=self.param_bytes,
             active_sessions=self.active_sessions,
+            slice_bytes_done=self.slice_bytes_done,
+            slice_bytes_total=self.slice_bytes_total,
         )
         if self.layer_range is not None:
             pb.layer_range.CopyFrom(layer_range_to_proto(self.layer_range))
@@ -171,6 +175,8 @@ class StageStatus:
             heartbeat_age_s=pb.heartbeat_age_s,
             param_bytes=pb.param_bytes,
             active_sessions=pb.active_sessions,
+            slice_bytes_done=pb.slice_bytes_done,
+            slice_bytes_total=pb.slice_bytes_total,
         )
 
 
@@ -255,14 +261,30 @@ class ReadFileRequest:
         return cls(package_ref=pb.package_ref, path=pb.path, offset=pb.offset, node_id=pb.node_id)
 
 
-def manifest_reply(manifest_json: str) -> coordinator_pb2.PackageManifestReply:
-    return coordinator_pb2.PackageManifestReply(manifest_json=manifest_json)
+@dataclass(frozen=True)
+class PackageManifestReply:
+    """model-package.json as JSON text."""
+
+    manifest_json: str
+
+    def to_proto(self) -> coordinator_pb2.PackageManifestReply:
+        return coordinator_pb2.PackageManifestReply(manifest_json=self.manifest_json)
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.PackageManifestReply) -> PackageManifestReply:
+        return cls(manifest_json=pb.manifest_json)
 
 
-def file_chunk(offset: int, data: bytes) -> coordinator_pb2.FileChunk:
-    return coordinator_pb2.FileChunk(offset=offset, data=data)
+@dataclass(frozen=True)
+class FileChunk:
+    """Bytes of a package file starting at ``offset``."""
 
+    offset: int
+    data: bytes
 
-def chunk_parts(pb: coordinator_pb2.FileChunk) -> tuple[int, bytes]:
-    """(offset, data) of a received chunk."""
-    return int(pb.offset), bytes(pb.data)
+    def to_proto(self) -> coordinator_pb2.FileChunk:
+        return coordinator_pb2.FileChunk(offset=self.offset, data=self.data)
+
+    @classmethod
+    def from_proto(cls, pb: coordinator_pb2.FileChunk) -> FileChunk:
+        return cls(offset=int(pb.offset), data=bytes(pb.data))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from mesh.codec import PackageManifestRequest, ReadFileRequest, chunk_parts
+from mesh.codec import FileChunk, PackageManifestReply, PackageManifestRequest, ReadFileRequest
 from mesh.errors import MeshError, PackageError, Unavailable
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel, error_from_rpc
 from mesh.package.manifest import PackageFile, PackageManifest
@@ -51,7 +51,7 @@ class CoordinatorPackageSource:
         finally:
             ch.close()
         try:
-            body = json.loads(reply.manifest_json)
+            body = json.loads(PackageManifestReply.from_proto(reply).manifest_json)
         except ValueError as error:
             where = self.describe()
             raise PackageError(f"the manifest from {where} is not JSON: {error}") from None
@@ -111,11 +111,11 @@ class CoordinatorPackageSource:
                 for pb in coordinator_pb2_grpc.PackageFilesStub(ch).Read(
                     request, timeout=deadline_s
                 ):
-                    at, data = chunk_parts(pb)
-                    if at != offset:
-                        raise Unavailable(f"chunk at {at}, expected {offset}")
-                    out.write(data)
-                    offset += len(data)
+                    chunk = FileChunk.from_proto(pb)
+                    if chunk.offset != offset:
+                        raise Unavailable(f"chunk at {chunk.offset}, expected {offset}")
+                    out.write(chunk.data)
+                    offset += len(chunk.data)
                     progress(offset)
             if offset != entry.bytes:
                 raise Unavailable(f"the stream ended at {offset} of {entry.bytes} bytes")

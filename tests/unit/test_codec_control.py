@@ -7,6 +7,7 @@ import pytest
 from mesh.codec import (
     ClaimReply,
     ClaimRequest,
+    FileChunk,
     FileInventory,
     HeartbeatReply,
     HeartbeatRequest,
@@ -14,9 +15,12 @@ from mesh.codec import (
     InventoryRequest,
     JoinReply,
     JoinRequest,
+    PackageManifestReply,
+    PackageManifestRequest,
     PeerRef,
     PrepareReply,
     PrepareRequest,
+    ReadFileRequest,
     Ready,
     ReleaseReply,
     ReleaseRequest,
@@ -122,8 +126,15 @@ COORDINATOR_MESSAGES = [
                 active_sessions=2,
             ),
             StageStatus("node-x", "10.0.0.4:7071", health="dead", state="failed"),
+            StageStatus("node-y", "10.0.0.5:7071", slice_bytes_done=5, slice_bytes_total=9),
         ),
+        waiting_for="stage 0 to be idle",
     ),
+    JoinRequest("node-c", "10.0.0.3:7071", "cpu", 0, term=12),
+    PackageManifestRequest("/srv/p", "node-b"),
+    PackageManifestReply('{"schema_version": 1}'),
+    ReadFileRequest("/srv/p", "layers/00003.safetensors", offset=1 << 33, node_id="node-b"),
+    FileChunk(offset=1 << 20, data=b"\x00\x01weights"),
 ]
 
 

@@ -85,6 +85,7 @@ def test_render_shows_header_and_one_row_per_node() -> None:
         "params",
         "memory",
         "sessions",
+        "slice",
     ]
     rows = {line.split()[1]: line for line in table[2:]}
     assert set(rows) == {"head", "w1", "spare"}
@@ -93,7 +94,7 @@ def test_render_shows_header_and_one_row_per_node() -> None:
     assert "2.5 MiB" in rows["w1"]
     assert "serving" in rows["w1"]
     assert "1.0s ago" in rows["w1"]
-    assert rows["w1"].split()[-1] == "2"
+    assert rows["w1"].split()[-2:] == ["2", "-"]
     assert "16.0 GiB" in rows["head"]
     assert rows["spare"].split()[0] == "-"
     assert "unknown" in rows["spare"]
@@ -120,3 +121,22 @@ def test_render_without_nodes() -> None:
 def test_render_state_needs_a_clock() -> None:
     with pytest.raises(ValueError, match="needs now="):
         render_status(State())
+
+
+def test_status_shows_slice_progress_and_hides_a_dead_nodes_last_state() -> None:
+    from coordinator.registry import HeartbeatsChecked, SliceProgress
+
+    state = apply(
+        serving_state(), SliceProgress(node_id="w1", bytes_done=1 << 20, bytes_total=4 << 20)
+    )
+    state = apply(state, SliceProgress(node_id="head", bytes_done=2 << 20, bytes_total=2 << 20))
+    rows = {s.node_id: s for s in status_from_state(state, now=10.0).stages}
+    assert (rows["w1"].slice_bytes_done, rows["w1"].slice_bytes_total) == (1 << 20, 4 << 20)
+    text = render_status(state, now=10.0)
+    w1_row = next(line for line in text.splitlines() if line.startswith("1 "))
+    assert w1_row.rstrip().endswith("25% of 4.0 MiB")
+    head_row = next(line for line in text.splitlines() if line.startswith("0 "))
+    assert head_row.rstrip().endswith("ready")
+    # A node that stopped heartbeating is shown unreachable, not in its last state.
+    dead = apply(state, HeartbeatsChecked(now=100.0, timeout_s=3.0))
+    assert {s.state for s in status_from_state(dead, now=100.0).stages} == {"unreachable"}
