@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="local stages on a CUDA --device replay decode steps as CUDA graphs",
     )
+    up.add_argument(
+        "--inject-delay-ms",
+        type=float,
+        default=0.0,
+        help="local stages add this latency to every outgoing data hop (benchmarks)",
+    )
     up.add_argument("--max-sessions", type=int, default=16)
     up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
     up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
@@ -177,6 +183,8 @@ def local_stage_argv(
         "--max-sessions",
         str(args.max_sessions),
     ]
+    if args.inject_delay_ms:
+        command += ["--inject-delay-ms", f"{args.inject_delay_ms:g}"]
     if args.compile:
         command.append("--compile")
     if args.cuda_graphs:

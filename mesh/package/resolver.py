@@ -211,6 +211,8 @@ class _Job:
 
     def _materialise(self) -> Path:
         origin = resolve_ref(self.ref, self.revision, self.remote)
+        if origin.remote is not None:
+            logger.info("fetching slice %s of %s", self.layer_range, origin)
         manifest, fetch = _open_package(origin)
         needed = manifest.files_for(self.layer_range)
         slice_dir = self.cache_dir / slice_dir_name(manifest)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from netns_hosts import NetnsHosts, unavailable_reason
 
 from coordinator.localmesh import wait_for
+from coordinator.netns_hosts import NetnsHosts, unavailable_reason
 from mesh.package.manifest import PackageManifest
 from mesh.types import LayerRange
 

@@ -1,4 +1,4 @@
-"""Hosts for multi-host tests: one network namespace per host, each with its own
+"""Hosts for multi-host tests and benchmarks: one network namespace per host, each with its own
 10.x address on a veth pair plugged into one bridge, so that processes in different
 "hosts" talk over a real (virtual) link and cannot use each other's loopback.
 
@@ -128,6 +128,26 @@ class NetnsHosts:
         _ip("addr", "add", f"{private}/24", "dev", self.inner_link(name), netns=self.netns(name))
         return private
 
+    def limit_rate(self, name: str, rate: str | None) -> None:
+        """Shape both directions of ``name``'s link with a token bucket (``tc tbf``),
+        e.g. ``"100mbit"``; None removes the limit."""
+        ends = ((self.host_link(name), None), (self.inner_link(name), self.netns(name)))
+        for link, netns in ends:
+            prefix = ["ip", "netns", "exec", netns] if netns else []
+            subprocess.run(
+                [*prefix, "tc", "qdisc", "del", "dev", link, "root"], capture_output=True
+            )
+            if rate is None:
+                continue
+            # The bucket holds ~4 ms of traffic at the rate (at least 64 KiB).
+            bits = _rate_bits(rate)
+            burst = max(64 * 1024, bits // 8 // 250)
+            subprocess.run(
+                [*prefix, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", rate,
+                 "burst", str(burst), "latency", "100ms"],
+                capture_output=True, text=True, check=True, timeout=30,
+            )  # fmt: skip
+
     def set_link(self, name: str, up: bool) -> None:
         """Take ``name``'s link down or up (its processes keep running)."""
         _ip("link", "set", self.host_link(name), "up" if up else "down")
@@ -148,3 +168,12 @@ class NetnsHosts:
             _ip("netns", "del", self.netns(name), check=False)
             _ip("link", "del", self.host_link(name), check=False)
         _ip("link", "del", self.bridge, check=False)
+
+
+def _rate_bits(rate: str) -> int:
+    """``"100mbit"`` -> 100_000_000 (tc's units: kbit, mbit, gbit)."""
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise ValueError(f"rate {rate!r}: use kbit, mbit or gbit")
