@@ -204,3 +204,19 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
     assert "1.33" in serving.table(rows)
     resources = serving.resource_table(rows)
     assert "0.70 / 0.80" in resources and "0.05 / 0.25" in resources and "50% / 60%" in resources
+
+
+def test_the_performance_model_adds_compute_hops_and_wire_time() -> None:
+    hosts = bench("hosts_bench")
+    # One stage: no hops, no wire; only stage 0's own per-step cost on top.
+    assert hosts.predict_tok_s([9.0], 1.0, 0.5, 0.0, 2304, None) == pytest.approx(100.0)
+    # Two stages: two hops (Forward and Return), one boundary.
+    base = hosts.predict_tok_s([4.0, 5.0], 1.0, 0.5, 0.0, 2304, None)
+    assert base == pytest.approx(1000.0 / 11.0)
+    delayed = hosts.predict_tok_s([4.0, 5.0], 1.0, 0.5, 20.0, 2304, None)
+    assert delayed == pytest.approx(1000.0 / 51.0)
+    # 100 Mbit/s: (2304 + framing) bytes cross the one boundary once per token.
+    slow = hosts.predict_tok_s([4.0, 5.0], 1.0, 0.5, 0.0, 2304, 100e6)
+    wire_ms = (2304 + hosts.FRAME_OVERHEAD_BYTES) * 8 / 100e6 * 1000
+    assert slow == pytest.approx(1000.0 / (11.0 + wire_ms))
+    assert [hosts.hops(n) for n in (1, 2, 3)] == [0, 2, 3]
