@@ -68,6 +68,7 @@ class NetnsHosts:
         return f"{self.prefix}p{self._index[name]}"
 
     def create(self) -> NetnsHosts:
+        self._remove()  # leftovers of an earlier run that had the same pid
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -164,6 +165,9 @@ class NetnsHosts:
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        self._remove()
+
+    def _remove(self) -> None:
         for name in self.names:
             _ip("netns", "del", self.netns(name), check=False)
             _ip("link", "del", self.host_link(name), check=False)
