@@ -237,21 +237,21 @@ def loopback(package: Path, stages: int, workdir: Path) -> MeshProcesses:
 def bench_package(
     package: Path, hosts: NetnsHosts, workdir: Path, messages, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    manifest = PackageManifest.load(package)
-    model = manifest.model_id
+    model = PackageManifest.load(package).model_id
+    label_name = package.name  # float32 and int4 builds share a model id
     config = json.loads((package / "config.json").read_text())
     boundary_bytes = bytes_per_token(int(config["hidden_size"]), "f32")
     rows: list[dict[str, Any]] = []
 
     def record(label: str, stages: int, delay: float, rate: str | None, result: dict) -> None:
         rows.append(
-            {"package": model, "config": label, "stages": stages, "delay_ms": delay,
+            {"package": label_name, "config": label, "stages": stages, "delay_ms": delay,
              "rate": rate, **result}
         )  # fmt: skip
-        emit(f"{model} {label}: {result['tok_s']:.2f} tok/s")
+        emit(f"{label_name} {label}: {result['tok_s']:.2f} tok/s")
 
     for stages in (1, 2):
-        mesh = loopback(package, stages, workdir / f"{model}-loop{stages}")
+        mesh = loopback(package, stages, workdir / f"{label_name}-loop{stages}")
         try:
             result = measure(mesh.http_url, model, messages, args.tokens, args.repeats)
         finally:
@@ -263,7 +263,7 @@ def bench_package(
     step_overhead_ms = max(0.0, 1000.0 / one["tok_s"] - sum(one["stage_ms"]))
     hop_overhead_ms = (1000.0 / two["tok_s"] - sum(two["stage_ms"]) - step_overhead_ms) / hops(2)
     for delay in args.delays:
-        mesh = NamespaceMesh(hosts, package, workdir / f"{model}-ns-{delay:g}ms", delay)
+        mesh = NamespaceMesh(hosts, package, workdir / f"{label_name}-ns-{delay:g}ms", delay)
         try:
             mesh.wait_serving()
             result = measure(mesh.url, model, messages, args.tokens, args.repeats)
