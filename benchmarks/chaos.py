@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from coordinator.chaos import (  # noqa: E402 - after the path set-up
     FAULT_KINDS,
+    LOOPBACK_FAULT_KINDS,
     ChaosRun,
     StreamSpec,
     default_specs,
@@ -44,6 +45,7 @@ from coordinator.chaos import (  # noqa: E402 - after the path set-up
     summarize,
 )
 from coordinator.localmesh import MeshProcesses  # noqa: E402
+from coordinator.netns_hosts import NetnsHosts, unavailable_reason  # noqa: E402
 
 
 def workload_specs(path: Path, max_tokens: int, rng: random.Random) -> list[StreamSpec]:
@@ -68,14 +70,25 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--streams", type=int, default=4, help="concurrent streams per round")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help="fault kinds to draw")
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help=f"fault kinds to draw (default: {','.join(LOOPBACK_FAULT_KINDS)}; with --netns "
+        f"also link)",
+    )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="run each stage on a host of its own (network namespaces; needs root)",
+    )
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     parser.add_argument("--workloads", type=Path, default=None)
     parser.add_argument("--workdir", type=Path, default=None, help="keep mesh logs here")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "chaos.json")
     args = parser.parse_args()
-    kinds = [k for k in args.kinds.split(",") if k]
+    default_kinds = FAULT_KINDS if args.netns else LOOPBACK_FAULT_KINDS
+    kinds = [k for k in (args.kinds or ",".join(default_kinds)).split(",") if k]
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown or not kinds:
         raise SystemExit(f"--kinds takes some of {', '.join(FAULT_KINDS)}")
@@ -95,8 +108,21 @@ def main() -> int:
     if workloads.exists():
         specs += workload_specs(workloads, args.max_tokens, rng)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mesh-chaos-"))
+    hosts = None
+    if args.netns:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise SystemExit(f"--netns needs network namespaces: {reason}")
+        names = ["head", *(f"worker-{i}" for i in range(1, args.stages))]
+        hosts = NetnsHosts(names).create()
+        hosts.reach_from_test_process()
     mesh = MeshProcesses(
-        package, workdir, args.stages, threads=args.threads, max_sessions=args.streams * 2
+        package,
+        workdir,
+        args.stages,
+        threads=args.threads,
+        max_sessions=args.streams * 2,
+        hosts=hosts,
     )
     started = time.monotonic()
     try:
@@ -114,6 +140,8 @@ def main() -> int:
             )
     finally:
         mesh.close()
+        if hosts is not None:
+            hosts.close()
     summary = summarize(run.records)
     emit(render_table(summary))
     write_json(
@@ -123,6 +151,7 @@ def main() -> int:
             "machine": machine_info(args.threads),
             "package": str(package),
             "stages": args.stages,
+            "hosts": "network namespaces" if args.netns else "loopback",
             "streams_per_round": args.streams,
             "requests": len(specs),
             "wall_s": round(time.monotonic() - started, 1),

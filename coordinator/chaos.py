@@ -12,10 +12,11 @@ end and classifies each one:
 
 Faults: ``kill`` (SIGKILL a non-zero stage; it is started again after the round),
 ``stop`` (SIGSTOP a non-zero stage for 1-15 s, then SIGCONT), ``throttle`` (a slow
-stage: stopped and continued on a duty cycle for a few seconds) and ``coordinator``
+stage: stopped and continued on a duty cycle for a few seconds), ``coordinator``
 (SIGKILL the coordinator, start a new one on the same address with the same state
-file). After each round the mesh is brought back to its full size before the next.
-Used by ``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
+file) and, on network-namespace hosts, ``link`` (the link of a non-zero stage's host
+down for 1-10 s, then up). After each round the mesh is brought back to its full
+size before the next. Used by ``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from coordinator.localmesh import MeshProcesses, wait_for
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("kill", "stop", "throttle", "coordinator")
+FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "link")
+# Link faults need hosts made of network namespaces (MeshProcesses(hosts=...)).
+LOOPBACK_FAULT_KINDS = FAULT_KINDS[:-1]
 OUTCOMES = ("identical", "failed", "corrupted")
 
 
@@ -173,6 +176,8 @@ class ChaosRun:
             return Fault("throttle", target, round(self.rng.uniform(2.0, 6.0), 1))
         if kind == "kill":
             return Fault("kill", target)
+        if kind == "link":
+            return Fault("link", target, round(self.rng.uniform(1.0, 10.0), 1))
         return Fault("coordinator", "", round(self.rng.uniform(0.5, 4.0), 1))
 
     def round(self, fault: Fault) -> RoundRecord:
@@ -220,6 +225,10 @@ class ChaosRun:
                 time.sleep(0.03)
                 mesh.signal_stage(fault.target, signal.SIGCONT)
                 time.sleep(0.02)
+        elif fault.kind == "link":
+            mesh.set_link(fault.target, up=False)
+            time.sleep(fault.duration_s)
+            mesh.set_link(fault.target, up=True)
         elif fault.kind == "coordinator":
             mesh.kill_coordinator()
             time.sleep(fault.duration_s)

@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from coordinator.netns_hosts import NetnsHosts
 from mesh.codec import StatusReply
 from mesh.security import MeshSecurity
 
 STARTUP_DEADLINE_S = 120.0
+NETNS_COORDINATOR_PORT = 7070
 
 
 def wait_for(condition: Callable[[], object], deadline_s: float, what: str) -> object:
@@ -50,10 +52,16 @@ class MeshProcesses:
         env: dict[str, str] | None = None,
         stage_args: tuple[str, ...] = (),
         security: MeshSecurity | None = None,
+        hosts: NetnsHosts | None = None,
     ) -> None:
         """``env`` is added to every process's environment and ``stage_args`` to every
         stage's command line (e.g. a join token and TLS flags); ``security`` is what
-        this process uses to call the mesh (``status``)."""
+        this process uses to call the mesh (``status``). With ``hosts`` (network
+        namespaces whose first host is the head), the coordinator and stage 0 run on
+        the head and every other stage on a host of its own, each listening on its
+        own address; this process must reach them (``hosts.reach_from_test_process``)."""
+        self.hosts = hosts
+        self._host_of: dict[str, str] = {}
         self.package = package
         self.workdir = workdir
         self.stage_count = stages
@@ -84,14 +92,21 @@ class MeshProcesses:
             str(max_sessions),
             *coordinator_args,
         ]
-        self.coordinator = self._start_coordinator("127.0.0.1:0")
         self.coordinator_address = ""
+        if hosts is not None:
+            self.coordinator_address = f"{hosts.address(hosts.names[0])}:{NETNS_COORDINATOR_PORT}"
+        self.coordinator = self._start_coordinator()
         self.http_url = ""
 
-    def _start_coordinator(self, listen: str) -> subprocess.Popen:
+    def _start_coordinator(self) -> subprocess.Popen:
+        if self.hosts is not None:
+            listen = f"0.0.0.0:{NETNS_COORDINATOR_PORT}"
+        else:
+            listen = self.coordinator_address or "127.0.0.1:0"
         command = [sys.executable, "-m", "coordinator.cli", "up", "--listen", listen]
         return subprocess.Popen(
-            command + self._coordinator_argv,
+            self._placed(self.hosts.names[0] if self.hosts else None, command)
+            + self._coordinator_argv,
             env=self.env,
             stdout=open(self.logs / "coordinator.log", "ab"),
             stderr=subprocess.STDOUT,
@@ -106,12 +121,26 @@ class MeshProcesses:
         self.kill_coordinator()
         self.start_coordinator_again()
 
+    def _placed(self, host: str | None, command: list[str]) -> list[str]:
+        """``command`` run on namespace host ``host`` (as is without hosts)."""
+        return command if self.hosts is None or host is None else self.hosts.command(host, command)
+
+    def host_of(self, node_id: str) -> str | None:
+        """The namespace host a stage runs on (None without hosts)."""
+        return self._host_of.get(node_id)
+
+    def set_link(self, node_id: str, up: bool) -> None:
+        """Take the link of the host ``node_id`` runs on down or up (hosts only)."""
+        if self.hosts is None:
+            raise RuntimeError("link faults need network-namespace hosts")
+        self.hosts.set_link(self._host_of[node_id], up)
+
     def kill_coordinator(self) -> None:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait(10)
 
     def start_coordinator_again(self) -> None:
-        self.coordinator = self._start_coordinator(self.coordinator_address)
+        self.coordinator = self._start_coordinator()
 
     def coordinator_log(self) -> str:
         return (self.logs / "coordinator.log").read_text(errors="replace")
@@ -134,10 +163,11 @@ class MeshProcesses:
             "join",
             "--coordinator",
             self.coordinator_address,
-            "--listen",
-            "127.0.0.1:0",
-            "--advertise",
-            "127.0.0.1",
+            *(
+                ["--listen", "127.0.0.1:0", "--advertise", "127.0.0.1"]
+                if self.hosts is None
+                else ["--listen", "0.0.0.0:0"]  # advertises its address towards the head
+            ),
             "--node-id",
             node_id,
             "--threads",
@@ -149,10 +179,12 @@ class MeshProcesses:
             *self.stage_args,
         ]
         if frontend:
-            command += ["--frontend", "--http-host", "127.0.0.1", "--http-port", "0"]
+            http_host = "127.0.0.1" if self.hosts is None else "0.0.0.0"
+            command += ["--frontend", "--http-host", http_host, "--http-port", "0"]
             command += ["--max-queued", str(self.max_queued), *self.stage0_args]
+        host = self._place(node_id, frontend)
         process = subprocess.Popen(
-            command,
+            self._placed(host, command),
             env=self.env,
             stdout=open(self.logs / f"{node_id}.log", "wb"),
             stderr=subprocess.STDOUT,
@@ -160,6 +192,22 @@ class MeshProcesses:
         )
         self.stages[node_id] = process
         return process
+
+    def _place(self, node_id: str, frontend: bool) -> str | None:
+        """Stage 0 on the head; each other stage on the next free host (a restarted
+        stage on the host it had)."""
+        if self.hosts is None:
+            return None
+        if node_id not in self._host_of:
+            if frontend:
+                self._host_of[node_id] = self.hosts.names[0]
+            else:
+                used = set(self._host_of.values())
+                free = [h for h in self.hosts.names[1:] if h not in used]
+                if not free:
+                    raise RuntimeError(f"no free namespace host for stage {node_id}")
+                self._host_of[node_id] = free[0]
+        return self._host_of[node_id]
 
     def start(self) -> MeshProcesses:
         for index in range(self.stage_count):
