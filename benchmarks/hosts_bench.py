@@ -148,15 +148,34 @@ def decode_once(url: str, model: str, messages, max_tokens: int) -> dict[str, An
     }
 
 
+def measure_alternating(
+    urls: list[str], model: str, messages, max_tokens: int, repeats: int
+) -> list[dict[str, Any]]:
+    """Warm every mesh up, then ``repeats`` rounds that visit every mesh (in a shifted
+    order each round), so a drift of the machine's speed hits all of them alike."""
+    for url in urls:
+        _chat(url, model, messages, max_tokens)
+    runs: dict[str, list[dict[str, Any]]] = {url: [] for url in urls}
+    for repeat in range(repeats):
+        shift = repeat % len(urls)
+        for url in urls[shift:] + urls[:shift]:
+            runs[url].append(decode_once(url, model, messages, max_tokens))
+    results = []
+    for url in urls:
+        mine = runs[url]
+        stages = sorted(mine[0]["stage_ms"], key=int)
+        results.append(
+            {
+                "tok_s": median([r["tok_s"] for r in mine]),
+                "stage_ms": [median([r["stage_ms"][s] for r in mine]) for s in stages],
+                "runs": mine,
+            }
+        )
+    return results
+
+
 def measure(url: str, model: str, messages, max_tokens: int, repeats: int) -> dict[str, Any]:
-    _chat(url, model, messages, max_tokens)  # warm-up
-    runs = [decode_once(url, model, messages, max_tokens) for _ in range(repeats)]
-    stages = sorted(runs[0]["stage_ms"], key=int)
-    return {
-        "tok_s": median([r["tok_s"] for r in runs]),
-        "stage_ms": [median([r["stage_ms"][s] for r in runs]) for s in stages],
-        "runs": runs,
-    }
+    return measure_alternating([url], model, messages, max_tokens, repeats)[0]
 
 
 # ---- meshes ------------------------------------------------------------------------------
@@ -250,25 +269,41 @@ def bench_package(
         )  # fmt: skip
         emit(f"{label_name} {label}: {result['tok_s']:.2f} tok/s")
 
-    for stages in (1, 2):
-        mesh = loopback(package, stages, workdir / f"{label_name}-loop{stages}")
-        try:
-            result = measure(mesh.http_url, model, messages, args.tokens, args.repeats)
-        finally:
-            mesh.close()
-        record(f"loopback, {stages} stage(s)", stages, 0.0, None, result)
+    mesh = loopback(package, 1, workdir / f"{label_name}-loop1")
+    try:
+        record("loopback, 1 stage(s)", 1, 0.0, None, measure(mesh.http_url, model, messages,
+               args.tokens, args.repeats))  # fmt: skip
+    finally:
+        mesh.close()
+    # The 2-stage loopback mesh and the 2-stage namespace mesh at 0 ms run side by
+    # side and are measured in alternation: their ratio is the across-hosts goal.
+    loop2 = loopback(package, 2, workdir / f"{label_name}-loop2")
+    ns0 = NamespaceMesh(hosts, package, workdir / f"{label_name}-ns-0ms")
+    try:
+        ns0.wait_serving()
+        pair = measure_alternating(
+            [loop2.http_url, ns0.url], model, messages, args.tokens, args.repeats
+        )
+    finally:
+        loop2.close()
+        ns0.close()
+    record("loopback, 2 stage(s)", 2, 0.0, None, pair[0])
     # The two constants of the model, fitted on loopback: stage 0's own cost per step
     # (1 stage), then the cost of one hop (2 stages).
     one, two = rows[-2], rows[-1]
     step_overhead_ms = max(0.0, 1000.0 / one["tok_s"] - sum(one["stage_ms"]))
     hop_overhead_ms = (1000.0 / two["tok_s"] - sum(two["stage_ms"]) - step_overhead_ms) / hops(2)
+    record("namespaces, 0 ms/hop", 2, 0.0, None, pair[1])
     for delay in args.delays:
-        mesh = NamespaceMesh(hosts, package, workdir / f"{label_name}-ns-{delay:g}ms", delay)
+        if delay == 0.0 and not args.rates:
+            continue  # measured above
+        mesh = NamespaceMesh(hosts, package, workdir / f"{label_name}-ns-{delay:g}ms-b", delay)
         try:
             mesh.wait_serving()
-            result = measure(mesh.url, model, messages, args.tokens, args.repeats)
-            record(f"namespaces, {delay:g} ms/hop", 2, delay, None, result)
-            if delay == 0.0:
+            if delay != 0.0:
+                result = measure(mesh.url, model, messages, args.tokens, args.repeats)
+                record(f"namespaces, {delay:g} ms/hop", 2, delay, None, result)
+            else:
                 for rate in args.rates:
                     for host in ("head", "worker"):
                         hosts.limit_rate(host, rate)
