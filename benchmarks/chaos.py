@@ -62,7 +62,7 @@ def workload_specs(path: Path, max_tokens: int, rng: random.Random) -> list[Stre
     return specs
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--package", type=Path, default=None, help="default: SmolLM2 package")
     parser.add_argument("--model", default=None, help="model id (default: the package's)")
@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--workloads", type=Path, default=None)
     parser.add_argument("--workdir", type=Path, default=None, help="keep mesh logs here")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "chaos.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     default_kinds = FAULT_KINDS if args.netns else LOOPBACK_FAULT_KINDS
     kinds = [k for k in (args.kinds or ",".join(default_kinds)).split(",") if k]
     unknown = set(kinds) - set(FAULT_KINDS)

@@ -366,7 +366,7 @@ def _log_time(log: str, marker: str) -> float:
     raise RuntimeError(f"no log line with {marker!r}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--package",
@@ -384,7 +384,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "hosts.json")
     parser.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     reason = unavailable_reason()
     if reason is not None:

@@ -102,3 +102,45 @@ def test_serving_bench_reports_each_workload_and_concurrency(
             assert row["aggregate_ratio_vs_1_stream"] == 1.0
         else:
             assert row["aggregate_ratio_vs_1_stream"] > 0
+
+
+def test_chaos_bench_judges_every_stream_of_every_round(tiny_package_factory, workloads, tmp_path):
+    chaos = bench("chaos")
+    package = tiny_package_factory("llama", layers=6)
+    out = tmp_path / "chaos.json"
+    argv = ["--package", str(package), "--model", "tiny-llama", "--workloads", str(workloads)]
+    argv += ["--faults", "2", "--kinds", "kill,throttle", "--streams", "2", "--max-tokens", "40"]
+    argv += ["--out", str(out), "--workdir", str(tmp_path / "w")]
+    assert chaos.main(argv) == 0
+    body = json.loads(out.read_text())
+    assert body["requests"] == 8 + 2 * 3  # its own prompts + each workload line twice
+    assert len(body["rounds"]) == 2 and all(len(r["outcomes"]) == 2 for r in body["rounds"])
+    totals = body["summary"]["totals"]
+    assert totals["faults"] == 2 and totals["corrupted"] == 0
+    assert totals["identical"] + totals["failed"] == 4
+
+
+def test_hosts_bench_predicts_every_measured_point(tiny_package_factory, workloads, tmp_path):
+    from coordinator.netns_hosts import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"no network namespaces: {unavailable_reason()}")
+    hosts = bench("hosts_bench")
+    package = tiny_package_factory("llama", layers=6)
+    out = tmp_path / "hosts.json"
+    argv = ["--package", str(package), "--workloads", str(workloads), "--repeats", "1"]
+    argv += ["--tokens", "8", "--delays", "0", "5", "--rates", "100mbit"]
+    argv += ["--slice-rate", "100mbit", "--out", str(out), "--workdir", str(tmp_path / "w")]
+    assert hosts.main(argv) == 0
+    body = json.loads(out.read_text())
+    configs = [r["config"] for r in body["rows"]]
+    assert configs == [
+        "loopback, 1 stage(s)",
+        "loopback, 2 stage(s)",
+        "namespaces, 0 ms/hop",
+        "namespaces, 100mbit",
+        "namespaces, 5 ms/hop",
+    ]
+    assert all(r["predicted_tok_s"] > 0 and len(r["stage_ms"]) == r["stages"] for r in body["rows"])
+    transfer = body["slice_transfer"]
+    assert transfer["bytes"] > 0 and transfer["fraction_of_link"] > 0
