@@ -241,7 +241,12 @@ class StageNode:
         """The coordinator's current term (from a heartbeat reply). A loaded stage whose
         term is older has been left out of the coordinator's newer pipeline (it was
         declared dead while it hung, say): it drops its layers, sessions and queued
-        work at once instead of serving stale frames."""
+        work at once instead of serving stale frames.
+
+        The common case (nothing to do) takes no lock: the heartbeat thread must never
+        wait behind a Load, which holds the lock for as long as loading takes."""
+        if term <= self.term or self.loaded is None:
+            return
         with self._lock:
             if term <= self.term or self.loaded is None:
                 return
