@@ -54,7 +54,7 @@ from common import (
 sys.path.insert(0, str(REPO_ROOT))
 
 from coordinator.localmesh import MeshProcesses, wait_for  # noqa: E402
-from coordinator.netns_hosts import NetnsHosts, unavailable_reason  # noqa: E402
+from coordinator.netns_hosts import NetnsHosts, rate_bits, unavailable_reason  # noqa: E402
 from mesh.codec import bytes_per_token  # noqa: E402
 from mesh.package.manifest import PackageManifest  # noqa: E402
 
@@ -95,13 +95,7 @@ def predict_tok_s(
 
 
 def _rate_bits(rate: str | None) -> float | None:
-    if rate is None:
-        return None
-    scale = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for unit, factor in scale.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * factor
-    raise ValueError(rate)
+    return None if rate is None else float(rate_bits(rate))
 
 
 # ---- measuring -----------------------------------------------------------------------

@@ -113,14 +113,6 @@ class MeshProcesses:
             start_new_session=True,
         )
 
-    def restart_coordinator(self) -> None:
-        """SIGKILL the coordinator and start a new one on the same address, with the
-        same state file (the stages keep running and join the new one)."""
-        if not self.coordinator_address:
-            self.coordinator_address = wait_for(self._find_address, 60, "the coordinator")
-        self.kill_coordinator()
-        self.start_coordinator_again()
-
     def _placed(self, host: str | None, command: list[str]) -> list[str]:
         """``command`` run on namespace host ``host`` (as is without hosts)."""
         return command if self.hosts is None or host is None else self.hosts.command(host, command)

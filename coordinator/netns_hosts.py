@@ -141,7 +141,7 @@ class NetnsHosts:
             if rate is None:
                 continue
             # The bucket holds ~4 ms of traffic at the rate (at least 64 KiB).
-            bits = _rate_bits(rate)
+            bits = rate_bits(rate)
             burst = max(64 * 1024, bits // 8 // 250)
             subprocess.run(
                 [*prefix, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", rate,
@@ -174,7 +174,7 @@ class NetnsHosts:
         _ip("link", "del", self.bridge, check=False)
 
 
-def _rate_bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
     """``"100mbit"`` -> 100_000_000 (tc's units: kbit, mbit, gbit)."""
     units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
     for unit, scale in units.items():
