@@ -41,15 +41,18 @@ from mesh.codec_coordinator import (
     StatusRequest,
 )
 from mesh.codec_data import (
-    ErrorInfo,
-    Frame,
-    FrameAck,
-    FrameKind,
-    ReturnAck,
-    StageTiming,
-    TokenResult,
+    ack_from_proto,
+    ack_to_proto,
+    frame_from_proto,
+    frame_to_proto,
+    kind_from_proto,
+    refused_segment,
+    result_from_proto,
+    result_to_proto,
     sampling_from_proto,
     sampling_to_proto,
+    segment_result_from_proto,
+    segment_result_to_proto,
 )
 from mesh.codec_tensor import (
     WireDType,
@@ -59,6 +62,16 @@ from mesh.codec_tensor import (
     payload_problem,
 )
 from mesh.errors import InvalidRequest
+from mesh.frames import (
+    ErrorInfo,
+    Frame,
+    FrameAck,
+    FrameResult,
+    Segment,
+    SegmentKind,
+    SegmentResult,
+    StageTiming,
+)
 from mesh.proto.v1 import common_pb2, data_pb2
 
 __all__ = [
@@ -68,11 +81,7 @@ __all__ = [
     "PackageManifestReply",
     "ClaimReply",
     "ClaimRequest",
-    "ErrorInfo",
     "FileInventory",
-    "Frame",
-    "FrameAck",
-    "FrameKind",
     "HeartbeatReply",
     "HeartbeatRequest",
     "InventoryReply",
@@ -85,13 +94,10 @@ __all__ = [
     "Ready",
     "ReleaseReply",
     "ReleaseRequest",
-    "ReturnAck",
     "StageLoadRequest",
     "StageStatus",
-    "StageTiming",
     "StatusReply",
     "StatusRequest",
-    "TokenResult",
     "WireDType",
     "bytes_per_token",
     "decode_tensor",
@@ -101,6 +107,24 @@ __all__ = [
     "sampling_from_proto",
     "sampling_to_proto",
     "validate_frame",
+    "ErrorInfo",
+    "Frame",
+    "FrameAck",
+    "FrameResult",
+    "Segment",
+    "SegmentKind",
+    "SegmentResult",
+    "StageTiming",
+    "ack_from_proto",
+    "ack_to_proto",
+    "frame_from_proto",
+    "frame_to_proto",
+    "kind_from_proto",
+    "refused_segment",
+    "result_from_proto",
+    "result_to_proto",
+    "segment_result_from_proto",
+    "segment_result_to_proto",
 ]
 
 
@@ -108,73 +132,93 @@ __all__ = [
 
 
 def validate_frame(
-    frame: data_pb2.Frame | Frame,
+    frame: data_pb2.Frame,
     *,
     hidden_size: int,
     expects_hidden: bool,
     allowed_dtypes: Collection[WireDType],
     max_frame_bytes: int,
     max_tokens: int,
-) -> None:
-    """Check a frame before it is applied; raise InvalidRequest naming the problem.
+) -> dict[int, InvalidRequest]:
+    """Check a frame before it is decoded and applied.
 
-    Give it the proto before decoding (its byte lengths and wire dtype are checked
-    too) or a decoded Frame. ``expects_hidden`` is False on stage 0, which takes
-    token ids, and True on every later stage. Checks that need the session's state
-    (known session, positions, KV limits) are the stage's.
+    Raises InvalidRequest naming the problem when the frame as a whole cannot be
+    used (over the size limits, a bad tensor, rows that do not add up): every
+    segment of it fails. Returns the problems of single segments by index (empty
+    session id, unknown kind, token counts): those segments fail, the others are
+    applied. ``expects_hidden`` is False on stage 0, which takes token ids, and
+    True on every later stage. Checks that need the session's state (known
+    session, positions, KV limits) are the stage's.
     """
 
     def bad(problem: str) -> InvalidRequest:
-        where = f"frame for request {frame.request_id!r} (session {frame.session_id!r})"
-        return InvalidRequest(f"{where}: {problem}")
+        return InvalidRequest(f"frame {frame.frame_id} of term {frame.term}: {problem}")
 
-    if not frame.session_id:
-        raise bad("session_id is empty; every frame must name its session")
-    if isinstance(frame, Frame):
-        kind = frame.kind
-        has_hidden = frame.hidden is not None
-        size = frame.hidden.numel() * frame.hidden.element_size() if has_hidden else 0
-        size += 4 * len(frame.token_ids)
-    else:
-        try:
-            kind = FrameKind.from_proto(frame.kind)
-        except InvalidRequest as exc:
-            raise bad(exc.message) from None
-        has_hidden = frame.HasField("hidden")
-        size = frame.ByteSize()
+    size = frame.ByteSize()
     if size > max_frame_bytes:
         raise bad(
             f"{size} bytes exceeds the frame limit of {max_frame_bytes} bytes; "
             "split the prompt into smaller PREFILL chunks or raise the limit"
         )
-    count = len(frame.token_ids)
-    if not kind.computes:
-        if has_hidden:
-            raise bad(f"{kind.value.upper()} frames carry no activations, but this one does")
-        return
-    if count == 0:
-        raise bad(f"{kind.value.upper()} frame has no token_ids; it needs one per position")
-    if count > max_tokens:
+    if not frame.segments:
+        raise bad("it has no segments")
+    rows = sum(s.token_count for s in frame.segments)
+    if rows > max_tokens:
         raise bad(
-            f"{count} tokens exceeds the limit of {max_tokens} tokens per frame; "
+            f"{rows} tokens exceeds the limit of {max_tokens} tokens per frame; "
             "send the prompt in smaller PREFILL chunks"
         )
-    if not expects_hidden:
+    problems = {
+        index: problem
+        for index, segment in enumerate(frame.segments)
+        if (problem := segment_problem(segment)) is not None
+    }
+    has_hidden = frame.HasField("hidden")
+    if not expects_hidden or rows == 0:
         if has_hidden:
-            raise bad("carries activations, but stage 0 embeds token ids itself")
-        return
+            raise bad(
+                "carries activations, but stage 0 embeds token ids itself"
+                if not expects_hidden
+                else "carries activations but no segment has tokens"
+            )
+        return problems
     if not has_hidden:
         raise bad("has no hidden tensor; this stage takes activations from its upstream stage")
-    if isinstance(frame, Frame):
-        shape = list(frame.hidden.shape)
-    else:
-        _check_wire_tensor(frame.hidden, allowed_dtypes, bad)
-        shape = list(frame.hidden.shape)
-    if shape != [count, hidden_size]:
+    _check_wire_tensor(frame.hidden, allowed_dtypes, bad)
+    shape = list(frame.hidden.shape)
+    if shape != [rows, hidden_size]:
         raise bad(
-            f"hidden shape {shape} does not match [tokens={count}, hidden_size={hidden_size}]; "
+            f"hidden shape {shape} does not match [tokens={rows}, hidden_size={hidden_size}]; "
             "the sender must send one activation row per token of the model's hidden size"
         )
+    return problems
+
+
+def segment_problem(segment: data_pb2.Segment) -> InvalidRequest | None:
+    """What makes one segment unusable on its own, or None."""
+    where = f"segment of request {segment.request_id!r} (session {segment.session_id!r})"
+    try:
+        kind = kind_from_proto(segment.kind)
+    except InvalidRequest as exc:
+        return InvalidRequest(f"{where}: {exc.message}")
+    if not segment.session_id:
+        return InvalidRequest(f"{where}: session_id is empty; every segment must name its session")
+    count = segment.token_count
+    if not kind.computes:
+        if count or segment.token_ids:
+            return InvalidRequest(f"{where}: {kind.value.upper()} segments carry no tokens")
+        return None
+    if count == 0:
+        return InvalidRequest(
+            f"{where}: {kind.value.upper()} segment has no tokens; it needs one per position"
+        )
+    if len(segment.token_ids) != count:
+        return InvalidRequest(
+            f"{where}: token_count is {count} but it carries {len(segment.token_ids)} token ids"
+        )
+    if kind is SegmentKind.DECODE and count != 1:
+        return InvalidRequest(f"{where}: a DECODE segment holds one token, this one {count}")
+    return None
 
 
 def _check_wire_tensor(

@@ -209,16 +209,8 @@ def run_block(
     attends over positions ``0 .. at + T``. A plain function of its arguments, so one
     compiled version serves every layer."""
     count = hidden.shape[0]
-    dim = block.head_dim
-    states = rms_norm(hidden, block.input_norm, block.norm_eps)
-    # [T, (heads + 2 * kv_heads) * D]: queries, keys, values; rotated in place.
-    qkv = block.qkv(states)
-    query_key = qkv[:, : block.qk_width].unflatten(-1, (-1, dim))
-    if block.qk_norm is None:
-        rotate_into(query_key, query_key, cos, sin)
-    else:
-        rotate_into(query_key, rms_norm(query_key, block.qk_norm, block.norm_eps), cos, sin)
-    new_kv = qkv[:, block.q_width :].view(count, 2, 1, -1, dim).permute(1, 2, 3, 0, 4)
+    qkv, query_key = _project(block, hidden, cos, sin)
+    new_kv = qkv[:, block.q_width :].view(count, 2, 1, -1, block.head_dim).permute(1, 2, 3, 0, 4)
     if isinstance(at, int):
         kv.narrow(3, at, count).copy_(new_kv)
         held = kv.narrow(3, 0, at + count)
@@ -230,6 +222,68 @@ def run_block(
     attended = attention(
         query_key[:, : block.heads], held[0], held[1], mask, block.scaling, block.groups
     )
+    return _finish(block, hidden, attended)
+
+
+@dataclass(frozen=True)
+class SegmentRows:
+    """One session's rows in a batched frame: ``count`` rows from ``row`` at positions
+    ``at ..``, attending over its own cache with its own masks (full, sliding)."""
+
+    cache: SessionCache
+    row: int
+    at: int
+    count: int
+    masks: tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def run_block_segments(
+    block: DecoderBlock,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    segments: list[SegmentRows],
+) -> torch.Tensor:
+    """One layer over the rows of several sessions at once: every linear sees all
+    rows; each session's keys and values go to its own cache, and its queries attend
+    to its own positions only. ``cos``/``sin`` hold one row per token."""
+    qkv, query_key = _project(block, hidden, cos, sin)
+    dim = block.head_dim
+    attended = []
+    for part in segments:
+        rows = slice(part.row, part.row + part.count)
+        kv = part.cache.layer(block.layer_index)
+        new_kv = qkv[rows, block.q_width :].view(part.count, 2, 1, -1, dim).permute(1, 2, 3, 0, 4)
+        kv.narrow(3, part.at, part.count).copy_(new_kv)
+        held = kv.narrow(3, 0, part.at + part.count)
+        mask = part.masks[1] if block.sliding else part.masks[0]
+        attended.append(
+            attention(
+                query_key[rows, : block.heads], held[0], held[1], mask, block.scaling, block.groups
+            )
+        )
+    return _finish(block, hidden, torch.cat(attended))
+
+
+def _project(
+    block: DecoderBlock, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm, the fused q/k/v linear, and rotary (plus Qwen3's q/k norms) on queries
+    and keys in place. Returns the q/k/v rows and the rotated ``[T, heads +
+    kv_heads, D]`` query/key view of them."""
+    states = rms_norm(hidden, block.input_norm, block.norm_eps)
+    # [T, (heads + 2 * kv_heads) * D]: queries, keys, values; rotated in place.
+    qkv = block.qkv(states)
+    query_key = qkv[:, : block.qk_width].unflatten(-1, (-1, block.head_dim))
+    if block.qk_norm is None:
+        rotate_into(query_key, query_key, cos, sin)
+    else:
+        rotate_into(query_key, rms_norm(query_key, block.qk_norm, block.norm_eps), cos, sin)
+    return qkv, query_key
+
+
+def _finish(block: DecoderBlock, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """Output projection, residual, and the gated MLP with its residual."""
     hidden = hidden + block.o(attended)
     states = rms_norm(hidden, block.post_norm, block.norm_eps)
     gate, up = block.gate_up(states).chunk(2, dim=-1)

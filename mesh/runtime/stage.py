@@ -13,13 +13,20 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
 
-from mesh.errors import InvalidRequest
-from mesh.runtime.block import attention_masks, rms_norm, run_block
+from mesh.errors import InvalidRequest, MeshError
+from mesh.runtime.block import (
+    SegmentRows,
+    attention_masks,
+    rms_norm,
+    run_block,
+    run_block_segments,
+)
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import SessionCache, SessionTable, kv_layout, token_limit
@@ -27,6 +34,40 @@ from mesh.runtime.skeleton import StageModules, resolve_dtype
 from mesh.types import LayerRange
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One session's rows in a batched forward pass: ``count`` tokens from absolute
+    position ``pos_start``. On the last stage, logits are computed for the span's
+    last ``logit_rows`` rows only (all of them when negative; none when 0: a prompt
+    chunk after which nothing is sampled)."""
+
+    session_id: str
+    pos_start: int
+    count: int
+    logit_rows: int = -1
+
+    def logits_wanted(self) -> int:
+        return self.count if self.logit_rows < 0 else min(self.logit_rows, self.count)
+
+
+@dataclass
+class BatchOutput:
+    """What a batched forward pass produced. ``rows`` holds, in span order, the
+    output rows of every span that ran (hidden states, or on the last stage the
+    logits of its wanted rows); ``placed`` maps a span's index to its first row in
+    ``rows`` and its row count; ``errors`` maps the index of a span that was refused
+    (bad position, over a limit, ...) to why. The other spans ran."""
+
+    rows: torch.Tensor | None
+    placed: dict[int, tuple[int, int]] = field(default_factory=dict)
+    errors: dict[int, MeshError] = field(default_factory=dict)
+
+    def of(self, index: int) -> torch.Tensor:
+        """The output rows of span ``index``."""
+        start, count = self.placed[index]
+        return self.rows[start : start + count]  # type: ignore[index]
 
 
 class StageRuntime:
@@ -160,7 +201,8 @@ class StageRuntime:
     # ---- compute ------------------------------------------------------------------
 
     def forward(self, session_id: str, pos_start: int, inputs: torch.Tensor) -> torch.Tensor:
-        """Run a frame of ``T`` tokens starting at absolute position ``pos_start``.
+        """Run a frame of ``T`` tokens of one session starting at absolute position
+        ``pos_start``.
 
         ``inputs``: token ids ``[T]`` on the first stage, hidden states ``[T, hidden]``
         otherwise. Returns hidden states ``[T, hidden]`` in the runtime dtype, or on
@@ -170,9 +212,113 @@ class StageRuntime:
             prepared = self._prepare(inputs)
             count = prepared.shape[0]
             cache = self._sessions.open_for_frame(session_id, pos_start, count)
-            return self._run(cache, pos_start, prepared)
+            return self._run(cache, pos_start, prepared, count)
 
-    def _prepare(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward_batch(self, spans: Sequence[Span], inputs: torch.Tensor) -> BatchOutput:
+        """Run the rows of several sessions in one pass: ``inputs`` holds the spans'
+        rows in order (token ids ``[N]`` on the first stage, hidden states ``[N,
+        hidden]`` otherwise). Every linear runs on all rows at once; attention runs
+        per span against that session's cache. A span that cannot run (its position,
+        a limit, a bad token id, a session named twice) is refused alone
+        (``BatchOutput.errors``). A tensor that does not fit the spans raises."""
+        with self._lock, torch.inference_mode():
+            prepared = self._prepare(inputs, check_ids=False)
+            total = sum(span.count for span in spans)
+            if prepared.shape[0] != total:
+                raise InvalidRequest(
+                    f"the frame's tensor has {prepared.shape[0]} rows, its segments {total}"
+                )
+            opened, errors = self._open_spans(spans, prepared)
+            if not opened:
+                return BatchOutput(None, {}, errors)
+            if len(opened) == 1:
+                index, span, cache, row = opened[0]
+                rows = prepared[row : row + span.count]
+                out = self._run(cache, span.pos_start, rows, span.logits_wanted())
+                return BatchOutput(out, {index: (0, out.shape[0])}, errors)
+            return self._run_spans(opened, prepared, errors)
+
+    def _open_spans(
+        self, spans: Sequence[Span], prepared: torch.Tensor
+    ) -> tuple[list[tuple[int, Span, SessionCache, int]], dict[int, MeshError]]:
+        opened: list[tuple[int, Span, SessionCache, int]] = []
+        errors: dict[int, MeshError] = {}
+        seen: set[str] = set()
+        row = 0
+        for index, span in enumerate(spans):
+            try:
+                if span.count < 1:
+                    raise InvalidRequest(f"session {span.session_id}: a segment needs a token")
+                if span.session_id in seen:
+                    raise InvalidRequest(
+                        f"session {span.session_id} has two segments in one frame; "
+                        "send its next segment in a later frame"
+                    )
+                if self._is_first:
+                    self._check_ids(prepared[row : row + span.count])
+                cache = self._sessions.open_for_frame(span.session_id, span.pos_start, span.count)
+            except MeshError as error:
+                errors[index] = error
+            else:
+                seen.add(span.session_id)
+                opened.append((index, span, cache, row))
+            row += span.count
+        return opened, errors
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self._vocab_size:
+            raise InvalidRequest(
+                f"token id out of range [0, {self._vocab_size}): saw {low}..{high}"
+            )
+
+    def _run_spans(
+        self,
+        opened: list[tuple[int, Span, SessionCache, int]],
+        prepared: torch.Tensor,
+        errors: dict[int, MeshError],
+    ) -> BatchOutput:
+        modules = self._modules
+        if errors:
+            prepared = torch.cat([prepared[row : row + span.count] for _, span, _, row in opened])
+        hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
+        angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
+        cos = torch.cat([c for c, _ in angles])
+        sin = torch.cat([s for _, s in angles])
+        parts: list[SegmentRows] = []
+        row = 0
+        for _, span, cache, _ in opened:
+            masks = attention_masks(span.pos_start, span.count, self._sliding_window, self._device)
+            cache.begin(span.pos_start)
+            parts.append(SegmentRows(cache, row, span.pos_start, span.count, masks))
+            row += span.count
+        for block in self._blocks:
+            hidden = run_block_segments(block, hidden, cos, sin, parts)
+        for part in parts:
+            part.cache.commit(part.at + part.count)
+        placed: dict[int, tuple[int, int]] = {}
+        if not self._is_last:
+            for (index, _, _, _), part in zip(opened, parts, strict=True):
+                placed[index] = (part.row, part.count)
+            return BatchOutput(hidden, placed, errors)
+        pieces: list[torch.Tensor] = []
+        out_row = 0
+        for (index, span, _, _), part in zip(opened, parts, strict=True):
+            wanted = span.logits_wanted()
+            pieces.append(hidden[part.row + part.count - wanted : part.row + part.count])
+            placed[index] = (out_row, wanted)
+            out_row += wanted
+        return BatchOutput(self._head(torch.cat(pieces)), placed, errors)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: float32 logits ``[rows, vocab]``."""
+        modules = self._modules
+        if hidden.shape[0] == 0:
+            return torch.empty(0, self._vocab_size, device=hidden.device)
+        normed = rms_norm(hidden, modules.norm, modules.norm_eps)  # type: ignore[arg-type]
+        return modules.lm_head(normed).float()  # type: ignore[misc]
+
+    def _prepare(self, inputs: torch.Tensor, check_ids: bool = True) -> torch.Tensor:
         if not isinstance(inputs, torch.Tensor):
             raise InvalidRequest(f"frame inputs must be a tensor, got {type(inputs).__name__}")
         if self._is_first:
@@ -184,11 +330,8 @@ class StageRuntime:
             if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
                 raise InvalidRequest(f"token ids must be integers, got {inputs.dtype}")
             ids = inputs.to(device=self._device, dtype=torch.long)
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= self._vocab_size:
-                raise InvalidRequest(
-                    f"token id out of range [0, {self._vocab_size}): saw {low}..{high}"
-                )
+            if check_ids:
+                self._check_ids(ids)
             return ids
         if inputs.dim() != 2 or inputs.shape[0] == 0 or inputs.shape[1] != self._hidden_size:
             raise InvalidRequest(
@@ -199,11 +342,15 @@ class StageRuntime:
             raise InvalidRequest(f"hidden states must be floating point, got {inputs.dtype}")
         return inputs.to(device=self._device, dtype=self._dtype)
 
-    def _run(self, cache: SessionCache, pos_start: int, prepared: torch.Tensor) -> torch.Tensor:
+    def _run(
+        self, cache: SessionCache, pos_start: int, prepared: torch.Tensor, logit_rows: int
+    ) -> torch.Tensor:
+        """One session's rows; on the last stage the logits of its last ``logit_rows``."""
         modules = self._modules
         count = prepared.shape[0]
         if count == 1 and self._graph_capture is not None:
-            return self._run_static(cache, pos_start, prepared)
+            output = self._run_static(cache, pos_start, prepared)
+            return output if not self._is_last or logit_rows else output[:0]
         hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
         cos, sin = self._angles(pos_start, count)
         masks = attention_masks(pos_start, count, self._sliding_window, self._device)
@@ -222,8 +369,7 @@ class StageRuntime:
         cache.commit(pos_start + count)
         if not self._is_last:
             return hidden
-        normed = rms_norm(hidden, modules.norm, modules.norm_eps)  # type: ignore[arg-type]
-        return modules.lm_head(normed).float()  # type: ignore[misc]
+        return self._head(hidden[count - logit_rows :])
 
     def _run_static(
         self, cache: SessionCache, pos_start: int, prepared: torch.Tensor
@@ -241,7 +387,7 @@ class StageRuntime:
                 raise
             logger.warning("CUDA graph capture failed (%s); running decode steps eagerly", error)
             self._drop_graphs()
-            return self._run(cache, pos_start, prepared)
+            return self._run(cache, pos_start, prepared, 1)
         cache.commit(pos_start + 1)
         return output
 

@@ -8,74 +8,92 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class SegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    FRAME_KIND_UNSPECIFIED: _ClassVar[FrameKind]
-    FRAME_KIND_PREFILL: _ClassVar[FrameKind]
-    FRAME_KIND_DECODE: _ClassVar[FrameKind]
-    FRAME_KIND_VERIFY: _ClassVar[FrameKind]
-    FRAME_KIND_TRIM: _ClassVar[FrameKind]
-    FRAME_KIND_END: _ClassVar[FrameKind]
-FRAME_KIND_UNSPECIFIED: FrameKind
-FRAME_KIND_PREFILL: FrameKind
-FRAME_KIND_DECODE: FrameKind
-FRAME_KIND_VERIFY: FrameKind
-FRAME_KIND_TRIM: FrameKind
-FRAME_KIND_END: FrameKind
+    SEGMENT_KIND_UNSPECIFIED: _ClassVar[SegmentKind]
+    SEGMENT_KIND_PREFILL: _ClassVar[SegmentKind]
+    SEGMENT_KIND_DECODE: _ClassVar[SegmentKind]
+    SEGMENT_KIND_VERIFY: _ClassVar[SegmentKind]
+    SEGMENT_KIND_END: _ClassVar[SegmentKind]
+SEGMENT_KIND_UNSPECIFIED: SegmentKind
+SEGMENT_KIND_PREFILL: SegmentKind
+SEGMENT_KIND_DECODE: SegmentKind
+SEGMENT_KIND_VERIFY: SegmentKind
+SEGMENT_KIND_END: SegmentKind
 
-class Frame(_message.Message):
-    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_ids", "hidden", "sampling", "term", "sample", "timings")
+class Segment(_message.Message):
+    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    TERM_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
-    kind: FrameKind
+    kind: SegmentKind
     pos_start: int
+    token_count: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    hidden: _common_pb2.Tensor
     sampling: _common_pb2.SamplingParams
-    term: int
     sample: bool
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("term", "frame_id", "segments", "hidden", "timings")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    FRAME_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    frame_id: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    hidden: _common_pb2.Tensor
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.StageTiming]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., term: _Optional[int] = ..., sample: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ...) -> None: ...
+    def __init__(self, term: _Optional[int] = ..., frame_id: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ...) -> None: ...
 
 class FrameAck(_message.Message):
-    __slots__ = ("request_id", "session_id", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("frame_id", "error")
+    FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    session_id: str
+    frame_id: int
     error: _common_pb2.ErrorInfo
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, frame_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
-class TokenResult(_message.Message):
-    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "timings", "error", "term")
+class SegmentResult(_message.Message):
+    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    TERM_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     pos_start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_count: int
-    timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.StageTiming]
     error: _common_pb2.ErrorInfo
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class FrameResult(_message.Message):
+    __slots__ = ("term", "frame_id", "results", "timings")
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    FRAME_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     term: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    frame_id: int
+    results: _containers.RepeatedCompositeFieldContainer[SegmentResult]
+    timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.StageTiming]
+    def __init__(self, term: _Optional[int] = ..., frame_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SegmentResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ...) -> None: ...
 
 class ReturnAck(_message.Message):
     __slots__ = ()

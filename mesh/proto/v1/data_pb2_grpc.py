@@ -42,7 +42,7 @@ class StageDataStub:
                 _registered_method=True)
         self.Return = channel.stream_unary(
                 '/mesh.v1.StageData/Return',
-                request_serializer=mesh_dot_v1_dot_data__pb2.TokenResult.SerializeToString,
+                request_serializer=mesh_dot_v1_dot_data__pb2.FrameResult.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_data__pb2.ReturnAck.FromString,
                 _registered_method=True)
 
@@ -53,14 +53,15 @@ class StageDataServicer:
 
     def Forward(self, request_iterator, context):
         """Frames from the upstream neighbour. The reply stream carries an ack only
-        for a frame that failed (the error names the request).
+        for a frame that was refused whole (undecodable, over the limits).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Return(self, request_iterator, context):
-        """Results from the last stage (and errors from any stage) straight to stage 0.
+        """Results from the last stage (and per-segment errors from any stage)
+        straight to stage 0.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,7 +77,7 @@ def add_StageDataServicer_to_server(servicer, server):
             ),
             'Return': grpc.stream_unary_rpc_method_handler(
                     servicer.Return,
-                    request_deserializer=mesh_dot_v1_dot_data__pb2.TokenResult.FromString,
+                    request_deserializer=mesh_dot_v1_dot_data__pb2.FrameResult.FromString,
                     response_serializer=mesh_dot_v1_dot_data__pb2.ReturnAck.SerializeToString,
             ),
     }
@@ -133,7 +134,7 @@ class StageData:
             request_iterator,
             target,
             '/mesh.v1.StageData/Return',
-            mesh_dot_v1_dot_data__pb2.TokenResult.SerializeToString,
+            mesh_dot_v1_dot_data__pb2.FrameResult.SerializeToString,
             mesh_dot_v1_dot_data__pb2.ReturnAck.FromString,
             options,
             channel_credentials,

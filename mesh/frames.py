@@ -1,0 +1,217 @@
+"""Data-plane values: frames of segments, their results, timings and errors.
+
+Plain frozen dataclasses, free of protobuf: the stage engine, the runtime and stage
+0's engine core work with these; only ``mesh.codec`` (and the servicers and links
+that call it) turns them into messages.
+
+A frame is one step's work for one stage: one segment per session in the step and
+one activation tensor holding every segment's rows in segment order
+(``[sum of token counts, hidden]``). The last stage answers one ``FrameResult`` with
+one ``SegmentResult`` per segment that asked for tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from mesh.errors import MeshError, from_code, grpc_code_name
+from mesh.types import SamplingParams
+
+
+class SegmentKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+    END = "end"
+
+    @property
+    def computes(self) -> bool:
+        """True for kinds that run tokens through the layers (and carry activations)."""
+        return self is not SegmentKind.END
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """Time one stage spent on a frame (sent as float32 milliseconds)."""
+
+    stage_index: int
+    compute_ms: float
+    queue_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A per-segment error: a gRPC status code name, a message, the failing stage."""
+
+    code: str
+    message: str
+    stage_index: int = 0
+
+    @classmethod
+    def from_exception(cls, error: BaseException, stage_index: int = 0) -> ErrorInfo:
+        if isinstance(error, MeshError):
+            message = error.message
+        else:
+            message = f"{type(error).__name__}: {error}"
+        return cls(grpc_code_name(error), message, stage_index)
+
+    def to_error(self) -> MeshError:
+        """The typed mesh error for this code (Fatal for codes without a class)."""
+        return from_code(self.code, self.message)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's part of a frame: ``token_ids`` sit at positions
+    ``[pos_start, pos_start + len)``. ``sample`` is honoured on PREFILL segments:
+    False means a prompt chunk after which the last stage samples nothing."""
+
+    request_id: str
+    session_id: str
+    kind: SegmentKind
+    pos_start: int
+    token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams | None = None
+    sample: bool = True
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, tuple):
+            object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+
+    @property
+    def token_count(self) -> int:
+        """Rows of the frame's tensor this segment holds."""
+        return len(self.token_ids) if self.kind.computes else 0
+
+    @property
+    def pos_end(self) -> int:
+        """One past the position of the last token: the KV length after this segment."""
+        return self.pos_start + self.token_count
+
+    @property
+    def emits(self) -> bool:
+        """True when the last stage answers this segment with tokens."""
+        if self.kind is SegmentKind.PREFILL:
+            return self.sample
+        return self.kind is not SegmentKind.END
+
+    def result_pos(self) -> int:
+        """Position of the first token the last stage emits for this segment."""
+        if self.kind is SegmentKind.VERIFY:
+            return self.pos_start + 1
+        return self.pos_end
+
+    def max_emitted(self) -> int:
+        """Tokens the answer may hold: draft count + 1 for VERIFY, else 1."""
+        return self.token_count if self.kind is SegmentKind.VERIFY else 1
+
+
+def _same(a: object, b: object) -> bool:
+    """Field equality that also compares tensors (dtype, shape and values)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        same_layout = a.dtype == b.dtype and a.shape == b.shape
+        return same_layout and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+@dataclass(frozen=True, eq=False)
+class Frame:
+    """One step's work for one stage. ``hidden`` is ``[row_count, hidden_size]``
+    activations entering the receiving stage (None on stage 0's input and for a frame
+    of END segments only)."""
+
+    term: int
+    frame_id: int
+    segments: tuple[Segment, ...]
+    hidden: torch.Tensor | None = None
+    timings: tuple[StageTiming, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.segments, tuple):
+            object.__setattr__(self, "segments", tuple(self.segments))
+        if not isinstance(self.timings, tuple):
+            object.__setattr__(self, "timings", tuple(self.timings))
+
+    @property
+    def row_count(self) -> int:
+        return sum(s.token_count for s in self.segments)
+
+    def spans(self) -> Iterator[tuple[Segment, int, int]]:
+        """``(segment, first row, row count)`` for every segment, in order."""
+        row = 0
+        for segment in self.segments:
+            yield segment, row, segment.token_count
+            row += segment.token_count
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Frame):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class FrameAck:
+    """Sent back on the Forward stream, only for a frame refused whole."""
+
+    frame_id: int
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    """Emitted tokens (or an error) for one segment. ``pos_start`` is the position of
+    the first emitted token (of the failed segment for an error); ``accepted_count``
+    how many draft tokens of a VERIFY segment were kept."""
+
+    request_id: str
+    session_id: str
+    pos_start: int
+    token_ids: tuple[int, ...] = ()
+    accepted_count: int = 0
+    error: ErrorInfo | None = None
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, tuple):
+            object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def failure(cls, segment: Segment, error: BaseException, stage_index: int) -> SegmentResult:
+        """The answer telling stage 0 that ``segment`` failed on ``stage_index``."""
+        return cls(
+            request_id=segment.request_id,
+            session_id=segment.session_id,
+            pos_start=segment.pos_start,
+            error=ErrorInfo.from_exception(error, stage_index=stage_index),
+            epoch=segment.epoch,
+        )
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    """Results for the segments of one frame of ``term`` (the term of the frame it
+    answers, never the answering stage's), with the timings the frame collected."""
+
+    term: int
+    frame_id: int
+    results: tuple[SegmentResult, ...]
+    timings: tuple[StageTiming, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.results, tuple):
+            object.__setattr__(self, "results", tuple(self.results))
+        if not isinstance(self.timings, tuple):
+            object.__setattr__(self, "timings", tuple(self.timings))

@@ -1,0 +1,135 @@
+"""Batched frames: several sessions' segments in one forward pass give every segment
+the logits it gets alone, for every family, split, mix of kinds and crop; a bad
+segment is refused alone."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_support import FAMILIES, LAYERS, SPLITS, load_chain, max_diff, package_of, run_chain
+
+from mesh.runtime import Span, StageRuntime
+
+TOLERANCE = 1e-4
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def packages(
+    tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            model_dir = tiny_model_factory(family, layers=LAYERS)
+            cache[family] = package_of(model_dir, tmp_path_factory.mktemp(f"pkg-{family}") / "pkg")
+        return cache[family]
+
+    return get
+
+
+def run_batch(stages: list[StageRuntime], spans: list[Span], ids: torch.Tensor) -> list:
+    """Each span's logits (or its error) after the chain, in span order."""
+    activations = ids
+    live = list(range(len(spans)))
+    errors: dict[int, Exception] = {}
+    for stage in stages:
+        out = stage.forward_batch([spans[i] for i in live], activations)
+        for local, error in out.errors.items():
+            errors[live[local]] = error
+        kept = [i for local, i in enumerate(live) if local not in out.errors]
+        if stage.is_last:
+            return [
+                errors.get(i) if i in errors else out.of(live.index(i)) for i in range(len(spans))
+            ]
+        activations = out.rows
+        live = kept
+    raise AssertionError("no last stage")
+
+
+def batch_round(
+    rng: random.Random, lengths: dict[str, int], tokens: dict[str, torch.Tensor]
+) -> list[tuple[str, int, int]]:
+    """(session, pos_start, count) per session: prefill chunks, decode steps, verify
+    windows and crops (pos_start below the held length), in random order."""
+    plan = []
+    for session in rng.sample(sorted(lengths), k=len(lengths)):
+        held = lengths[session]
+        kind = rng.choice(["prefill", "decode", "verify", "crop"]) if held else "prefill"
+        if kind == "prefill":
+            start, count = held, rng.randint(2, 9)
+        elif kind == "decode":
+            start, count = held, 1
+        elif kind == "verify":
+            start, count = held, rng.randint(2, 6)
+        else:
+            start, count = rng.randint(1, held), rng.randint(1, 4)
+        count = min(count, tokens[session].shape[0] - start)
+        if count > 0:
+            plan.append((session, start, count))
+    return plan
+
+
+@pytest.mark.parametrize("stage_count", [1, 2, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_segment_gets_the_logits_it_gets_alone(
+    packages: Callable[[str], Path], family: str, stage_count: int
+) -> None:
+    package = packages(family)
+    batched = load_chain(package, SPLITS[stage_count])
+    alone = load_chain(package, SPLITS[stage_count])
+    rng = random.Random(f"{family}-{stage_count}")
+    sessions = [f"s{i}" for i in range(5)]
+    tokens = {
+        s: torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(i))
+        for i, s in enumerate(sessions)
+    }
+    lengths = dict.fromkeys(sessions, 0)
+    for _ in range(6):
+        plan = batch_round(rng, lengths, tokens)
+        spans = [Span(s, start, count) for s, start, count in plan]
+        ids = torch.cat([tokens[s][start : start + count] for s, start, count in plan])
+        got = run_batch(batched, spans, ids)
+        for (session, start, count), logits in zip(plan, got, strict=True):
+            want = run_chain(alone, session, start, tokens[session][start : start + count])
+            assert max_diff(logits, want) < TOLERANCE, (session, start, count)
+            lengths[session] = start + count
+
+
+def test_logit_rows_pick_the_last_rows(packages: Callable[[str], Path]) -> None:
+    stage = load_chain(packages("llama"), SPLITS[1])[0]
+    ids = torch.arange(10, 22)
+    spans = [Span("a", 0, 5, logit_rows=1), Span("b", 0, 4, logit_rows=0), Span("c", 0, 3)]
+    out = stage.forward_batch(spans, ids)
+    assert [out.of(i).shape[0] for i in range(3)] == [1, 0, 3]
+    alone = load_chain(packages("llama"), SPLITS[1])[0]
+    assert max_diff(out.of(0), alone.forward("a", 0, ids[:5])[-1:]) < TOLERANCE
+    assert max_diff(out.of(2), alone.forward("c", 0, ids[9:12])) < TOLERANCE
+    assert stage.session_length("b") == 4
+
+
+def test_a_bad_segment_is_refused_alone(packages: Callable[[str], Path]) -> None:
+    first, last = load_chain(packages("llama"), SPLITS[2])
+    ids = torch.arange(1, 8)
+    spans = [
+        Span("ok", 0, 3),
+        Span("gap", 5, 2),  # the session holds 0 tokens: it cannot start at 5
+        Span("ok", 3, 1),  # the same session twice in one frame
+        Span("fine", 0, 1),
+    ]
+    out = first.forward_batch(spans, ids)
+    assert sorted(out.errors) == [1, 2]
+    assert "resend the frame from position 0" in str(out.errors[1])
+    assert "two segments in one frame" in str(out.errors[2])
+    assert out.rows.shape == (4, first.hidden_size)
+    assert first.session_length("ok") == 3 and first.session_length("gap") == 0
+    bad_ids = torch.tensor([1, 2, VOCAB + 5])
+    out = first.forward_batch([Span("x", 0, 2), Span("y", 0, 1)], bad_ids)
+    assert list(out.errors) == [1] and "out of range" in str(out.errors[1])
+    with pytest.raises(Exception, match="rows"):
+        last.forward_batch([Span("z", 0, 2)], torch.zeros(3, last.hidden_size))
