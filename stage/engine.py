@@ -1,54 +1,56 @@
-"""The stage engine: applies frames to a layer-range runtime. Plain torch, no network.
+"""The stage engine: applies frames of segments to a layer-range runtime. Plain
+torch, no network.
 
-A servicer decodes a frame, calls ``StageEngine.process`` and sends what comes out:
-a frame with activations for the next stage, or (on the last stage) a TokenResult
-for stage 0. The last stage samples with the request's seeded sampler and verifies
-speculative windows losslessly.
+The node hands a decoded frame to ``StageEngine.process`` and sends what comes out:
+a frame with the activations of the segments that ran for the next stage, or (on
+the last stage) one FrameResult answering every segment, plus the failures of
+single segments for stage 0. The last stage samples with each session's seeded
+sampler and verifies speculative windows losslessly.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from mesh.codec import ErrorInfo, Frame, FrameKind, StageTiming, TokenResult
-from mesh.errors import InvalidRequest, NotFound
-from mesh.runtime import StageRuntime
+from mesh.errors import InvalidRequest
+from mesh.frames import (
+    Frame,
+    FrameResult,
+    Segment,
+    SegmentKind,
+    SegmentResult,
+    StageTiming,
+)
+from mesh.runtime import BatchOutput, Span, StageRuntime
 from mesh.sampling import sample_token
 from mesh.speculative.verify import verify_window
-from mesh.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EngineOutput:
-    """What a processed frame produces: at most one of the two is set."""
+    """What a processed frame produces: the frame for the next stage (not on the
+    last stage), the answer for stage 0 (the last stage), and the segments that
+    failed here (any stage; on the last stage they are part of ``result``)."""
 
     forward: Frame | None = None
-    result: TokenResult | None = None
-
-
-@dataclass
-class _Session:
-    request_id: str
-    sampling: SamplingParams
-    last_used: float
+    result: FrameResult | None = None
+    failures: tuple[SegmentResult, ...] = ()
 
 
 class StageEngine:
-    """Runs frames through one stage's runtime and keeps per-session state."""
+    """Runs frames through one stage's runtime. The runtime's session table is the
+    one owner of a session's state (KV, length, request, sampling, last use)."""
 
     def __init__(self, runtime: StageRuntime, stage_index: int, term: int) -> None:
         self.runtime = runtime
         self.stage_index = stage_index
         self.term = term
-        self._sessions: dict[str, _Session] = {}
-        self._lock = threading.Lock()
 
     @property
     def is_first(self) -> bool:
@@ -59,131 +61,118 @@ class StageEngine:
         return self.runtime.is_last
 
     def session_count(self) -> int:
-        with self._lock:
-            return len(self._sessions)
+        return len(self.runtime.sessions())
 
     def session_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
+        return self.runtime.sessions()
+
+    def active_requests(self) -> list[tuple[str, str]]:
+        """(session_id, request_id) of every session this stage holds."""
+        return self.runtime.session_requests()
+
+    def end_session(self, session_id: str) -> bool:
+        """Free a session's KV and state; False when this stage did not hold it."""
+        return self.runtime.drop_session(session_id)
+
+    def expire_idle(self, idle_timeout_s: float) -> list[str]:
+        """End sessions unused for longer than ``idle_timeout_s``."""
+        return self.runtime.expire_idle(time.monotonic(), idle_timeout_s)
 
     def process(self, frame: Frame, queued_s: float = 0.0) -> EngineOutput:
-        """Apply one frame. Raises a MeshError for a frame that must fail."""
+        """Apply one frame: END segments drop their sessions, the others run in one
+        batched forward pass. A segment that cannot run fails alone; an error that
+        concerns the whole frame (its tensor) raises a MeshError."""
         started = time.perf_counter()
-        if frame.kind is FrameKind.END:
-            self.end_session(frame.session_id)
-            return EngineOutput(forward=None if self.is_last else frame)
-        session = self._session_for(frame)
-        if frame.kind is FrameKind.TRIM:
-            if self.runtime.session_length(frame.session_id) > frame.pos_start:
-                self.runtime.trim(frame.session_id, frame.pos_start)
-            return EngineOutput(forward=None if self.is_last else frame)
-        if frame.kind is FrameKind.VERIFY and len(frame.token_ids) < 1:
-            raise InvalidRequest("a VERIFY frame needs the current token and its draft tokens")
-        inputs = self._inputs(frame)
-        output = self.runtime.forward(frame.session_id, frame.pos_start, inputs)
-        session.last_used = time.monotonic()
+        computing: list[Segment] = []
+        ending: list[Segment] = []
+        for segment in frame.segments:
+            (computing if segment.kind.computes else ending).append(segment)
+        for segment in ending:
+            self.end_session(segment.session_id)
+        failures: list[SegmentResult] = []
+        out = BatchOutput(None)
+        if computing:
+            out = self.runtime.forward_batch(
+                [self._span(s) for s in computing], self._inputs(frame, computing)
+            )
+            for index, error in out.errors.items():
+                failures.append(SegmentResult.failure(computing[index], error, self.stage_index))
         timing = StageTiming(
             stage_index=self.stage_index,
             compute_ms=(time.perf_counter() - started) * 1000.0,
             queue_ms=queued_s * 1000.0,
         )
         timings = (*frame.timings, timing)
+        ran = [(i, s) for i, s in enumerate(computing) if i not in out.errors]
         if not self.is_last:
-            return EngineOutput(
-                forward=replace(frame, hidden=output, timings=timings, sampling=frame.sampling)
-            )
-        return EngineOutput(result=self._emit(frame, session, output, timings))
-
-    def end_session(self, session_id: str) -> bool:
-        """Free a session's KV and state; False when this stage did not hold it."""
-        with self._lock:
-            known = self._sessions.pop(session_id, None) is not None
-        held = self.runtime.drop_session(session_id)
-        return known or held
-
-    def expire_idle(self, idle_timeout_s: float) -> list[str]:
-        """End sessions unused for longer than ``idle_timeout_s``."""
-        now = time.monotonic()
-        with self._lock:
-            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > idle_timeout_s]
-        for session_id in stale:
-            logger.info("session %s expired after %.0fs idle", session_id, idle_timeout_s)
-            self.end_session(session_id)
-        return stale
-
-    def active_requests(self) -> list[tuple[str, str]]:
-        """(session_id, request_id) of every session this stage holds."""
-        with self._lock:
-            return [(sid, s.request_id) for sid, s in self._sessions.items()]
-
-    @staticmethod
-    def error_for(
-        frame: Frame, error: BaseException, stage_index: int, term: int = 0
-    ) -> TokenResult:
-        """The TokenResult that tells stage 0 this frame failed on ``stage_index``."""
-        return TokenResult(
-            request_id=frame.request_id,
-            session_id=frame.session_id,
-            pos_start=frame.pos_start,
-            error=ErrorInfo.from_exception(error, stage_index=stage_index),
-            term=term,
+            kept = {id(s) for _, s in ran}
+            segments = tuple(s for s in frame.segments if id(s) in kept or not s.kind.computes)
+            forward = None
+            if segments:
+                forward = Frame(frame.term, frame.frame_id, segments, out.rows, timings)
+            return EngineOutput(forward=forward, failures=tuple(failures))
+        # One answer per segment, so stage 0 knows when the frame has left the pipe:
+        # tokens, an error, or (END, a prompt chunk) an empty acknowledgement.
+        emitted = {id(s): self._emit(s, out.of(i)) for i, s in ran if s.emits}
+        failed = {id(computing[i]): f for i, f in zip(out.errors, failures, strict=True)}
+        answers = tuple(
+            emitted.get(id(s)) or failed.get(id(s)) or _acknowledged(s) for s in frame.segments
         )
+        result = FrameResult(frame.term, frame.frame_id, answers, timings)
+        return EngineOutput(result=result, failures=tuple(failures))
 
     # ---- internals --------------------------------------------------------------
 
-    def _session_for(self, frame: Frame) -> _Session:
-        with self._lock:
-            session = self._sessions.get(frame.session_id)
-            if session is not None:
-                if frame.sampling is not None:
-                    session.sampling = frame.sampling
-                return session
-            if frame.kind is FrameKind.PREFILL and frame.pos_start == 0:
-                session = _Session(
-                    request_id=frame.request_id,
-                    sampling=frame.sampling or SamplingParams(),
-                    last_used=time.monotonic(),
-                )
-                self._sessions[frame.session_id] = session
-                return session
-        raise NotFound(
-            f"stage {self.stage_index} holds no session {frame.session_id!r} "
-            f"(request {frame.request_id}); start it with a PREFILL frame at position 0"
+    def _span(self, segment: Segment) -> Span:
+        if not self.is_last or segment.kind is SegmentKind.VERIFY:
+            logit_rows = -1
+        elif segment.kind is SegmentKind.PREFILL and not segment.sample:
+            logit_rows = 0
+        else:
+            logit_rows = 1
+        return Span(
+            session_id=segment.session_id,
+            pos_start=segment.pos_start,
+            count=segment.token_count,
+            logit_rows=logit_rows,
+            creates=segment.kind is SegmentKind.PREFILL and segment.pos_start == 0,
+            request_id=segment.request_id,
+            sampling=segment.sampling,
         )
 
-    def _inputs(self, frame: Frame) -> torch.Tensor:
+    def _inputs(self, frame: Frame, computing: list[Segment]) -> torch.Tensor:
         if self.is_first:
-            return torch.tensor(frame.token_ids, dtype=torch.long)
+            return torch.tensor([t for s in computing for t in s.token_ids], dtype=torch.long)
         if frame.hidden is None:
             raise InvalidRequest(
-                f"frame for session {frame.session_id!r} carries no activations; "
-                f"stage {self.stage_index} takes hidden states from its upstream stage"
+                f"frame {frame.frame_id} carries no activations; stage {self.stage_index} "
+                "takes hidden states from its upstream stage"
             )
         return frame.hidden
 
-    def _emit(
-        self,
-        frame: Frame,
-        session: _Session,
-        logits: torch.Tensor,
-        timings: tuple[StageTiming, ...],
-    ) -> TokenResult | None:
-        if frame.kind is FrameKind.PREFILL and not frame.sample:
-            return None
-        if frame.kind is FrameKind.VERIFY:
+    def _emit(self, segment: Segment, logits: torch.Tensor) -> SegmentResult:
+        sampling = self.runtime.session_sampling(segment.session_id)
+        if segment.kind is SegmentKind.VERIFY:
             verdict = verify_window(
-                logits, frame.token_ids, session.sampling, pos_first=frame.pos_start + 1
+                logits, segment.token_ids, sampling, pos_first=segment.pos_start + 1
             )
             emitted, accepted = list(verdict.emitted), verdict.accepted_count
         else:
-            position = frame.pos_end
-            emitted, accepted = [sample_token(logits[-1], session.sampling, position)], 0
-        return TokenResult(
-            request_id=frame.request_id,
-            session_id=frame.session_id,
-            pos_start=frame.pos_end if frame.kind is not FrameKind.VERIFY else frame.pos_start + 1,
+            emitted, accepted = [sample_token(logits[-1], sampling, segment.pos_end)], 0
+        return SegmentResult(
+            request_id=segment.request_id,
+            session_id=segment.session_id,
+            pos_start=segment.result_pos(),
             token_ids=tuple(emitted),
             accepted_count=accepted,
-            timings=timings,
-            term=self.term,
+            epoch=segment.epoch,
         )
+
+
+def _acknowledged(segment: Segment) -> SegmentResult:
+    return SegmentResult(
+        request_id=segment.request_id,
+        session_id=segment.session_id,
+        pos_start=segment.pos_end,
+        epoch=segment.epoch,
+    )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from mesh.codec import FrameAck
+from mesh.codec import FrameAck, ack_from_proto
 from mesh.errors import Unavailable
 from mesh.grpc_util import channel
 from mesh.proto.v1 import data_pb2_grpc
@@ -112,7 +112,7 @@ class ForwardLink(_StreamLink):
 
     def _consume(self) -> None:
         for ack in self._stub.Forward(self._requests()):
-            self._on_ack(FrameAck.from_proto(ack))
+            self._on_ack(ack_from_proto(ack))
 
 
 class ReturnLink(_StreamLink):

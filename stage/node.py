@@ -15,17 +15,16 @@ from pathlib import Path
 from mesh.codec import (
     ClaimRequest,
     FileInventory,
-    Frame,
-    FrameAck,
-    FrameKind,
     InventoryReply,
     PrepareRequest,
     Ready,
     StageLoadRequest,
-    TokenResult,
     WireDType,
+    frame_to_proto,
+    result_to_proto,
 )
 from mesh.errors import InvalidRequest, MeshError, StaleTerm, Unavailable
+from mesh.frames import ErrorInfo, Frame, FrameAck, FrameResult, Segment, SegmentKind, SegmentResult
 from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
@@ -92,7 +91,7 @@ class StageNode:
         self.loaded: LoadedStage | None = None
         self._lock = threading.RLock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._result_sink: Callable[[TokenResult], None] | None = None
+        self._result_sink: Callable[[FrameResult], None] | None = None
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
         self._on_newer_term: Callable[[], None] | None = None
@@ -103,20 +102,20 @@ class StageNode:
 
     # ---- stage-0 hooks -----------------------------------------------------------
 
-    def set_result_sink(self, sink: Callable[[TokenResult], None]) -> None:
-        """Where TokenResults for this node go when it is stage 0 (the scheduler)."""
+    def set_result_sink(self, sink: Callable[[FrameResult], None]) -> None:
+        """Where FrameResults for this node go when it is stage 0 (the engine core)."""
         self._result_sink = sink
 
     def on_load_change(self, listener: Callable[[LoadedStage | None], None]) -> None:
         self._listeners.append(listener)
 
-    def deliver_result(self, result: TokenResult) -> None:
-        """A TokenResult that reached stage 0 over the Return stream."""
+    def deliver_result(self, result: FrameResult) -> None:
+        """A FrameResult that reached stage 0 over the Return stream."""
         if self._result_sink is not None:
             self._result_sink(result)
 
     def submit(self, frame: Frame) -> None:
-        """Queue a frame from stage 0's own scheduler."""
+        """Queue a frame from stage 0's own engine core."""
         self._work.put(_Work(frame, time.monotonic()))
 
     # ---- control -------------------------------------------------------------------
@@ -312,7 +311,7 @@ class StageNode:
             try:
                 self._process(work)
             except Exception:  # noqa: BLE001 - the worker must survive any frame
-                logger.exception("frame worker failed on request %s", work.frame.request_id)
+                logger.exception("frame worker failed on frame %s", work.frame.frame_id)
 
     def _process(self, work: _Work) -> None:
         frame = work.frame
@@ -336,53 +335,63 @@ class StageNode:
         except MeshError as error:
             self._fail(loaded, work, error)
             return
-        except Exception as error:  # noqa: BLE001 - reported to the request, logged here
-            logger.exception("request %s session %s failed", frame.request_id, frame.session_id)
+        except Exception as error:  # noqa: BLE001 - reported to the requests, logged here
+            logger.exception("frame %s of term %s failed", frame.frame_id, frame.term)
             self._fail(loaded, work, error)
             return
+        if output.failures and not loaded.engine.is_last:
+            for failure in output.failures:
+                logger.warning(
+                    "request %s: segment at %s refused: %s",
+                    failure.request_id,
+                    failure.pos_start,
+                    failure.error.message if failure.error else "",
+                )
+            self._route_result(loaded, FrameResult(frame.term, frame.frame_id, output.failures))
         if output.forward is not None and loaded.forward is not None:
             try:
-                loaded.forward.send(output.forward.to_proto(loaded.request.wire_dtype))
+                loaded.forward.send(frame_to_proto(output.forward, loaded.request.wire_dtype))
             except MeshError as error:
-                self._fail(loaded, work, error)
+                self._fail_segments(loaded, output.forward, error)
         if output.result is not None:
             self._route_result(loaded, output.result)
 
     def _fail(self, loaded: LoadedStage | None, work: _Work, error: BaseException) -> None:
         frame = work.frame
-        logger.warning(
-            "request %s session %s: frame %s at %s failed: %s",
-            frame.request_id,
-            frame.session_id,
-            frame.kind.value,
-            frame.pos_start,
-            error,
-        )
-        if frame.kind is FrameKind.END:
-            return
+        logger.warning("frame %s of term %s failed: %s", frame.frame_id, frame.term, error)
         index = loaded.request.stage_index if loaded is not None else 0
-        # The error answers this frame: it carries the frame's term, never the
-        # node's, so that stage 0 can tell it from an error of its current term.
-        result = StageEngine.error_for(frame, error, index, frame.term)
         if work.ack is not None:
-            work.ack(FrameAck(frame.request_id, frame.session_id, result.error))
+            work.ack(FrameAck(frame.frame_id, ErrorInfo.from_exception(error, index)))
         if loaded is not None:
-            self._route_result(loaded, result)
+            self._fail_segments(loaded, frame, error)
 
-    def _route_result(self, loaded: LoadedStage, result: TokenResult) -> None:
+    def _fail_segments(self, loaded: LoadedStage, frame: Frame, error: BaseException) -> None:
+        """Tell stage 0 that every segment of ``frame`` failed. The answer carries the
+        frame's term, never the node's, so that stage 0 can tell it from an error of
+        its current term."""
+        index = loaded.request.stage_index
+        failures = tuple(
+            SegmentResult.failure(s, error, index)
+            for s in frame.segments
+            if s.kind is not SegmentKind.END
+        )
+        if failures:
+            self._route_result(loaded, FrameResult(frame.term, frame.frame_id, failures))
+
+    def _route_result(self, loaded: LoadedStage, result: FrameResult) -> None:
         if loaded.request.is_first:
             if self._result_sink is not None:
                 self._result_sink(result)
             return
         if loaded.returns is not None:
             try:
-                loaded.returns.send(result.to_proto())
+                loaded.returns.send(result_to_proto(result))
             except MeshError as error:
-                logger.warning("cannot return result of %s: %s", result.request_id, error)
+                logger.warning("cannot return the results of frame %s: %s", result.frame_id, error)
 
     def _downstream_ack(self, ack: FrameAck) -> None:
         if ack.error is not None:
-            logger.info("downstream refused request %s: %s", ack.request_id, ack.error.message)
+            logger.info("downstream refused frame %s: %s", ack.frame_id, ack.error.message)
 
     def _downstream_broken(self, error: Exception) -> None:
         loaded = self.loaded
@@ -390,10 +399,12 @@ class StageNode:
             return
         index = loaded.request.stage_index
         failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
-        term = loaded.request.term
-        for session_id, request_id in loaded.engine.active_requests():
-            frame = Frame(request_id, session_id, FrameKind.DECODE, 0, term=term)
-            self._route_result(loaded, StageEngine.error_for(frame, failure, index, term))
+        segments = tuple(
+            Segment(request_id, session_id, SegmentKind.DECODE, 0)
+            for session_id, request_id in loaded.engine.active_requests()
+        )
+        if segments:
+            self._fail_segments(loaded, Frame(loaded.request.term, 0, segments), failure)
 
     def _return_broken(self, error: Exception) -> None:
         logger.warning("return link to stage 0 broke: %s", error)

@@ -13,16 +13,19 @@ from mesh.codec import (
     ClaimReply,
     ClaimRequest,
     ErrorInfo,
-    Frame,
     FrameAck,
+    FrameResult,
     InventoryRequest,
     PrepareReply,
     PrepareRequest,
     ReleaseReply,
     ReleaseRequest,
-    ReturnAck,
     StageLoadRequest,
-    TokenResult,
+    ack_to_proto,
+    frame_from_proto,
+    refused_segment,
+    result_from_proto,
+    result_to_proto,
     validate_frame,
 )
 from mesh.errors import InvalidRequest, MeshError, Unavailable
@@ -87,7 +90,7 @@ class ControlServicer(stage_pb2_grpc.StageControlServicer):
 class DataServicer(data_pb2_grpc.StageDataServicer):
     """Forward frames in; Return results in (stage 0 only)."""
 
-    def __init__(self, node: StageNode, on_result: Callable[[TokenResult], None]) -> None:
+    def __init__(self, node: StageNode, on_result: Callable[[FrameResult], None]) -> None:
         self.node = node
         self.on_result = on_result
 
@@ -101,7 +104,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
             ack = acks.get()
             if ack is _END:
                 return
-            yield ack.to_proto()
+            yield ack_to_proto(ack)
 
     def _read_frames(self, request_iterator: Iterator[data_pb2.Frame], acks) -> None:
         try:
@@ -122,7 +125,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
                     f"node {self.node.settings.node_id} has no layers loaded; retry after reload"
                 )
             runtime = loaded.engine.runtime
-            validate_frame(
+            problems = validate_frame(
                 pb,
                 hidden_size=runtime.hidden_size,
                 expects_hidden=not runtime.is_first,
@@ -130,41 +133,44 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
                 max_frame_bytes=self.node.settings.max_frame_bytes,
                 max_tokens=self.node.settings.max_frame_tokens,
             )
-            frame = Frame.from_proto(pb, hidden_dtype=runtime.torch_dtype)
+            frame = frame_from_proto(pb, hidden_dtype=runtime.torch_dtype, skip=problems)
         except MeshError as error:
-            self._refuse(pb, error, send_ack)
+            self._refuse(pb, range(len(pb.segments)), error, send_ack)
             return
         except Exception as error:  # noqa: BLE001 - an undecodable frame is the sender's fault
-            self._refuse(pb, InvalidRequest(f"undecodable frame: {error}"), send_ack)
+            error = InvalidRequest(f"undecodable frame: {error}")
+            self._refuse(pb, range(len(pb.segments)), error, send_ack)
             return
-        self.node.accept_frame(frame, send_ack)
+        for index, problem in problems.items():
+            self._refuse(pb, [index], problem, None)
+        if frame.segments:
+            self.node.accept_frame(frame, send_ack)
 
-    def _refuse(self, pb: data_pb2.Frame, error: MeshError, send_ack) -> None:
-        logger.warning(
-            "request %s session %s: frame refused: %s", pb.request_id, pb.session_id, error
-        )
+    def _refuse(self, pb: data_pb2.Frame, indices, error: MeshError, send_ack) -> None:
+        """Answer the segments at ``indices`` of ``pb`` with ``error`` (stage 0 hears
+        it over the Return stream); ``send_ack`` tells the upstream stage when the
+        whole frame was refused."""
+        logger.warning("frame %s of term %s refused: %s", pb.frame_id, pb.term, error)
         loaded = self.node.loaded
         index = loaded.request.stage_index if loaded is not None else 0
-        info = ErrorInfo.from_exception(error, stage_index=index)
-        send_ack(FrameAck(pb.request_id, pb.session_id, info))
-        if loaded is not None and not loaded.request.is_first and loaded.returns is not None:
-            result = TokenResult(
-                request_id=pb.request_id,
-                session_id=pb.session_id,
-                pos_start=pb.pos_start,
-                error=info,
-                # The refusal answers this frame: it carries the frame's term.
-                term=pb.term,
-            )
-            try:
-                loaded.returns.send(result.to_proto())
-            except MeshError:
-                logger.warning("cannot report the refusal of %s to stage 0", pb.request_id)
+        if send_ack is not None:
+            send_ack(FrameAck(pb.frame_id, ErrorInfo.from_exception(error, stage_index=index)))
+        if loaded is None or loaded.request.is_first or loaded.returns is None:
+            return
+        failures = tuple(refused_segment(pb.segments[i], error, index) for i in indices)
+        if not failures:
+            return
+        # The refusal answers this frame: it carries the frame's term.
+        result = FrameResult(pb.term, pb.frame_id, failures)
+        try:
+            loaded.returns.send(result_to_proto(result))
+        except MeshError:
+            logger.warning("cannot report the refusal of frame %s to stage 0", pb.frame_id)
 
-    def Return(self, request_iterator: Iterator[data_pb2.TokenResult], context):
+    def Return(self, request_iterator: Iterator[data_pb2.FrameResult], context):
         try:
             for pb in request_iterator:
-                self.on_result(TokenResult.from_proto(pb))
+                self.on_result(result_from_proto(pb))
         except grpc.RpcError as error:
             logger.info("Return stream ended: %s", rpc_status_name(error))
-        return ReturnAck().to_proto()
+        return data_pb2.ReturnAck()

@@ -8,6 +8,11 @@ device: dense weights run ``F.linear``; int4 runs torch's int4 weight-only kerne
 (``_weight_int4pack_mm_for_cpu`` on CPU, ``_weight_int4pack_mm`` on CUDA) with
 bfloat16 activations; int8 runs ``_weight_int8pack_mm`` where torch has it (CPU,
 and CUDA in recent builds; elsewhere the weight is cast per call).
+
+torch's CPU weight-only kernels cost about one single-row call per row, so on CPU
+a call with many rows (a prefill chunk, a large batch) instead dequantises the
+weight to float32 for that call and runs one float32 GEMM, which grows about half
+as fast with rows (see ``INT4_GEMM_ROWS``; benchmarks/quant_rows_bench.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,17 @@ INT4_ACTIVATION_DTYPE = torch.bfloat16
 ONEDNN_ERRORS = (RuntimeError, AttributeError, NotImplementedError)
 # The CUDA int4 kernel's tile of the packed layout (K must be a multiple of 16 * this).
 CUDA_INNER_K_TILES = 8
+# From this many rows on, a CPU int4 / int8 linear dequantises its weight to float32
+# per call and runs one float32 GEMM instead of torch's weight-only kernel. Every
+# cost involved (the kernel's per-row cost, the dequantisation, the GEMM's per-row
+# cost) grows with N * K, so the crossover is about the same row count for every
+# shape. Measured with benchmarks/quant_rows_bench.py (2-core AVX-512 VM, 1 thread,
+# torch 2.13, SmolLM2-135M shapes and 2048x8192): the GEMM path is slower up to
+# 32 rows and faster from 64 (int4: 1.3x at 64 rows, 1.8x at 512; int8: 1.5x at 64,
+# 2.1x at 512). Rows on either side of the threshold are computed by different
+# kernels, so a row's result can change in the last bfloat16 bit with the batch size.
+INT4_GEMM_ROWS = 48
+INT8_GEMM_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,7 @@ def _packable(device: torch.device, dtype: torch.dtype) -> bool:
 class Int4Linear:
     """Group-wise int4 weights in the device kernel's packed layout."""
 
-    __slots__ = ("packed", "scales_zeros", "group", "out_features", "bias", "_mm")
+    __slots__ = ("packed", "scales_zeros", "group", "out_features", "bias", "_mm", "_block")
 
     def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
         parts = spec.parts or {}
@@ -148,6 +164,7 @@ class Int4Linear:
             codes = quant.unpack_int4(codes_packed)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            self._block = cpu_int4_block(self.packed, codes)
         else:
             tile = 16 * CUDA_INNER_K_TILES
             if spec.in_features % tile or spec.out_features % 8:
@@ -160,6 +177,7 @@ class Int4Linear:
                 codes_packed.contiguous(), CUDA_INNER_K_TILES
             )
             self._mm = torch.ops.aten._weight_int4pack_mm
+            self._block = 0
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -167,21 +185,68 @@ class Int4Linear:
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         if flat.dtype != INT4_ACTIVATION_DTYPE:
             flat = flat.to(INT4_ACTIVATION_DTYPE)
-        out = self._mm(flat, self.packed, self.group, self.scales_zeros)
+        if self._block and flat.shape[0] >= INT4_GEMM_ROWS:
+            # Activations rounded to bfloat16 as the kernel takes them, and the result
+            # rounded to bfloat16 as the kernel returns it.
+            weight_t = self.dequantized_t()
+            out = torch.mm(flat.to(torch.float32), weight_t).to(INT4_ACTIVATION_DTYPE)
+        else:
+            out = self._mm(flat, self.packed, self.group, self.scales_zeros)
         if out.dtype != inputs.dtype:
             out = out.to(inputs.dtype)
         if inputs.dim() != 2:
             out = out.reshape(*inputs.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def dequantized_t(self) -> torch.Tensor:
+        """The weight transposed, ``[in_features, out_features]`` float32, decoded from
+        the CPU kernel's packed layout (``cpu_int4_block``); a temporary, never kept."""
+        half = self._block // 2
+        blocks = self.packed.view(-1, self.packed.shape[1] * 2, half)  # [N/block, K, half]
+        weight = torch.empty(blocks.shape[1], blocks.shape[0], self._block)
+        weight[..., :half].copy_((blocks & 0x0F).transpose(0, 1))
+        weight[..., half:].copy_((blocks >> 4).transpose(0, 1))
+        scales = self.scales_zeros[..., 0].to(torch.float32)  # [K / group, N]
+        # The kernel computes (code - 8) * scale + zero; here the codes are 0..15.
+        zeros = self.scales_zeros[..., 1].to(torch.float32) - 8 * scales
+        grouped = weight.view(scales.shape[0], self.group, self.out_features)
+        torch.addcmul(zeros.unsqueeze(1), grouped, scales.unsqueeze(1), out=grouped)
+        return weight.view(-1, self.out_features)
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales_zeros, self.bias) if t is not None]
+
+
+def cpu_int4_block(packed: torch.Tensor, codes: torch.Tensor) -> int:
+    """The output block of torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``
+    of ``codes`` ``[N, K]``), or 0 if it is not one ``Int4Linear.dequantized_t`` reads.
+
+    The layout depends on the CPU kernel torch picked: each block of ``block`` outputs
+    is stored ``[K, block / 2]`` bytes, the low nibbles holding outputs ``0 .. block/2``
+    and the high nibbles the rest (AVX-512: 64 outputs, AVX2: 32). Each candidate is
+    checked against the codes, so another layout (a partial last block, a newer
+    torch) keeps the weight on the kernel alone.
+    """
+    rows, cols = codes.shape
+    for block in (64, 32):
+        if rows % block:
+            continue
+        blocks = packed.reshape(rows // block, cols, block // 2)
+        decoded = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1)  # [N/block, K, block]
+        if torch.equal(decoded.transpose(1, 2).reshape(rows, cols).to(codes.dtype), codes):
+            return block
+    logger.info(
+        "unrecognised CPU int4 layout for a [%s, %s] weight: every row count uses the kernel",
+        rows,
+        cols,
+    )
+    return 0
 
 
 class Int8Linear:
     """Per-channel int8 weights; torch's int8 weight-only kernel where it exists."""
 
-    __slots__ = ("qweight", "scales", "out_features", "bias", "_kernel")
+    __slots__ = ("qweight", "scales", "out_features", "bias", "_kernel", "_gemm")
 
     def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
         parts = spec.parts or {}
@@ -192,6 +257,7 @@ class Int8Linear:
         self.out_features = spec.out_features
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
         self._kernel = device.type == "cpu" or self._kernel_runs(dtype)
+        self._gemm = device.type == "cpu"
 
     def _kernel_runs(self, dtype: torch.dtype) -> bool:
         """Whether torch's int8 kernel takes this weight on its (non-CPU) device; recent
@@ -215,7 +281,11 @@ class Int8Linear:
         """``inputs`` ``[T, in_features]`` (the runtime's layout) or any ``[..., in]``."""
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-        if self._kernel:
+        if self._gemm and flat.shape[0] >= INT8_GEMM_ROWS:
+            # The float32 weight is a temporary of this call, never kept.
+            weight = self.qweight.to(torch.float32)
+            out = (F.linear(flat.to(torch.float32), weight) * scales).to(flat.dtype)
+        elif self._kernel:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)
         else:
             out = F.linear(flat, self.qweight.to(flat.dtype)) * scales

@@ -18,7 +18,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mesh.errors import CapacityExceeded, InvalidRequest, NotFound
-from mesh.types import LayerRange
+from mesh.types import LayerRange, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,13 @@ class KVLayout:
 
 
 class SessionCache:
-    """Keys and values of one session: per layer ``[2, 1, kv_heads, capacity, head_dim]``."""
+    """Keys and values of one session: per layer ``[2, 1, kv_heads, capacity, head_dim]``,
+    with what else the stage keeps of the session: the request it serves, its
+    sampling parameters (the last stage samples with them) and its last use."""
 
     __slots__ = (
+        "request_id",
+        "sampling",
         "layout",
         "length",
         "capacity",
@@ -56,6 +60,8 @@ class SessionCache:
     )
 
     def __init__(self, layout: KVLayout, capacity: int, now: float) -> None:
+        self.request_id = ""
+        self.sampling = SamplingParams()
         self.layout = layout
         self.length = 0
         self.capacity = 0
@@ -127,14 +133,22 @@ class SessionTable:
         self._clock = clock
         self._sessions: dict[str, SessionCache] = {}
 
-    def open_for_frame(self, session_id: str, pos_start: int, count: int) -> SessionCache:
+    def open_for_frame(
+        self, session_id: str, pos_start: int, count: int, creates: bool = True
+    ) -> SessionCache:
         """The session's cache, ready for a frame of ``count`` tokens at ``pos_start``.
 
-        Creates the session when it is new (it then holds 0 tokens) and grows its
-        buffer; checks every limit before changing anything. The caller crops it to
-        ``pos_start`` through ``SessionCache.begin``.
+        Creates the session when it is new (it then holds 0 tokens; refused with
+        NotFound unless ``creates``) and grows its buffer; checks every limit before
+        changing anything. The caller crops it to ``pos_start`` through
+        ``SessionCache.begin``.
         """
         cache = self._sessions.get(session_id)
+        if cache is None and not creates:
+            raise NotFound(
+                f"this stage holds no session {session_id!r}; start it with a PREFILL "
+                "segment at position 0"
+            )
         held = cache.length if cache is not None else 0
         if pos_start < 0:
             raise InvalidRequest(f"frame for session {session_id} starts at {pos_start} (< 0)")
@@ -179,6 +193,9 @@ class SessionTable:
 
     def ids(self) -> list[str]:
         return list(self._sessions)
+
+    def get(self, session_id: str) -> SessionCache | None:
+        return self._sessions.get(session_id)
 
     def caches(self) -> list[SessionCache]:
         return list(self._sessions.values())

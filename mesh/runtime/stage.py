@@ -31,7 +31,7 @@ from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import SessionCache, SessionTable, kv_layout, token_limit
 from mesh.runtime.skeleton import StageModules, resolve_dtype
-from mesh.types import LayerRange
+from mesh.types import LayerRange, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ class Span:
     pos_start: int
     count: int
     logit_rows: int = -1
+    # A new session is created only for a span that may create one (a prompt's
+    # first segment); it then records the request and sampling parameters.
+    creates: bool = True
+    request_id: str = ""
+    sampling: SamplingParams | None = None
 
     def logits_wanted(self) -> int:
         return self.count if self.logit_rows < 0 else min(self.logit_rows, self.count)
@@ -182,6 +187,17 @@ class StageRuntime:
         with self._lock:
             return self._sessions.length(session_id)
 
+    def session_sampling(self, session_id: str) -> SamplingParams:
+        """The sampling parameters the session was opened with (defaults when unknown)."""
+        with self._lock:
+            cache = self._sessions.get(session_id)
+            return cache.sampling if cache is not None else SamplingParams()
+
+    def session_requests(self) -> list[tuple[str, str]]:
+        """(session_id, request_id) of every session this stage holds."""
+        with self._lock:
+            return [(sid, self._sessions.get(sid).request_id) for sid in self._sessions.ids()]  # type: ignore[union-attr]
+
     def drop_session(self, session_id: str) -> bool:
         """Free the session's KV; False when the stage did not hold it."""
         with self._lock:
@@ -256,7 +272,13 @@ class StageRuntime:
                     )
                 if self._is_first:
                     self._check_ids(prepared[row : row + span.count])
-                cache = self._sessions.open_for_frame(span.session_id, span.pos_start, span.count)
+                cache = self._sessions.open_for_frame(
+                    span.session_id, span.pos_start, span.count, span.creates
+                )
+                if span.request_id:
+                    cache.request_id = span.request_id
+                if span.sampling is not None:
+                    cache.sampling = span.sampling
             except MeshError as error:
                 errors[index] = error
             else:

@@ -16,12 +16,10 @@ from mesh.speculative.factory import DrafterFactory, build_drafter
 from mesh.speculative.ngram import MemoryNgramDrafter, NgramDrafter, NgramIndex
 from mesh.speculative.policy import (
     AdaptiveWindow,
-    ConcurrencyRule,
     CostAwareWindow,
     FixedWindow,
     RoundContext,
     WindowPolicy,
-    apply_concurrency,
     best_window,
     expected_tokens,
     make_policy,
@@ -34,7 +32,6 @@ __all__ = [
     "AdaptiveWindow",
     "AutoNgramDrafter",
     "CompositeDrafter",
-    "ConcurrencyRule",
     "CostAwareWindow",
     "DraftModelDrafter",
     "Drafter",
@@ -48,7 +45,6 @@ __all__ = [
     "Telemetry",
     "VerifyResult",
     "WindowPolicy",
-    "apply_concurrency",
     "best_window",
     "build_drafter",
     "check_draft_compatible",

@@ -1,8 +1,8 @@
 """Window policies: how many draft tokens a request sends in its next verify round.
 
 One policy object per request. Per round the caller asks ``plan_window(policy,
-RoundContext(...))`` (the policy's choice, capped by the concurrency rule and the
-request's remaining token budget), proposes that many tokens, sends the window,
+RoundContext(...))`` (the policy's choice, capped by the request's share of the
+step's draft budget and by its remaining token budget), proposes that many tokens, sends the window,
 and reports back with ``policy.observe(proposed, accepted, round_time_s,
 draft_time_s)``. ``round_time_s`` is the verify round alone (send to tokens back,
 the pipeline round trip included); ``draft_time_s`` is the time spent proposing.
@@ -29,32 +29,15 @@ class RoundContext:
     """What the caller knows before a round.
 
     ``tokens_left``: tokens the request may still emit (min of max_tokens left and
-    context left); None = unbounded. ``draft_cost_per_token_s``: the drafter's
-    ``cost_per_token_s``.
+    context left); None = unbounded. ``draft_share``: draft tokens this request may
+    add to the step it goes into (stage 0's engine core shares a per-step draft
+    budget among the requests decoding in that step); None = no cap.
+    ``draft_cost_per_token_s``: the drafter's ``cost_per_token_s``.
     """
 
     tokens_left: int | None = None
-    active_sessions: int = 1
+    draft_share: int | None = None
     draft_cost_per_token_s: float | None = None
-
-
-@dataclass(frozen=True)
-class ConcurrencyRule:
-    """With more than ``free_sessions`` active sessions, a window is capped at
-    ``max(0, token_budget // active_sessions - 1)``: the verify tokens of all sessions
-    in one pipeline sweep stay within about ``token_budget``."""
-
-    free_sessions: int = 2
-    token_budget: int = 64
-
-
-def apply_concurrency(
-    window: int, active_sessions: int, rule: ConcurrencyRule = ConcurrencyRule()
-) -> int:
-    """Shrink (or switch off) a window when many sessions share the pipeline."""
-    if active_sessions <= rule.free_sessions:
-        return window
-    return min(window, max(0, rule.token_budget // active_sessions - 1))
 
 
 def _check_bounds(initial: int, min_window: int, max_window: int) -> None:
@@ -87,12 +70,12 @@ class WindowPolicy(ABC):
         return None
 
 
-def plan_window(
-    policy: WindowPolicy, state: RoundContext, rule: ConcurrencyRule = ConcurrencyRule()
-) -> int:
-    """The policy's window, capped by the concurrency rule and by ``tokens_left - 1``
+def plan_window(policy: WindowPolicy, state: RoundContext) -> int:
+    """The policy's window, capped by the step's draft share and by ``tokens_left - 1``
     (a round emits at most window + 1 tokens)."""
-    window = apply_concurrency(policy.next_window(state), state.active_sessions, rule)
+    window = policy.next_window(state)
+    if state.draft_share is not None:
+        window = min(window, state.draft_share)
     if state.tokens_left is not None:
         window = min(window, state.tokens_left - 1)
     return max(0, window)

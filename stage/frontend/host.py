@@ -16,7 +16,8 @@ from typing import Any
 
 from mesh.netaddr import is_wildcard, url_host
 from stage.frontend.app import create_app, serve_app, stop_server
-from stage.frontend.scheduler import PipelineScheduler, SchedulerLimits
+from stage.frontend.engine_core import EngineLimits
+from stage.frontend.scheduler import PipelineScheduler
 from stage.node import LoadedStage, StageNode
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def start_frontend(
 ) -> FrontendHost:
     """Serve the OpenAI API on ``--http-host``; its announced URL uses ``advertise``
     when that host is a wildcard (so a client on another host can use it)."""
-    limits = SchedulerLimits(max_sessions=args.max_sessions, max_queued=args.max_queued)
+    limits = EngineLimits(max_sessions=args.max_sessions, max_queued=args.max_queued)
     scheduler = PipelineScheduler(node, model_id="", limits=limits)
     switch = SwitchableApp()
     api_key = _read_api_key(args)

@@ -19,7 +19,9 @@ class RequestRun:
         self.term = 0
         self.recovered = False
         self.prompt_ms = 0.0
-        self.decode_started = time.perf_counter()
+        # On the engine core's clock (time.perf_counter when serving).
+        self.started = time.perf_counter()
+        self.decode_started = self.started
         self.drafter = self.policy = None
         self.strategy = ""
         self.telemetry: Telemetry | None = None

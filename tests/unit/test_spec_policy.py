@@ -10,11 +10,9 @@ from mesh.config import WindowPolicySpec
 from mesh.errors import InvalidRequest
 from mesh.speculative import (
     AdaptiveWindow,
-    ConcurrencyRule,
     CostAwareWindow,
     FixedWindow,
     RoundContext,
-    apply_concurrency,
     best_window,
     expected_tokens,
     make_policy,
@@ -157,19 +155,13 @@ def test_cost_aware_uses_drafter_cost_until_measured() -> None:
 
 
 @pytest.mark.parametrize(
-    ("window", "active", "expected"),
-    [(16, 1, 16), (16, 2, 16), (16, 3, 16), (16, 8, 7), (16, 16, 3), (16, 32, 1), (16, 33, 0)],
+    ("window", "share", "expected"), [(16, None, 16), (16, 7, 7), (4, 7, 4), (16, 0, 0)]
 )
-def test_concurrency_rule(window, active, expected) -> None:
-    assert apply_concurrency(window, active) == expected
-    assert plan_window(FixedWindow(window), RoundContext(active_sessions=active)) == expected
-
-
-def test_concurrency_rule_is_configurable() -> None:
-    rule = ConcurrencyRule(free_sessions=0, token_budget=8)
-    assert apply_concurrency(10, 1, rule) == 7
-    assert apply_concurrency(10, 4, rule) == 1
-    assert apply_concurrency(10, 5, rule) == 0
+def test_the_step_share_caps_the_window(window, share, expected) -> None:
+    assert plan_window(FixedWindow(window), RoundContext(draft_share=share)) == expected
+    assert plan_window(FixedWindow(window), RoundContext(draft_share=share, tokens_left=3)) == min(
+        expected, 2
+    )
 
 
 def test_make_policy_and_bounds() -> None:

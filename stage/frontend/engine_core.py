@@ -1,0 +1,442 @@
+"""Stage 0's engine core: a step loop over every running request. No asyncio, no
+network: the caller (stage/frontend/scheduler.py) feeds it requests, results and the
+clock, submits the frames it packs, and hands out the events it produces.
+
+Each step (``next_frame``): END segments of finished requests; then one segment per
+running request with nothing in flight (a decode token, or a verify window of
+``[current, drafts...]`` from its proposer, windows shrunk to the step's draft
+budget); then prefill chunks of requests still reading their prompt, within what is
+left of the step's token budget (decode first: a long prompt never stalls the
+others' tokens). Up to ``frames_in_flight`` frames (the stage count: one per stage)
+are in the pipe at once. Results commit tokens through the request's one commit
+rule (``RequestRun.commit``: stop tokens, the token budget); the request's state is
+the one copy of its tokens.
+
+A segment that fails because the pipeline went away (UNAVAILABLE, a stale term, no
+answer in time) puts its request into recovery: when a pipeline of a newer term is
+loaded, the request re-reads every token it has (prompt and output) as prefill and
+carries on; past the recovery deadline it fails. Any other error fails the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from mesh.errors import (
+    CapacityExceeded,
+    InvalidRequest,
+    MeshError,
+    StaleTerm,
+    Unavailable,
+)
+from mesh.frames import Frame, FrameResult, Segment, SegmentKind, SegmentResult
+from mesh.speculative import RoundContext, plan_window
+from stage.frontend.backend import GenerationRequest, TokenEvent
+from stage.frontend.expectation import Expected, stale_reason
+from stage.frontend.request_run import RequestRun
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """``step_tokens``: rows one frame may hold (decode and verify rows first, prefill
+    chunks in what is left); ``draft_tokens``: draft rows one step may hold, shared
+    among the requests that speculate in it; ``prefill_chunk_tokens``: the longest
+    prompt chunk of one request in one step."""
+
+    max_sessions: int = 16
+    max_queued: int = 32
+    step_tokens: int = 512
+    draft_tokens: int = 64
+    prefill_chunk_tokens: int = 512
+    round_timeout_s: float = 120.0
+    recovery_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What stage 0 learns of the loaded pipeline, once per load."""
+
+    term: int
+    stage_count: int
+    model_id: str = ""
+    context_length: int = 0
+
+
+@dataclass
+class InFlight:
+    """The segment of a request waiting for its answer."""
+
+    segment: Segment
+    expected: Expected
+    frame_id: int
+    sent_at: float
+    drafts: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+
+
+@dataclass
+class Tracked:
+    """A running request as the core sees it."""
+
+    run: RequestRun
+    # Of ``run.tokens``, how many the pipeline's KV holds or has been sent as prefill.
+    prefilled: int = 0
+    # Reading its prompt (or re-reading everything after a recovery).
+    prefilling: bool = True
+    in_flight: InFlight | None = None
+    # Set while waiting for a pipeline newer than ``failed_term``.
+    recover_by: float | None = None
+    failed_term: int = 0
+    # The answer of the lost step comes from the re-prefill (``resumed``): its
+    # drafts, if it was a verify window.
+    lost: InFlight | None = None
+    resumed: bool = False
+
+
+@dataclass
+class SentFrame:
+    frame_id: int
+    term: int
+    sent_at: float
+    outstanding: set[str]
+    kinds: dict[str, SegmentKind]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Something for one request's consumer: an event, or the error that ends it."""
+
+    request_id: str
+    event: TokenEvent | None = None
+    error: MeshError | None = None
+
+
+class EngineCore:
+    """The step loop's state and decisions; see the module docstring."""
+
+    def __init__(
+        self, limits: EngineLimits, clock: Callable[[], float], new_speculation=None
+    ) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.new_speculation = new_speculation
+        self.info: PipelineInfo | None = None
+        self.running: dict[str, Tracked] = {}
+        self.waiting: deque[RequestRun] = deque()
+        self.frames: dict[int, SentFrame] = {}
+        self.stale: list[str] = []
+        self.recoveries = 0
+        self._ends: list[Segment] = []
+        self._next_frame_id = 1
+
+    # ---- requests ---------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> RequestRun:
+        """Admit a request (running when a session slot is free, else queued)."""
+        if not request.prompt_tokens:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        if self.info is None:
+            raise Unavailable("the pipeline is not loaded yet (or is reloading)")
+        limits = self.limits
+        if len(self.running) + len(self.waiting) >= limits.max_sessions + limits.max_queued:
+            raise CapacityExceeded(
+                f"{len(self.running)} requests in flight and {len(self.waiting)} queued, "
+                "the limit; retry shortly"
+            )
+        speculation = self.new_speculation(request) if self.new_speculation else None
+        run = RequestRun(request, speculation)
+        run.started = self.clock()
+        self.waiting.append(run)
+        self._admit()
+        return run
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (its consumer went away, or it ended): free its KV everywhere."""
+        for run in list(self.waiting):
+            if run.request.request_id == request_id:
+                self.waiting.remove(run)
+                return
+        tracked = self.running.pop(request_id, None)
+        if tracked is None:
+            return
+        if tracked.prefilled or tracked.in_flight is not None:
+            self._ends.append(Segment(request_id, request_id, SegmentKind.END, 0))
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_sessions:
+            run = self.waiting.popleft()
+            self.running[run.request.request_id] = Tracked(run)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    # ---- the pipeline -------------------------------------------------------------
+
+    def set_pipeline(self, info: PipelineInfo | None) -> list[Outcome]:
+        """A pipeline was loaded (``info``) or lost (None). Frames of another term
+        will never be answered: their requests recover on the new pipeline."""
+        previous, self.info = self.info, info
+        if previous is not None and (info is None or info.term != previous.term):
+            self.frames.clear()
+            self._ends.clear()
+            for tracked in self.running.values():
+                if tracked.in_flight is not None or tracked.prefilled:
+                    self._lose(tracked, previous.term, "the pipeline was replaced")
+        return self.expire()
+
+    def _lose(self, tracked: Tracked, term: int, reason: str) -> None:
+        if tracked.recover_by is not None:
+            return
+        tracked.lost = tracked.in_flight or tracked.lost
+        tracked.resumed = tracked.resumed or not tracked.prefilling
+        tracked.in_flight = None
+        tracked.recover_by = self.clock() + self.limits.recovery_timeout_s
+        tracked.failed_term = term
+        logger.warning(
+            "request %s: pipeline lost (%s); waiting up to %.0fs for recovery",
+            tracked.run.request.request_id,
+            reason,
+            self.limits.recovery_timeout_s,
+        )
+
+    def expire(self) -> list[Outcome]:
+        """Round timeouts and recovery deadlines; requests whose pipeline came back
+        start re-reading their tokens."""
+        now = self.clock()
+        outcomes: list[Outcome] = []
+        for frame_id, sent in list(self.frames.items()):
+            if now - sent.sent_at > self.limits.round_timeout_s:
+                del self.frames[frame_id]
+                for session in sent.outstanding:
+                    tracked = self.running.get(session)
+                    if tracked is not None and tracked.in_flight is not None:
+                        if tracked.in_flight.frame_id == frame_id:
+                            self._lose(tracked, sent.term, "no answer in time")
+        info = self.info
+        for request_id, tracked in list(self.running.items()):
+            if tracked.recover_by is None:
+                continue
+            if info is not None and info.term > tracked.failed_term:
+                tracked.recover_by = None
+                tracked.prefilled = 0
+                tracked.prefilling = True
+                self.recoveries += 1
+                logger.info(
+                    "request %s resumes on term %s: re-reading %s tokens",
+                    request_id,
+                    info.term,
+                    len(tracked.run.tokens),
+                )
+            elif now > tracked.recover_by:
+                outcomes.append(self._fail(request_id, Unavailable(
+                    f"the pipeline did not recover within {self.limits.recovery_timeout_s:.0f}s "
+                    f"for request {request_id}; retry the request"
+                )))  # fmt: skip
+        return outcomes
+
+    # ---- steps -----------------------------------------------------------------------
+
+    def next_frame(self) -> Frame | None:
+        """Pack the next step, or None when there is nothing to send (or the pipe is
+        full)."""
+        info = self.info
+        if info is None or len(self.frames) >= max(1, info.stage_count):
+            return None
+        segments: list[Segment] = list(self._ends)
+        self._ends.clear()
+        rows = 0
+        now = self.clock()
+        ready = [t for t in self.running.values() if self._decodes(t)]
+        share = self._draft_share(len(ready))
+        for tracked in ready:
+            segment = self._decode_segment(tracked, info.term, share, now)
+            segments.append(segment)
+            rows += segment.token_count
+        for tracked in self.running.values():
+            room = self.limits.step_tokens - rows
+            if room <= 0:
+                break
+            if tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None:
+                segment = self._prefill_segment(tracked, info.term, room, now)
+                segments.append(segment)
+                rows += segment.token_count
+        if not segments:
+            return None
+        frame_id = self._next_frame_id
+        self._next_frame_id += 1
+        for tracked in self.running.values():
+            if tracked.in_flight is not None and tracked.in_flight.frame_id == 0:
+                tracked.in_flight.frame_id = frame_id
+        self.frames[frame_id] = SentFrame(
+            frame_id=frame_id,
+            term=info.term,
+            sent_at=now,
+            outstanding={s.session_id for s in segments},
+            kinds={s.session_id: s.kind for s in segments},
+        )
+        return Frame(info.term, frame_id, tuple(segments))
+
+    @staticmethod
+    def _decodes(tracked: Tracked) -> bool:
+        return not tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None
+
+    def _draft_share(self, ready: int) -> int:
+        """Draft rows each speculating request may add to this step: the step's draft
+        budget shared among the requests decoding in it, within the token budget."""
+        if ready == 0:
+            return 0
+        budget = min(self.limits.draft_tokens, max(0, self.limits.step_tokens - ready))
+        return budget // ready
+
+    def _decode_segment(self, tracked: Tracked, term: int, share: int, now: float) -> Segment:
+        run = tracked.run
+        drafts, draft_s = self._propose(run, share)
+        session = run.request.request_id
+        segment = Segment(
+            request_id=session,
+            session_id=session,
+            kind=SegmentKind.VERIFY if drafts else SegmentKind.DECODE,
+            pos_start=run.position,
+            token_ids=(run.tokens[-1], *drafts),
+        )
+        tracked.in_flight = InFlight(segment, Expected.for_segment(segment, term), 0, now)
+        tracked.in_flight.drafts, tracked.in_flight.draft_s = drafts, draft_s
+        return segment
+
+    def _propose(self, run: RequestRun, share: int) -> tuple[list[int], float]:
+        if run.drafter is None or share <= 0:
+            return [], 0.0
+        context = RoundContext(
+            tokens_left=run.tokens_left(),
+            draft_share=share,
+            draft_cost_per_token_s=run.drafter.cost_per_token_s,
+        )
+        window = plan_window(run.policy, context)
+        if window <= 0:
+            return [], 0.0
+        started = self.clock()
+        drafts = run.drafter.propose(window)
+        return drafts, self.clock() - started
+
+    def _prefill_segment(self, tracked: Tracked, term: int, room: int, now: float) -> Segment:
+        run = tracked.run
+        tokens = run.tokens
+        start = tracked.prefilled
+        count = min(self.limits.prefill_chunk_tokens, room, len(tokens) - start)
+        final = start + count >= len(tokens)
+        session = run.request.request_id
+        segment = Segment(
+            request_id=session,
+            session_id=session,
+            kind=SegmentKind.PREFILL,
+            pos_start=start,
+            token_ids=tuple(tokens[start : start + count]),
+            sampling=run.request.sampling if start == 0 else None,
+            sample=final,
+        )
+        tracked.prefilled = start + count
+        if final:
+            tracked.in_flight = InFlight(segment, Expected.for_segment(segment, term), 0, now)
+        return segment
+
+    # ---- results -------------------------------------------------------------------
+
+    def on_result(self, result: FrameResult) -> list[Outcome]:
+        """Apply the answers of one frame (or the failures of some of its segments)."""
+        sent = self.frames.get(result.frame_id)
+        outcomes: list[Outcome] = []
+        for answer in result.results:
+            if sent is not None:
+                sent.outstanding.discard(answer.session_id)
+            outcome = self._apply(answer, result.term, result.frame_id)
+            if outcome is not None:
+                outcomes.append(outcome)
+        if sent is not None and not sent.outstanding:
+            del self.frames[result.frame_id]
+        return outcomes
+
+    def _apply(self, answer: SegmentResult, term: int, frame_id: int) -> Outcome | None:
+        tracked = self.running.get(answer.request_id)
+        if tracked is None:
+            if answer.error is not None or answer.token_ids:
+                self.stale.append("unclaimed")
+            return None
+        flight = tracked.in_flight
+        if flight is None or flight.frame_id != frame_id:
+            if answer.error is not None and term == self._term() and tracked.recover_by is None:
+                # A prompt chunk sent without waiting failed on its way.
+                if flight is None or answer.pos_start <= flight.segment.pos_start:
+                    return self._error(tracked, answer, term)
+            if answer.error is not None or answer.token_ids:
+                self.stale.append("term" if term != self._term() else "unclaimed")
+            return None
+        reason = stale_reason(answer, term, flight.expected)
+        if reason is not None:
+            self.stale.append(reason)
+            logger.warning(
+                "request %s: dropped a %s of term %s at position %s (%s mismatch)",
+                answer.request_id,
+                "error" if answer.error is not None else "result",
+                term,
+                answer.pos_start,
+                reason,
+            )
+            return None
+        if answer.error is not None:
+            return self._error(tracked, answer, term)
+        return self._commit(tracked, flight, answer)
+
+    def _term(self) -> int:
+        return self.info.term if self.info is not None else 0
+
+    def _error(self, tracked: Tracked, answer: SegmentResult, term: int) -> Outcome | None:
+        error = answer.error.to_error()  # type: ignore[union-attr]
+        if isinstance(error, (Unavailable, StaleTerm)) and self.limits.recovery_timeout_s > 0:
+            self._lose(tracked, term, error.message)
+            return None
+        if isinstance(error, StaleTerm):
+            error = Unavailable(f"the pipeline moved on from term {term}: {error.message}")
+        return self._fail(tracked.run.request.request_id, error)
+
+    def _fail(self, request_id: str, error: MeshError) -> Outcome:
+        self.cancel(request_id)
+        return Outcome(request_id, error=error)
+
+    def _commit(self, tracked: Tracked, flight: InFlight, answer: SegmentResult) -> Outcome:
+        run = tracked.run
+        now = self.clock()
+        tracked.in_flight = None
+        emitted = list(answer.token_ids)
+        if flight.segment.kind is SegmentKind.PREFILL:
+            tracked.prefilling = False
+            lost, tracked.lost = tracked.lost, None
+            if not tracked.resumed:
+                run.prompt_ms = (now - run.started) * 1000.0
+                run.decode_started = now
+                if run.drafter is not None:
+                    run.drafter.extend(emitted)
+            else:
+                tracked.resumed = False
+                drafts = lost.drafts if lost is not None else []
+                run.recovered = True
+                run.observe(drafts, 0, emitted, 0.0, 0.0)
+                run.recovered = False
+        else:
+            accepted = answer.accepted_count
+            run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
+        event = run.commit(emitted)
+        if event.finish_reason is not None:
+            self.cancel(run.request.request_id)
+        return Outcome(run.request.request_id, event=event)
+
+    def in_flight_sessions(self) -> Iterator[str]:
+        for request_id, tracked in self.running.items():
+            if tracked.in_flight is not None:
+                yield request_id
