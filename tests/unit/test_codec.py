@@ -10,15 +10,26 @@ from mesh.codec import (
     ErrorInfo,
     Frame,
     FrameAck,
-    FrameKind,
-    ReturnAck,
+    FrameResult,
+    Segment,
+    SegmentKind,
+    SegmentResult,
     StageTiming,
-    TokenResult,
     WireDType,
+    ack_from_proto,
+    ack_to_proto,
     bytes_per_token,
     decode_tensor,
     encode_tensor,
+    error_from_proto,
+    error_to_proto,
+    frame_from_proto,
+    frame_to_proto,
+    result_from_proto,
+    result_to_proto,
     sampling_from_proto,
+    timing_from_proto,
+    timing_to_proto,
 )
 from mesh.errors import (
     CapacityExceeded,
@@ -151,74 +162,82 @@ def test_wire_dtype_parse_and_proto() -> None:
 # -------------------------------------------------------------------- data plane
 
 
+def wire_roundtrip(value, encode, decode, **kwargs):
+    pb = encode(value, **kwargs)
+    return decode(type(pb).FromString(pb.SerializeToString()))
+
+
+def sample_frame(hidden: torch.Tensor | None) -> Frame:
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1)
+    return Frame(
+        term=3,
+        frame_id=17,
+        segments=(
+            Segment("req-1", "sess-1", SegmentKind.VERIFY, 41, (7, 8, 49151), epoch=2),
+            Segment("req-2", "sess-2", SegmentKind.END, 0),
+            Segment("req-3", "sess-3", SegmentKind.PREFILL, 0, (5, 6), params, sample=False),
+            Segment("req-4", "sess-4", SegmentKind.DECODE, 9, (1,)),
+        ),
+        hidden=hidden,
+        timings=(StageTiming(0, 1.5, 0.25), StageTiming(1, 2.0)),
+    )
+
+
 @pytest.mark.parametrize("wire", list(WireDType))
 def test_frame_roundtrip(wire: WireDType) -> None:
     # Values on the int8 grid (row absmax 127 * 0.5) survive every wire dtype exactly.
-    hidden = torch.randint(-127, 128, (3, 64)).float() * 0.5
+    hidden = torch.randint(-127, 128, (6, 64)).float() * 0.5
     hidden[:, 0] = 63.5
-    frame = Frame(
-        request_id="req-1",
-        session_id="sess-1",
-        kind=FrameKind.VERIFY,
-        pos_start=41,
-        token_ids=(7, 8, 49151),
-        hidden=hidden,
-        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1),
-        term=3,
-        sample=True,
-        timings=(StageTiming(0, 1.5, 0.25), StageTiming(1, 2.0)),
-    )
-    back = roundtrip(frame, wire_dtype=wire)
+    frame = sample_frame(hidden)
+    assert frame.row_count == 6
+    back = wire_roundtrip(frame, frame_to_proto, frame_from_proto, wire_dtype=wire)
     assert back == frame
-    assert back.pos_end == 44
+    assert [s.pos_end for s in back.segments] == [44, 0, 2, 10]
+    assert [(row, count) for _, row, count in back.spans()] == [(0, 3), (3, 0), (3, 2), (5, 1)]
     # float32 on the wire would turn 0.7 into 0.699999988...: sampling must be exact.
-    assert back.sampling.temperature == 0.7 and back.sampling.top_p == 0.9
+    sampling = back.segments[2].sampling
+    assert sampling.temperature == 0.7 and sampling.top_p == 0.9
 
 
-@pytest.mark.parametrize("kind", list(FrameKind))
-def test_frame_kinds_roundtrip(kind: FrameKind) -> None:
-    tokens = [5] if kind.computes else []
-    frame = Frame("r", "s", kind, pos_start=12, token_ids=tokens, sample=False)
-    back = roundtrip(frame)
-    assert back == frame and back.hidden is None and back.sampling is None
-    assert isinstance(frame.token_ids, tuple)
+def test_frame_without_refused_segments_drops_their_rows() -> None:
+    hidden = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
+    pb = frame_to_proto(sample_frame(hidden))
+    back = frame_from_proto(pb, skip={0})
+    assert [s.request_id for s in back.segments] == ["req-2", "req-3", "req-4"]
+    assert torch.equal(back.hidden, hidden[3:])
 
 
 def test_frame_equality_sees_tensor_values() -> None:
-    a = Frame("r", "s", FrameKind.DECODE, 1, (1,), hidden=torch.zeros(1, 4))
-    b = Frame("r", "s", FrameKind.DECODE, 1, (1,), hidden=torch.ones(1, 4))
+    segments = (Segment("r", "s", SegmentKind.DECODE, 1, (1,)),)
+    a = Frame(1, 1, segments, hidden=torch.zeros(1, 4))
+    b = Frame(1, 1, segments, hidden=torch.ones(1, 4))
     assert a != b
-    assert a != Frame("r", "s", FrameKind.DECODE, 1, (1,))
-    assert Frame.from_proto(a.to_proto(), hidden_dtype=torch.float16).hidden.dtype == torch.float16
+    assert a != Frame(1, 1, segments)
+    back = frame_from_proto(frame_to_proto(a), hidden_dtype=torch.float16)
+    assert back.hidden.dtype == torch.float16
 
 
-def test_frame_kind_unset_is_rejected() -> None:
-    with pytest.raises(InvalidRequest, match="frame kind 0"):
-        Frame.from_proto(data_pb2.Frame(request_id="r", session_id="s"))
+def test_segment_kind_unset_is_rejected() -> None:
+    pb = data_pb2.Frame(segments=[data_pb2.Segment(request_id="r", session_id="s")])
+    with pytest.raises(InvalidRequest, match="segment kind 0"):
+        frame_from_proto(pb)
 
 
-def test_token_result_roundtrip() -> None:
-    ok = TokenResult(
-        "r",
-        "s",
-        pos_start=10,
-        token_ids=[4, 5, 6],
-        accepted_count=2,
-        timings=[StageTiming(2, 0.5)],
-        term=9,
-    )
-    assert roundtrip(ok) == ok and ok.ok
-    failed = TokenResult("r", "s", 10, error=ErrorInfo("UNAVAILABLE", "stage 1 gone", 1), term=9)
-    back = roundtrip(failed)
-    assert back == failed and not back.ok and back.token_ids == ()
+def test_frame_result_roundtrip() -> None:
+    ok = SegmentResult("r", "s", pos_start=10, token_ids=[4, 5, 6], accepted_count=2, epoch=4)
+    failed = SegmentResult("q", "t", 10, error=ErrorInfo("UNAVAILABLE", "stage 1 gone", 1))
+    result = FrameResult(9, 12, (ok, failed), timings=[StageTiming(2, 0.5)])
+    back = wire_roundtrip(result, result_to_proto, result_from_proto)
+    assert back == result and back.results[0].ok and not back.results[1].ok
+    assert back.results[1].token_ids == ()
 
 
-def test_frame_ack_and_return_ack_roundtrip() -> None:
-    assert roundtrip(FrameAck("r", "s")) == FrameAck("r", "s")
-    ack = FrameAck("r", "s", ErrorInfo("INVALID_ARGUMENT", "bad shape", 2))
-    assert roundtrip(ack) == ack
-    assert roundtrip(ReturnAck()) == ReturnAck()
-    assert roundtrip(StageTiming(3, 0.125, 4.0)) == StageTiming(3, 0.125, 4.0)
+def test_frame_ack_and_timing_roundtrip() -> None:
+    assert wire_roundtrip(FrameAck(4), ack_to_proto, ack_from_proto) == FrameAck(4)
+    ack = FrameAck(5, ErrorInfo("INVALID_ARGUMENT", "bad shape", 2))
+    assert wire_roundtrip(ack, ack_to_proto, ack_from_proto) == ack
+    timing = StageTiming(3, 0.125, 4.0)
+    assert wire_roundtrip(timing, timing_to_proto, timing_from_proto) == timing
 
 
 @pytest.mark.parametrize(
@@ -234,7 +253,7 @@ def test_frame_ack_and_return_ack_roundtrip() -> None:
 def test_error_info_from_and_to_exceptions(error: Exception, code: str, cls: type) -> None:
     info = ErrorInfo.from_exception(error, stage_index=2)
     assert info.code == code and info.stage_index == 2
-    back = roundtrip(info)
+    back = wire_roundtrip(info, error_to_proto, error_from_proto)
     assert back == info
     rebuilt = back.to_error()
     assert type(rebuilt) is cls
@@ -250,9 +269,22 @@ def test_sampling_unset_top_p_means_no_filtering() -> None:
 
 def test_every_proto_message_has_a_codec_type() -> None:
     mapped_elsewhere = {"Tensor", "SamplingParams", "LayerRange"}
+    # The data plane's values are proto-free (mesh/frames.py); functions encode them.
+    data_plane = {
+        "Frame": (frame_to_proto, frame_from_proto),
+        "Segment": (codec.segment_to_proto, codec.segment_from_proto),
+        "FrameAck": (ack_to_proto, ack_from_proto),
+        "SegmentResult": (codec.segment_result_to_proto, codec.segment_result_from_proto),
+        "FrameResult": (result_to_proto, result_from_proto),
+        "ErrorInfo": (error_to_proto, error_from_proto),
+        "StageTiming": (timing_to_proto, timing_from_proto),
+        "ReturnAck": (None, None),
+    }
     names = set()
-    for module in (common_pb2, data_pb2, stage_pb2, coordinator_pb2):
+    for module in (common_pb2, stage_pb2, coordinator_pb2):
         names |= set(module.DESCRIPTOR.message_types_by_name)
+    assert set(data_pb2.DESCRIPTOR.message_types_by_name) <= set(data_plane)
+    names -= set(data_plane)
     for name in sorted(names - mapped_elsewhere):
         cls = getattr(codec, name, None)
         assert cls is not None, f"mesh.codec has no dataclass for {name}"

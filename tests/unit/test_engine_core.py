@@ -1,0 +1,306 @@
+"""Stage 0's engine core against a fake pipeline: admission, the step budget, the
+order of segments, commits, cancellation, stale answers and recovery after a reload.
+
+The fake pipeline is a deterministic "model" over each session's tokens (the next
+token is a hash of the tokens so far), applying the same crop rule and the same
+verification rule as the real stages; it answers every segment of a frame.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh.errors import CapacityExceeded, Unavailable
+from mesh.frames import ErrorInfo, Frame, FrameResult, SegmentKind, SegmentResult
+from mesh.types import SamplingParams
+from stage.frontend.backend import GenerationRequest
+from stage.frontend.engine_core import EngineCore, EngineLimits, PipelineInfo
+
+VOCAB = 97
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 31 + len(tokens)) % VOCAB
+
+
+def greedy(prompt: tuple[int, ...], count: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakePipeline:
+    """Answers frames like a whole pipeline would: every segment, in order."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, list[int]] = {}
+        self.frames: list[Frame] = []
+
+    def answer(self, frame: Frame) -> FrameResult:
+        self.frames.append(frame)
+        results = []
+        for segment in frame.segments:
+            sid = segment.session_id
+            if segment.kind is SegmentKind.END:
+                self.sessions.pop(sid, None)
+                results.append(SegmentResult(segment.request_id, sid, 0))
+                continue
+            held = self.sessions.setdefault(sid, [])
+            del held[segment.pos_start :]
+            held.extend(segment.token_ids)
+            if segment.kind is SegmentKind.PREFILL and not segment.sample:
+                results.append(SegmentResult(segment.request_id, sid, segment.pos_end))
+                continue
+            if segment.kind is SegmentKind.VERIFY:
+                emitted, accepted = [], 0
+                for i in range(1, segment.token_count + 1):
+                    draw = next_token(held[: segment.pos_start + i])
+                    emitted.append(draw)
+                    if i < segment.token_count and segment.token_ids[i] == draw:
+                        accepted += 1
+                        continue
+                    break
+                results.append(
+                    SegmentResult(segment.request_id, sid, segment.pos_start + 1, emitted, accepted)
+                )
+            else:
+                results.append(
+                    SegmentResult(segment.request_id, sid, segment.pos_end, [next_token(held)])
+                )
+        return FrameResult(frame.term, frame.frame_id, tuple(results))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(rid: str, prompt: tuple[int, ...], max_new: int = 6, stop=()) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_new, SamplingParams(), frozenset(stop))
+
+
+def core_with(stage_count: int = 1, **limits) -> tuple[EngineCore, Clock]:
+    clock = Clock()
+    core = EngineCore(EngineLimits(**limits), clock)
+    core.set_pipeline(PipelineInfo(term=1, stage_count=stage_count))
+    return core, clock
+
+
+def run_to_end(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
+    """Step until nothing is left to send; every request's committed tokens and finish."""
+    out: dict[str, list] = {}
+    for _ in range(limit):
+        frame = core.next_frame()
+        if frame is None:
+            return out
+        for outcome in core.on_result(pipe.answer(frame)):
+            entry = out.setdefault(outcome.request_id, [[], None, None])
+            if outcome.error is not None:
+                entry[2] = outcome.error
+            else:
+                entry[0].extend(outcome.event.token_ids)
+                entry[1] = outcome.event.finish_reason
+    raise AssertionError("the core never ran out of work")
+
+
+def test_requests_in_one_step_get_the_tokens_they_get_alone() -> None:
+    prompts = {f"r{i}": tuple(range(i + 1, i + 4 + i)) for i in range(5)}
+    core, _ = core_with()
+    pipe = FakePipeline()
+    for rid, prompt in prompts.items():
+        core.add(request(rid, prompt, max_new=7))
+    got = run_to_end(core, pipe)
+    for rid, prompt in prompts.items():
+        assert got[rid][0] == greedy(prompt, 7) and got[rid][1] == "length"
+    # The first step prefills every prompt at once; then each step decodes every request.
+    assert {s.kind for s in pipe.frames[0].segments} == {SegmentKind.PREFILL}
+    assert len(pipe.frames[1].segments) == 5
+    assert pipe.frames[-1].segments[-1].kind is SegmentKind.END
+    assert not core.running and not pipe.sessions
+
+
+def test_decode_goes_first_and_a_long_prompt_is_chunked_within_the_step_budget() -> None:
+    core, _ = core_with(step_tokens=16, prefill_chunk_tokens=16)
+    pipe = FakePipeline()
+    core.add(request("short", (1, 2, 3), max_new=20))
+    core.on_result(pipe.answer(core.next_frame()))
+    long_prompt = tuple(range(1, 41))
+    core.add(request("long", long_prompt, max_new=3))
+    frames, long_tokens = [], []
+    while len(frames) < 4 and (frame := core.next_frame()) is not None:
+        frames.append(frame)
+        for outcome in core.on_result(pipe.answer(frame)):
+            if outcome.request_id == "long":
+                long_tokens.extend(outcome.event.token_ids)
+    for frame in frames:
+        kinds = [s.kind for s in frame.segments]
+        assert kinds[0] is SegmentKind.DECODE  # the running request's token first
+        assert frame.row_count <= 16
+    chunks = [s for f in frames for s in f.segments if s.session_id == "long"]
+    assert [(c.pos_start, c.token_count) for c in chunks[:3]] == [(0, 15), (15, 15), (30, 10)]
+    assert [c.sample for c in chunks[:3]] == [False, False, True]
+    rest = run_to_end(core, pipe)
+    assert long_tokens + rest.get("long", [[]])[0] == greedy(long_prompt, 3)
+
+
+def test_speculation_windows_share_the_step_draft_budget() -> None:
+    class Drafter:
+        cost_per_token_s = 0.0
+
+        def __init__(self, prompt: tuple[int, ...]) -> None:
+            self.tokens = list(prompt)
+
+        def extend(self, tokens):
+            self.tokens.extend(tokens)
+
+        def accept(self, accepted, token):
+            self.tokens.append(token)
+
+        def propose(self, k):  # the true continuation: every draft is accepted
+            tokens = list(self.tokens)
+            for _ in range(k):
+                tokens.append(next_token(tokens))
+            return tokens[len(self.tokens) :]
+
+    class Policy:
+        def next_window(self, state):
+            return 8
+
+        def observe(self, *args):
+            pass
+
+    from mesh.speculative import Telemetry  # noqa: F401 - RequestRun builds one
+
+    clock = Clock()
+    core = EngineCore(
+        EngineLimits(draft_tokens=12),
+        clock,
+        lambda req: (Drafter(req.prompt_tokens), Policy(), "fake"),
+    )
+    core.set_pipeline(PipelineInfo(term=1, stage_count=1))
+    pipe = FakePipeline()
+    prompts = {f"r{i}": (i + 1, i + 2) for i in range(3)}
+    for rid, prompt in prompts.items():
+        core.add(request(rid, prompt, max_new=30))
+    got = run_to_end(core, pipe)
+    for rid, prompt in prompts.items():
+        assert got[rid][0] == greedy(prompt, 30)
+    verify = [s for f in pipe.frames for s in f.segments if s.kind is SegmentKind.VERIFY]
+    assert verify and max(s.token_count - 1 for s in verify) == 4  # 12 draft rows / 3
+
+
+def test_admission_queues_then_refuses() -> None:
+    core, _ = core_with(max_sessions=2, max_queued=1)
+    for rid in ("a", "b", "c"):
+        core.add(request(rid, (1, 2)))
+    assert sorted(core.running) == ["a", "b"] and core.queued == 1
+    with pytest.raises(CapacityExceeded, match="retry shortly"):
+        core.add(request("d", (1, 2)))
+    got = run_to_end(core, FakePipeline())
+    assert sorted(got) == ["a", "b", "c"]
+
+
+def test_stop_token_and_cancellation_end_the_session_everywhere() -> None:
+    prompt = (5, 6, 7)
+    stop_at = greedy(prompt, 4)[2]
+    core, _ = core_with()
+    pipe = FakePipeline()
+    core.add(request("s", prompt, max_new=10, stop={stop_at}))
+    core.add(request("c", (9, 9), max_new=50))
+    (first, _) = core.on_result(pipe.answer(core.next_frame()))
+    core.cancel("c")
+    got = run_to_end(core, pipe)
+    assert got["s"][1] == "stop"
+    expected = greedy(prompt, 4)
+    assert list(first.event.token_ids) + got["s"][0] == expected[: expected.index(stop_at)]
+    ends = [s.session_id for f in pipe.frames for s in f.segments if s.kind is SegmentKind.END]
+    assert sorted(ends) == ["c", "s"] and not pipe.sessions
+
+
+def test_frames_in_flight_stop_at_the_stage_count() -> None:
+    core, _ = core_with(stage_count=2)
+    pipe = FakePipeline()
+    for rid in ("a", "b", "c"):
+        core.add(request(rid, (1, 2, 3), max_new=5))
+    first = core.next_frame()
+    assert first is not None and len(first.segments) == 3
+    assert core.next_frame() is None  # every request has its segment in flight
+    core.on_result(pipe.answer(first))
+    second = core.next_frame()
+    assert second is not None
+
+
+def test_stale_answers_are_dropped() -> None:
+    core, _ = core_with()
+    pipe = FakePipeline()
+    core.add(request("a", (1, 2, 3), max_new=4))
+    frame = core.next_frame()
+    good = pipe.answer(frame)
+    older = FrameResult(0, frame.frame_id, good.results)
+    moved = SegmentResult("a", "a", 9, (1,))
+    assert core.on_result(older) == []
+    assert core.on_result(FrameResult(1, frame.frame_id, (moved,))) == []
+    assert core.stale == ["term", "position"]
+    outcomes = core.on_result(good)
+    assert [o.event.token_ids for o in outcomes] == [tuple(greedy((1, 2, 3), 1))]
+
+
+def test_a_lost_pipeline_is_recovered_by_re_reading_every_token() -> None:
+    prompt = (3, 1, 4, 1, 5)
+    core, clock = core_with(recovery_timeout_s=30)
+    pipe = FakePipeline()
+    core.add(request("r", prompt, max_new=8))
+    committed: list[int] = []
+    for _ in range(3):
+        for outcome in core.on_result(pipe.answer(core.next_frame())):
+            committed.extend(outcome.event.token_ids)
+    lost = core.next_frame()  # sent, never answered: the stage died
+    assert core.set_pipeline(None) == []
+    assert core.next_frame() is None
+    unavailable = ErrorInfo("UNAVAILABLE", "stage 1 is gone")
+    late = FrameResult(1, lost.frame_id, (SegmentResult("r", "r", 0, error=unavailable),))
+    assert core.on_result(late) == []
+    pipe.sessions.clear()  # the new pipeline holds nothing
+    clock.now += 5
+    core.set_pipeline(PipelineInfo(term=2, stage_count=1))
+    resend = core.next_frame()
+    (segment,) = resend.segments
+    assert segment.kind is SegmentKind.PREFILL and segment.pos_start == 0
+    assert segment.token_ids == prompt + tuple(committed)
+    for outcome in core.on_result(pipe.answer(resend)):
+        committed.extend(outcome.event.token_ids)
+    rest = run_to_end(core, pipe)
+    assert committed + rest["r"][0] == greedy(prompt, 8)
+    assert core.recoveries == 1
+
+
+def test_recovery_gives_up_after_its_deadline() -> None:
+    core, clock = core_with(recovery_timeout_s=10)
+    pipe = FakePipeline()
+    core.add(request("r", (1, 2), max_new=8))
+    core.on_result(pipe.answer(core.next_frame()))
+    core.next_frame()
+    core.set_pipeline(None)
+    clock.now += 11
+    (outcome,) = core.expire()
+    assert isinstance(outcome.error, Unavailable) and "did not recover" in outcome.error.message
+    assert not core.running
+
+
+def test_a_segment_error_fails_only_its_request() -> None:
+    core, _ = core_with()
+    pipe = FakePipeline()
+    core.add(request("bad", (1, 2), max_new=3))
+    core.add(request("good", (3, 4), max_new=3))
+    frame = core.next_frame()
+    answer = pipe.answer(frame)
+    refused = SegmentResult("bad", "bad", 0, error=ErrorInfo("INVALID_ARGUMENT", "too long"))
+    outcomes = core.on_result(FrameResult(1, frame.frame_id, (refused, answer.results[1])))
+    assert [o.request_id for o in outcomes] == ["bad", "good"]
+    assert outcomes[0].error is not None and "too long" in outcomes[0].error.message
+    got = run_to_end(core, pipe)
+    assert got["good"][0] == greedy((3, 4), 3)[1:]

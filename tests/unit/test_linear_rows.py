@@ -1,0 +1,142 @@
+"""Quantised linears on CPU: many-row calls dequantise and run a float32 GEMM, and
+give what torch's weight-only kernels give, to bfloat16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mesh import quant
+from mesh.runtime import linear as linear_module
+from mesh.runtime.linear import (
+    INT4_ACTIVATION_DTYPE,
+    INT4_GEMM_ROWS,
+    INT8_GEMM_ROWS,
+    Int4Linear,
+    Int8Linear,
+    LinearSpec,
+    build_linear,
+    cpu_int4_block,
+)
+
+CPU = torch.device("cpu")
+OUT, IN, GROUP = 128, 64, 32
+# Both paths accumulate in float32 and round to bfloat16; they may differ by a unit in
+# the last place of the output, or of the output's scale where a bias cancels it.
+EPS = torch.finfo(torch.bfloat16).eps
+
+
+def weight(rows: int = OUT, cols: int = IN, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def activations(rows: int, cols: int = IN, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    column_scale = 1 + 3 * torch.rand(cols, generator=generator)  # uneven channels
+    return torch.randn(rows, cols, generator=generator) * column_scale
+
+
+def int4_linear(bias: bool, rows: int = OUT, dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+    parts = quant.quantize_int4(weight(rows), GROUP)
+    spec = LinearSpec(rows, IN, "int4", parts=parts, bias=weight(1, rows, 2)[0] if bias else None)
+    linear = build_linear(spec, CPU, dtype)
+    assert isinstance(linear, Int4Linear)
+    return linear
+
+
+def int8_linear(bias: bool, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+    parts = quant.quantize_int8(weight())
+    spec = LinearSpec(OUT, IN, "int8", parts=parts, bias=weight(1, OUT, 2)[0] if bias else None)
+    linear = build_linear(spec, CPU, dtype)
+    assert isinstance(linear, Int8Linear)
+    return linear
+
+
+def assert_bfloat16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 * EPS, atol=2 * EPS * scale)
+
+
+def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row count on torch's kernel: what the linears computed before."""
+    monkeypatch.setattr(linear_module, "INT4_GEMM_ROWS", 1 << 30)
+    monkeypatch.setattr(linear_module, "INT8_GEMM_ROWS", 1 << 30)
+
+
+def test_the_cpu_int4_layout_is_read_back_as_the_weight_the_kernel_multiplies() -> None:
+    linear = int4_linear(bias=False)
+    assert linear._block in (32, 64)
+    parts = quant.quantize_int4(weight(), GROUP)
+    codes = quant.unpack_int4(parts["qweight"]).to(torch.float32)
+    scales = linear.scales_zeros[..., 0].t().float().repeat_interleave(GROUP, dim=1)
+    zeros = linear.scales_zeros[..., 1].t().float().repeat_interleave(GROUP, dim=1)
+    expected = (codes - 8) * scales + zeros
+    torch.testing.assert_close(linear.dequantized_t().t(), expected, rtol=1e-6, atol=1e-7)
+    # One identity row per input column reads the weight back out of the kernel too.
+    eye = torch.eye(IN, dtype=INT4_ACTIVATION_DTYPE)
+    by_kernel = linear._mm(eye, linear.packed, linear.group, linear.scales_zeros)
+    assert_bfloat16_close(linear.dequantized_t(), by_kernel)
+
+
+def test_an_unrecognised_int4_layout_keeps_every_row_count_on_the_kernel() -> None:
+    codes = torch.randint(0, 16, (OUT, IN), dtype=torch.int32)
+    assert cpu_int4_block(torch.zeros(OUT, IN // 2, dtype=torch.uint8), codes) == 0
+    # 48 outputs: torch packs a partial block, which dequantized_t does not read.
+    linear = int4_linear(bias=True, rows=48)
+    assert linear._block == 0
+    x = activations(INT4_GEMM_ROWS + 3)
+    assert linear(x).shape == (INT4_GEMM_ROWS + 3, 48)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_many_rows_match_the_weight_only_kernel(
+    kind: str, dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    linear = int4_linear(bias, dtype=dtype) if kind == "int4" else int8_linear(bias, dtype)
+    threshold = INT4_GEMM_ROWS if kind == "int4" else INT8_GEMM_ROWS
+    counts = [1, 3, threshold - 1, threshold, threshold + 5, 2 * threshold]
+    x = activations(max(counts)).to(dtype)
+    got = {rows: linear(x[:rows]) for rows in counts}
+    kernel_only(monkeypatch)
+    for rows in counts:
+        expected = linear(x[:rows])
+        assert got[rows].dtype == dtype and got[rows].shape == (rows, OUT)
+        if rows < threshold:
+            assert torch.equal(got[rows], expected)
+        else:
+            assert_bfloat16_close(got[rows], expected)
+
+
+def test_many_rows_take_the_float32_gemm_path() -> None:
+    linear = int4_linear(bias=False)
+    x = activations(INT4_GEMM_ROWS).to(INT4_ACTIVATION_DTYPE)
+    gemm = torch.mm(x.float(), linear.dequantized_t()).to(INT4_ACTIVATION_DTYPE)
+    assert torch.equal(linear(x), gemm)
+    kernel = linear._mm(x, linear.packed, linear.group, linear.scales_zeros)
+    assert not torch.equal(gemm, kernel)  # the two paths are distinguishable here
+    int8 = int8_linear(bias=False)
+    x = activations(INT8_GEMM_ROWS).to(torch.bfloat16)
+    scales = int8.scales
+    gemm = (torch.nn.functional.linear(x.float(), int8.qweight.float()) * scales).to(x.dtype)
+    assert torch.equal(int8(x), gemm)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_below_the_threshold_a_row_does_not_depend_on_the_other_rows(kind: str) -> None:
+    linear = int4_linear(bias=True) if kind == "int4" else int8_linear(bias=True)
+    threshold = INT4_GEMM_ROWS if kind == "int4" else INT8_GEMM_ROWS
+    x = activations(threshold - 1).to(torch.bfloat16)
+    batched = linear(x)
+    for i in (0, 1, 5, threshold - 2):
+        assert torch.equal(batched[i : i + 1], linear(x[i : i + 1]))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_three_dimensional_inputs_take_the_path_of_their_row_count(kind: str) -> None:
+    linear = int4_linear(bias=True) if kind == "int4" else int8_linear(bias=True)
+    threshold = INT4_GEMM_ROWS if kind == "int4" else INT8_GEMM_ROWS
+    x = activations(2 * threshold).to(torch.bfloat16)
+    flat = linear(x)
+    assert torch.equal(linear(x.reshape(2, threshold, IN)), flat.reshape(2, threshold, OUT))
