@@ -60,7 +60,19 @@ from common import (
     write_json,
 )
 
-from mesh.codec import Frame, FrameKind, StageTiming, TokenResult, WireDType, bytes_per_token
+from mesh.codec import (
+    Frame,
+    FrameResult,
+    Segment,
+    SegmentKind,
+    SegmentResult,
+    StageTiming,
+    WireDType,
+    bytes_per_token,
+    frame_from_proto,
+    frame_to_proto,
+    result_to_proto,
+)
 from mesh.package.manifest import PackageManifest
 
 logger = logging.getLogger("pipeline_bench")
@@ -260,27 +272,22 @@ def wire_sizes(
     it to stage k+1 (ids, one StageTiming, token id), plus its encode+decode time."""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     hidden = torch.randn(1, hidden_size)
+    position = prompt_tokens + decode_tokens
+    segment = Segment(request_id, request_id, SegmentKind.DECODE, position, (12345,))
     frame = Frame(
-        request_id=request_id,
-        session_id=request_id,
-        kind=FrameKind.DECODE,
-        pos_start=prompt_tokens + decode_tokens,
-        token_ids=(12345,),
-        hidden=hidden,
         term=1,
+        frame_id=1,
+        segments=(segment,),
+        hidden=hidden,
         timings=(StageTiming(stage_index=0, compute_ms=41.5, queue_ms=0.2),),
     )
-    result = TokenResult(
-        request_id=request_id,
-        session_id=request_id,
-        pos_start=prompt_tokens + decode_tokens + 1,
-        token_ids=(12345,),
-        timings=(StageTiming(0, 41.5, 0.2), StageTiming(1, 40.1, 0.3)),
-        term=1,
+    answer = SegmentResult(request_id, request_id, position + 1, (12345,))
+    result = FrameResult(
+        1, 1, (answer,), timings=(StageTiming(0, 41.5, 0.2), StageTiming(1, 40.1, 0.3))
     )
     rows = []
     for wire in WIRE_DTYPES:
-        pb = frame.to_proto(wire)
+        pb = frame_to_proto(frame, wire)
         payload = bytes_per_token(hidden_size, wire)
         rows.append(
             {
@@ -288,7 +295,7 @@ def wire_sizes(
                 "bytes_per_token": payload,
                 "decode_frame_bytes": pb.ByteSize(),
                 "frame_overhead_bytes": pb.ByteSize() - payload,
-                "return_result_bytes": result.to_proto().ByteSize(),
+                "return_result_bytes": result_to_proto(result).ByteSize(),
                 "encode_decode_us": _codec_time_us(frame, WireDType.parse(wire), iterations),
             }
         )
@@ -302,8 +309,8 @@ def _codec_time_us(frame: Frame, wire: WireDType, iterations: int) -> float:
     samples = []
     for _ in range(iterations):
         started = time.perf_counter()
-        data = frame.to_proto(wire).SerializeToString()
-        Frame.from_proto(data_pb2.Frame.FromString(data))
+        data = frame_to_proto(frame, wire).SerializeToString()
+        frame_from_proto(data_pb2.Frame.FromString(data))
         samples.append(time.perf_counter() - started)
     return median(samples) * 1e6
 

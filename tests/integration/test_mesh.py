@@ -16,11 +16,13 @@ from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.codec import (
     ClaimRequest,
     Frame,
-    FrameAck,
-    FrameKind,
+    Segment,
+    SegmentKind,
     WireDType,
+    ack_from_proto,
     decode_tensor,
     encode_tensor,
+    frame_to_proto,
 )
 from mesh.grpc_util import channel
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
@@ -191,19 +193,12 @@ def test_stale_term_bad_frame_and_dead_stage(mesh_factory, tiny_package_factory)
     answers: list[str] = []
     worker = threading.Thread(target=lambda: answers.append(mesh_tokens(client, "tiny-llama")))
     worker.start()
-    bad = Frame(
-        request_id="bad-request",
-        session_id="bad-session",
-        kind=FrameKind.PREFILL,
-        pos_start=0,
-        token_ids=(1, 2, 3),
-        hidden=torch.zeros(3, 17),
-        term=status.term,
-    )
+    segment = Segment("bad-request", "bad-session", SegmentKind.PREFILL, 0, (1, 2, 3))
+    bad = Frame(status.term, 77, (segment,), hidden=torch.zeros(3, 17))
     data = data_pb2_grpc.StageDataStub(ch)
-    acks = data.Forward(iter([bad.to_proto()]), timeout=10)
-    ack = FrameAck.from_proto(next(acks))
-    assert ack.request_id == "bad-request"
+    acks = data.Forward(iter([frame_to_proto(bad)]), timeout=10)
+    ack = ack_from_proto(next(acks))
+    assert ack.frame_id == 77
     assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
     assert "hidden" in ack.error.message
     worker.join(60)

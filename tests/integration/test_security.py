@@ -16,11 +16,13 @@ from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.codec import (
     ClaimRequest,
     Frame,
-    FrameKind,
     HeartbeatRequest,
     JoinRequest,
+    Segment,
+    SegmentKind,
     StatusReply,
     StatusRequest,
+    frame_to_proto,
 )
 from mesh.grpc_util import channel
 from mesh.proto.v1 import coordinator_pb2_grpc, data_pb2_grpc, stage_pb2_grpc
@@ -202,19 +204,13 @@ def test_stages_refuse_control_and_data_calls_without_the_token(secure_mesh, pki
     status = secure_mesh.status()
     stage0 = next(s for s in status.stages if s.stage_index == 0)
     stage1 = next(s for s in status.stages if s.stage_index == 1)
-    frame = Frame(
-        request_id="intruder",
-        session_id="intruder",
-        kind=FrameKind.PREFILL,
-        pos_start=0,
-        token_ids=(1, 2, 3),
-        term=status.term,
-    )
+    segment = Segment("intruder", "intruder", SegmentKind.PREFILL, 0, (1, 2, 3))
+    frame = Frame(status.term, 1, (segment,))
     wrong = trusted(made, join_token="not-the-mesh-token")
     ch = channel(stage1.address, wrong)
     data = data_pb2_grpc.StageDataStub(ch)
     with pytest.raises(grpc.RpcError) as forward:
-        list(data.Forward(iter([frame.to_proto()]), timeout=10))
+        list(data.Forward(iter([frame_to_proto(frame)]), timeout=10))
     assert forward.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert forward.value.details() == REFUSED_MESSAGE
     control = stage_pb2_grpc.StageControlStub(ch)

@@ -12,10 +12,11 @@ import pytest
 from mesh.codec import (
     ClaimRequest,
     Frame,
-    FrameKind,
+    FrameResult,
     PrepareRequest,
+    Segment,
+    SegmentKind,
     StageLoadRequest,
-    TokenResult,
     WireDType,
 )
 from mesh.errors import StaleTerm
@@ -27,7 +28,7 @@ from stage.node import NodeSettings, StageNode
 def node(tmp_path, tiny_package_factory):
     package = tiny_package_factory("llama", layers=2)
     node = StageNode(NodeSettings(node_id="n", cache_dir=tmp_path / "cache"), "127.0.0.1:1")
-    results: queue.SimpleQueue[TokenResult] = queue.SimpleQueue()
+    results: queue.SimpleQueue[FrameResult] = queue.SimpleQueue()
     node.set_result_sink(results.put)
     node.claim(ClaimRequest(3, "coord", "tiny-llama", "t"))
     node.prepare(PrepareRequest(3, str(package), LayerRange(0, 2)))
@@ -56,26 +57,22 @@ def node(tmp_path, tiny_package_factory):
 
 
 def prefill(term: int, session: str = "s") -> Frame:
-    return Frame(
-        session,
-        session,
-        FrameKind.PREFILL,
-        0,
-        token_ids=(1, 5, 9),
-        sampling=SamplingParams(),
-        term=term,
-        sample=True,
+    segment = Segment(
+        session, session, SegmentKind.PREFILL, 0, token_ids=(1, 5, 9), sampling=SamplingParams()
     )
+    return Frame(term, 1, (segment,))
 
 
 def test_results_and_errors_carry_the_term_of_their_frame(node) -> None:
     node.submit(prefill(3))
     done = node.results.get(timeout=30)
-    assert done.error is None and done.term == 3 and done.pos_start == 3
+    (answer,) = done.results
+    assert answer.error is None and done.term == 3 and answer.pos_start == 3
     node.submit(prefill(2, "old"))
     refused = node.results.get(timeout=30)
     # The refusal answers a frame of term 2: it says term 2, not the node's 3.
-    assert refused.error is not None and refused.error.code == "FAILED_PRECONDITION"
+    (answer,) = refused.results
+    assert answer.error is not None and answer.error.code == "FAILED_PRECONDITION"
     assert refused.term == 2
 
 
@@ -84,7 +81,7 @@ def test_a_newer_term_frame_asks_the_coordinator(node) -> None:
     node.on_newer_term(lambda: asked.append(True))
     node.submit(prefill(4))
     refused = node.results.get(timeout=30)
-    assert refused.term == 4 and refused.error is not None
+    assert refused.term == 4 and refused.results[0].error is not None
     assert asked == [True]
     assert node.loaded is not None  # a frame alone never releases the stage
 
