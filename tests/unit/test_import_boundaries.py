@@ -156,3 +156,44 @@ def test_scanner_catches_violations(tmp_path: Path) -> None:
         "mesh.runtime",
         "torch",
     }
+
+
+# The data plane's values and the code that decides over them never touch protobuf:
+# only the codec (mesh/codec*.py), the servicers and the links do.
+PROTO_FREE = ("mesh.frames", "stage.engine", "stage.frontend.engine_core")
+WIRE = ("google", "grpc", "mesh.proto", "mesh.codec", "mesh.codec_data", "mesh.codec_tensor")
+
+
+@pytest.mark.parametrize("module", PROTO_FREE)
+def test_data_plane_values_and_engines_import_no_protobuf(module: str) -> None:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    found = [
+        m
+        for m in sorted(imported_modules(path, ROOT))
+        if any(m == w or m.startswith(w + ".") for w in WIRE)
+    ]
+    assert found == [], f"{module} imports {found}"
+
+
+def test_data_plane_modules_load_without_protobuf() -> None:
+    script = textwrap.dedent(
+        f"""
+        import importlib, sys
+        for name in {PROTO_FREE!r}:
+            importlib.import_module(name)
+        wire = {WIRE!r}
+        loaded = sorted(
+            m for m in sys.modules if any(m == w or m.startswith(w + ".") for w in wire)
+        )
+        assert not loaded, "the data plane pulled in: " + ", ".join(loaded)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
