@@ -12,7 +12,7 @@ and CUDA in recent builds; elsewhere the weight is cast per call).
 torch's CPU weight-only kernels cost about one single-row call per row, so on CPU
 a call with many rows (a prefill chunk, a large batch) instead dequantises the
 weight to float32 for that call and runs one float32 GEMM, which grows about half
-as fast with rows (see ``INT4_GEMM_ROWS``; benchmarks/quant_rows_bench.py).
+as fast with rows (see ``GEMM_ROWS``; benchmarks/quant_rows_bench.py).
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ ONEDNN_ERRORS = (RuntimeError, AttributeError, NotImplementedError)
 # The CUDA int4 kernel's tile of the packed layout (K must be a multiple of 16 * this).
 CUDA_INNER_K_TILES = 8
 # From this many rows on, a CPU int4 / int8 linear dequantises its weight to float32
-# per call and runs one float32 GEMM instead of torch's weight-only kernel. Every
-# cost involved (the kernel's per-row cost, the dequantisation, the GEMM's per-row
-# cost) grows with N * K, so the crossover is about the same row count for every
-# shape. Measured with benchmarks/quant_rows_bench.py (2-core AVX-512 VM, 1 thread,
-# torch 2.13, SmolLM2-135M shapes and 2048x8192): the GEMM path is slower up to
-# 32 rows and faster from 64 (int4: 1.3x at 64 rows, 1.8x at 512; int8: 1.5x at 64,
-# 2.1x at 512). Rows on either side of the threshold are computed by different
-# kernels, so a row's result can change in the last bfloat16 bit with the batch size.
-INT4_GEMM_ROWS = 48
-INT8_GEMM_ROWS = 48
+# per call, a tile of outputs at a time, and runs float32 GEMMs instead of torch's
+# weight-only kernel (whose cost is about one single-row call per row). Measured with
+# benchmarks/quant_rows_bench.py (2-core AVX-512 VM, 1 thread, torch 2.13, the
+# SmolLM2-135M shapes and 2048x8192) against the kernel alone: at 32 rows no gain;
+# at 64 int4 0.9-1.03x, int8 1.05-1.6x; at 128 1.25-1.65x; at 512 1.7-2.0x.
+# Rows on either side of the threshold are computed by different kernels, so a row's
+# result can change in the last bfloat16 bit with the number of rows in the call.
+GEMM_ROWS = 64
+# Outputs dequantised at once: a float32 tile of about 1 MiB stays in cache (whole
+# weights dequantised at once run 2-3x slower per element once they do not).
+GEMM_TILE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -185,11 +186,8 @@ class Int4Linear:
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         if flat.dtype != INT4_ACTIVATION_DTYPE:
             flat = flat.to(INT4_ACTIVATION_DTYPE)
-        if self._block and flat.shape[0] >= INT4_GEMM_ROWS:
-            # Activations rounded to bfloat16 as the kernel takes them, and the result
-            # rounded to bfloat16 as the kernel returns it.
-            weight_t = self.dequantized_t()
-            out = torch.mm(flat.to(torch.float32), weight_t).to(INT4_ACTIVATION_DTYPE)
+        if self._block and flat.shape[0] >= GEMM_ROWS:
+            out = self.gemm(flat)
         else:
             out = self._mm(flat, self.packed, self.group, self.scales_zeros)
         if out.dtype != inputs.dtype:
@@ -198,20 +196,35 @@ class Int4Linear:
             out = out.reshape(*inputs.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
-    def dequantized_t(self) -> torch.Tensor:
-        """The weight transposed, ``[in_features, out_features]`` float32, decoded from
-        the CPU kernel's packed layout (``cpu_int4_block``); a temporary, never kept."""
-        half = self._block // 2
-        blocks = self.packed.view(-1, self.packed.shape[1] * 2, half)  # [N/block, K, half]
-        weight = torch.empty(blocks.shape[1], blocks.shape[0], self._block)
+    def gemm(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (bfloat16, as the kernel takes it) times the weight in float32
+        GEMMs over tiles of outputs, rounded to bfloat16 as the kernel returns it."""
+        inputs = flat.to(torch.float32)
+        tile = _tile_columns(flat.shape[1], self._block)
+        outs = [
+            torch.mm(inputs, self.dequantized_t(first, min(first + tile, self.out_features)))
+            for first in range(0, self.out_features, tile)
+        ]
+        return torch.cat(outs, dim=1).to(INT4_ACTIVATION_DTYPE)
+
+    def dequantized_t(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """Outputs ``first:last`` of the weight, transposed: ``[in_features, last -
+        first]`` float32, decoded from the CPU kernel's packed layout (see
+        ``cpu_int4_block``; ``first`` and ``last`` are multiples of its block). A
+        temporary of one call, never kept."""
+        last = self.out_features if last is None else last
+        block, half = self._block, self._block // 2
+        k = self.packed.shape[1] * 2
+        blocks = self.packed.view(-1, k, half)[first // block : last // block]
+        weight = torch.empty(k, blocks.shape[0], block)
         weight[..., :half].copy_((blocks & 0x0F).transpose(0, 1))
         weight[..., half:].copy_((blocks >> 4).transpose(0, 1))
-        scales = self.scales_zeros[..., 0].to(torch.float32)  # [K / group, N]
+        scales = self.scales_zeros[:, first:last, 0].to(torch.float32)  # [K / group, cols]
         # The kernel computes (code - 8) * scale + zero; here the codes are 0..15.
-        zeros = self.scales_zeros[..., 1].to(torch.float32) - 8 * scales
-        grouped = weight.view(scales.shape[0], self.group, self.out_features)
+        zeros = self.scales_zeros[:, first:last, 1].to(torch.float32) - 8 * scales
+        grouped = weight.view(scales.shape[0], self.group, last - first)
         torch.addcmul(zeros.unsqueeze(1), grouped, scales.unsqueeze(1), out=grouped)
-        return weight.view(-1, self.out_features)
+        return weight.view(k, last - first)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales_zeros, self.bias) if t is not None]
@@ -281,10 +294,8 @@ class Int8Linear:
         """``inputs`` ``[T, in_features]`` (the runtime's layout) or any ``[..., in]``."""
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-        if self._gemm and flat.shape[0] >= INT8_GEMM_ROWS:
-            # The float32 weight is a temporary of this call, never kept.
-            weight = self.qweight.to(torch.float32)
-            out = (F.linear(flat.to(torch.float32), weight) * scales).to(flat.dtype)
+        if self._gemm and flat.shape[0] >= GEMM_ROWS:
+            out = self.gemm(flat, scales)
         elif self._kernel:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)
         else:
@@ -293,8 +304,26 @@ class Int8Linear:
             out = out.reshape(*inputs.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def gemm(self, flat: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``flat`` times the weight in float32 GEMMs over tiles of outputs (each
+        dequantised for this call only), in ``flat``'s dtype as the kernel returns it."""
+        inputs = flat.to(torch.float32)
+        tile = _tile_columns(flat.shape[1], 1)
+        outs = [
+            F.linear(inputs, self.qweight[first : first + tile].to(torch.float32))
+            * scales[first : first + tile]
+            for first in range(0, self.out_features, tile)
+        ]
+        return torch.cat(outs, dim=1).to(flat.dtype)
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight, self.scales, self.bias) if t is not None]
+
+
+def _tile_columns(in_features: int, block: int) -> int:
+    """Outputs per dequantised tile: about ``GEMM_TILE_BYTES`` of float32, whole blocks."""
+    columns = GEMM_TILE_BYTES // (4 * in_features)
+    return max(block, columns - columns % block)
 
 
 Linear = DenseLinear | PackedLinear | Int4Linear | Int8Linear

@@ -9,9 +9,8 @@ import torch
 from mesh import quant
 from mesh.runtime import linear as linear_module
 from mesh.runtime.linear import (
+    GEMM_ROWS,
     INT4_ACTIVATION_DTYPE,
-    INT4_GEMM_ROWS,
-    INT8_GEMM_ROWS,
     Int4Linear,
     Int8Linear,
     LinearSpec,
@@ -59,8 +58,7 @@ def assert_bfloat16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row count on torch's kernel: what the linears computed before."""
-    monkeypatch.setattr(linear_module, "INT4_GEMM_ROWS", 1 << 30)
-    monkeypatch.setattr(linear_module, "INT8_GEMM_ROWS", 1 << 30)
+    monkeypatch.setattr(linear_module, "GEMM_ROWS", 1 << 30)
 
 
 def test_the_cpu_int4_layout_is_read_back_as_the_weight_the_kernel_multiplies() -> None:
@@ -84,8 +82,8 @@ def test_an_unrecognised_int4_layout_keeps_every_row_count_on_the_kernel() -> No
     # 48 outputs: torch packs a partial block, which dequantized_t does not read.
     linear = int4_linear(bias=True, rows=48)
     assert linear._block == 0
-    x = activations(INT4_GEMM_ROWS + 3)
-    assert linear(x).shape == (INT4_GEMM_ROWS + 3, 48)
+    x = activations(GEMM_ROWS + 3)
+    assert linear(x).shape == (GEMM_ROWS + 3, 48)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -95,7 +93,7 @@ def test_many_rows_match_the_weight_only_kernel(
     kind: str, dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     linear = int4_linear(bias, dtype=dtype) if kind == "int4" else int8_linear(bias, dtype)
-    threshold = INT4_GEMM_ROWS if kind == "int4" else INT8_GEMM_ROWS
+    threshold = GEMM_ROWS
     counts = [1, 3, threshold - 1, threshold, threshold + 5, 2 * threshold]
     x = activations(max(counts)).to(dtype)
     got = {rows: linear(x[:rows]) for rows in counts}
@@ -109,24 +107,43 @@ def test_many_rows_match_the_weight_only_kernel(
             assert_bfloat16_close(got[rows], expected)
 
 
-def test_many_rows_take_the_float32_gemm_path() -> None:
+def test_many_rows_take_the_tiled_float32_gemm_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiles of 32 outputs: the 128 outputs take four, each dequantised on its own.
+    monkeypatch.setattr(linear_module, "GEMM_TILE_BYTES", 4 * IN * 32)
     linear = int4_linear(bias=False)
-    x = activations(INT4_GEMM_ROWS).to(INT4_ACTIVATION_DTYPE)
-    gemm = torch.mm(x.float(), linear.dequantized_t()).to(INT4_ACTIVATION_DTYPE)
-    assert torch.equal(linear(x), gemm)
-    kernel = linear._mm(x, linear.packed, linear.group, linear.scales_zeros)
-    assert not torch.equal(gemm, kernel)  # the two paths are distinguishable here
+    x = activations(GEMM_ROWS).to(INT4_ACTIVATION_DTYPE)
+    whole = torch.mm(x.float(), linear.dequantized_t()).to(INT4_ACTIVATION_DTYPE)
+    assert_bfloat16_close(linear(x), whole)
+    assert torch.equal(linear(x), linear.gemm(x))
     int8 = int8_linear(bias=False)
-    x = activations(INT8_GEMM_ROWS).to(torch.bfloat16)
+    x = activations(GEMM_ROWS).to(torch.bfloat16)
     scales = int8.scales
-    gemm = (torch.nn.functional.linear(x.float(), int8.qweight.float()) * scales).to(x.dtype)
-    assert torch.equal(int8(x), gemm)
+    whole = (torch.nn.functional.linear(x.float(), int8.qweight.float()) * scales).to(x.dtype)
+    assert_bfloat16_close(int8(x), whole)
+    assert torch.equal(int8(x), int8.gemm(x, scales))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_row_count_picks_the_path(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    linear_type = Int4Linear if kind == "int4" else Int8Linear
+    calls: list[int] = []
+    real_gemm = linear_type.gemm
+
+    def counted(self: object, flat: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        calls.append(flat.shape[0])
+        return real_gemm(self, flat, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(linear_type, "gemm", counted)
+    linear = int4_linear(bias=True) if kind == "int4" else int8_linear(bias=True)
+    for rows in (1, 8, GEMM_ROWS - 1, GEMM_ROWS, 3 * GEMM_ROWS):
+        linear(activations(rows).to(torch.bfloat16))
+    assert calls == [GEMM_ROWS, 3 * GEMM_ROWS]
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_below_the_threshold_a_row_does_not_depend_on_the_other_rows(kind: str) -> None:
     linear = int4_linear(bias=True) if kind == "int4" else int8_linear(bias=True)
-    threshold = INT4_GEMM_ROWS if kind == "int4" else INT8_GEMM_ROWS
+    threshold = GEMM_ROWS
     x = activations(threshold - 1).to(torch.bfloat16)
     batched = linear(x)
     for i in (0, 1, 5, threshold - 2):
@@ -136,7 +153,7 @@ def test_below_the_threshold_a_row_does_not_depend_on_the_other_rows(kind: str) 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_three_dimensional_inputs_take_the_path_of_their_row_count(kind: str) -> None:
     linear = int4_linear(bias=True) if kind == "int4" else int8_linear(bias=True)
-    threshold = INT4_GEMM_ROWS if kind == "int4" else INT8_GEMM_ROWS
+    threshold = GEMM_ROWS
     x = activations(2 * threshold).to(torch.bfloat16)
     flat = linear(x)
     assert torch.equal(linear(x.reshape(2, threshold, IN)), flat.reshape(2, threshold, OUT))
