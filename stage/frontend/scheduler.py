@@ -75,8 +75,9 @@ class PipelineScheduler:
         )
         self._m_round_ms = self.registry.histogram(
             "mesh_pipeline_round_ms",
-            "Time from sending a frame to receiving its answer, in ms.",
-            (),
+            "Time from sending a frame to receiving its answer, in ms, by the kind of its "
+            "segments (mixed when they differ).",
+            ("kind",),
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
         )
         self._m_recoveries = self.registry.gauge(
@@ -141,10 +142,12 @@ class PipelineScheduler:
                 item = await events.get()
                 if isinstance(item, MeshError):
                     raise item
-                yield item
                 if item.finish_reason is not None:
+                    # Before the last yield: the consumer may close the generator there.
                     self._finish(run)
+                    yield item
                     return
+                yield item
         finally:
             self._queues.pop(request_id, None)
             self._runs.pop(request_id, None)
@@ -227,7 +230,9 @@ class PipelineScheduler:
     def _deliver(self, result: FrameResult) -> None:
         sent = self.core.frames.get(result.frame_id)
         if sent is not None and sent.term == result.term and result.timings:
-            self._m_round_ms.observe((time.perf_counter() - sent.sent_at) * 1000.0)
+            kinds = {kind.value for kind in sent.kinds.values()}
+            label = kinds.pop() if len(kinds) == 1 else "mixed"
+            self._m_round_ms.labels(label).observe((time.perf_counter() - sent.sent_at) * 1000.0)
             for timing in result.timings:
                 self._m_stage_ms.labels(str(timing.stage_index)).observe(timing.compute_ms)
         self._dispatch(self.core.on_result(result))

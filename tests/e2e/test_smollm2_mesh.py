@@ -1,8 +1,11 @@
 """The real SmolLM2-135M-Instruct, split across 2 stage processes, through the
-OpenAI frontend: it answers a chat request, and its greedy answer equals HF
-`generate` on the unsplit model loaded from the same GGUF."""
+OpenAI frontend: it answers a chat request, its greedy answer equals HF `generate`
+on the unsplit model loaded from the same GGUF, and a request's greedy tokens are
+the same alone and batched with 3 or 7 others."""
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import pytest
 import torch
@@ -50,3 +53,39 @@ def test_split_smollm2_answers_like_unsplit_generate(tmp_path, smollm2_package, 
         generated = generated[: generated.index(tokenizer.eos_token_id)]
     assert reply.usage.completion_tokens == len(generated)
     assert answer == tokenizer.decode(generated, skip_special_tokens=True)
+
+
+CONCURRENT_PROMPTS = [
+    "List three uses of copper.",
+    "Write a haiku about winter mornings.",
+    "Explain in two sentences why the sky looks blue.",
+    "Translate 'good evening, friends' into Spanish.",
+    "def fib(n):\n    # finish this Python function",
+    "Name a famous bridge and the city it is in.",
+    "What does a compiler do? One sentence.",
+    "Give me a short tip for learning to juggle.",
+]
+
+
+def test_batched_requests_get_the_tokens_they_get_alone(tmp_path, smollm2_package):
+    mesh = MeshProcesses(smollm2_package, tmp_path / "mesh", 2, max_sessions=8)
+    try:
+        mesh.start().wait_serving(deadline_s=300)
+        client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+
+        def answer(prompt: str) -> str:
+            reply = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=24,
+                temperature=0,
+            )
+            return reply.choices[0].message.content
+
+        alone = [answer(p) for p in CONCURRENT_PROMPTS]
+        for streams in (4, 8):
+            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+                together = list(pool.map(answer, CONCURRENT_PROMPTS))
+            assert together == alone, f"{streams} streams"
+    finally:
+        mesh.close()
