@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--max-sessions", type=int, default=16)
     up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
+    up.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="tokens one step of stage 0's engine core may hold (decode rows first, "
+        "prompt chunks in the rest)",
+    )
     up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
     up.add_argument("--stage-threads", type=int, default=0, help="torch threads per local stage")
     up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
@@ -241,6 +248,7 @@ def up(args: argparse.Namespace) -> int:
             torch_dtype=args.dtype,
             max_sessions=args.max_sessions,
             max_tokens_per_session=max_tokens,
+            max_batch_tokens=max(1, args.max_batch_tokens),
         ),
         min_stages=max(args.min_stages, local, 1),
         max_stages=args.max_stages,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,7 +74,6 @@ class LoadError(MeshError):
 @dataclass(frozen=True)
 class LoadOutcome:
     term: int
-    topology_id: str
     ready: tuple[Ready, ...]  # in stage order
 
 
@@ -95,9 +93,8 @@ class LoadDriver:
         stages = list(plan.stages)
         channels = {s.node_id: channel(s.address) for s in stages}
         stubs = {n: stage_pb2_grpc.StageControlStub(c) for n, c in channels.items()}
-        topology_id = uuid.uuid4().hex[:12]
         try:
-            return self._load(stages, stubs, term, topology_id, settings)
+            return self._load(stages, stubs, term, settings)
         except LoadError as error:
             logger.error("load of term %s failed: %s", term, error.message)
             self._release_all(stages, stubs, term, f"load failed: {error.message}")
@@ -106,7 +103,7 @@ class LoadDriver:
             for ch in channels.values():
                 ch.close()
 
-    def _load(self, stages, stubs, term: int, topology_id: str, settings: LoadSettings):
+    def _load(self, stages, stubs, term: int, settings: LoadSettings):
         for stage in stages:
             self._call(
                 stage,
@@ -116,7 +113,6 @@ class LoadDriver:
                         term=term,
                         coordinator_id=self.coordinator_id,
                         model_id=settings.model_id,
-                        topology_id=topology_id,
                     ).to_proto(),
                     timeout=CONTROL_DEADLINE_S,
                 ),
@@ -140,17 +136,11 @@ class LoadDriver:
             index = stage.stage_index
             request = StageLoadRequest(
                 term=term,
-                topology_id=topology_id,
                 stage_index=index,
                 stage_count=len(stages),
                 layer_range=stage.layer_range,
                 package_ref=settings.package_ref,
                 manifest_sha256=settings.manifest_sha256,
-                upstream=(
-                    PeerRef(stages[index - 1].node_id, stages[index - 1].address)
-                    if index > 0
-                    else None
-                ),
                 downstream=downstream,
                 return_endpoint=stage0.address,
                 wire_dtype=settings.wire_dtype,
@@ -179,7 +169,7 @@ class LoadDriver:
                 ready[index].param_bytes,
                 ready[index].load_ms,
             )
-        return LoadOutcome(term, topology_id, tuple(ready[i] for i in range(len(stages))))
+        return LoadOutcome(term, tuple(ready[i] for i in range(len(stages))))
 
     def _await_inventory(self, stages, stubs, term: int, settings: LoadSettings) -> None:
         deadline = time.monotonic() + settings.inventory_timeout_s

@@ -48,19 +48,15 @@ class ClaimRequest:
     term: int
     coordinator_id: str
     model_id: str
-    topology_id: str
 
     def to_proto(self) -> stage_pb2.ClaimRequest:
         return stage_pb2.ClaimRequest(
-            term=self.term,
-            coordinator_id=self.coordinator_id,
-            model_id=self.model_id,
-            topology_id=self.topology_id,
+            term=self.term, coordinator_id=self.coordinator_id, model_id=self.model_id
         )
 
     @classmethod
     def from_proto(cls, pb: stage_pb2.ClaimRequest) -> ClaimRequest:
-        return cls(pb.term, pb.coordinator_id, pb.model_id, pb.topology_id)
+        return cls(pb.term, pb.coordinator_id, pb.model_id)
 
 
 @dataclass(frozen=True)
@@ -203,17 +199,16 @@ class PeerRef:
 class StageLoadRequest:
     """Everything a stage needs to build its runtime and open its data links.
 
-    ``upstream`` is None on stage 0, ``downstream`` is None on the last stage.
+    ``downstream`` is None on the last stage. ``max_batch_tokens`` is the step token
+    budget of stage 0's engine core (0: its default).
     """
 
     term: int
-    topology_id: str
     stage_index: int
     stage_count: int
     layer_range: LayerRange
     package_ref: str
     manifest_sha256: str
-    upstream: PeerRef | None
     downstream: PeerRef | None
     return_endpoint: str
     wire_dtype: WireDType
@@ -222,7 +217,6 @@ class StageLoadRequest:
     max_sessions: int = 0
     max_tokens_per_session: int = 0
     max_batch_tokens: int = 0
-    load_mode: str = "eager"
     session_idle_timeout_s: float = 0.0
 
     @property
@@ -236,7 +230,6 @@ class StageLoadRequest:
     def to_proto(self) -> stage_pb2.StageLoadRequest:
         pb = stage_pb2.StageLoadRequest(
             term=self.term,
-            topology_id=self.topology_id,
             stage_index=self.stage_index,
             stage_count=self.stage_count,
             package_ref=self.package_ref,
@@ -248,12 +241,9 @@ class StageLoadRequest:
             max_sessions=self.max_sessions,
             max_tokens_per_session=self.max_tokens_per_session,
             max_batch_tokens=self.max_batch_tokens,
-            load_mode=self.load_mode,
             session_idle_timeout_s=self.session_idle_timeout_s,
         )
         _set_range(pb, "layer_range", self.layer_range)
-        if self.upstream is not None:
-            pb.upstream.CopyFrom(self.upstream.to_proto())
         if self.downstream is not None:
             pb.downstream.CopyFrom(self.downstream.to_proto())
         return pb
@@ -269,13 +259,11 @@ class StageLoadRequest:
             )
         return cls(
             term=pb.term,
-            topology_id=pb.topology_id,
             stage_index=pb.stage_index,
             stage_count=pb.stage_count,
             layer_range=layer_range_from_proto(pb.layer_range, "StageLoadRequest.layer_range"),
             package_ref=pb.package_ref,
             manifest_sha256=pb.manifest_sha256,
-            upstream=PeerRef.from_proto(pb.upstream) if pb.HasField("upstream") else None,
             downstream=PeerRef.from_proto(pb.downstream) if pb.HasField("downstream") else None,
             return_endpoint=pb.return_endpoint,
             wire_dtype=WireDType.from_proto(pb.wire_dtype),
@@ -284,7 +272,6 @@ class StageLoadRequest:
             max_sessions=pb.max_sessions,
             max_tokens_per_session=pb.max_tokens_per_session,
             max_batch_tokens=pb.max_batch_tokens,
-            load_mode=pb.load_mode,
             session_idle_timeout_s=pb.session_idle_timeout_s,
         )
 

@@ -65,6 +65,8 @@ class PipelineInfo:
     stage_count: int
     model_id: str = ""
     context_length: int = 0
+    # The step token budget the coordinator set (0: the engine's own).
+    step_tokens: int = 0
 
 
 @dataclass
@@ -253,14 +255,15 @@ class EngineCore:
         self._ends.clear()
         rows = 0
         now = self.clock()
+        budget = info.step_tokens or self.limits.step_tokens
         ready = [t for t in self.running.values() if self._decodes(t)]
-        share = self._draft_share(len(ready))
+        share = self._draft_share(len(ready), budget)
         for tracked in ready:
             segment = self._decode_segment(tracked, info.term, share, now)
             segments.append(segment)
             rows += segment.token_count
         for tracked in self.running.values():
-            room = self.limits.step_tokens - rows
+            room = budget - rows
             if room <= 0:
                 break
             if tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None:
@@ -287,12 +290,12 @@ class EngineCore:
     def _decodes(tracked: Tracked) -> bool:
         return not tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None
 
-    def _draft_share(self, ready: int) -> int:
+    def _draft_share(self, ready: int, step_tokens: int) -> int:
         """Draft rows each speculating request may add to this step: the step's draft
         budget shared among the requests decoding in it, within the token budget."""
         if ready == 0:
             return 0
-        budget = min(self.limits.draft_tokens, max(0, self.limits.step_tokens - ready))
+        budget = min(self.limits.draft_tokens, max(0, step_tokens - ready))
         return budget // ready
 
     def _decode_segment(self, tracked: Tracked, term: int, share: int, now: float) -> Segment:

@@ -250,6 +250,7 @@ class PipelineScheduler:
                 stage_count=loaded.request.stage_count,
                 model_id=self.model_id,
                 context_length=self.context_length,
+                step_tokens=loaded.request.max_batch_tokens,
             )
         loop = self._loop
         if loop is None or loop.is_closed():

@@ -183,7 +183,7 @@ def test_stale_term_bad_frame_and_dead_stage(mesh_factory, tiny_package_factory)
     ch = channel(middle.address)
     stub = stage_pb2_grpc.StageControlStub(ch)
     with pytest.raises(grpc.RpcError) as refused:
-        stub.Claim(ClaimRequest(0, "intruder", "tiny-llama", "x").to_proto(), timeout=5)
+        stub.Claim(ClaimRequest(0, "intruder", "tiny-llama").to_proto(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "term" in refused.value.details()
 

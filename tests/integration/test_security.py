@@ -215,7 +215,7 @@ def test_stages_refuse_control_and_data_calls_without_the_token(secure_mesh, pki
     assert forward.value.details() == REFUSED_MESSAGE
     control = stage_pb2_grpc.StageControlStub(ch)
     with pytest.raises(grpc.RpcError) as claim:
-        control.Claim(ClaimRequest(status.term + 1, "intruder", "m", "t").to_proto(), timeout=10)
+        control.Claim(ClaimRequest(status.term + 1, "intruder", "m").to_proto(), timeout=10)
     assert claim.value.code() == grpc.StatusCode.UNAUTHENTICATED
     ch.close()
     # The Return stream into stage 0 is guarded too.
@@ -242,7 +242,7 @@ def test_tls_refuses_plaintext_and_clients_without_a_certificate(secure_mesh, pk
         ch = channel(stage1.address, settings)
         with pytest.raises(grpc.RpcError) as refused:
             stage_pb2_grpc.StageControlStub(ch).Claim(
-                ClaimRequest(0, "x", "m", "t").to_proto(), timeout=10
+                ClaimRequest(0, "x", "m").to_proto(), timeout=10
             )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, what
         ch.close()

@@ -43,13 +43,11 @@ def roundtrip(message):
 def load_request(**overrides) -> StageLoadRequest:
     fields = dict(
         term=4,
-        topology_id="topo-4",
         stage_index=1,
         stage_count=3,
         layer_range=LayerRange(10, 20),
         package_ref="/srv/packages/smollm2",
         manifest_sha256="ab" * 32,
-        upstream=PeerRef("node-a", "10.0.0.1:7071"),
         downstream=PeerRef("node-c", "10.0.0.3:7071"),
         return_endpoint="10.0.0.1:7071",
         wire_dtype=WireDType.BF16,
@@ -58,14 +56,13 @@ def load_request(**overrides) -> StageLoadRequest:
         max_sessions=64,
         max_tokens_per_session=8192,
         max_batch_tokens=2048,
-        load_mode="eager",
         session_idle_timeout_s=120.5,
     )
     return StageLoadRequest(**(fields | overrides))
 
 
 CONTROL_MESSAGES = [
-    ClaimRequest(term=7, coordinator_id="coord-1", model_id="smollm2", topology_id="t7"),
+    ClaimRequest(term=7, coordinator_id="coord-1", model_id="smollm2"),
     ClaimReply(term=7, node_id="node-b"),
     PrepareRequest(term=7, package_ref="org/repo@main", layer_range=LayerRange(0, 30)),
     PrepareReply(term=7),
@@ -86,7 +83,7 @@ CONTROL_MESSAGES = [
         manifest_sha256="cd" * 32,
     ),
     load_request(),
-    load_request(stage_index=0, upstream=None, layer_range=LayerRange(0, 10)),
+    load_request(stage_index=0, layer_range=LayerRange(0, 10)),
     load_request(stage_index=2, downstream=None, wire_dtype=WireDType.INT8),
     Ready(term=7, data_endpoint="10.0.0.2:7071", param_bytes=123456789, load_ms=812.5),
     ReleaseRequest(term=7, reason="replan after node-c died"),
@@ -144,11 +141,11 @@ def test_roundtrip(message) -> None:
 
 
 def test_load_request_helpers_and_peers() -> None:
-    first = roundtrip(load_request(stage_index=0, upstream=None))
-    assert first.is_first and not first.is_last and first.upstream is None
+    first = roundtrip(load_request(stage_index=0))
+    assert first.is_first and not first.is_last
+    assert first.downstream == PeerRef("node-c", "10.0.0.3:7071")
     last = roundtrip(load_request(stage_index=2, downstream=None))
     assert last.is_last and last.downstream is None
-    assert last.upstream == PeerRef("node-a", "10.0.0.1:7071")
 
 
 def test_load_request_rejects_missing_pieces() -> None:

@@ -304,3 +304,13 @@ def test_a_segment_error_fails_only_its_request() -> None:
     assert outcomes[0].error is not None and "too long" in outcomes[0].error.message
     got = run_to_end(core, pipe)
     assert got["good"][0] == greedy((3, 4), 3)[1:]
+
+
+def test_the_coordinator_sets_the_step_budget() -> None:
+    core, _ = core_with(step_tokens=512)
+    core.set_pipeline(PipelineInfo(term=1, stage_count=1, step_tokens=8))
+    pipe = FakePipeline()
+    core.add(request("long", tuple(range(1, 21)), max_new=2))
+    frame = core.next_frame()
+    assert frame.row_count == 8 and not frame.segments[0].sample
+    assert run_to_end(core, pipe) == {}  # the frame above was never answered

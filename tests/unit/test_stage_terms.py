@@ -30,7 +30,7 @@ def node(tmp_path, tiny_package_factory):
     node = StageNode(NodeSettings(node_id="n", cache_dir=tmp_path / "cache"), "127.0.0.1:1")
     results: queue.SimpleQueue[FrameResult] = queue.SimpleQueue()
     node.set_result_sink(results.put)
-    node.claim(ClaimRequest(3, "coord", "tiny-llama", "t"))
+    node.claim(ClaimRequest(3, "coord", "tiny-llama"))
     node.prepare(PrepareRequest(3, str(package), LayerRange(0, 2)))
     deadline = time.monotonic() + 60
     while node.inventory(3).state != "ready":
@@ -39,13 +39,11 @@ def node(tmp_path, tiny_package_factory):
     node.load(
         StageLoadRequest(
             term=3,
-            topology_id="t",
             stage_index=0,
             stage_count=1,
             layer_range=LayerRange(0, 2),
             package_ref=str(package),
             manifest_sha256="",
-            upstream=None,
             downstream=None,
             return_endpoint="",
             wire_dtype=WireDType.F32,
@@ -98,7 +96,7 @@ def test_a_stage_whose_term_is_over_releases_its_layers_and_sessions(node) -> No
 
 def test_a_stale_claim_reports_the_term_the_node_holds(node) -> None:
     with pytest.raises(StaleTerm) as refused:
-        node.claim(ClaimRequest(2, "old-coordinator", "tiny-llama", "x"))
+        node.claim(ClaimRequest(2, "old-coordinator", "tiny-llama"))
     assert refused.value.held_term == 3
 
 
@@ -117,7 +115,7 @@ def test_a_refused_claim_names_the_held_term_over_grpc(node) -> None:
     try:
         stub = stage_pb2_grpc.StageControlStub(ch)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Claim(ClaimRequest(1, "old", "tiny-llama", "x").to_proto(), timeout=10)
+            stub.Claim(ClaimRequest(1, "old", "tiny-llama").to_proto(), timeout=10)
         error = error_from_rpc(refused.value, "Claim")
         assert isinstance(error, StaleTerm) and error.held_term == 3
     finally:

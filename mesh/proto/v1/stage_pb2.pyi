@@ -8,16 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("term", "coordinator_id", "model_id", "topology_id")
+    __slots__ = ("term", "coordinator_id", "model_id")
     TERM_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    TOPOLOGY_ID_FIELD_NUMBER: _ClassVar[int]
     term: int
     coordinator_id: str
     model_id: str
-    topology_id: str
-    def __init__(self, term: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ..., topology_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, term: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class ClaimReply(_message.Message):
     __slots__ = ("term", "node_id")
@@ -94,15 +92,13 @@ class PeerRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class StageLoadRequest(_message.Message):
-    __slots__ = ("term", "topology_id", "stage_index", "stage_count", "layer_range", "package_ref", "manifest_sha256", "upstream", "downstream", "return_endpoint", "wire_dtype", "device", "torch_dtype", "max_sessions", "max_tokens_per_session", "max_batch_tokens", "load_mode", "session_idle_timeout_s")
+    __slots__ = ("term", "stage_index", "stage_count", "layer_range", "package_ref", "manifest_sha256", "downstream", "return_endpoint", "wire_dtype", "device", "torch_dtype", "max_sessions", "max_tokens_per_session", "max_batch_tokens", "session_idle_timeout_s")
     TERM_FIELD_NUMBER: _ClassVar[int]
-    TOPOLOGY_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     STAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_REF_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
-    UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
     RETURN_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -111,16 +107,13 @@ class StageLoadRequest(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LOAD_MODE_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     term: int
-    topology_id: str
     stage_index: int
     stage_count: int
     layer_range: _common_pb2.LayerRange
     package_ref: str
     manifest_sha256: str
-    upstream: PeerRef
     downstream: PeerRef
     return_endpoint: str
     wire_dtype: _common_pb2.WireDType
@@ -129,9 +122,8 @@ class StageLoadRequest(_message.Message):
     max_sessions: int
     max_tokens_per_session: int
     max_batch_tokens: int
-    load_mode: str
     session_idle_timeout_s: float
-    def __init__(self, term: _Optional[int] = ..., topology_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., package_ref: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., upstream: _Optional[_Union[PeerRef, _Mapping]] = ..., downstream: _Optional[_Union[PeerRef, _Mapping]] = ..., return_endpoint: _Optional[str] = ..., wire_dtype: _Optional[_Union[_common_pb2.WireDType, str]] = ..., device: _Optional[str] = ..., torch_dtype: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., load_mode: _Optional[str] = ..., session_idle_timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, term: _Optional[int] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., package_ref: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., downstream: _Optional[_Union[PeerRef, _Mapping]] = ..., return_endpoint: _Optional[str] = ..., wire_dtype: _Optional[_Union[_common_pb2.WireDType, str]] = ..., device: _Optional[str] = ..., torch_dtype: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., session_idle_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("term", "data_endpoint", "param_bytes", "load_ms")
