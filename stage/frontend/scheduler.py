@@ -73,6 +73,12 @@ class PipelineScheduler:
             ("stage",),
             buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
         )
+        self._m_stage_queue_ms = self.registry.histogram(
+            "mesh_stage_queue_ms",
+            "Time a frame waited on each stage before its compute started, in ms.",
+            ("stage",),
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+        )
         self._m_round_ms = self.registry.histogram(
             "mesh_pipeline_round_ms",
             "Time from sending a frame to receiving its answer, in ms, by the kind of its "
@@ -235,6 +241,7 @@ class PipelineScheduler:
             self._m_round_ms.labels(label).observe((time.perf_counter() - sent.sent_at) * 1000.0)
             for timing in result.timings:
                 self._m_stage_ms.labels(str(timing.stage_index)).observe(timing.compute_ms)
+                self._m_stage_queue_ms.labels(str(timing.stage_index)).observe(timing.queue_ms)
         self._dispatch(self.core.on_result(result))
         self._pump()
 

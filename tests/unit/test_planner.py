@@ -113,6 +113,17 @@ def test_head_is_budgeted_on_the_last_stage() -> None:
     assert plan.stages[1].planned_bytes == 7 * GIB
 
 
+def test_the_head_counts_as_layers_of_work_when_memory_is_not_stated() -> None:
+    fp = footprint(10, layer_bytes=GIB, head_bytes=4 * GIB)
+    assert counts(plan_layers([node("a", 0), node("b", 0)], fp)) == [7, 3]
+    assert counts(plan_layers([node("a", 0), node("b", 0), node("c", 0)], fp)) == [5, 4, 1]
+    # Without a head, equal nodes share evenly.
+    assert counts(plan_layers([node("a", 0), node("b", 0)], footprint(10, layer_bytes=GIB))) == [
+        5,
+        5,
+    ]
+
+
 def test_frontend_node_is_stage_zero() -> None:
     plan = plan_layers([node("w1", 8), node("head", 8, frontend=True), node("w2", 8)], footprint())
     assert [s.node_id for s in plan.stages] == ["head", "w1", "w2"]
