@@ -21,7 +21,6 @@ carries on; past the recovery deadline it fails. Any other error fails the reque
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,9 +55,6 @@ class EngineLimits:
     prefill_chunk_tokens: int = 512
     round_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
-    # Frames in the pipe at once beyond one per stage (the hops' latency is hidden
-    # when a frame is ready to start on each stage as the previous one leaves it).
-    extra_frames: int = int(os.environ.get("MESH_EXTRA_FRAMES", "0"))
 
 
 @dataclass(frozen=True)
@@ -253,7 +249,7 @@ class EngineCore:
         """Pack the next step, or None when there is nothing to send (or the pipe is
         full)."""
         info = self.info
-        if info is None or len(self.frames) >= max(1, info.stage_count + self.limits.extra_frames):
+        if info is None or len(self.frames) >= max(1, info.stage_count):
             return None
         segments: list[Segment] = list(self._ends)
         self._ends.clear()
