@@ -95,9 +95,8 @@ class DenseLinear:
 
 class PackedLinear:
     """A dense weight reordered once into oneDNN's blocked layout (CPU), multiplied
-    with oneDNN's linear kernel: on a 2-core AVX-512 VM about 2x the one-row matmul
-    speed of ``F.linear`` in float32 and 1.7x in bfloat16, and 2.4x for float32
-    prefill (measured over 30 distinct 3072x576 weights)."""
+    with oneDNN's linear kernel: on a 2-core AVX-512 VM about 1.7x the one-row speed of
+    ``F.linear`` in bfloat16; ``_prefers_packed`` says where it is used."""
 
     __slots__ = ("weight", "bias", "nbytes")
 
@@ -124,11 +123,14 @@ def unpacked(linear: Linear) -> Linear:
 
 
 def packed(linear: Linear) -> Linear:
-    """``linear`` as a ``PackedLinear`` if it is a ``DenseLinear`` oneDNN can take."""
+    """``linear`` as a ``PackedLinear`` if it is a ``DenseLinear`` that ``build_linear``
+    would have packed."""
     if not isinstance(linear, DenseLinear):
         return linear
     weight = linear.weight
-    if not _packable(weight.device, weight.dtype):
+    if not _packable(weight.device, weight.dtype) or not _prefers_packed(
+        weight.shape[0], weight.shape[1], weight.dtype
+    ):
         return linear
     try:
         return PackedLinear(weight.contiguous(), linear.bias)
@@ -345,7 +347,7 @@ def dense_weight(weight: torch.Tensor, device: torch.device, dtype: torch.dtype)
     return weight.contiguous()
 
 
-def _prefers_packed(spec: LinearSpec, dtype: torch.dtype) -> bool:
+def _prefers_packed(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed layout beats a plain matmul for this weight on CPU.
 
     Measured on a 2-core AVX-512 VM, 1 thread (SmolLM2's shapes): in bfloat16 the
@@ -358,14 +360,14 @@ def _prefers_packed(spec: LinearSpec, dtype: torch.dtype) -> bool:
     """
     if dtype == torch.bfloat16:
         return True
-    return spec.out_features >= 8 * spec.in_features
+    return out_features >= 8 * in_features
 
 
 def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> Linear:
     """The callable for ``spec`` on ``device``; dense weights are cast to ``dtype``."""
     if spec.kind == "dense":
         bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
-        if _packable(device, dtype) and _prefers_packed(spec, dtype):
+        if _packable(device, dtype) and _prefers_packed(spec.out_features, spec.in_features, dtype):
             try:
                 plain = spec.weight.to(device=device, dtype=dtype).contiguous()  # type: ignore[union-attr]
                 return PackedLinear(plain, bias)
