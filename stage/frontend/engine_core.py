@@ -37,6 +37,7 @@ from mesh.speculative import RoundContext, plan_window
 from stage.frontend.backend import GenerationRequest, TokenEvent
 from stage.frontend.expectation import Expected, stale_reason
 from stage.frontend.request_run import RequestRun
+from stage.frontend.step_cost import StepCostFit, acceptance, paying_window, row_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class SentFrame:
     frame_id: int
     term: int
     sent_at: float
+    rows: int
     outstanding: set[str]
     kinds: dict[str, SegmentKind]
 
@@ -131,6 +133,7 @@ class EngineCore:
         self.running: dict[str, Tracked] = {}
         self.waiting: deque[RequestRun] = deque()
         self.frames: dict[int, SentFrame] = {}
+        self.step_cost = StepCostFit()
         self.stale: list[str] = []
         self.recoveries = 0
         self._ends: list[Segment] = []
@@ -258,8 +261,9 @@ class EngineCore:
         budget = info.step_tokens or self.limits.step_tokens
         ready = [t for t in self.running.values() if self._decodes(t)]
         share = self._draft_share(len(ready), budget)
+        threshold = row_threshold(self.step_cost.model(), len(ready))
         for tracked in ready:
-            segment = self._decode_segment(tracked, info.term, share, now)
+            segment = self._decode_segment(tracked, info.term, share, threshold, now)
             segments.append(segment)
             rows += segment.token_count
         for tracked in self.running.values():
@@ -281,6 +285,7 @@ class EngineCore:
             frame_id=frame_id,
             term=info.term,
             sent_at=now,
+            rows=sum(s.token_count for s in segments),
             outstanding={s.session_id for s in segments},
             kinds={s.session_id: s.kind for s in segments},
         )
@@ -298,8 +303,13 @@ class EngineCore:
         budget = min(self.limits.draft_tokens, max(0, step_tokens - ready))
         return budget // ready
 
-    def _decode_segment(self, tracked: Tracked, term: int, share: int, now: float) -> Segment:
+    def _decode_segment(
+        self, tracked: Tracked, term: int, share: int, threshold: float, now: float
+    ) -> Segment:
         run = tracked.run
+        if run.telemetry is not None:
+            alpha = acceptance(run.telemetry.drafted, run.telemetry.accepted)
+            share = paying_window(alpha, threshold, share)
         drafts, draft_s = self._propose(run, share)
         session = run.request.request_id
         segment = Segment(
@@ -354,6 +364,11 @@ class EngineCore:
     def on_result(self, result: FrameResult) -> list[Outcome]:
         """Apply the answers of one frame (or the failures of some of its segments)."""
         sent = self.frames.get(result.frame_id)
+        if sent is not None and result.timings and sent.term == result.term:
+            # The last stage's answer: the cost of a frame of decode and verify rows on
+            # its slowest stage (prompt chunks run in another regime of the kernels).
+            if all(k in (SegmentKind.DECODE, SegmentKind.VERIFY) for k in sent.kinds.values()):
+                self.step_cost.observe(sent.rows, max(t.compute_ms for t in result.timings))
         outcomes: list[Outcome] = []
         for answer in result.results:
             if sent is not None:

@@ -86,6 +86,12 @@ class PipelineScheduler:
             ("kind",),
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
         )
+        self._m_step_cost = self.registry.gauge(
+            "mesh_step_cost_ms",
+            "The fitted cost of a decode step on the slowest stage: fixed (per frame) and "
+            "per_row (per token row); speculation windows are sized from it.",
+            ("part",),
+        )
         self._m_recoveries = self.registry.gauge(
             "mesh_request_recoveries_total", "Requests resumed on a reloaded pipeline."
         )
@@ -122,6 +128,10 @@ class PipelineScheduler:
         self._m_sessions.set(len(self.core.running))
         self._m_queued.set(self.core.queued)
         self._m_recoveries.set(self.core.recoveries)
+        model = self.core.step_cost.model()
+        if model is not None:
+            self._m_step_cost.labels("fixed").set(model[0])
+            self._m_step_cost.labels("per_row").set(model[1])
         for strategy, totals in self.telemetry_totals.items():
             for key, value in (
                 ("drafted", totals.drafted),
