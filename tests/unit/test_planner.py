@@ -114,7 +114,7 @@ def test_head_is_budgeted_on_the_last_stage() -> None:
 
 
 def test_the_head_counts_as_layers_of_work_when_memory_is_not_stated() -> None:
-    fp = footprint(10, layer_bytes=GIB, head_bytes=4 * GIB)
+    fp = footprint(10, layer_bytes=GIB, head_bytes=8 * GIB)  # 4 layers of work
     assert counts(plan_layers([node("a", 0), node("b", 0)], fp)) == [7, 3]
     assert counts(plan_layers([node("a", 0), node("b", 0), node("c", 0)], fp)) == [5, 4, 1]
     # Without a head, equal nodes share evenly.
