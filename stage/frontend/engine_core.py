@@ -261,7 +261,9 @@ class EngineCore:
         budget = info.step_tokens or self.limits.step_tokens
         ready = [t for t in self.running.values() if self._decodes(t)]
         share = self._draft_share(len(ready), budget)
-        threshold = row_threshold(self.step_cost.model(), len(ready))
+        # Alone, a request's own window policy weighs its drafts against its round
+        # time; the step rule is about what its drafts cost the others in the step.
+        threshold = row_threshold(self.step_cost.model(), len(ready)) if len(ready) > 1 else 0.0
         for tracked in ready:
             segment = self._decode_segment(tracked, info.term, share, threshold, now)
             segments.append(segment)

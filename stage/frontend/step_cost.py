@@ -10,7 +10,9 @@ token). The row raises the step's tokens per second only when
 mostly fixed (a GEMV reads every weight once) almost any acceptance pays; with many
 requests in a step whose kernels grow with rows, only drafts that are nearly sure
 do. So the window a request may send is the largest ``k`` whose last row still
-pays.
+pays. The engine core applies it when two or more requests decode in a step; a
+request alone is left to its own window policy, which weighs its drafts against its
+measured round time.
 """
 
 from __future__ import annotations

@@ -204,14 +204,19 @@ def test_plain_dense_weights_take_the_layout_their_matmul_reads_fastest(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7])
-def test_dense_linears_run_packed_for_onednn_on_cpu(dtype: torch.dtype, rows: int) -> None:
-    from mesh.runtime.linear import PackedLinear, distinct_bytes
+def test_dense_linears_on_cpu(dtype: torch.dtype, rows: int) -> None:
+    """bfloat16 runs packed for oneDNN; float32 decoder-shaped weights multiply the
+    [K, N] layout (faster at one row and with several, linear._prefers_packed)."""
+    from mesh.runtime.linear import DenseLinear, PackedLinear, distinct_bytes
 
     weight = random_weight(48, 32)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(2))
     spec = LinearSpec(48, 32, weight=weight, bias=bias)
     linear = build_linear(spec, torch.device("cpu"), dtype)
-    assert isinstance(linear, PackedLinear) == torch.backends.mkldnn.is_available()
+    if dtype == torch.bfloat16:
+        assert isinstance(linear, PackedLinear) == torch.backends.mkldnn.is_available()
+    else:
+        assert isinstance(linear, DenseLinear) and linear.weight.stride() == (1, 48)
     inputs = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
     want = F.linear(inputs.float(), weight.to(dtype).float(), bias.to(dtype).float())
     got = linear(inputs)
@@ -219,6 +224,15 @@ def test_dense_linears_run_packed_for_onednn_on_cpu(dtype: torch.dtype, rows: in
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
     element = torch.empty((), dtype=dtype).element_size()
     assert distinct_bytes(linear.tensors()) == (48 * 32 + 48) * element
+
+
+def test_a_wide_float32_head_runs_packed() -> None:
+    from mesh.runtime.linear import PackedLinear
+
+    linear = build_linear(
+        LinearSpec(512, 32, weight=random_weight(512, 32)), torch.device("cpu"), torch.float32
+    )
+    assert isinstance(linear, PackedLinear) == torch.backends.mkldnn.is_available()
 
 
 def test_dense_linears_fall_back_to_f_linear_without_onednn(
@@ -234,8 +248,11 @@ def test_dense_linears_fall_back_to_f_linear_without_onednn(
     monkeypatch.setattr(linear_module.PackedLinear, "__init__", missing)
     weight = random_weight(48, 32)
     with caplog.at_level(logging.WARNING):
-        linear = build_linear(LinearSpec(48, 32, weight=weight), torch.device("cpu"), torch.float32)
+        linear = build_linear(
+            LinearSpec(48, 32, weight=weight), torch.device("cpu"), torch.bfloat16
+        )
     assert isinstance(linear, linear_module.DenseLinear)
-    assert "oneDNN cannot take a torch.float32 weight" in caplog.text
-    inputs = torch.randn(2, 32, generator=torch.Generator().manual_seed(3))
-    assert torch.allclose(linear(inputs), F.linear(inputs, weight), atol=1e-5)
+    assert "oneDNN cannot take a torch.bfloat16 weight" in caplog.text
+    inputs = torch.randn(2, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = F.linear(inputs.float(), weight.to(torch.bfloat16).float())
+    assert torch.allclose(linear(inputs).float(), want, rtol=2e-2, atol=2e-2)
