@@ -84,6 +84,19 @@ def violations(root: Path, under: str, forbidden: tuple[str, ...]) -> list[str]:
     return found
 
 
+def run_fresh(script: str) -> None:
+    """Run ``script`` in a fresh interpreter at the repository root; it must succeed."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 def test_every_python_file_parses() -> None:
     files = python_files(ROOT)
     assert any(p.relative_to(ROOT).parts[0] == "mesh" for p in files)
@@ -118,15 +131,7 @@ def test_compute_modules_load_without_the_network_stack() -> None:
         assert not loaded, "compute modules pulled in: " + ", ".join(loaded)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_fresh(script)
 
 
 def test_scanner_catches_violations(tmp_path: Path) -> None:
@@ -188,12 +193,4 @@ def test_data_plane_modules_load_without_protobuf() -> None:
         assert not loaded, "the data plane pulled in: " + ", ".join(loaded)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_fresh(script)
