@@ -3,7 +3,8 @@
 from mesh.runtime.loading import build_stage_runtime, load_stage_runtime
 from mesh.runtime.sessions import KVLayout, SessionCache, SessionTable
 from mesh.runtime.skeleton import StageModules, build_stage_modules, load_config
-from mesh.runtime.stage import BatchOutput, Span, StageRuntime
+from mesh.runtime.spans import BatchOutput, Span
+from mesh.runtime.stage import StageRuntime
 from mesh.runtime.weights import PackageWeights, StateDictWeights, WeightSource
 
 __all__ = [

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from mesh.errors import (
     CapacityExceeded,
@@ -34,90 +33,20 @@ from mesh.errors import (
 )
 from mesh.frames import Frame, FrameResult, Segment, SegmentKind, SegmentResult
 from mesh.speculative import RoundContext, plan_window
-from stage.frontend.backend import GenerationRequest, TokenEvent
+from stage.frontend.backend import GenerationRequest
+from stage.frontend.engine_types import (
+    EngineLimits,
+    InFlight,
+    Outcome,
+    PipelineInfo,
+    SentFrame,
+    Tracked,
+)
 from stage.frontend.expectation import Expected, stale_reason
 from stage.frontend.request_run import RequestRun
 from stage.frontend.step_cost import StepCostFit, acceptance, paying_window, row_threshold
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """``step_tokens``: rows one frame may hold (decode and verify rows first, prefill
-    chunks in what is left); ``draft_tokens``: draft rows one step may hold, shared
-    among the requests that speculate in it; ``prefill_chunk_tokens``: the longest
-    prompt chunk of one request in one step."""
-
-    max_sessions: int = 16
-    max_queued: int = 32
-    step_tokens: int = 512
-    draft_tokens: int = 64
-    prefill_chunk_tokens: int = 512
-    round_timeout_s: float = 120.0
-    recovery_timeout_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class PipelineInfo:
-    """What stage 0 learns of the loaded pipeline, once per load."""
-
-    term: int
-    stage_count: int
-    model_id: str = ""
-    context_length: int = 0
-    # The step token budget the coordinator set (0: the engine's own).
-    step_tokens: int = 0
-
-
-@dataclass
-class InFlight:
-    """The segment of a request waiting for its answer."""
-
-    segment: Segment
-    expected: Expected
-    frame_id: int
-    sent_at: float
-    drafts: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-
-
-@dataclass
-class Tracked:
-    """A running request as the core sees it."""
-
-    run: RequestRun
-    # Of ``run.tokens``, how many the pipeline's KV holds or has been sent as prefill.
-    prefilled: int = 0
-    # Reading its prompt (or re-reading everything after a recovery).
-    prefilling: bool = True
-    in_flight: InFlight | None = None
-    # Set while waiting for a pipeline newer than ``failed_term``.
-    recover_by: float | None = None
-    failed_term: int = 0
-    # The answer of the lost step comes from the re-prefill (``resumed``): its
-    # drafts, if it was a verify window.
-    lost: InFlight | None = None
-    resumed: bool = False
-
-
-@dataclass
-class SentFrame:
-    frame_id: int
-    term: int
-    sent_at: float
-    rows: int
-    outstanding: set[str]
-    kinds: dict[str, SegmentKind]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """Something for one request's consumer: an event, or the error that ends it."""
-
-    request_id: str
-    event: TokenEvent | None = None
-    error: MeshError | None = None
 
 
 class EngineCore:

@@ -16,7 +16,7 @@ from typing import Any
 
 from mesh.netaddr import is_wildcard, url_host
 from stage.frontend.app import create_app, serve_app, stop_server
-from stage.frontend.engine_core import EngineLimits
+from stage.frontend.engine_types import EngineLimits
 from stage.frontend.scheduler import PipelineScheduler
 from stage.node import LoadedStage, StageNode
 

@@ -23,7 +23,8 @@ from mesh.metrics import Registry
 from mesh.package.manifest import PackageManifest
 from mesh.speculative import DrafterFactory, Telemetry
 from stage.frontend.backend import GenerationRequest, TokenEvent
-from stage.frontend.engine_core import EngineCore, EngineLimits, Outcome, PipelineInfo
+from stage.frontend.engine_core import EngineCore
+from stage.frontend.engine_types import EngineLimits, Outcome, PipelineInfo
 from stage.frontend.request_run import RequestRun
 from stage.node import LoadedStage, StageNode
 

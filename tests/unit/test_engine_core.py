@@ -14,7 +14,8 @@ from mesh.errors import CapacityExceeded, Unavailable
 from mesh.frames import ErrorInfo, Frame, FrameResult, SegmentKind, SegmentResult
 from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
-from stage.frontend.engine_core import EngineCore, EngineLimits, PipelineInfo
+from stage.frontend.engine_core import EngineCore
+from stage.frontend.engine_types import EngineLimits, PipelineInfo
 
 VOCAB = 97
 

@@ -165,7 +165,12 @@ def test_scanner_catches_violations(tmp_path: Path) -> None:
 
 # The data plane's values and the code that decides over them never touch protobuf:
 # only the codec (mesh/codec*.py), the servicers and the links do.
-PROTO_FREE = ("mesh.frames", "stage.engine", "stage.frontend.engine_core")
+PROTO_FREE = (
+    "mesh.frames",
+    "stage.engine",
+    "stage.frontend.engine_core",
+    "stage.frontend.engine_types",
+)
 WIRE = ("google", "grpc", "mesh.proto", "mesh.codec", "mesh.codec_data", "mesh.codec_tensor")
 
 
