@@ -42,6 +42,12 @@ CUDA_INNER_K_TILES = 8
 # Rows on either side of the threshold are computed by different kernels, so a row's
 # result can change in the last bfloat16 bit with the number of rows in the call.
 GEMM_ROWS = 64
+# Off by default: with the GEMM path a row's result depends on how many rows share
+# its call, so an int4 / int8 answer would change with the load and after a failover
+# re-prefill (measured: 32 of 80 chaos streams differed from their no-fault output
+# on the int4 package with it on, none with float32). `mesh-stage join
+# --quantised-gemm` turns it on for faster long prefills.
+QUANTISED_GEMM = False
 # Outputs dequantised at once: a float32 tile of about 1 MiB stays in cache (whole
 # weights dequantised at once run 2-3x slower per element once they do not).
 GEMM_TILE_BYTES = 1 << 20
@@ -188,7 +194,7 @@ class Int4Linear:
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         if flat.dtype != INT4_ACTIVATION_DTYPE:
             flat = flat.to(INT4_ACTIVATION_DTYPE)
-        if self._block and flat.shape[0] >= GEMM_ROWS:
+        if QUANTISED_GEMM and self._block and flat.shape[0] >= GEMM_ROWS:
             out = self.gemm(flat)
         else:
             out = self._mm(flat, self.packed, self.group, self.scales_zeros)
@@ -296,7 +302,7 @@ class Int8Linear:
         """``inputs`` ``[T, in_features]`` (the runtime's layout) or any ``[..., in]``."""
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-        if self._gemm and flat.shape[0] >= GEMM_ROWS:
+        if QUANTISED_GEMM and self._gemm and flat.shape[0] >= GEMM_ROWS:
             out = self.gemm(flat, scales)
         elif self._kernel:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)

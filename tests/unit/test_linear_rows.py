@@ -25,6 +25,13 @@ OUT, IN, GROUP = 128, 64, 32
 EPS = torch.finfo(torch.bfloat16).eps
 
 
+@pytest.fixture(autouse=True)
+def quantised_gemm_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests exercise the many-row path, which serving turns on with
+    ``mesh-stage join --quantised-gemm``."""
+    monkeypatch.setattr(linear_module, "QUANTISED_GEMM", True)
+
+
 def weight(rows: int = OUT, cols: int = IN, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
 
@@ -157,3 +164,17 @@ def test_three_dimensional_inputs_take_the_path_of_their_row_count(kind: str) ->
     x = activations(2 * threshold).to(torch.bfloat16)
     flat = linear(x)
     assert torch.equal(linear(x.reshape(2, threshold, IN)), flat.reshape(2, threshold, OUT))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_by_default_every_row_count_runs_the_kernel(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(linear_module, "QUANTISED_GEMM", False)
+    linear = int4_linear(bias=True) if kind == "int4" else int8_linear(bias=True)
+    calls: list[int] = []
+    monkeypatch.setattr(type(linear), "gemm", lambda self, *a: calls.append(1))
+    x = activations(3 * GEMM_ROWS).to(torch.bfloat16)
+    assert linear(x).shape == (3 * GEMM_ROWS, OUT) and calls == []
+    # Each row is what it is alone: the kernel is batch-invariant.
+    assert torch.equal(linear(x)[:1], linear(x[:1]))
