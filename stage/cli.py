@@ -83,7 +83,16 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU int4/int8 linears of 64+ rows (long prefill chunks) dequantise and "
         "run a float32 GEMM: 1.25-2x faster there, but a row's result then depends on "
-        "the rows beside it, so answers may change with load",
+        "the rows beside it, so answers may change with load (implies "
+        "--no-row-invariant)",
+    )
+    join.add_argument(
+        "--row-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute every token's row the same way whether it runs alone, in a verify "
+        "window or in a batch, so answers never change with load or speculation "
+        "(CPU; on by default; --no-row-invariant takes torch's SDPA and untiled GEMMs)",
     )
     join.add_argument(
         "--cuda-graphs",
@@ -110,10 +119,11 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.quantised_gemm:
-        from mesh.runtime import linear
+    from mesh.runtime import invariant, linear
 
+    if args.quantised_gemm:
         linear.QUANTISED_GEMM = True
+    invariant.ENABLED = args.row_invariant and not args.quantised_gemm
     if args.threads > 0:
         import torch
 

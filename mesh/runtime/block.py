@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh.errors import UnsupportedArchitecture
+from mesh.runtime import invariant
 from mesh.runtime.linear import Linear, packed, unpacked
 from mesh.runtime.sessions import SessionCache
 
@@ -228,13 +229,16 @@ def run_block(
 @dataclass(frozen=True)
 class SegmentRows:
     """One session's rows in a batched frame: ``count`` rows from ``row`` at positions
-    ``at ..``, attending over its own cache with its own masks (full, sliding)."""
+    ``at ..``, attending over its own cache with its own masks (full, sliding; SDPA)
+    or, under row-invariant arithmetic, over its positions with the model's sliding
+    ``window`` on sliding layers (mesh/runtime/invariant.py)."""
 
     cache: SessionCache
     row: int
     at: int
     count: int
     masks: tuple[torch.Tensor | None, torch.Tensor | None]
+    window: int | None = None
 
 
 def run_block_segments(
@@ -249,20 +253,26 @@ def run_block_segments(
     to its own positions only. ``cos``/``sin`` hold one row per token."""
     qkv, query_key = _project(block, hidden, cos, sin)
     dim = block.head_dim
+    fixed_order = invariant.applies(hidden.device)
     attended = []
     for part in segments:
         rows = slice(part.row, part.row + part.count)
         kv = part.cache.layer(block.layer_index)
         new_kv = qkv[rows, block.q_width :].view(part.count, 2, 1, -1, dim).permute(1, 2, 3, 0, 4)
         kv.narrow(3, part.at, part.count).copy_(new_kv)
+        query = query_key[rows, : block.heads]
+        if fixed_order:
+            window = part.window if block.sliding else None
+            attended.append(
+                invariant.attention(
+                    query, kv[0, 0], kv[1, 0], part.at, block.scaling, block.groups, window
+                )
+            )
+            continue
         held = kv.narrow(3, 0, part.at + part.count)
         mask = part.masks[1] if block.sliding else part.masks[0]
-        attended.append(
-            attention(
-                query_key[rows, : block.heads], held[0], held[1], mask, block.scaling, block.groups
-            )
-        )
-    return _finish(block, hidden, torch.cat(attended))
+        attended.append(attention(query, held[0], held[1], mask, block.scaling, block.groups))
+    return _finish(block, hidden, attended[0] if len(attended) == 1 else torch.cat(attended))
 
 
 def _project(

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh import quant
+from mesh.runtime import invariant
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ GEMM_ROWS = 64
 # Off by default: with the GEMM path a row's result depends on how many rows share
 # its call, so an int4 / int8 answer would change with the load and after a failover
 # re-prefill (measured: 32 of 80 chaos streams differed from their no-fault output
-# on the int4 package with it on, none with float32). `mesh-stage join
-# --quantised-gemm` turns it on for faster long prefills.
+# on the int4 package with it on). `mesh-stage join --quantised-gemm` turns it on
+# for faster long prefills, and row-invariant arithmetic off (mesh/runtime/invariant.py).
 QUANTISED_GEMM = False
 # Outputs dequantised at once: a float32 tile of about 1 MiB stays in cache (whole
 # weights dequantised at once run 2-3x slower per element once they do not).
@@ -93,6 +94,11 @@ class DenseLinear:
         self.bias = bias
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.dim() == 2 and invariant.applies(inputs.device):
+            return invariant.rows(self._linear, inputs)
+        return F.linear(inputs, self.weight, self.bias)
+
+    def _linear(self, inputs: torch.Tensor) -> torch.Tensor:
         return F.linear(inputs, self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -114,6 +120,11 @@ class PackedLinear:
         self(torch.zeros(1, weight.shape[1], dtype=weight.dtype))
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.dim() == 2 and invariant.applies(inputs.device):
+            return invariant.rows(self._linear, inputs)
+        return self._linear(inputs)
+
+    def _linear(self, inputs: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(inputs, self.weight, self.bias, "none", [], "")
 
     def tensors(self) -> list[torch.Tensor]:

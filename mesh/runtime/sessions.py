@@ -18,6 +18,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mesh.errors import CapacityExceeded, InvalidRequest, NotFound
+from mesh.runtime.invariant import KEY_BLOCK
 from mesh.types import LayerRange, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,10 @@ class SessionTable:
             return current
         wanted = max(tokens, 2 * current)
         rounded = -(-wanted // CAPACITY_STEP_TOKENS) * CAPACITY_STEP_TOKENS
-        return max(tokens, min(rounded, self.max_tokens_per_session))
+        # Whole key blocks up to the limit: row-invariant attention reads a query's
+        # keys up to its position rounded up to a block (mesh/runtime/invariant.py).
+        limit = -(-self.max_tokens_per_session // KEY_BLOCK) * KEY_BLOCK
+        return max(tokens, min(rounded, limit))
 
     def drop(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

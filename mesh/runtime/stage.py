@@ -273,7 +273,9 @@ class StageRuntime:
         for _, span, cache, _ in opened:
             masks = attention_masks(span.pos_start, span.count, self._sliding_window, self._device)
             cache.begin(span.pos_start)
-            parts.append(SegmentRows(cache, row, span.pos_start, span.count, masks))
+            parts.append(
+                SegmentRows(cache, row, span.pos_start, span.count, masks, self._sliding_window)
+            )
             row += span.count
         for block in self._blocks:
             hidden = run_block_segments(block, hidden, cos, sin, parts)
@@ -339,8 +341,9 @@ class StageRuntime:
         masks = attention_masks(pos_start, count, self._sliding_window, self._device)
         cache.begin(pos_start)
         step = self._compiled if count == 1 else None
+        part = SegmentRows(cache, 0, pos_start, count, masks, self._sliding_window)
         try:
-            hidden = self._run_layers(hidden, cos, sin, cache, masks, step)
+            hidden = self._run_layers(hidden, cos, sin, part, step)
         except Exception as error:  # noqa: BLE001 - any compiler failure falls back to eager
             if step is None:
                 raise
@@ -348,7 +351,7 @@ class StageRuntime:
             self._compiled = None
             for block in self._blocks:
                 block.pack()
-            hidden = self._run_layers(hidden, cos, sin, cache, masks, None)
+            hidden = self._run_layers(hidden, cos, sin, part, None)
         cache.commit(pos_start + count)
         if not self._is_last:
             return hidden
@@ -508,14 +511,19 @@ class StageRuntime:
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: SessionCache,
-        masks: tuple[torch.Tensor | None, torch.Tensor | None],
+        part: SegmentRows,
         step: Callable[..., torch.Tensor] | None,
     ) -> torch.Tensor:
-        full_mask, sliding_mask = masks
+        """The owned layers over one session's rows: eagerly as a one-segment batch,
+        or through ``step`` (a compiled ``run_block``)."""
+        if step is None:
+            for block in self._blocks:
+                hidden = run_block_segments(block, hidden, cos, sin, [part])
+            return hidden
+        full_mask, sliding_mask = part.masks
         for block in self._blocks:
             mask = sliding_mask if block.sliding else full_mask
-            hidden = block.forward(hidden, cos, sin, cache, mask, step)
+            hidden = block.forward(hidden, cos, sin, part.cache, mask, step)
         return hidden
 
 
