@@ -18,24 +18,23 @@ order whatever the other rows are. On CPU that holds here by construction:
   ``tests/unit/test_row_invariance.py`` for SmolLM2's shapes, 1 and 2 threads).
 - **Attention** (``attention``). A query at position ``p`` always attends over the
   keys ``0 .. pad(p)``, ``pad`` rounding ``p + 1`` up to a multiple of ``KEY_BLOCK``
-  (the positions past ``p`` are masked; the cache holds finite numbers there), in
-  float32. Rows of one segment whose padded range differs run in separate groups.
-  Scores come from a batched matmul whose every entry is one query row's heads
-  against the keys (one entry shape whatever the row count); the softmax runs per
-  row over that fixed length; the value sum runs over chunks of ``VALUE_CHUNK``
-  keys added in order (a single long product is split across threads by the BLAS,
-  which changes its order with the thread count).
+  (positions past ``p`` masked; the cache holds finite numbers there). Each query
+  row is its own batch entry of torch's SDPA kernel, with the same entry shape as a
+  decode step (its heads sharing a key/value head are the entry's rows); rows of a
+  verify window or prefill chunk sharing a padded range run as one call over the
+  broadcast keys. The kernel computes every entry alike and splits its work over
+  threads by entry, never inside one, so a row's result is the decode step's.
 - Norms, rotary, activations and residuals are per row already; the embedding is a
   lookup.
 
 What is not covered: the quantised GEMM path (``mesh-stage join --quantised-gemm``,
 a different kernel from 64 rows on, so it turns invariance off), torch.compile'd
-and CUDA-graph decode steps (a different kernel for one row), and CUDA devices,
-whose cuBLAS kernels pick their reduction split by shape: the same structure
-carries there (fixed row tiles, per-row attention entries, fixed key chunks folded
-in order), with kernels that fix their split (no split-K), which is not built yet.
-``ENABLED`` (``mesh-stage join --no-row-invariant`` clears it) selects the previous
-kernels: torch's SDPA and untiled GEMMs.
+and CUDA-graph decode steps (other kernels), and CUDA devices, whose cuBLAS and
+attention kernels pick their reduction split by shape: the same structure carries
+there (fixed row tiles, one attention entry per row over a padded key range,
+kernels with a fixed split and no split-K), which is not built yet. ``ENABLED``
+(``mesh-stage join --no-row-invariant`` clears it) selects the previous kernels:
+one SDPA call per segment and untiled GEMMs.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 ENABLED = True
 # Most rows a float32 / bfloat16 GEMM is called with: every row count 2..64 gives
@@ -52,8 +52,6 @@ ROW_TILE_THREADED = 16
 # A query attends over its position rounded up to a multiple of this (the KV
 # buffers are allocated in multiples of it, mesh/runtime/sessions.py).
 KEY_BLOCK = 64
-# The value sum runs over this many keys per matmul, chunks added in order.
-VALUE_CHUNK = 512
 
 
 def applies(device: torch.device) -> bool:
@@ -102,12 +100,20 @@ def attention(
     """Causal attention of ``query`` ``[T, heads, D]`` (positions ``pos_start ..``)
     over a session's cache ``keys`` / ``values`` ``[kv_heads, capacity, D]`` (its
     rows up to ``pos_start + T`` written), ``window`` limiting how far back a query
-    sees (sliding-window layers). Returns ``[T, heads * D]`` in ``query``'s dtype,
-    each row computed the same way whatever ``T`` and ``pos_start`` are."""
+    sees (sliding-window layers). Returns ``[T, heads * D]``, each row computed the
+    same way whatever ``T`` and ``pos_start`` are.
+
+    Each query row is its own SDPA batch entry: its ``groups`` heads sharing a
+    key/value head are that entry's query rows (the same entry shape as a decode
+    step), over the keys ``first_key .. padded_end`` under a boolean mask. Rows
+    sharing that key range run as one SDPA call, the keys broadcast over the
+    entries; the kernel computes every entry alike."""
     count, heads, dim = query.shape
     kv_heads = keys.shape[0]
-    grouped = query.view(count, kv_heads, groups, dim).to(torch.float32)
-    out = torch.empty(count, kv_heads, groups, dim, dtype=torch.float32, device=query.device)
+    grouped = query.view(count, kv_heads, groups, dim)
+    if count == 1:
+        return _attend(grouped, keys, values, pos_start, scaling, window).reshape(1, -1)
+    out = torch.empty_like(grouped)
     row = 0
     while row < count:
         # Rows sharing the first and the padded last key attend over one range.
@@ -120,21 +126,14 @@ def attention(
             and _first_key(pos_start + last, window) == first_key
         ):
             last += 1
-        out[row:last] = _attend(
-            grouped[row:last],
-            keys[:, first_key:end],
-            values[:, first_key:end],
-            pos_start + row,
-            first_key,
-            scaling,
-            window,
-        )
+        out[row:last] = _attend(grouped[row:last], keys, values, pos_start + row, scaling, window)
         row = last
-    return out.reshape(count, heads * dim).to(query.dtype)
+    return out.reshape(count, heads * dim)
 
 
 def _first_key(position: int, window: int | None) -> int:
-    """The first key block a query at ``position`` can see (0 without a window)."""
+    """The first key a query at ``position`` attends over: 0, or with a window the
+    start of the key block holding the oldest key it sees."""
     if window is None or position < window:
         return 0
     return (position - window + 1) // KEY_BLOCK * KEY_BLOCK
@@ -145,36 +144,23 @@ def _attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     position: int,
-    first_key: int,
     scaling: float,
     window: int | None,
 ) -> torch.Tensor:
-    """``query`` ``[n, kv_heads, groups, D]`` float32 at positions ``position ..``
-    over ``keys`` / ``values`` ``[kv_heads, L, D]`` (key 0 is ``first_key``)."""
-    count, kv_heads, groups, dim = query.shape
-    length = keys.shape[1]
+    """``query`` ``[n, kv_heads, groups, D]`` at positions ``position ..``, rows that
+    share one key range, over the cache ``keys`` / ``values`` ``[kv_heads, C, D]``."""
+    count, kv_heads, _, dim = query.shape
+    first_key, end = _first_key(position, window), padded_end(position)
+    length = end - first_key
+    shape = (count, kv_heads, length, dim)
+    held_keys = keys[None, :, first_key:end].expand(shape)
+    held_values = values[None, :, first_key:end].expand(shape)
+    at = torch.arange(first_key, end, device=query.device)
     queries = torch.arange(position, position + count, device=query.device).unsqueeze(1)
-    at = torch.arange(first_key, first_key + length, device=query.device).unsqueeze(0)
-    hidden = at > queries
+    seen = at <= queries
     if window is not None:
-        hidden |= at <= queries - window
-    hidden = hidden.unsqueeze(1)  # [n, 1, L]: one row's mask for all of its heads
-    keys_t = keys.to(torch.float32).transpose(1, 2)  # [kv_heads, D, L]
-    values = values.to(torch.float32)
-    out = torch.empty_like(query)
-    for head in range(kv_heads):
-        # One batch entry per query row: [groups, D] x [D, L], whatever n is.
-        heads = query[:, head].contiguous()
-        scores = torch.bmm(heads, keys_t[head].expand(count, dim, length))
-        scores.mul_(scaling).masked_fill_(hidden, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        total = None
-        for start in range(0, length, VALUE_CHUNK):
-            stop = min(start + VALUE_CHUNK, length)
-            part = torch.bmm(
-                weights[:, :, start:stop].contiguous(),
-                values[head, start:stop].expand(count, stop - start, dim),
-            )
-            total = part if total is None else total.add_(part)
-        out[:, head] = total
-    return out
+        seen &= at > queries - window
+    mask = seen.view(count, 1, 1, length)
+    return F.scaled_dot_product_attention(
+        query, held_keys, held_values, attn_mask=mask, scale=scaling
+    )
