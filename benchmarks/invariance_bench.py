@@ -86,6 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="price repeats (median)")
     parser.add_argument("--formats", default="float32,bfloat16,int8,int4")
     parser.add_argument("--skip-price", action="store_true")
+    parser.add_argument("--skip-divergence", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true")
     single_stage.add_output_arguments(parser, "invariance")
     args = parser.parse_args(argv)
@@ -299,14 +300,13 @@ def price(package: Path, repeats: int) -> dict[str, dict[str, float]]:
     ids = [random.Random(i).randrange(1000, 40000) for i in range(600)]
     cases: dict[str, dict[str, Callable[[], None]]] = {}
     for mode in ("off", "on"):
-        invariant.ENABLED = mode == "on"
+        invariant.MODE = mode
         runner = Runner(load(package))
         for name, call in price_cases(runner, ids).items():
             cases.setdefault(name, {})[mode] = call
     times: dict[str, dict[str, list[float]]] = {c: {"off": [], "on": []} for c in cases}
     for repeat in range(repeats):
         for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
-            invariant.ENABLED = mode == "on"
             for name, calls in cases.items():
                 call = calls[mode]
                 call()  # warm
@@ -315,7 +315,7 @@ def price(package: Path, repeats: int) -> dict[str, dict[str, float]]:
                 for _ in range(count):
                     call()
                 times[name][mode].append((time.perf_counter() - started) / count)
-    invariant.ENABLED = True
+    invariant.MODE = "auto"
     return {
         name: {
             "off_ms": 1e3 * statistics.median(t["off"]),
@@ -369,12 +369,12 @@ def run_divergence(
 ) -> list[dict[str, Any]]:
     rows = []
     for mode in ("off", "on"):
-        invariant.ENABLED = mode == "on"
+        invariant.MODE = mode
         started = time.perf_counter()
         for scenario, summary in divergence(load(package), prompts, tokens).items():
             rows.append({"package": label, "arithmetic": mode, "scenario": scenario, **summary})
         logger.warning("%s %s: %.0fs", label, mode, time.perf_counter() - started)
-    invariant.ENABLED = True
+    invariant.MODE = "auto"
     return rows
 
 
@@ -424,15 +424,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     rows: list[dict[str, Any]] = []
     prices: dict[str, dict[str, dict[str, float]]] = {}
-    if not args.skip_tiny:
+    if not args.skip_tiny and not args.skip_divergence:
         prompts = tiny_prompts(args.prompts, 200)
         for fmt in args.formats:
             package = tiny_package(workdir, fmt)
             rows += run_divergence(f"tiny {fmt}", package, prompts, args.tokens)
     for fmt in args.formats:
         package = single_stage.ensure_package(workdir, PACKAGE_VARIANTS[fmt])
-        prompts = smollm2_prompts(package, args)
-        rows += run_divergence(f"SmolLM2 {fmt}", package, prompts, args.tokens)
+        if not args.skip_divergence:
+            prompts = smollm2_prompts(package, args)
+            rows += run_divergence(f"SmolLM2 {fmt}", package, prompts, args.tokens)
         if not args.skip_price:
             prices[f"SmolLM2 {fmt}"] = price(package, args.repeats)
     payload = {
@@ -450,8 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "price": prices,
     }
     common.write_json(args.out, payload)
-    common.emit("divergence from each request run alone (teacher-forced; off = previous kernels)")
-    common.emit(divergence_table(rows))
+    if rows:
+        common.emit(
+            "divergence from each request run alone (teacher-forced; off: previous kernels)"
+        )
+        common.emit(divergence_table(rows))
     if prices:
         common.emit("\nprice of row-invariant arithmetic (1 thread, medians)")
         common.emit(price_table(prices))

@@ -84,15 +84,16 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
         help="CPU int4/int8 linears of 64+ rows (long prefill chunks) dequantise and "
         "run a float32 GEMM: 1.25-2x faster there, but a row's result then depends on "
         "the rows beside it, so answers may change with load (implies "
-        "--no-row-invariant)",
+        "--row-invariant off)",
     )
     join.add_argument(
         "--row-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        choices=("auto", "on", "off"),
+        default="auto",
         help="compute every token's row the same way whether it runs alone, in a verify "
-        "window or in a batch, so answers never change with load or speculation "
-        "(CPU; on by default; --no-row-invariant takes torch's SDPA and untiled GEMMs)",
+        "window or in a batch, so answers never change with load or speculation (CPU). "
+        "auto: on for int4/int8 packages (costs them up to ~10%% decode speed), off for "
+        "dense ones (costs float32/bfloat16 10-30%%); off: the previous kernels",
     )
     join.add_argument(
         "--cuda-graphs",
@@ -123,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quantised_gemm:
         linear.QUANTISED_GEMM = True
-    invariant.ENABLED = args.row_invariant and not args.quantised_gemm
+        if args.row_invariant == "on":
+            logger.warning("--quantised-gemm turns row-invariant arithmetic off")
+    invariant.MODE = "off" if args.quantised_gemm else args.row_invariant
     if args.threads > 0:
         import torch
 

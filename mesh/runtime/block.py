@@ -130,6 +130,7 @@ class DecoderBlock:
         "gate_up",
         "down",
         "act",
+        "row_invariant",
     )
 
     def __init__(
@@ -142,6 +143,7 @@ class DecoderBlock:
         o: Linear,
         gate_up: Linear,
         down: Linear,
+        row_invariant: bool = False,
     ) -> None:
         self.layer_index = layer_index
         self.sliding = sliding
@@ -166,6 +168,8 @@ class DecoderBlock:
         self.gate_up = gate_up
         self.down = down
         self.act: Callable[[torch.Tensor], torch.Tensor] = shape.act
+        # Attention as one entry per query row (mesh/runtime/invariant.py).
+        self.row_invariant = row_invariant
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -253,7 +257,7 @@ def run_block_segments(
     to its own positions only. ``cos``/``sin`` hold one row per token."""
     qkv, query_key = _project(block, hidden, cos, sin)
     dim = block.head_dim
-    fixed_order = invariant.applies(hidden.device)
+    fixed_order = block.row_invariant
     attended = []
     for part in segments:
         rows = slice(part.row, part.row + part.count)

@@ -32,9 +32,14 @@ a different kernel from 64 rows on, so it turns invariance off), torch.compile'd
 and CUDA-graph decode steps (other kernels), and CUDA devices, whose cuBLAS and
 attention kernels pick their reduction split by shape: the same structure carries
 there (fixed row tiles, one attention entry per row over a padded key range,
-kernels with a fixed split and no split-K), which is not built yet. ``ENABLED``
-(``mesh-stage join --no-row-invariant`` clears it) selects the previous kernels:
-one SDPA call per segment and untiled GEMMs.
+kernels with a fixed split and no split-K), which is not built yet.
+
+The price (benchmarks/invariance_bench.py, docs/benchmarks.md) is small where the
+linears are quantised (their kernels already take rows one by one) and larger for
+dense weights (a single row runs as two). ``MODE`` (``mesh-stage join
+--row-invariant``) chooses: ``auto`` (the default) turns it on for packages with
+int4 / int8 linears, ``on`` and ``off`` for every package; off means the previous
+kernels (one SDPA call per segment, untiled GEMMs).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-ENABLED = True
+MODES = ("auto", "on", "off")
+MODE = "auto"
 # Most rows a float32 / bfloat16 GEMM is called with: every row count 2..64 gives
 # a row the same result with one thread on the CPU measured, 2..16 with more.
 ROW_TILE = 64
@@ -54,9 +60,12 @@ ROW_TILE_THREADED = 16
 KEY_BLOCK = 64
 
 
-def applies(device: torch.device) -> bool:
-    """Whether row-invariant arithmetic is on for ``device`` (CPU only, see above)."""
-    return ENABLED and device.type == "cpu"
+def chosen(device: torch.device, quantised: bool) -> bool:
+    """Whether a runtime on ``device`` whose decoder linears are ``quantised`` (int4 /
+    int8) computes row-invariantly under ``MODE`` (CPU only, see above)."""
+    if device.type != "cpu" or MODE == "off":
+        return False
+    return MODE == "on" or quantised
 
 
 def row_tile() -> int:

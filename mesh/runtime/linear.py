@@ -87,14 +87,20 @@ def fuse(specs: list[LinearSpec]) -> LinearSpec:
 
 
 class DenseLinear:
-    __slots__ = ("weight", "bias")
+    """``F.linear`` over a plain weight; ``tiled``: every call 2..n rows, so a row's
+    result does not depend on its neighbours (mesh/runtime/invariant.py)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    __slots__ = ("weight", "bias", "tiled")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, tiled: bool = False
+    ) -> None:
         self.weight = weight
         self.bias = bias
+        self.tiled = tiled
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        if inputs.dim() == 2 and invariant.applies(inputs.device):
+        if self.tiled and inputs.dim() == 2:
             return invariant.rows(self._linear, inputs)
         return F.linear(inputs, self.weight, self.bias)
 
@@ -108,19 +114,23 @@ class DenseLinear:
 class PackedLinear:
     """A dense weight reordered once into oneDNN's blocked layout (CPU), multiplied
     with oneDNN's linear kernel: on a 2-core AVX-512 VM about 1.7x the one-row speed of
-    ``F.linear`` in bfloat16; ``_prefers_packed`` says where it is used."""
+    ``F.linear`` in bfloat16; ``_prefers_packed`` says where it is used. ``tiled`` as
+    in ``DenseLinear``."""
 
-    __slots__ = ("weight", "bias", "nbytes")
+    __slots__ = ("weight", "bias", "nbytes", "tiled")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, tiled: bool = False
+    ) -> None:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.bias = bias
+        self.tiled = tiled
         self.nbytes = weight.numel() * weight.element_size()
         # Fail here, not on the first request, where the kernel cannot take it.
         self(torch.zeros(1, weight.shape[1], dtype=weight.dtype))
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        if inputs.dim() == 2 and invariant.applies(inputs.device):
+        if self.tiled and inputs.dim() == 2:
             return invariant.rows(self._linear, inputs)
         return self._linear(inputs)
 
@@ -136,7 +146,7 @@ def unpacked(linear: Linear) -> Linear:
     if not isinstance(linear, PackedLinear):
         return linear
     weight = linear.weight.to_dense()
-    return DenseLinear(dense_weight(weight, weight.device, weight.dtype), linear.bias)
+    return DenseLinear(dense_weight(weight, weight.device, weight.dtype), linear.bias, linear.tiled)
 
 
 def packed(linear: Linear) -> Linear:
@@ -150,7 +160,7 @@ def packed(linear: Linear) -> Linear:
     ):
         return linear
     try:
-        return PackedLinear(weight.contiguous(), linear.bias)
+        return PackedLinear(weight.contiguous(), linear.bias, linear.tiled)
     except ONEDNN_ERRORS:
         return linear
 
@@ -380,17 +390,21 @@ def _prefers_packed(out_features: int, in_features: int, dtype: torch.dtype) -> 
     return out_features >= 8 * in_features
 
 
-def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> Linear:
-    """The callable for ``spec`` on ``device``; dense weights are cast to ``dtype``."""
+def build_linear(
+    spec: LinearSpec, device: torch.device, dtype: torch.dtype, tiled: bool = False
+) -> Linear:
+    """The callable for ``spec`` on ``device``; dense weights are cast to ``dtype`` and
+    with ``tiled`` called in row tiles (mesh/runtime/invariant.py; the quantised
+    kernels take rows one by one already)."""
     if spec.kind == "dense":
         bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
         if _packable(device, dtype) and _prefers_packed(spec.out_features, spec.in_features, dtype):
             try:
                 plain = spec.weight.to(device=device, dtype=dtype).contiguous()  # type: ignore[union-attr]
-                return PackedLinear(plain, bias)
+                return PackedLinear(plain, bias, tiled)
             except ONEDNN_ERRORS as error:
                 logger.warning("oneDNN cannot take a %s weight (%s); using F.linear", dtype, error)
-        return DenseLinear(dense_weight(spec.weight, device, dtype), bias)  # type: ignore[arg-type]
+        return DenseLinear(dense_weight(spec.weight, device, dtype), bias, tiled)  # type: ignore[arg-type]
     if spec.kind == "int8":
         return Int8Linear(spec, device, dtype)
     if spec.kind == "int4":
@@ -413,6 +427,7 @@ def build_linear(spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> 
                 LinearSpec(spec.out_features, spec.in_features, weight=weight, bias=spec.bias),
                 device,
                 dtype,
+                tiled,
             )
     raise ValueError(f"unknown linear kind {spec.kind!r}")
 

@@ -95,18 +95,24 @@ def load_stage_runtime(
         max_tokens_per_session=max_tokens_per_session,
         scheme=manifest.scheme(),
     )
+    if runtime.row_invariant and (compile or cuda_graphs):
+        logger.warning(
+            "compiled and CUDA-graph decode steps use other kernels than batched rows: "
+            "answers may change with load and speculation (see --row-invariant)"
+        )
     if compile:
         runtime.enable_compile()
         runtime.warm_up()
     if cuda_graphs and runtime.enable_cuda_graphs():
         runtime.check_graphs()
     logger.info(
-        "loaded %s layers %s on %s/%s (%s): %s parameter bytes in %.2fs",
+        "loaded %s layers %s on %s/%s (%s, row-invariant %s): %s parameter bytes in %.2fs",
         manifest.model_id,
         layer_range,
         device,
         dtype,
         "plain" if manifest.quantization is None else manifest.quantization["linear"],
+        "on" if runtime.row_invariant else "off",
         runtime.param_bytes,
         time.perf_counter() - started,
     )

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from mesh.errors import InvalidRequest, PackageError, UnsupportedArchitecture
 from mesh.package.manifest import SUPPORTED_ARCHITECTURES
 from mesh.quant import EMBED_GROUP, QuantScheme
+from mesh.runtime import invariant
 from mesh.runtime.block import DecoderBlock, block_shape, check_structure
 from mesh.runtime.layer_weights import ModuleTensors
 from mesh.runtime.linear import (
@@ -103,6 +104,8 @@ class StageModules:
     norm: torch.Tensor | None
     norm_eps: float
     lm_head: Linear | None
+    # Whether every row is computed alike alone or batched (mesh/runtime/invariant.py).
+    row_invariant: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         held: list[torch.Tensor] = []
@@ -146,13 +149,15 @@ def build_stage_modules(
     decoder = skeleton.model
     kind = None if scheme is None else scheme.kind
     group = 0 if scheme is None else scheme.group_size
+    row_invariant = invariant.chosen(device, kind in ("int4", "int8"))
 
     blocks = []
     for index in layer_range:
         layer = decoder.layers[index]
         check_structure(layer, index)
         tensors = ModuleTensors(layer, weights.layer(index), f"decoder layer {index}", kind, group)
-        blocks.append(_build_block(layer, tensors, index, index in sliding_layers, device, dtype))
+        sliding = index in sliding_layers
+        blocks.append(_build_block(layer, tensors, index, sliding, device, dtype, row_invariant))
 
     embed = None
     embed_weight = None
@@ -185,7 +190,7 @@ def build_stage_modules(
         norm = norms.plain("weight").to(device=device, dtype=dtype)
         tied = getattr(config, "tie_word_embeddings", False)
         if embed_weight is not None and tied:
-            lm_head = DenseLinear(embed_weight, None)
+            lm_head = DenseLinear(embed_weight, None, row_invariant)
         else:
             found = ModuleTensors(
                 skeleton.lm_head,
@@ -194,12 +199,18 @@ def build_stage_modules(
                 None if scheme is None else scheme.head,
                 group,
             )
-            lm_head = build_linear(found.linear(""), device, dtype)
+            lm_head = build_linear(found.linear(""), device, dtype, row_invariant)
 
     rotary = type(decoder.rotary_emb)(config=skeleton.config).to(device)
     rotary.eval()
     return StageModules(
-        blocks=blocks, rotary=rotary, embed=embed, norm=norm, norm_eps=norm_eps, lm_head=lm_head
+        blocks=blocks,
+        rotary=rotary,
+        embed=embed,
+        norm=norm,
+        norm_eps=norm_eps,
+        lm_head=lm_head,
+        row_invariant=row_invariant,
     )
 
 
@@ -210,6 +221,7 @@ def _build_block(
     sliding: bool,
     device: torch.device,
     dtype: torch.dtype,
+    row_invariant: bool,
 ) -> DecoderBlock:
     norm_names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     if hasattr(layer.self_attn, "q_norm"):
@@ -222,10 +234,11 @@ def _build_block(
         index,
         sliding,
         norms,
-        qkv=build_linear(fuse(attn), device, dtype),
-        o=build_linear(tensors.linear("self_attn.o_proj"), device, dtype),
-        gate_up=build_linear(fuse(mlp), device, dtype),
-        down=build_linear(tensors.linear("mlp.down_proj"), device, dtype),
+        qkv=build_linear(fuse(attn), device, dtype, row_invariant),
+        o=build_linear(tensors.linear("self_attn.o_proj"), device, dtype, row_invariant),
+        gate_up=build_linear(fuse(mlp), device, dtype, row_invariant),
+        down=build_linear(tensors.linear("mlp.down_proj"), device, dtype, row_invariant),
+        row_invariant=row_invariant,
     )
 
 

@@ -502,6 +502,12 @@ class StageRuntime:
             self.drop_session(session)
 
     @property
+    def row_invariant(self) -> bool:
+        """Whether every row is computed alike alone, in a window or in a batch
+        (mesh/runtime/invariant.py)."""
+        return self._modules.row_invariant
+
+    @property
     def compiled(self) -> bool:
         """True while decode steps run through torch.compile."""
         return self._compiled is not None

@@ -32,7 +32,8 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
 @pytest.fixture(autouse=True)
 def row_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(invariant, "ENABLED", True)
+    """Every runtime loaded here is row-invariant, dense packages included."""
+    monkeypatch.setattr(invariant, "MODE", "on")
 
 
 def linear_of(kind: str, out_features: int, in_features: int) -> tuple[Callable, torch.dtype]:
@@ -40,13 +41,14 @@ def linear_of(kind: str, out_features: int, in_features: int) -> tuple[Callable,
     weight /= in_features**0.5
     if kind == "int4":
         spec = LinearSpec(out_features, in_features, "int4", parts=quant.quantize_int4(weight, 32))
-        return build_linear(spec, CPU, torch.bfloat16), torch.bfloat16
+        return build_linear(spec, CPU, torch.bfloat16, tiled=True), torch.bfloat16
     if kind.startswith("int8"):
         dtype = torch.float32 if kind.endswith("float32") else torch.bfloat16
         spec = LinearSpec(out_features, in_features, "int8", parts=quant.quantize_int8(weight))
-        return build_linear(spec, CPU, dtype), dtype
+        return build_linear(spec, CPU, dtype, tiled=True), dtype
     dtype = getattr(torch, kind)
-    return build_linear(LinearSpec(out_features, in_features, weight=weight), CPU, dtype), dtype
+    spec = LinearSpec(out_features, in_features, weight=weight)
+    return build_linear(spec, CPU, dtype, tiled=True), dtype
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4", "int8-bfloat16", "int8-float32"])
@@ -154,3 +156,28 @@ def test_a_token_gets_the_same_logits_in_any_frame(
             differ = (got != expected).any(dim=-1).nonzero().flatten().tolist()
             assert not differ, (session, start, count, plan, differ, max_diff(got, expected))
             lengths[session] = start + count
+
+
+@pytest.mark.parametrize(
+    ("mode", "fmt", "expected"),
+    [
+        ("auto", "int4", True),
+        ("auto", "int8", True),
+        ("auto", "float32", False),
+        ("auto", "bfloat16", False),
+        ("on", "float32", True),
+        ("off", "int4", False),
+    ],
+)
+def test_the_mode_picks_row_invariance_per_package(
+    tiny_package_factory: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    fmt: str,
+    expected: bool,
+) -> None:
+    """auto: on where the linears are quantised (the cheap case), off for dense ones."""
+    monkeypatch.setattr(invariant, "MODE", mode)
+    stage = load_chain(tiny_package_factory("llama", **FORMATS[fmt]), SPLITS[1])[0]
+    assert stage.row_invariant is expected
+    assert all(block.row_invariant is expected for block in stage._modules.blocks)
