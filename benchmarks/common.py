@@ -106,11 +106,17 @@ class MeshConfig:
     stages: int
     wire_dtype: str = "f32"
     speculation: str = "none"
+    row_invariant: str = "auto"  # mesh-stage join --row-invariant
 
     @property
     def label(self) -> str:
         spec = "" if self.speculation == "none" else f" spec={self.speculation}"
-        return f"{self.stages} stage{'s' if self.stages > 1 else ''} {self.wire_dtype}{spec}"
+        arithmetic = "" if self.row_invariant == "auto" else f" row-invariant={self.row_invariant}"
+        plural = "s" if self.stages > 1 else ""
+        return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}"
+
+    def stage_args(self) -> tuple[str, ...]:
+        return ("--row-invariant", self.row_invariant)
 
     def stage0_args(self) -> tuple[str, ...]:
         """``none`` turns speculation off; ``package`` keeps the served default."""
@@ -201,13 +207,14 @@ def running_meshes(
         for index, config in enumerate(configs):
             mesh = MeshProcesses(
                 package,
-                root / f"mesh{index}-{config.stages}st-{config.wire_dtype}",
+                root / f"mesh{index}-{config.stages}st-{config.wire_dtype}-{config.row_invariant}",
                 config.stages,
                 wire_dtype=config.wire_dtype,
                 threads=threads,
                 max_sessions=max_sessions,
                 max_queued=max_sessions,
                 stage0_args=config.stage0_args(),
+                stage_args=config.stage_args(),
                 coordinator_args=(
                     ("--heartbeat-timeout", str(heartbeat_timeout_s))
                     if heartbeat_timeout_s > 0

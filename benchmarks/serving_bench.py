@@ -220,6 +220,55 @@ def measure(
     return passes
 
 
+def alternate(
+    meshes: list[RunningMesh],
+    workloads: dict[str, list[WorkloadRequest]],
+    concurrencies: list[int],
+    repeats: int,
+    max_tokens: int | None,
+) -> list[dict[str, Any]]:
+    """One repeat of every pass on each mesh in turn (the order shifting by repeat),
+    each pass tagged with its mesh's ``row_invariant`` setting."""
+    passes = []
+    for repeat in range(repeats):
+        for mesh in rotated(meshes, repeat):
+            for result in measure(mesh, workloads, concurrencies, 1, max_tokens):
+                result.update(repeat=repeat, row_invariant=mesh.config.row_invariant)
+                passes.append(result)
+    return passes
+
+
+def price_table(by_mode: dict[str, list[dict[str, Any]]]) -> str:
+    """Aggregate tok/s and median TTFT of each setting against the first one."""
+    modes = list(by_mode)
+    base = {(r["workload"], r["concurrency"]): r for r in by_mode[modes[0]]}
+    headers = ["workload", "streams"]
+    for mode in modes[1:]:
+        headers += [f"tok/s {mode} / {modes[0]}", f"TTFT {mode} / {modes[0]}"]
+    body = []
+    for key, first in base.items():
+        line = [key[0], str(key[1])]
+        for mode in modes[1:]:
+            other = next(
+                (r for r in by_mode[mode] if (r["workload"], r["concurrency"]) == key), None
+            )
+            if other is None:
+                line += ["-", "-"]
+                continue
+            line.append(
+                fmt(
+                    ratio(
+                        other["aggregate_tokens_per_s"]["median"],
+                        first["aggregate_tokens_per_s"]["median"],
+                    ),
+                    3,
+                )
+            )
+            line.append(fmt(ratio(other["ttft_s"]["median"], first["ttft_s"]["median"]), 3))
+        body.append(line)
+    return render_table(headers, body)
+
+
 def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (workload, concurrency): medians over repeats (aggregate) and over every
     request of every repeat (TTFT, per-stream tokens/s), with ratios to 1 stream."""
@@ -370,7 +419,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="none: plain decode; package: the speculation the package declares",
     )
+    parser.add_argument(
+        "--row-invariant",
+        default="auto",
+        help="the stages' --row-invariant; several, comma-separated (e.g. off,on), start "
+        "one mesh each and measure them in alternating repeats (the price in one run)",
+    )
     args = parser.parse_args(argv)
+    args.arithmetic = [m for m in args.row_invariant.split(",") if m]
+    if not args.arithmetic or set(args.arithmetic) - {"auto", "on", "off"}:
+        parser.error("--row-invariant takes auto, on, off (comma-separated)")
     args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     if 1 not in args.concurrencies:
         parser.error("--concurrency must include 1: it is the baseline")
@@ -388,20 +446,31 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"unknown workload(s) {missing}; the file has {sorted(workloads)}")
         workloads = {k: v for k, v in workloads.items() if k in args.workload}
-    config = MeshConfig(args.stages, args.wire_dtype, args.speculation)
+    configs = [
+        MeshConfig(args.stages, args.wire_dtype, args.speculation, mode) for mode in args.arithmetic
+    ]
+    config = configs[0]
     machine = machine_info(args.threads)
     started = time.time()
     with running_meshes(
         package,
-        [config],
+        configs,
         threads=args.threads,
         workdir=args.workdir,
         max_sessions=max(16, max(args.concurrencies)),
         heartbeat_timeout_s=args.heartbeat_timeout,
-    ) as (mesh,):
-        passes = measure(mesh, workloads, args.concurrencies, args.repeats, args.max_tokens)
-        interruptions = list(mesh.interruptions)
-    rows = summarize(passes)
+    ) as meshes:
+        plan = (workloads, args.concurrencies, args.repeats, args.max_tokens)
+        if len(meshes) == 1:
+            passes = measure(meshes[0], *plan)
+        else:
+            passes = alternate(meshes, *plan)
+        interruptions = [i for mesh in meshes for i in mesh.interruptions]
+    by_mode = {
+        mode: summarize([p for p in passes if p.get("row_invariant", mode) == mode])
+        for mode in args.arithmetic
+    }
+    rows = by_mode[args.arithmetic[0]]
     machine["load_average_at_end"] = load_average()
     payload = {
         "benchmark": "serving",
@@ -419,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": round(time.time() - started, 1),
         },
         "summary": rows,
+        "summary_by_row_invariant": by_mode,
         "interruptions": interruptions,
         "passes": passes,
     }
@@ -427,9 +497,15 @@ def main(argv: list[str] | None = None) -> int:
         f"serving benchmark: {manifest.model_id}, {config.label}, "
         f"{args.threads} torch thread(s) per stage"
     )
-    emit(table(rows))
-    emit("")
-    emit(resource_table(rows))
+    for mode, mode_rows in by_mode.items():
+        if len(by_mode) > 1:
+            emit(f"\nrow-invariant {mode}")
+        emit(table(mode_rows))
+        emit("")
+        emit(resource_table(mode_rows))
+    if len(by_mode) > 1:
+        emit("")
+        emit(price_table(by_mode))
     emit(f"\nJSON: {args.out}")
     return 0
 

@@ -220,3 +220,28 @@ def test_the_performance_model_adds_compute_hops_and_wire_time() -> None:
     wire_ms = (2304 + hosts.FRAME_OVERHEAD_BYTES) * 8 / 100e6 * 1000
     assert slow == pytest.approx(1000.0 / (11.0 + wire_ms))
     assert [hosts.hops(n) for n in (1, 2, 3)] == [0, 2, 3]
+
+
+def test_serving_compares_row_invariance_settings_in_one_run():
+    serving = bench("serving_bench")
+    args = serving.parse_args(["--row-invariant", "off,on", "--concurrency", "1,8"])
+    assert args.arithmetic == ["off", "on"]
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--row-invariant", "sometimes"])
+
+    def row(streams: int, tokens_per_s: float, ttft: float) -> dict:
+        return {
+            "workload": "chat",
+            "concurrency": streams,
+            "aggregate_tokens_per_s": {"median": tokens_per_s},
+            "ttft_s": {"median": ttft},
+        }
+
+    text = serving.price_table(
+        {
+            "off": [row(1, 20.0, 0.5), row(8, 80.0, 1.0)],
+            "on": [row(1, 19.0, 0.5), row(8, 72.0, 1.1)],
+        }
+    )
+    assert "tok/s on / off" in text
+    assert "0.950" in text and "0.900" in text and "1.100" in text
