@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="local stages run decode steps through torch.compile",
     )
     up.add_argument(
+        "--row-invariant",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="local stages' row-invariant arithmetic (see mesh-stage join --help)",
+    )
+    up.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="local stages on a CUDA --device replay decode steps as CUDA graphs",
@@ -189,6 +195,8 @@ def local_stage_argv(
         args.device,
         "--max-sessions",
         str(args.max_sessions),
+        "--row-invariant",
+        args.row_invariant,
     ]
     if args.inject_delay_ms:
         command += ["--inject-delay-ms", f"{args.inject_delay_ms:g}"]

@@ -26,3 +26,10 @@ def test_engine_flags_reach_the_local_stages(
     assert stage.device == "cuda:0" and stage.threads == 2 and stage.node_id == "local-1"
     assert stage.compile is compiled and stage.cuda_graphs is graphs
     assert not stage.frontend
+
+
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_row_invariance_reaches_the_local_stages(mode: str) -> None:
+    args = coordinator_parser().parse_args(["up", "--row-invariant", mode])
+    argv = local_stage_argv("127.0.0.1:7070", 0, args, 1, True, MeshSecurity())
+    assert stage_parser().parse_args(argv[3:]).row_invariant == mode
