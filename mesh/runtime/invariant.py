@@ -5,7 +5,8 @@ alone (a decode step), inside a verify window, inside a batch of other sessions'
 rows, or inside a prefill chunk (a failover replay, a prompt cut differently under
 load). Otherwise greedy text changes with the load and with speculation, because
 near-ties flip. Every reduction a row goes through must therefore have the same
-order whatever the other rows are. On CPU that holds here by construction:
+order whatever the other rows are. On CPU it holds as follows (each kernel property
+below is checked by ``tests/unit/test_row_invariance.py``, 1 and 2 threads):
 
 - **Linears.** torch's int4 and int8 weight-only kernels loop over one row at a
   time: already invariant. The float32 / bfloat16 GEMMs (MKL, oneDNN) give every row
@@ -14,8 +15,7 @@ order whatever the other rows are. On CPU that holds here by construction:
   threads MKL splits some shapes differently from 17 rows on (float32, K = 1536).
   ``rows`` therefore never calls them with one row (it adds a copy of that row) and
   never with more than ``row_tile()`` rows (it cuts larger calls into tiles), so
-  every row goes through the same kernel (checked by
-  ``tests/unit/test_row_invariance.py`` for SmolLM2's shapes, 1 and 2 threads).
+  every row goes through the same kernel.
 - **Attention** (``attention``). A query at position ``p`` always attends over the
   keys ``0 .. pad(p)``, ``pad`` rounding ``p + 1`` up to a multiple of ``KEY_BLOCK``
   (positions past ``p`` masked; the cache holds finite numbers there). Each query
@@ -23,7 +23,7 @@ order whatever the other rows are. On CPU that holds here by construction:
   decode step (its heads sharing a key/value head are the entry's rows); rows of a
   verify window or prefill chunk sharing a padded range run as one call over the
   broadcast keys. The kernel computes every entry alike and splits its work over
-  threads by entry, never inside one, so a row's result is the decode step's.
+  threads by entry, not inside one, so a row's result is the decode step's.
 - Norms, rotary, activations and residuals are per row already; the embedding is a
   lookup.
 
