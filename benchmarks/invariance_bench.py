@@ -208,10 +208,12 @@ def divergence(
     wants = [w for _, w in refs]
     results: dict[str, list[dict[str, float]]] = {s: [] for s in SCENARIOS}
     for size in (2, 4, 8, 16):
-        for first in range(0, len(prompts) - size + 1, size):
-            group = slice(first, first + size)
-            got = batched(runner, prompts[group], answers[group])
-            for index, logits in zip(range(first, first + size), got, strict=True):
+        # Every prompt in at least one batch; a batch larger than what is left wraps
+        # round to the first prompts (as separate sessions of their own).
+        for first in range(0, len(prompts), size):
+            group = [(first + i) % len(prompts) for i in range(size)]
+            got = batched(runner, [prompts[i] for i in group], [answers[i] for i in group])
+            for index, logits in zip(group, got, strict=True):
                 results[f"batch-{size}"].append(compare(logits, wants[index], answers[index]))
     for width in (2, 4, 8, 16):
         for prompt, answer, want in zip(prompts, answers, wants, strict=True):

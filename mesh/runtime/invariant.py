@@ -44,6 +44,7 @@ kernels (one SDPA call per segment, untiled GEMMs).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -160,16 +161,34 @@ def _attend(
     share one key range, over the cache ``keys`` / ``values`` ``[kv_heads, C, D]``."""
     count, kv_heads, _, dim = query.shape
     first_key, end = _first_key(position, window), padded_end(position)
-    length = end - first_key
-    shape = (count, kv_heads, length, dim)
-    held_keys = keys[None, :, first_key:end].expand(shape)
-    held_values = values[None, :, first_key:end].expand(shape)
-    at = torch.arange(first_key, end, device=query.device)
-    queries = torch.arange(position, position + count, device=query.device).unsqueeze(1)
-    seen = at <= queries
-    if window is not None:
-        seen &= at > queries - window
-    mask = seen.view(count, 1, 1, length)
+    held_keys = keys[None, :, first_key:end]
+    held_values = values[None, :, first_key:end]
+    if count > 1:
+        shape = (count, kv_heads, end - first_key, dim)
+        held_keys, held_values = held_keys.expand(shape), held_values.expand(shape)
+    mask = _mask(first_key, end, position, count, window, query.dtype, query.device)
     return F.scaled_dot_product_attention(
         query, held_keys, held_values, attn_mask=mask, scale=scaling
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _mask(
+    first_key: int,
+    end: int,
+    position: int,
+    count: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The additive mask ``[count, 1, 1, end - first_key]`` of ``count`` queries from
+    ``position`` (0 where a key is seen, -inf where not). Every layer of a step asks
+    for the same ones, so they are kept; nothing writes to them."""
+    at = torch.arange(first_key, end, device=device)
+    queries = torch.arange(position, position + count, device=device).unsqueeze(1)
+    seen = at <= queries
+    if window is not None:
+        seen &= at > queries - window
+    hidden = torch.zeros(seen.shape, dtype=dtype, device=device)
+    return hidden.masked_fill_(~seen, float("-inf")).view(count, 1, 1, end - first_key)
