@@ -126,32 +126,36 @@ def write_package(
     checkpoint.write_meta(directory)
 
     vocab, hidden = description.vocab_size, description.hidden_size
-    store = WeightStore(checkpoint, scheme, torch_dtype)
-    embed = checkpoint.tensor(layout.embed)
-    _check_shape(layout.embed, embed, (vocab, hidden))
-    _save(directory, EMBED_PATH, store.embedding(EMBED_TENSOR, layout.embed, embed))
-    head: dict[str, torch.Tensor] = {}
-    if description.tied_embeddings:
-        # Written again into the head file: the last stage needs no embed file.
-        head.update(store.linear(HEAD_TENSOR, layout.embed, embed, tied=True, head=True))
-    else:
-        lm_head = checkpoint.tensor(layout.lm_head)
-        _check_shape(HEAD_TENSOR, lm_head, (vocab, hidden))
-        head.update(store.linear(HEAD_TENSOR, layout.lm_head, lm_head, head=True))
-    del embed
-    norm = _convert(checkpoint.tensor(layout.norm), torch_dtype)
-    _check_shape(layout.norm, norm, (hidden,))
-    head[NORM_TENSOR] = norm
-    _save(directory, HEAD_PATH, head)
-    del head, norm
-
-    for index, entries in enumerate(layout.layers):
-        tensors: dict[str, torch.Tensor] = {}
-        for name, source in entries:
-            tensors.update(store.layer_tensor(name, source))
-        _save(directory, layer_path(index), tensors)
-        logger.debug("wrote layer %d/%d", index + 1, description.layer_count)
-        del tensors
+    _check_shape(layout.embed, checkpoint.shape(layout.embed), (vocab, hidden))
+    head_source = layout.embed if description.tied_embeddings else layout.lm_head
+    assert head_source is not None
+    _check_shape(HEAD_TENSOR, checkpoint.shape(head_source), (vocab, hidden))
+    _check_shape(layout.norm, checkpoint.shape(layout.norm), (hidden,))
+    plan = [(EMBED_PATH, [layout.embed]), (HEAD_PATH, [head_source, layout.norm])]
+    plan += [
+        (layer_path(i), [source for _, source in entries])
+        for i, entries in enumerate(layout.layers)
+    ]
+    with BuildProgress(checkpoint, plan) as progress:
+        store = WeightStore(checkpoint, scheme, torch_dtype, progress.read)
+        progress.start(EMBED_PATH)
+        _save(directory, EMBED_PATH, store.embedding(EMBED_TENSOR, layout.embed))
+        progress.start(HEAD_PATH)
+        # A tied head is written again into the head file: the last stage needs no
+        # embed file.
+        head = store.linear(HEAD_TENSOR, head_source, tied=description.tied_embeddings, head=True)
+        head[NORM_TENSOR] = _convert(checkpoint.tensor(layout.norm), torch_dtype)
+        progress.read(layout.norm, checkpoint.nbytes(layout.norm))
+        _save(directory, HEAD_PATH, head)
+        del head
+        for index, entries in enumerate(layout.layers):
+            progress.start(layer_path(index))
+            tensors: dict[str, torch.Tensor] = {}
+            for name, source in entries:
+                tensors.update(store.layer_tensor(name, source))
+            _save(directory, layer_path(index), tensors)
+            logger.debug("wrote layer %d/%d", index + 1, description.layer_count)
+            del tensors
 
     files = _meta_files(directory) + [_describe_file(directory, EMBED_PATH, "embed")]
     files.append(_describe_file(directory, HEAD_PATH, "head"))
@@ -176,12 +180,40 @@ def write_package(
     return manifest
 
 
-def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != expected:
+def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(shape) != expected:
         raise PackageError(
-            f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, but the config implies "
+            f"checkpoint tensor {name} has shape {tuple(shape)}, but the config implies "
             f"{expected}; the config and the weights do not belong together"
         )
+
+
+class BuildProgress:
+    """Progress bars (tqdm, shown on a terminal only): the whole build and the file
+    being written, in bytes of the source read, with rate and ETA."""
+
+    def __init__(self, checkpoint: Checkpoint, plan: list[tuple[str, list[str]]]) -> None:
+        from tqdm import tqdm
+
+        self._sizes = {path: sum(checkpoint.nbytes(s) for s in sources) for path, sources in plan}
+        bar = {"unit": "B", "unit_scale": True, "unit_divisor": 1024, "disable": None}
+        self._total = tqdm(total=sum(self._sizes.values()), desc="package", position=0, **bar)
+        self._file = tqdm(total=0, desc="", position=1, leave=False, **bar)
+
+    def start(self, path: str) -> None:
+        self._file.reset(total=self._sizes.get(path, 0))
+        self._file.set_description(path)
+
+    def read(self, source: str, nbytes: int) -> None:
+        self._total.update(nbytes)
+        self._file.update(nbytes)
+
+    def __enter__(self) -> BuildProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+        self._total.close()
 
 
 def _save(directory: Path, relative: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -17,13 +17,13 @@ the permutation is undone on the codes and scales alike (it moves whole rows).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from mesh.errors import PackageError
+from mesh.package.gguf_file import GgufModel, GgufTensor
 from mesh.quant import pack_int4
 
 _LAYER_PARTS = {
@@ -63,51 +63,83 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 class GgufQuantReader:
-    """The raw quantised tensors of a GGUF file, looked up by HF name."""
+    """The tensors of a GGUF model looked up by HF name: raw codes where they convert
+    exactly, float rows otherwise, with llama.cpp's q/k row order undone."""
 
-    def __init__(self, path: Path, heads: int, kv_heads: int) -> None:
-        from gguf import GGUFReader
-
-        try:
-            self._reader = GGUFReader(str(path))
-        except (OSError, ValueError) as error:
-            raise PackageError(f"cannot read GGUF {path}: {error}") from error
-        self._tensors = {}
-        for tensor in self._reader.tensors:
-            name = hf_name(tensor.name)
+    def __init__(self, model: GgufModel, heads: int, kv_heads: int) -> None:
+        self.model = model
+        self._names: dict[str, str] = {}
+        for gguf_name in model.tensors:
+            name = hf_name(gguf_name)
             if name is not None:
-                self._tensors[name] = tensor
-        self._permute = self._architecture() == "llama"
+                self._names[name] = gguf_name
+        self._permute = model.architecture == "llama"
         self._heads = heads
         self._kv_heads = kv_heads
 
-    def _architecture(self) -> str:
-        field = self._reader.fields.get("general.architecture")
-        if field is None:
-            return ""
-        return bytes(field.parts[field.data[0]]).decode(errors="replace")
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def unmapped(self) -> list[str]:
+        mapped = set(self._names.values())
+        return [name for name in self.model.tensors if name not in mapped]
+
+    def _tensor(self, name: str) -> GgufTensor:
+        return self.model.tensors[self._names[name]]
 
     def type_name(self, name: str) -> str | None:
-        tensor = self._tensors.get(name)
-        return None if tensor is None else tensor.tensor_type.name
+        gguf_name = self._names.get(name)
+        return None if gguf_name is None else self.model.tensors[gguf_name].type_name
 
-    def parts(self, name: str, kind: str, group: int) -> dict[str, torch.Tensor] | None:
-        """Parts of ``name`` in form ``kind`` (int4 / int8g) with ``group``, when the
-        GGUF block type converts exactly; else None."""
-        tensor = self._tensors.get(name)
-        if tensor is None or group != QK:
-            return None
-        type_name = tensor.tensor_type.name
-        rows = np.asarray(tensor.data)
-        converter = _CONVERTERS.get((type_name, kind))
-        if converter is None or rows.ndim != 2:
-            return None
-        parts = converter(rows)
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._tensor(name).shape
+
+    def nbytes(self, name: str) -> int:
+        return self._tensor(name).nbytes
+
+    def row_unit(self, name: str) -> int:
+        """Rows are read in multiples of this: a permuted tensor's rows move within a
+        head, so a read must cover whole heads."""
         heads = self._permuted_heads(name)
-        if heads:
-            order = rotary_row_order(parts["qweight"].shape[0], heads)
-            parts = {key: value[order].contiguous() for key, value in parts.items()}
-        return parts
+        return self._tensor(name).shape[0] // heads if heads else 1
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor as float32 (for small ones: norms, biases)."""
+        tensor = self._tensor(name)
+        if len(tensor.shape) == 1:
+            values = self.model.float_rows(self._names[name], 0, 1).reshape(-1, 1)
+            return self._unpermute(name, values).reshape(-1)
+        return self.float_rows(name, 0, tensor.rows).reshape(tensor.shape)
+
+    def float_rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Rows ``first .. first + count`` (HF order) as float32."""
+        values = self.model.float_rows(self._names[name], first, count)
+        return self._unpermute(name, values)
+
+    def converts(self, name: str, kind: str, group: int) -> bool:
+        """Whether ``name``'s block type converts exactly into ``kind`` (int4 / int8g)
+        with ``group``."""
+        gguf_name = self._names.get(name)
+        if gguf_name is None or group != QK:
+            return False
+        tensor = self.model.tensors[gguf_name]
+        return (tensor.type_name, kind) in _CONVERTERS and len(tensor.shape) == 2
+
+    def parts(self, name: str, kind: str, first: int, count: int) -> dict[str, torch.Tensor]:
+        """Rows ``first .. first + count`` of ``name`` in form ``kind`` (``converts``)."""
+        tensor = self._tensor(name)
+        converter = _CONVERTERS[(tensor.type_name, kind)]
+        parts = converter(self.model.raw_rows(tensor.name, first, count))
+        return {key: self._unpermute(name, value) for key, value in parts.items()}
+
+    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        heads = self._permuted_heads(name)
+        if not heads:
+            return rows
+        per_head = self._tensor(name).shape[0] // heads
+        # ``rows`` covers whole heads (row_unit); each is permuted on its own.
+        order = rotary_row_order(rows.shape[0], rows.shape[0] // per_head)
+        return rows[order].contiguous()
 
     def _permuted_heads(self, name: str) -> int:
         if not self._permute:

@@ -1,15 +1,17 @@
 """Checkpoints a package can be built from: an HF safetensors directory (local or a
-hub snapshot) or a GGUF file dequantised through transformers.
+hub snapshot) or a GGUF model (one file or split into parts).
 
 A Checkpoint exposes the model description, the config to write, tensors by
-checkpoint name (read lazily, one at a time for safetensors) and the tokenizer and
-generation files to copy into the package.
+checkpoint name (read lazily: one tensor, or a few rows of one, at a time, so a
+build never holds the model) and the tokenizer and generation files to copy into the
+package.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from abc import ABC, abstractmethod
 from contextlib import ExitStack
@@ -22,6 +24,7 @@ import torch
 from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package import hub
 from mesh.package.embedded import DEFAULT_MODEL_ID, default_gguf_path, default_source_info
+from mesh.package.gguf_file import GgufModel, split_stem
 from mesh.package.gguf_quant import GgufQuantReader
 from mesh.package.manifest import check_architecture
 
@@ -49,6 +52,7 @@ HUB_PATTERNS = [
     "tokenizer.model",
     f"{CHAT_TEMPLATE_DIR}/*",
 ]
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 # Keys a GGUF-loaded config carries that make no sense for plain safetensors weights.
 _GGUF_CONFIG_LEFTOVERS = ("quantization_config", "_model_name_or_path", "_name_or_path")
 
@@ -104,16 +108,38 @@ class Checkpoint(ABC):
     def tensor_names(self) -> list[str]: ...
 
     @abstractmethod
-    def tensor(self, name: str) -> torch.Tensor: ...
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor (read for small ones: norms, biases)."""
+
+    @abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    @abstractmethod
+    def rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Rows ``first .. first + count`` of a 2-D tensor, read without the rest."""
+
+    def row_unit(self, name: str) -> int:
+        """Reads of ``name`` start and end on multiples of this many rows."""
+        return 1
+
+    @abstractmethod
+    def nbytes(self, name: str) -> int:
+        """How many bytes the checkpoint stores ``name`` in."""
 
     @abstractmethod
     def write_meta(self, out_dir: Path) -> None:
         """Write tokenizer and generation files (everything but config.json) into out_dir."""
 
-    def quantized_parts(self, name: str, kind: str, group: int) -> dict[str, torch.Tensor] | None:
-        """The checkpoint's own codes for ``name`` in quantised form ``kind`` (int4 or
-        int8g, mesh/quant.py) with ``group``, where it stores them so; else None."""
-        return None
+    def has_codes(self, name: str, kind: str, group: int) -> bool:
+        """Whether the checkpoint stores ``name`` as codes that are exactly quantised
+        form ``kind`` (int4 or int8g, mesh/quant.py) with ``group``."""
+        return False
+
+    def quantized_parts(
+        self, name: str, kind: str, group: int, first: int, count: int
+    ) -> dict[str, torch.Tensor]:
+        """Rows ``first .. first + count`` of those codes (see ``has_codes``)."""
+        raise PackageError(f"{name} is not stored as {kind} codes")
 
     def source_type(self, name: str) -> str:
         """How the checkpoint stores ``name`` (a dtype or a GGUF block type)."""
@@ -191,7 +217,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def tensor_names(self) -> list[str]:
         return list(self._weight_map)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str) -> Any:
         from safetensors import safe_open
 
         shard = self._weight_map[name]
@@ -203,7 +229,21 @@ class SafetensorsCheckpoint(Checkpoint):
                 raise PackageError(f"cannot read {self.directory / shard}: {error}") from error
             handle = self._stack.enter_context(opened)
             self._handles[shard] = handle
-        return handle.get_tensor(name)
+        return handle
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in self._handle(name).get_slice(name).get_shape())
+
+    def rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        return self._handle(name).get_slice(name)[first : first + count]
+
+    def nbytes(self, name: str) -> int:
+        part = self._handle(name).get_slice(name)
+        width = _SAFETENSORS_BYTES.get(str(part.get_dtype()), 4)
+        return math.prod(int(n) for n in part.get_shape()) * width
 
     def write_meta(self, out_dir: Path) -> None:
         for name in META_FILES:
@@ -221,55 +261,88 @@ class SafetensorsCheckpoint(Checkpoint):
 
 
 class GgufCheckpoint(Checkpoint):
-    """A GGUF file, dequantised to float32 by transformers' GGUF loader."""
+    """A GGUF model (one file, or every part of a split one), read one tensor or a
+    few rows at a time: the config and tokenizer come from its metadata through
+    transformers, the weights through ``mesh.package.gguf_file``."""
 
     def __init__(self, path: Path, source: dict[str, Any], default_model_id: str) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, GenerationConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        self.path = Path(path)
         self.source = source
         self.default_model_id = default_model_id
-        logger.info("dequantising %s (this reads the whole GGUF)", self.path)
+        model = GgufModel(Path(path))
+        # The metadata (config, tokenizer) is in the first part of a split file.
+        self.path = model.parts[0]
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.path.parent, gguf_file=self.path.name, dtype=torch.float32
-            )
+            config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
-            raise PackageError(f"cannot load GGUF {self.path}: {error}") from error
-        architecture = type(model).__name__
+            raise PackageError(
+                f"cannot read the model config of GGUF {self.path}: {error}"
+            ) from error
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.model_type))
+        if architecture is None:
+            raise UnsupportedArchitecture(
+                f"GGUF {self.path.name} holds a {model.architecture!r} model (model_type "
+                f"{config.model_type!r}), which has no causal-LM class"
+            )
         check_architecture(architecture)
-        self.description = describe(model.config, architecture)
-        config_json = json.loads(model.config.to_json_string(use_diff=True))
+        # A split file's first part may lack output.weight: decide from every part.
+        config.tie_word_embeddings = "output.weight" not in model.tensors
+        self.description = describe(config, architecture)
+        config_json = json.loads(config.to_json_string(use_diff=True))
         for key in _GGUF_CONFIG_LEFTOVERS:
             config_json.pop(key, None)
         config_json["architectures"] = [architecture]
         self.config_json = config_json
-        self._generation_config = model.generation_config
-        self._state: dict[str, torch.Tensor] = dict(model.state_dict())
-        self._quant: GgufQuantReader | None = None
-        self._heads = int(model.config.num_attention_heads)
-        self._kv_heads = int(getattr(model.config, "num_key_value_heads", None) or self._heads)
+        self._generation_config = GenerationConfig.from_model_config(config)
+        self._has_tokenizer = model.has_tokenizer
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self._reader = GgufQuantReader(model, heads, kv_heads)
+        ignored = self._reader.unmapped()
+        if ignored:
+            logger.info("GGUF tensors not used: %s", ", ".join(ignored[:8]))
+        if len(model.parts) > 1:
+            logger.info("reading split GGUF: %s", ", ".join(p.name for p in model.parts))
 
-    def _reader(self) -> GgufQuantReader:
-        if self._quant is None:
-            self._quant = GgufQuantReader(self.path, self._heads, self._kv_heads)
-        return self._quant
+    def has_codes(self, name: str, kind: str, group: int) -> bool:
+        return self._reader.converts(name, kind, group)
 
-    def quantized_parts(self, name: str, kind: str, group: int) -> dict[str, torch.Tensor] | None:
-        return self._reader().parts(name, kind, group)
+    def quantized_parts(
+        self, name: str, kind: str, group: int, first: int, count: int
+    ) -> dict[str, torch.Tensor]:
+        return self._reader.parts(name, kind, first, count)
 
     def source_type(self, name: str) -> str:
-        return self._reader().type_name(name) or "float"
+        return self._reader.type_name(name) or "float"
 
     def tensor_names(self) -> list[str]:
-        return list(self._state)
+        return self._reader.names()
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._state[name]
+        return self._reader.tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._reader.shape(name)
+
+    def rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        return self._reader.float_rows(name, first, count)
+
+    def row_unit(self, name: str) -> int:
+        return self._reader.row_unit(name)
+
+    def nbytes(self, name: str) -> int:
+        return self._reader.nbytes(name)
 
     def write_meta(self, out_dir: Path) -> None:
         from transformers import AutoTokenizer
 
+        if self._generation_config is not None:
+            self._generation_config.save_pretrained(out_dir)
+        if not self._has_tokenizer:
+            logger.warning("GGUF %s carries no tokenizer", self.path)
+            return
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -277,12 +350,6 @@ class GgufCheckpoint(Checkpoint):
         if not tokenizer.chat_template:
             logger.warning("GGUF %s carries no chat template", self.path)
         tokenizer.save_pretrained(out_dir)
-        if self._generation_config is not None:
-            self._generation_config.save_pretrained(out_dir)
-
-    def close(self) -> None:
-        self._state.clear()
-        self._quant = None
 
 
 def open_checkpoint(src: str) -> Checkpoint:
@@ -306,7 +373,9 @@ def open_checkpoint(src: str) -> Checkpoint:
             source = {"kind": "hf-dir", "path": str(resolved)}
             return SafetensorsCheckpoint(resolved, source, resolved.name)
         ggufs = sorted(resolved.glob("*.gguf"))
-        if len(ggufs) == 1:
+        stems = {split_stem(g) for g in ggufs}
+        if len(ggufs) == 1 or (len(stems) == 1 and None not in stems):
+            # One model, or the parts of one split model (their names sort in order).
             return open_checkpoint(str(ggufs[0]))
         raise PackageError(
             f"{resolved} has no config.json"

@@ -1,0 +1,182 @@
+"""A GGUF model, one file or split into parts, read one tensor (or a few rows of
+one) at a time.
+
+``gguf.GGUFReader`` parses the headers; tensor bytes are then read with ``pread``
+into fresh buffers rather than through its memory map, so a build of a 40 GB file
+holds in memory only the rows it is converting (pages of a file mapping count in a
+process's resident set while the mapping lives). Everything a build could trip on
+later is checked when the file is opened: every part of a split file present, every
+tensor inside its file (a truncated download), every block type one this ``gguf``
+package can decode, no tensor twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mesh.errors import PackageError
+
+# llama.cpp's gguf-split names: <stem>-00001-of-00003.gguf
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """Every part of the GGUF ``path`` names, in order: ``[path]`` for a single file;
+    for one part of a split file, all of its parts (each must exist)."""
+    match = _SPLIT.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    if count < 1 or int(match["number"]) > count:
+        raise PackageError(f"{path.name}: not a valid split GGUF name (part number > count)")
+    parts = [
+        path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
+    ]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise PackageError(
+            f"split GGUF {parts[0].name} has {count} parts but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing from {path.parent}; "
+            "download every part"
+        )
+    return parts
+
+
+def split_stem(path: Path) -> str | None:
+    """The model name a split part belongs to (None for a file that is no part)."""
+    match = _SPLIT.match(path.name)
+    return None if match is None else match["stem"]
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """Where one tensor's bytes are, and how to decode them."""
+
+    name: str
+    file: Path
+    type_name: str
+    qtype: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: rows first
+    offset: int
+    nbytes: int
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.rows
+
+
+class GgufModel:
+    """The tensors and metadata of a GGUF model (single file or split)."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self.parts = split_parts(self.path)
+        self.tensors: dict[str, GgufTensor] = {}
+        self.architecture = ""
+        self.has_tokenizer = False
+        for index, part in enumerate(self.parts):
+            try:
+                reader = GGUFReader(str(part))
+            except (OSError, ValueError, KeyError, IndexError) as error:
+                raise PackageError(
+                    f"cannot read GGUF {part} ({part.stat().st_size:,} bytes): {error}. It is "
+                    "truncated or corrupt (download it again), or holds a tensor type this "
+                    "version of the gguf package does not know"
+                ) from error
+            if index == 0:
+                self.architecture = _string_field(reader, "general.architecture")
+                self.has_tokenizer = "tokenizer.ggml.model" in reader.fields
+            self._index(reader, part)
+            del reader  # drops its memory map of the file
+        if not self.tensors:
+            raise PackageError(f"GGUF {self.path} holds no tensors")
+        self._check_types()
+
+    def _index(self, reader: Any, part: Path) -> None:
+        size = part.stat().st_size
+        for tensor in reader.tensors:
+            if tensor.name in self.tensors:
+                earlier = self.tensors[tensor.name].file.name
+                raise PackageError(
+                    f"GGUF tensor {tensor.name} appears twice (in {earlier} and {part.name})"
+                )
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise PackageError(
+                    f"GGUF {part} is truncated: tensor {tensor.name} ends at byte {end:,} but "
+                    f"the file has {size:,} bytes; download it again"
+                )
+            self.tensors[tensor.name] = GgufTensor(
+                name=tensor.name,
+                file=part,
+                type_name=tensor.tensor_type.name,
+                qtype=tensor.tensor_type,
+                shape=tuple(int(n) for n in reversed(tensor.shape.tolist())),
+                offset=int(tensor.data_offset),
+                nbytes=int(tensor.n_bytes),
+            )
+
+    def _check_types(self) -> None:
+        """Decode one block of every type present, naming a tensor of a type the gguf
+        package cannot decode."""
+        from gguf import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+
+        seen: set[str] = set()
+        for tensor in self.tensors.values():
+            if tensor.type_name in seen:
+                continue
+            seen.add(tensor.type_name)
+            _, type_size = GGML_QUANT_SIZES[tensor.qtype]
+            try:
+                dequantize(np.zeros((1, type_size), dtype=np.uint8), tensor.qtype)
+            except NotImplementedError as error:
+                raise PackageError(
+                    f"GGUF tensor {tensor.name} is stored as {tensor.type_name}, which cannot be "
+                    f"decoded here ({error}); convert the file to another quantisation type"
+                ) from error
+
+    def raw_rows(self, name: str, first: int, count: int) -> np.ndarray:
+        """Bytes of rows ``first .. first + count`` of ``name`` ``[count, row_bytes]``."""
+        tensor = self.tensors[name]
+        width = tensor.row_bytes
+        buffer = np.empty((count, width), dtype=np.uint8)
+        view = memoryview(buffer).cast("B")
+        with open(tensor.file, "rb", buffering=0) as handle:
+            done, want, at = 0, count * width, tensor.offset + first * width
+            while done < want:
+                got = os.preadv(handle.fileno(), [view[done:]], at + done)
+                if got == 0:
+                    raise PackageError(f"GGUF {tensor.file} ended inside tensor {name}")
+                done += got
+        return buffer
+
+    def float_rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Rows ``first .. first + count`` of ``name``, decoded to float32 ``[count, cols]``
+        (a 1-D tensor is one row)."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        values = dequantize(self.raw_rows(name, first, count), tensor.qtype)
+        cols = tensor.shape[-1]
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(count, cols))
+
+
+def _string_field(reader: Any, key: str) -> str:
+    field = reader.fields.get(key)
+    if field is None:
+        return ""
+    return bytes(field.parts[field.data[0]]).decode(errors="replace")
