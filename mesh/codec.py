@@ -230,6 +230,11 @@ def segment_problem(segment: data_pb2.Segment) -> InvalidRequest | None:
         )
     if kind is SegmentKind.DECODE and count != 1:
         return InvalidRequest(f"{where}: a DECODE segment holds one token, this one {count}")
+    if segment.HasField("sampling"):
+        try:
+            sampling_from_proto(segment.sampling)
+        except InvalidRequest as exc:
+            return InvalidRequest(f"{where}: sampling: {exc.message}")
     return None
 
 

@@ -29,14 +29,36 @@ from mesh.types import SamplingParams
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
+        prompt_tokens=params.prompt_tokens,
     )
 
 
 def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """An unset top_p (0) means no nucleus filtering, like 1."""
+    """An unset top_p (0) means no nucleus filtering, like 1; an unset
+    repetition_penalty (0) means none, like 1. Out-of-range values raise
+    InvalidRequest (SamplingParams checks them)."""
     top_p = pb.top_p if pb.top_p > 0 else 1.0
-    return SamplingParams(temperature=pb.temperature, top_p=top_p, top_k=pb.top_k, seed=pb.seed)
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=top_p,
+        top_k=pb.top_k,
+        seed=pb.seed,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        min_p=pb.min_p,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in pb.logit_bias.items())),
+        prompt_tokens=pb.prompt_tokens,
+    )
 
 
 _KIND_TO_PB = {

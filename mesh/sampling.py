@@ -8,6 +8,8 @@ for any temperature and makes outputs reproducible per seed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mesh.types import SamplingParams
@@ -23,13 +25,49 @@ def position_seed(seed: int, position: int) -> int:
     return value & _MASK
 
 
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = ()
+) -> torch.Tensor:
+    """The logits after penalties and biases (float32, CPU), for the token that
+    follows ``history`` (every token id before it: the prompt's first
+    ``params.prompt_tokens``, then the output). In this order: ``repetition_penalty``
+    divides a positive logit (multiplies a negative one) of every token seen in
+    ``history``; ``frequency_penalty`` times the token's count in the output and
+    ``presence_penalty`` for a token the output holds are subtracted; ``logit_bias``
+    is added. Returns ``logits`` itself when nothing applies."""
+    if not params.adjusts_logits:
+        return logits
+    scores = logits.detach().to(device="cpu", dtype=torch.float32).clone()
+    vocab = scores.numel()
+    if params.uses_history and history:
+        ids = torch.tensor(history, dtype=torch.long).clamp_(0, vocab - 1)
+        if params.repetition_penalty != 1.0:
+            seen = torch.unique(ids)
+            values = scores[seen]
+            penalty = params.repetition_penalty
+            scores[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        output = ids[params.prompt_tokens :]
+        if output.numel() and (params.frequency_penalty or params.presence_penalty):
+            counts = torch.bincount(output, minlength=vocab).to(torch.float32)
+            scores -= params.frequency_penalty * counts
+            scores -= params.presence_penalty * (counts > 0).to(torch.float32)
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            scores[token] += bias
+    return scores
+
+
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities over the vocabulary after temperature, top-k and top-p (float32, CPU)."""
+    """Probabilities over the vocabulary after temperature, top-k, min-p and top-p
+    (float32, CPU)."""
     scores = logits.detach().to(device="cpu", dtype=torch.float32) / params.temperature
     if params.top_k > 0 and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
@@ -39,8 +77,12 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """Pick the token for absolute ``position`` from a 1-D logits vector."""
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, position: int, history: Sequence[int] = ()
+) -> int:
+    """Pick the token for absolute ``position`` from a 1-D logits vector; ``history``
+    is every token id before that position (used by penalties only)."""
+    logits = adjust_logits(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits).item())
     probs = token_probs(logits, params)

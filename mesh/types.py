@@ -57,14 +57,31 @@ class LayerRange:
         return cls(int(parts[0]), int(parts[1]))
 
 
+# Largest |bias| of a logit_bias entry (OpenAI's range).
+LOGIT_BIAS_MAX = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the last stage picks tokens. ``temperature == 0`` is greedy."""
+    """How the last stage picks tokens. ``temperature == 0`` is greedy.
+
+    Penalties and biases (mesh/sampling.py ``adjust_logits``) act on the logits
+    before temperature, for greedy requests too: ``repetition_penalty`` on every
+    token of the prompt and the output (> 1 discourages them), ``presence_penalty``
+    and ``frequency_penalty`` on output tokens (the tokens after the first
+    ``prompt_tokens``), ``logit_bias`` adds to the listed tokens. ``min_p`` drops
+    tokens whose probability is below ``min_p`` times the likeliest one's."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -75,7 +92,41 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
         if not (0 <= self.seed < 2**64):
             raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.prompt_tokens < 0:
+            raise InvalidRequest(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (-LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
+                raise InvalidRequest(
+                    f"logit_bias entry {token}: {bias} must name a token id >= 0 with a "
+                    f"bias in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or biases change the logits before the choice."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the choice depends on the tokens before it (penalties)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )

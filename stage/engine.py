@@ -113,8 +113,19 @@ class StageEngine:
             return EngineOutput(forward=forward, failures=tuple(failures))
         # One answer per segment, so stage 0 knows when the frame has left the pipe:
         # tokens, an error, or (END, a prompt chunk) an empty acknowledgement.
-        emitted = {id(s): self._emit(s, out.of(i)) for i, s in ran if s.emits}
         failed = {id(computing[i]): f for i, f in zip(out.errors, failures, strict=True)}
+        before: dict[int, list[int]] = {}
+        for _, s in ran:
+            try:
+                before[id(s)] = self.runtime.record_history(s.session_id, s.pos_start, s.token_ids)
+            except InvalidRequest as error:
+                failed[id(s)] = SegmentResult.failure(s, error, self.stage_index)
+                failures.append(failed[id(s)])
+        emitted = {
+            id(s): self._emit(s, out.of(i), before[id(s)])
+            for i, s in ran
+            if s.emits and id(s) in before
+        }
         answers = tuple(
             emitted.get(id(s)) or failed.get(id(s)) or _acknowledged(s) for s in frame.segments
         )
@@ -150,15 +161,19 @@ class StageEngine:
             )
         return frame.hidden
 
-    def _emit(self, segment: Segment, logits: torch.Tensor) -> SegmentResult:
+    def _emit(self, segment: Segment, logits: torch.Tensor, before: list[int]) -> SegmentResult:
+        """The segment's tokens; ``before`` is the session's token ids before it (kept
+        only where penalties use them)."""
         sampling = self.runtime.session_sampling(segment.session_id)
         if segment.kind is SegmentKind.VERIFY:
             verdict = verify_window(
-                logits, segment.token_ids, sampling, pos_first=segment.pos_start + 1
+                logits, segment.token_ids, sampling, segment.pos_start + 1, before
             )
             emitted, accepted = list(verdict.emitted), verdict.accepted_count
         else:
-            emitted, accepted = [sample_token(logits[-1], sampling, segment.pos_end)], 0
+            seen = [*before, *segment.token_ids] if sampling.uses_history else ()
+            emitted = [sample_token(logits[-1], sampling, segment.pos_end, seen)]
+            accepted = 0
         return SegmentResult(
             request_id=segment.request_id,
             session_id=segment.session_id,

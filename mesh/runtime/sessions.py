@@ -45,11 +45,13 @@ class KVLayout:
 class SessionCache:
     """Keys and values of one session: per layer ``[2, 1, kv_heads, capacity, head_dim]``,
     with what else the stage keeps of the session: the request it serves, its
-    sampling parameters (the last stage samples with them) and its last use."""
+    sampling parameters (the last stage samples with them), the token ids it has
+    read when its sampling depends on them (penalties), and its last use."""
 
     __slots__ = (
         "request_id",
         "sampling",
+        "history",
         "layout",
         "length",
         "capacity",
@@ -63,6 +65,7 @@ class SessionCache:
     def __init__(self, layout: KVLayout, capacity: int, now: float) -> None:
         self.request_id = ""
         self.sampling = SamplingParams()
+        self.history: list[int] = []
         self.layout = layout
         self.length = 0
         self.capacity = 0

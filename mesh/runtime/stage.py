@@ -154,6 +154,27 @@ class StageRuntime:
             cache = self._sessions.get(session_id)
             return cache.sampling if cache is not None else SamplingParams()
 
+    def record_history(
+        self, session_id: str, pos_start: int, token_ids: Sequence[int]
+    ) -> list[int]:
+        """Keep ``token_ids`` as the session's tokens from ``pos_start`` on (what was
+        there is cropped, like its KV) and return the tokens before ``pos_start``;
+        only for sessions whose sampling uses them (``[]`` otherwise)."""
+        with self._lock:
+            cache = self._sessions.get(session_id)
+            if cache is None or not cache.sampling.uses_history:
+                return []
+            history = cache.history
+            if len(history) < pos_start:
+                raise InvalidRequest(
+                    f"session {session_id} holds {len(history)} token ids but a segment "
+                    f"starts at position {pos_start}; send its tokens from position 0"
+                )
+            before = history[:pos_start]
+            del history[pos_start:]
+            history.extend(int(t) for t in token_ids)
+            return before
+
     def session_requests(self) -> list[tuple[str, str]]:
         """(session_id, request_id) of every session this stage holds."""
         with self._lock:

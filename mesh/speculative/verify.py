@@ -39,11 +39,15 @@ def verify_window(
     window_tokens: Sequence[int],
     params: SamplingParams,
     pos_first: int,
+    history: Sequence[int] = (),
 ) -> VerifyResult:
     """Verify ``window_tokens = [current, d1..dk]`` against ``logits[k+1, V]``.
 
     ``pos_first`` is the absolute position of the first emitted token
-    (``pos_start + 1`` of the window). Emits between 1 and k+1 tokens.
+    (``pos_start + 1`` of the window). ``history`` is every token id before the
+    window (penalties use it): row ``i`` is chosen after ``history`` and the
+    window's first ``i + 1`` tokens, as plain decoding would have. Emits between 1
+    and k+1 tokens.
     """
     rows = len(window_tokens)
     if logits.dim() != 2 or logits.shape[0] != rows or rows == 0:
@@ -52,7 +56,7 @@ def verify_window(
             "expected [len(window_tokens), vocab]"
         )
     drafts = [int(t) for t in window_tokens[1:]]
-    if params.greedy:
+    if params.greedy and not params.adjusts_logits:
         # Same choice as sample_token (first maximum), one argmax for all rows.
         draws = torch.argmax(logits, dim=-1).tolist()
         accepted = 0
@@ -61,7 +65,8 @@ def verify_window(
         return VerifyResult(emitted=drafts[:accepted] + [draws[accepted]], accepted_count=accepted)
     emitted: list[int] = []
     for row in range(rows):
-        draw = sample_token(logits[row], params, position=pos_first + row)
+        seen = [*history, *window_tokens[: row + 1]] if params.uses_history else ()
+        draw = sample_token(logits[row], params, position=pos_first + row, history=seen)
         emitted.append(draw)
         if row == len(drafts) or drafts[row] != draw:
             break

@@ -12,9 +12,10 @@ token budget to the context:
   ``finish_reason="length"`` when it runs out; with no ``max_tokens`` the budget is
   ``limits.default_max_tokens`` or, when that is None, the whole room.
 
-Sampling defaults follow OpenAI: temperature 1, top_p 1, no top-k. A request
-without ``seed`` gets a fresh random one; a negative seed wraps modulo 2**64 (as
-an int64 would), so every seed OpenAI clients send is accepted.
+Sampling defaults follow OpenAI: temperature 1, top_p 1, no top-k, no penalties.
+A request without ``seed`` gets a fresh random one; a negative seed wraps modulo
+2**64 (as an int64 would), so every seed OpenAI clients send is accepted.
+``logit_bias`` keys must be token ids of the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -109,14 +110,35 @@ def _check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
     return stop
 
 
-def _sampling(body: GenerationBody) -> SamplingParams:
+def _sampling(body: GenerationBody, prompt_len: int, vocab: int) -> SamplingParams:
     seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,
         seed=seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        logit_bias=_logit_bias(body.logit_bias or {}, vocab),
+        prompt_tokens=prompt_len,
     )
+
+
+def _logit_bias(bias: Mapping[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as sorted (token, bias) pairs."""
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"logit_bias key {key!r} is not a token id of this model; keys are token ids "
+                f"in [0, {vocab}) written as strings",
+                "logit_bias",
+            )
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
 
 
 def _budget(prompt_len: int, requested: int | None, ctx: PromptContext, param: str) -> int:
@@ -177,7 +199,7 @@ def _prepared(
         max_new_tokens=_budget(
             len(prompt), body.requested_max_tokens, ctx, "messages" if kind == "chat" else "prompt"
         ),
-        sampling=_sampling(body),
+        sampling=_sampling(body, len(prompt), len(ctx.tokenizer)),
         stop_token_ids=ctx.stop_token_ids,
     )
     return PreparedGeneration(

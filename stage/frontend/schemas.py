@@ -2,8 +2,8 @@
 
 Types are strict: ``"1"`` is not an integer and ``true`` is not a number. Unknown
 fields are ignored, as OpenAI's own clients send fields a server may not know;
-known fields this server cannot honour (``logprobs``, ``tools``, penalties,
-``n`` > 1, ...) are rejected with a 400 that names them rather than silently ignored.
+known fields this server cannot honour (``logprobs``, ``tools``, ``n`` > 1, ...)
+are rejected with a 400 that names them rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**32 - 1
 MAX_TOKENS_MAX = 2**31 - 1
 USER_MAX_CHARS = 256
+LOGIT_BIAS_MAX_ENTRIES = 1024
 
 
 class _Body(BaseModel):
@@ -47,18 +48,22 @@ class GenerationBody(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Strict(), Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[Str, Any] | None = None
+    # Not OpenAI's, but sent by llama.cpp, vLLM and many clients.
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[Str, Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]],
+            Field(max_length=LOGIT_BIAS_MAX_ENTRIES),
+        ]
+        | None
+    ) = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to something this server cannot do."""
         problems: list[tuple[str, str]] = []
         if self.n is not None and self.n != 1:
             problems.append(("n", f"n={self.n} is not supported; only n=1 (one choice)"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                problems.append((name, f"{name} is not supported; omit it or send 0"))
-        if self.logit_bias:
-            problems.append(("logit_bias", "logit_bias is not supported; omit it"))
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems

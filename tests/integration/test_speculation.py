@@ -325,3 +325,69 @@ class TestUnresolvableDraft:
         replies = assert_equivalent(mesh, baseline)
         assert timings_of(replies[0])["drafted"] > 0
         assert {strategy for strategy, _ in mesh.counters()} == {"ngram"}
+
+
+# ---- penalties and biases ---------------------------------------------------------
+
+PENALISED = (
+    {"frequency_penalty": 1.5},
+    {"presence_penalty": 1.0, "repetition_penalty": 1.4},
+    {"repetition_penalty": 0.7, "logit_bias": {"17": 4.0, "42": -100}},
+    {"temperature": 0.8, "seed": 21, "frequency_penalty": 0.6, "min_p": 0.1},
+)
+
+
+def reference_tokens(model, prompt: list[int], steps: int, params: dict) -> list[int]:
+    """Greedy decoding of the HF model with the penalties written out here on their
+    own (repetition over prompt and output, frequency and presence over the output,
+    then the bias)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            scores = model(torch.tensor([tokens])).logits[0, -1].clone()
+            output = tokens[len(prompt) :]
+            for token in set(tokens):
+                rp = params.get("repetition_penalty", 1.0)
+                scores[token] = scores[token] / rp if scores[token] > 0 else scores[token] * rp
+            for token in set(output):
+                scores[token] -= params.get("frequency_penalty", 0.0) * output.count(token)
+                scores[token] -= params.get("presence_penalty", 0.0)
+            for token, bias in params.get("logit_bias", {}).items():
+                scores[int(token)] += bias
+            tokens.append(int(scores.argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_penalised_greedy_text_is_the_reference_decoding(baseline, target_dir) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for params in PENALISED[:3]:
+        for prompt in PROMPTS[:2]:
+            ids = tokenizer.encode(prompt)
+            plain = reference_tokens(model, ids, NEW_TOKENS, {})
+            want = reference_tokens(model, ids, NEW_TOKENS, params)
+            assert want != plain, (params, prompt)  # the penalty changes this text
+            reply = baseline.cached(prompt, **params)
+            assert reply["choices"][0]["text"] == tokenizer.decode(want), (params, prompt)
+
+
+def test_penalties_and_biases_are_lossless_with_speculation(
+    baseline, package, target_dir, tmp_path_factory
+):
+    """Greedy and seeded replies with penalties, biases and min_p are the same with
+    a draft model (same weights as the target: its unpenalised drafts are partly
+    rejected) and with n-gram drafts, as without speculation."""
+    for name, args in (
+        ("draft", ("--spec-type", "draft-model", "--draft-model", str(target_dir), *fixed(4))),
+        ("ngram", ("--spec-type", "ngram", "--no-spec-auto", *fixed(3))),
+    ):
+        with serving(package, tmp_path_factory.mktemp(f"penalties-{name}"), *args) as mesh:
+            drafted = 0
+            for params in PENALISED:
+                for prompt in PROMPTS:
+                    reply = mesh.complete(prompt, **params)
+                    same_reply(reply, baseline.cached(prompt, **params))
+                    drafted += timings_of(reply).get("drafted", 0)
+            assert drafted > 0, name

@@ -1,0 +1,138 @@
+"""Penalties, logit_bias and min_p in the position-keyed sampler, and speculation
+with them: a verify window chooses each row exactly as plain decoding would."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mesh.codec import sampling_from_proto, sampling_to_proto, segment_problem
+from mesh.errors import InvalidRequest
+from mesh.proto.v1 import data_pb2
+from mesh.sampling import adjust_logits, sample_token, token_probs
+from mesh.speculative.verify import verify_window
+from mesh.types import SamplingParams
+
+
+def test_adjustments_follow_the_documented_order() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    params = SamplingParams(
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias=((1, 5.0), (4, -100.0)),
+        prompt_tokens=2,
+    )
+    # Prompt [0, 4]; output [2, 2, 3].
+    got = adjust_logits(logits, params, [0, 4, 2, 2, 3])
+    # repetition: 0 -> 1.0, 4 -> -4.0, 2 -> 0.25, 3 -> 1.5 (seen anywhere);
+    # frequency and presence on the output only: 2 -> 0.25 - 1.0 - 0.25, 3 -> 1.5 - 0.5 - 0.25;
+    # bias: 1 -> -1 + 5, 4 -> -4 - 100.
+    assert got.tolist() == pytest.approx([1.0, 4.0, -1.0, 0.75, -104.0])
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # the input is not changed
+    plain = SamplingParams()
+    assert adjust_logits(logits, plain, [0, 1]) is logits
+
+
+def test_penalties_change_greedy_choices() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9])
+    assert sample_token(logits, SamplingParams(), 5) == 1
+    repeated = SamplingParams(frequency_penalty=0.2, prompt_tokens=1)
+    assert sample_token(logits, repeated, 5, history=[0, 1]) == 2
+    # A prompt token is not an output token for frequency and presence.
+    assert (
+        sample_token(logits, SamplingParams(presence_penalty=2.0, prompt_tokens=2), 5, [0, 1]) == 1
+    )
+    assert sample_token(logits, SamplingParams(logit_bias=((0, 10.0),)), 5) == 0
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = token_probs(logits, SamplingParams(temperature=1.0, min_p=0.25))
+    # Tokens below 0.25 * 0.5 are dropped, the rest renormalised.
+    assert probs.tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+
+
+def plain_decode(
+    logits: torch.Tensor, history: list[int], params: SamplingParams, pos_first: int
+) -> list[int]:
+    """Row by row as plain decoding: each row's token chosen after everything before."""
+    seen = list(history)
+    out = []
+    for row in range(logits.shape[0]):
+        token = sample_token(logits[row], params, pos_first + row, seen)
+        out.append(token)
+        seen.append(token)
+    return out
+
+
+PARAMS = [
+    SamplingParams(frequency_penalty=1.5, prompt_tokens=4),
+    SamplingParams(presence_penalty=-1.0, repetition_penalty=1.3, prompt_tokens=4),
+    SamplingParams(temperature=0.9, seed=11, frequency_penalty=0.7, min_p=0.05, prompt_tokens=4),
+    SamplingParams(temperature=1.2, seed=3, top_k=5, repetition_penalty=0.8, prompt_tokens=4),
+    SamplingParams(logit_bias=((3, 2.0), (7, -3.0))),
+    SamplingParams(temperature=0.7, seed=5, logit_bias=((1, 1.5),), presence_penalty=0.4),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_verify_windows_choose_what_plain_decoding_chooses(params: SamplingParams) -> None:
+    """For random logits and drafts that follow plain decoding for a while, the
+    window keeps exactly the plain tokens and emits the plain token at the first
+    mismatch; each row's penalties include the window's earlier tokens."""
+    rng = random.Random(7)
+    vocab = 12
+    for trial in range(60):
+        torch.manual_seed(trial)
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(4, 12))]
+        rows = rng.randrange(1, 7)
+        # Peaked logits so that penalties decide often.
+        logits = torch.randn(rows, vocab) * 2
+        pos_first = len(history) + 1
+        current = history.pop()
+        plain = plain_decode(logits, [*history, current], params, pos_first)
+        # The drafts follow plain decoding for ``agree`` tokens, then (if the window
+        # goes on) one differs and the rest are random.
+        agree = rng.randrange(rows)
+        drafts = plain[:agree]
+        if agree < rows - 1:
+            drafts.append((plain[agree] + 1) % vocab)
+            drafts += [rng.randrange(vocab) for _ in range(rows - 2 - agree)]
+        verdict = verify_window(logits, [current, *drafts], params, pos_first, history)
+        kept = verdict.accepted_count
+        assert verdict.emitted == plain[: kept + 1], (trial, drafts, plain)
+        assert drafts[:kept] == plain[:kept]
+        assert kept == len(drafts) or drafts[kept] != plain[kept]
+
+
+def test_sampling_travels_whole_and_bad_values_fail_their_segment() -> None:
+    params = SamplingParams(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        seed=9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        logit_bias=((2, -100.0), (17, 3.5)),
+        prompt_tokens=321,
+    )
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    segment = data_pb2.Segment(
+        request_id="r",
+        session_id="s",
+        kind=data_pb2.SEGMENT_KIND_PREFILL,
+        token_count=1,
+        token_ids=[1],
+        sampling=sampling_to_proto(SamplingParams()),
+    )
+    assert segment_problem(segment) is None
+    segment.sampling.frequency_penalty = 7.0
+    problem = segment_problem(segment)
+    assert problem is not None and "frequency_penalty must be in [-2, 2]" in problem.message
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 500.0),))
