@@ -204,6 +204,20 @@ def format_manifest(manifest: PackageManifest) -> str:
     if isinstance(speculative, dict):
         names = ", ".join(sorted(speculative.get("strategies") or {}))
         rows.append(("speculative", f"default {speculative.get('default')}; strategies: {names}"))
+    for entry in (manifest.quantization or {}).get("deviation") or []:
+        if not isinstance(entry, dict):
+            continue
+        how = (
+            "source codes" if entry.get("from_source_codes") == entry.get("tensors") else "rounded"
+        )
+        rows.append(
+            (
+                "deviation",
+                f"{entry.get('source')} -> {entry.get('stored')} ({entry.get('tensors')} "
+                f"tensors, {how}): max {entry.get('max_abs_error')}, relative RMS "
+                f"{entry.get('relative_rms_error')}",
+            )
+        )
     lines = [f"{label:<14}{value}" for label, value in rows]
     width = max(len("path"), *(len(entry.path) for entry in manifest.files))
     lines.append("")

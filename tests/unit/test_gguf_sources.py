@@ -160,3 +160,41 @@ def test_no_read_holds_more_than_a_chunk(tmp_path: Path, monkeypatch: pytest.Mon
         build_package(str(gguf), tmp_path / f"pkg-{quant}", quant=quant, overwrite=True)
         # The largest tensors (embedding, FFN weights) are 512 KB as float32.
         assert len(reads) > 40 and max(reads) <= chunk
+
+
+def test_the_manifest_states_how_far_each_form_is_from_the_gguf(tmp_path: Path) -> None:
+    """Per source block type and stored form: codes kept exactly (Q4_0, Q4_1) deviate
+    by nothing, rounded ones (Q6_K to int4) by the measured error, which matches a
+    recomputation from the package."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from mesh import quant
+
+    def types(name: str, layer: int | None, shape: LlamaShape) -> str:
+        if name.endswith("norm.weight"):
+            return "F32"
+        if name.endswith("ffn_down.weight"):
+            return "Q6_K"
+        return "Q4_1" if layer == 1 else "Q4_0"
+
+    gguf = write_llama_gguf(tmp_path / "model.gguf", SHAPE, types=types, seed=2)[0]
+    manifest = build_package(str(gguf), tmp_path / "pkg", quant="int4")
+    deviation = {(d["source"], d["stored"]): d for d in manifest.quantization["deviation"]}
+    for exact in ("Q4_0", "Q4_1"):
+        entry = deviation[(exact, "int4 g32")]
+        assert entry["from_source_codes"] == entry["tensors"] > 0
+        assert entry["max_abs_error"] == 0.0 and entry["values_compared"] > 0
+    rounded = deviation[("Q6_K", "int4 g32")]
+    assert rounded["tensors"] == SHAPE.layers and rounded["from_source_codes"] == 0
+    reader = GGUFReader(str(gguf))
+    worst = 0.0
+    for layer in range(SHAPE.layers):
+        tensor = next(t for t in reader.tensors if t.name == f"blk.{layer}.ffn_down.weight")
+        source = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        stored = load_file(str(tmp_path / "pkg" / "layers" / f"{layer:05d}.safetensors"))
+        parts = {k: stored[f"mlp.down_proj.weight.{k}"] for k in ("qweight", "scales", "mins")}
+        worst = max(
+            worst, float((quant.dequantize_int4(parts, torch.float32) - source).abs().max())
+        )
+    assert rounded["max_abs_error"] == pytest.approx(worst, rel=1e-3) and worst > 0
