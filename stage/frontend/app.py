@@ -107,6 +107,7 @@ class _Frontend:
         limits: FrontendLimits,
         stop_token_ids: frozenset[int],
         metrics: FrontendMetrics,
+        fingerprint: str | None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -116,6 +117,7 @@ class _Frontend:
         self.limits = limits
         self.metrics = metrics
         self.stop_token_ids = stop_token_ids
+        self.fingerprint = fingerprint
         self.created = int(time.time())
 
     def prompt_context(self) -> PromptContext:
@@ -126,6 +128,7 @@ class _Frontend:
             context_length=self.backend.context_length,
             stop_token_ids=self.stop_token_ids,
             limits=self.limits,
+            fingerprint=self.fingerprint,
         )
 
     def authorize(self, request: Request) -> None:
@@ -218,12 +221,14 @@ def create_app(
     limits: FrontendLimits | None = None,
     stop_token_ids: Iterable[int] | None = None,
     metrics: FrontendMetrics | None = None,
+    fingerprint: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``model_id`` through ``backend``.
 
     ``tokenizer`` is a Hugging Face tokenizer (chat template, encode, decode).
     ``stop_token_ids`` default to the tokenizer's EOS token. ``metrics`` lets the
-    caller share a registry; by default the app has its own.
+    caller share a registry; by default the app has its own. ``fingerprint`` is
+    answered as ``system_fingerprint`` (it names the weights being served).
     """
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
@@ -241,6 +246,7 @@ def create_app(
         limits,
         frozenset(int(t) for t in stop_token_ids),
         metrics,
+        fingerprint,
     )
     app = FastAPI(title="mesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = front

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mesh.netaddr import is_wildcard, url_host
+from mesh.package.manifest import PackageManifest
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.engine_types import EngineLimits
 from stage.frontend.scheduler import PipelineScheduler
@@ -117,6 +118,12 @@ def _speculation(args: argparse.Namespace, model_id: str, loaded: LoadedStage, t
     return factory
 
 
+def system_fingerprint(manifest: PackageManifest) -> str:
+    """OpenAI's ``system_fingerprint``: it changes exactly when the served package
+    (weights, tokenizer, config) does."""
+    return "fp_" + manifest.sha256()[:12]
+
+
 def start_frontend(
     node: StageNode, args: argparse.Namespace, advertise: str = "127.0.0.1"
 ) -> FrontendHost:
@@ -138,8 +145,13 @@ def start_frontend(
         tokenizer = AutoTokenizer.from_pretrained(loaded.package_dir)
         scheduler.speculation = _speculation(args, scheduler.model_id, loaded, tokenizer)
         scheduler.detokenize = tokenizer.decode
+        manifest = PackageManifest.load(loaded.package_dir)
         switch.current = create_app(
-            scheduler, tokenizer, model_id=scheduler.model_id, api_key=api_key
+            scheduler,
+            tokenizer,
+            model_id=scheduler.model_id,
+            api_key=api_key,
+            fingerprint=system_fingerprint(manifest),
         )
         switch.package_dir = str(loaded.package_dir)
         logger.info("frontend serving %s", scheduler.model_id)

@@ -69,6 +69,7 @@ class PreparedGeneration:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,11 @@ class PromptContext:
     context_length: int
     stop_token_ids: frozenset[int]
     limits: FrontendLimits
+    fingerprint: str | None = None
 
 
 def _check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
-    if body.model != ctx.model_id:
+    if body.model is not None and body.model != ctx.model_id:
         raise OpenAIError(
             404,
             f"model {body.model!r} is not served here; this server serves {ctx.model_id!r} "
@@ -211,6 +213,7 @@ def _prepared(
         stop=stop,
         stream=bool(body.stream),
         include_usage=body.include_usage,
+        fingerprint=ctx.fingerprint,
     )
 
 

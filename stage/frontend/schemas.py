@@ -35,7 +35,8 @@ class StreamOptions(_Body):
 class GenerationBody(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model: Annotated[str, Strict(), Field(min_length=1, max_length=512)]
+    # Optional: a mesh serves one model (llama-server and vLLM accept it missing too).
+    model: Annotated[str, Strict(), Field(min_length=1, max_length=512)] | None = None
     max_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None

@@ -83,7 +83,7 @@ def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}
         obj = "text_completion"
-    return {
+    body: dict[str, Any] = {
         "id": p.response_id,
         "object": obj,
         "created": p.created,
@@ -92,6 +92,9 @@ def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
         "usage": run.usage(),
         "timings": run.timings(),
     }
+    if p.fingerprint:
+        body["system_fingerprint"] = p.fingerprint
+    return body
 
 
 def _chunk(run: GenerationRun, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,6 +106,8 @@ def _chunk(run: GenerationRun, choices: list[dict[str, Any]]) -> dict[str, Any]:
         "model": p.model_id,
         "choices": choices,
     }
+    if p.fingerprint:
+        chunk["system_fingerprint"] = p.fingerprint
     if p.include_usage:
         chunk["usage"] = None
     return chunk

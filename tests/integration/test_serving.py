@@ -47,7 +47,7 @@ def sessions_freed(mesh: MeshProcesses) -> None:
     )
 
 
-def test_chat_and_completions_with_usage_and_timings(client: OpenAI):
+def test_chat_and_completions_with_usage_and_timings(client: OpenAI, mesh: MeshProcesses):
     reply = chat(client, "Say hello.", max_tokens=8, temperature=0)
     assert reply.model == MODEL
     assert reply.choices[0].finish_reason == "length"
@@ -62,6 +62,11 @@ def test_chat_and_completions_with_usage_and_timings(client: OpenAI):
     assert completion.choices[0].text
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # The fingerprint names the served package and is the same on every answer.
+    from mesh.package.manifest import PackageManifest
+
+    fingerprint = "fp_" + PackageManifest.load(mesh.package).sha256()[:12]
+    assert reply.system_fingerprint == completion.system_fingerprint == fingerprint
 
 
 def test_streaming_matches_non_streaming_and_reports_usage(client: OpenAI):

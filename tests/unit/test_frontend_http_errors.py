@@ -136,14 +136,21 @@ def test_bad_parameters_are_400(http, path: str, body: dict, param: str) -> None
     assert_openai_error(http.post(path, json=body), 400, param=param)
 
 
-@pytest.mark.parametrize(
-    ("path", "field"),
-    [(CHAT, "model"), (CHAT, "messages"), (COMPLETIONS, "model"), (COMPLETIONS, "prompt")],
-)
+@pytest.mark.parametrize(("path", "field"), [(CHAT, "messages"), (COMPLETIONS, "prompt")])
 def test_missing_fields_are_400(http, path: str, field: str) -> None:
     body = dict(OK_CHAT if path == CHAT else OK_COMPLETION)
     del body[field]
     assert_openai_error(http.post(path, json=body), 400, code="missing_field", param=field)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_model_may_be_left_out(http, path: str) -> None:
+    """One model is served: a body without ``model`` gets it (as llama-server does)."""
+    body = dict(OK_CHAT if path == CHAT else OK_COMPLETION)
+    del body["model"]
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == MODEL_ID
 
 
 @pytest.mark.parametrize(
