@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -215,6 +216,23 @@ def local_stage_argv(
     return command
 
 
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Refuse to start when ``host:port`` cannot be bound (another server holds it):
+    stage 0 would fail to serve there, and the mesh would wait for it forever."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise InvalidRequest(
+                f"cannot listen on {url_host(host)}:{port} ({error.strerror}); another "
+                f"process holds it: stop it or choose another {flag}"
+            ) from None
+
+
 def _spawn_stage(command: list[str], security: MeshSecurity) -> subprocess.Popen:
     # The stage exits when this process dies, however it dies (see mesh.lifetime).
     env = security.child_env(os.environ) | {PARENT_PID_ENV: str(os.getpid())}
@@ -245,6 +263,8 @@ def up(args: argparse.Namespace) -> int:
     log_posture(security, "the coordinator")
     ref = _resolve_model_ref(args.model, args.quant)
     model = read_model(ref)
+    if not args.no_local_stage:
+        check_port_free(args.http_host, args.http_port, "--http-port")
     local = (0 if args.no_local_stage else 1) + max(0, args.spawn_stages)
     max_tokens = args.max_tokens_per_session or model.context_length
     settings = CoordinatorSettings(
@@ -304,6 +324,16 @@ def up(args: argparse.Namespace) -> int:
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
             _announce(service, public, args.state_file)
+        failed = [c for c in children if c.poll() is not None and c.returncode != 0]
+        if failed and not announced_term and not stopped.is_set():
+            # Before the mesh first serves, a local stage that fails will fail again:
+            # say so and stop rather than wait for a stage that never comes.
+            sys.stderr.write(
+                f"mesh-coordinator: local stage process {failed[0].pid} exited with status "
+                f"{failed[0].returncode} before the mesh served (its error is above); stopping\n"
+            )
+            exit_code = 1
+            break
         for child in children:
             if child.poll() is not None and not stopped.is_set():
                 logger.warning("local stage process %s exited with %s", child.pid, child.returncode)

@@ -160,6 +160,44 @@ def test_local_stages_do_not_outlive_up(tmp_path, tiny_package_factory):
             up.kill()
 
 
+def test_up_fails_fast_when_its_http_port_is_taken(tmp_path, tiny_package_factory):
+    """Another server on the HTTP port: `up` says so and exits, rather than waiting
+    forever for a stage 0 that cannot serve."""
+    import socket
+    import subprocess
+    import sys
+
+    package = tiny_package_factory("llama", layers=6)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        up = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "up",
+                "--model",
+                str(package),
+                "--listen",
+                "127.0.0.1:0",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert up.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in up.stderr
+    assert "choose another --http-port" in up.stderr
+
+
 def _children_of(pid: int) -> list[int]:
     from pathlib import Path
 
