@@ -370,11 +370,18 @@ def resolve_speculation(
     for where, layer in upper:
         if "strategy" in layer:
             strategy = (layer["strategy"], where)
-    name, package, notes = _package_layer(package_generation, strategy, no_draft)
+    try:
+        name, package, notes = _package_layer(package_generation, strategy, no_draft)
+    except PackageError as problem:
+        # A package block that cannot be used is the package's problem, not a reason
+        # to stop serving: it is left out, with a warning.
+        name, package = None, {}
+        notes = [f"the package's speculation block is left out: {problem.message}"]
 
     values: dict[str, Any] = dict(BUILTIN)
     origins: dict[str, str] = {}
     layers = [(f"package strategy {name!r}", package), *upper]
+    rank = {BUILTIN_ORIGIN: 0, **{where: i + 1 for i, (where, _) in enumerate(layers)}}
     for where, layer in layers:
         for key, value in layer.items():
             if key != "strategy":
@@ -385,7 +392,40 @@ def resolve_speculation(
         notes.append(f"--no-draft: type {values['type']!r} from {origins['type']} -> ngram")
         values["type"] = "ngram"
         origins["type"] = "--no-draft"
+    _clamp_windows(values, origins, rank, notes)
     return _finish(values, origins, name, notes)
+
+
+_WINDOW_ORDER = (
+    ("window_policy.min_window", "window_policy.initial_window"),
+    ("window_policy.initial_window", "window_policy.max_window"),
+    ("window_policy.min_window", "window_policy.max_window"),
+)
+
+
+def _clamp_windows(
+    values: dict[str, Any], origins: dict[str, str], rank: dict[str, int], notes: list[str]
+) -> None:
+    """Where window sizes from different sources conflict (``--max-window 8`` under a
+    package's ``initial_window`` 16), the one from the lower-precedence source moves
+    to the other's value, with a note. Conflicts within one source are left for
+    ``_finish`` to refuse."""
+    for _ in range(len(_WINDOW_ORDER)):
+        for low, high in _WINDOW_ORDER:
+            if values[low] <= values[high]:
+                continue
+            low_rank = rank.get(origins.get(low, BUILTIN_ORIGIN), 0)
+            high_rank = rank.get(origins.get(high, BUILTIN_ORIGIN), 0)
+            if low_rank == high_rank:
+                continue
+            moved, to = (low, high) if low_rank < high_rank else (high, low)
+            notes.append(
+                f"{moved}={values[moved]} from {origins.get(moved, BUILTIN_ORIGIN)} clamped to "
+                f"{values[to]} ({to} from {origins.get(to, BUILTIN_ORIGIN)})"
+            )
+            values[moved] = values[to]
+            origins[moved] = f"{origins.get(moved, BUILTIN_ORIGIN)}, clamped"
+            rank[origins[moved]] = low_rank if moved == low else high_rank
 
 
 def _finish(

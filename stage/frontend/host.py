@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from mesh.errors import MeshError
 from mesh.netaddr import is_wildcard, url_host
 from mesh.package.manifest import PackageManifest
 from stage.frontend.app import create_app, serve_app, stop_server
@@ -95,13 +96,19 @@ def _speculation(args: argparse.Namespace, model_id: str, loaded: LoadedStage, t
 
     toml = load_toml(args.config) if getattr(args, "config", None) else {}
     manifest = PackageManifest.load(loaded.package_dir)
-    config = resolve_speculation(
-        cli_speculation_args(args),
-        toml,
-        model_id,
-        manifest.generation,
-        no_draft=bool(getattr(args, "no_draft", False)),
-    )
+    try:
+        config = resolve_speculation(
+            cli_speculation_args(args),
+            toml,
+            model_id,
+            manifest.generation,
+            no_draft=bool(getattr(args, "no_draft", False)),
+        )
+    except MeshError as error:
+        logger.warning("speculation is off: %s", error.message)
+        return None
+    for note in config.notes:
+        logger.warning("speculation: %s", note)
     runtime = loaded.engine.runtime
     factory = build_drafter(config, tokenizer, device=runtime.device, dtype=runtime.torch_dtype)
     if factory is None:

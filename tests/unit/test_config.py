@@ -188,7 +188,7 @@ def test_type_ngram_drops_an_inherited_draft_model() -> None:
         ({}, toml_with(defaults={"auto": "yes"}), "auto must be true or false"),
         ({"max_window": 100}, {}, r"CLI --max-window: window_policy.max_window must be an integer"),
         ({"ngram_min": 5}, {}, "ngram_min=5 from CLI exceeds ngram_max=4 from package"),
-        ({"max_window": 2}, {}, "min_window <= initial_window <= max_window"),
+        ({"max_window": 2, "initial_window": 3}, {}, "min_window <= initial_window <= max_window"),
         ({"min_window": 0, "initial_window": 0}, {}, "min_window=0 from CLI must be >= 1"),
         ({"spec_type": "draft-model"}, {}, "needs draft_model"),
         ({"draft_model": "not a repo"}, {}, "draft_model 'not a repo' is neither"),
@@ -288,3 +288,34 @@ def test_argparse_flags_map_to_cli_keys() -> None:
     config = resolve_speculation(cli, {}, MODEL, None)
     assert (config.type, config.auto, config.window_policy.max_window) == ("composite", False, 8)
     assert cli_speculation_args(parser.parse_args([])) == {}
+
+
+def test_window_flags_clamp_the_windows_of_lower_sources() -> None:
+    """``--max-window 8`` under a package strategy whose windows are 2..16 (initial
+    16): the package's initial window comes down to 8, with a note; a flag below the
+    package's minimum takes the minimum down with it."""
+    strategy = {"strategy": "with-draft"}
+    config = resolve_speculation({"max_window": 8}, toml_with(defaults=strategy), MODEL, PACKAGE)
+    assert config.window_policy.max_window == 8
+    assert config.window_policy.initial_window == 8 and config.window_policy.min_window == 2
+    assert any("initial_window=16" in note and "clamped to 8" in note for note in config.notes)
+    config = resolve_speculation({"max_window": 1}, toml_with(defaults=strategy), MODEL, PACKAGE)
+    assert (config.window_policy.min_window, config.window_policy.initial_window) == (1, 1)
+    # The built-in windows (1..16, initial 4) give way to a TOML or CLI minimum too.
+    config = resolve_speculation({"min_window": 6}, {}, MODEL, None)
+    assert config.window_policy.initial_window == 6 and config.window_policy.max_window == 16
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        {"strategies": []},
+        {"strategies": {"a": {"window": 3}}},
+        {"strategies": {"a": {}}, "newer_key": 1},
+    ],
+)
+def test_an_unusable_package_block_is_left_out_with_a_note(block) -> None:
+    config = resolve_speculation({}, {}, MODEL, {"speculative_decoding": block})
+    assert config.type == "ngram" and config.strategy is None
+    assert config.window_policy == WindowPolicySpec()
+    assert any("package's speculation block is left out" in note for note in config.notes)
