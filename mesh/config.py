@@ -266,6 +266,7 @@ def toml_layers(toml: dict[str, Any], model_id: str) -> list[tuple[str, dict[str
     defaults = toml.get("defaults", {})
     if not isinstance(defaults, dict):
         raise InvalidRequest("config: [defaults] must be a table")
+    _only_speculative(defaults, "[defaults]")
     if "speculative" in defaults:
         where = "[defaults.speculative]"
         layers.append((where, flatten_layer(defaults["speculative"], where, True)))
@@ -275,12 +276,43 @@ def toml_layers(toml: dict[str, Any], model_id: str) -> list[tuple[str, dict[str
     for name, entry in models.items():
         if not isinstance(entry, dict):
             raise InvalidRequest(f'config: [models."{name}"] must be a table')
+        if name == "speculative" and "speculative" not in entry:
+            raise InvalidRequest(
+                "config: [models.speculative] names a model called 'speculative'; a model's "
+                'settings go in [models."<model id>".speculative]'
+            )
+        _only_speculative(entry, f'[models."{name}"]')
         if "speculative" in entry:
             where = f'[models."{name}".speculative]'
             flat = flatten_layer(entry["speculative"], where, True)
             if name == model_id:
                 layers.append((where, flat))
     return layers
+
+
+TOML_TABLES = ("defaults", "models", "security")
+
+
+def check_toml(toml: dict[str, Any]) -> None:
+    """Refuse a config with a table this version does not know (a typo would
+    otherwise be ignored) and check every speculation table; run when ``up`` and
+    ``join`` start. ``[security]`` is checked by mesh.security."""
+    unknown = sorted(set(toml) - set(TOML_TABLES))
+    if unknown:
+        raise InvalidRequest(
+            f"config: unknown table(s) or key(s) {', '.join(unknown)}; known tables: "
+            f"{', '.join(TOML_TABLES)}"
+        )
+    toml_layers(toml, "")
+
+
+def _only_speculative(table: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(table) - {"speculative"})
+    if unknown:
+        raise InvalidRequest(
+            f"config: unknown key(s) {', '.join(unknown)} in {where}; it holds only a "
+            "speculative table"
+        )
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:

@@ -163,9 +163,13 @@ def security_from_args(
     toml: dict[str, Any] = {}
     config = getattr(args, "config", None)
     if config:
-        from mesh.config import load_toml
+        from mesh.config import check_toml, load_toml
 
-        toml = _toml_security(load_toml(config), Path(config).expanduser().absolute().parent)
+        whole = load_toml(config)
+        # The whole file is checked here, when up and join start: a typo in any
+        # table fails now, not when stage 0 loads.
+        check_toml(whole)
+        toml = _toml_security(whole, Path(config).expanduser().absolute().parent)
 
     def pick(key: str) -> Any:
         value = getattr(args, key, None)

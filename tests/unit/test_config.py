@@ -12,6 +12,7 @@ from mesh.config import (
     SpeculationConfig,
     WindowPolicySpec,
     add_speculation_arguments,
+    check_toml,
     cli_speculation_args,
     load_toml,
     parse_draft_ref,
@@ -47,7 +48,7 @@ PACKAGE = {
 
 
 def toml_with(defaults: dict | None = None, model: dict | None = None) -> dict:
-    body: dict = {"server": {"http_port": 8000}}
+    body: dict = {}
     if defaults is not None:
         body["defaults"] = {"speculative": defaults}
     if model is not None:
@@ -319,3 +320,22 @@ def test_an_unusable_package_block_is_left_out_with_a_note(block) -> None:
     assert config.type == "ngram" and config.strategy is None
     assert config.window_policy == WindowPolicySpec()
     assert any("package's speculation block is left out" in note for note in config.notes)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ({"server": {"http_port": 8000}}, r"unknown table\(s\) or key\(s\) server"),
+        ({"models": {"speculative": {"type": "ngram"}}}, r"\[models.speculative\] names a model"),
+        (
+            {"defaults": {"speculation": {"type": "ngram"}}},
+            r"unknown key\(s\) speculation in \[defaults\]",
+        ),
+        ({"models": {"m": {"window": 3}}}, r'unknown key\(s\) window in \[models."m"\]'),
+        ({"defaults": {"speculative": {"type": "eagle"}}}, "type must be one of"),
+    ],
+)
+def test_a_config_table_that_is_not_known_is_refused(toml, message) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        check_toml(toml)
+    check_toml(toml_with(defaults={"type": "ngram"}, model={"window_policy": {"max_window": 8}}))
