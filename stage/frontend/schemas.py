@@ -1,9 +1,12 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Types are strict: ``"1"`` is not an integer and ``true`` is not a number. Unknown
-fields are ignored, as OpenAI's own clients send fields a server may not know;
-known fields this server cannot honour (``logprobs``, ``tools``, ``n`` > 1, ...)
-are rejected with a 400 that names them rather than silently ignored.
+Types are strict: ``"1"`` is not an integer and ``true`` is not a number. A field
+this server does not know, or knows but cannot honour (``logprobs``, ``tools``,
+``n`` > 1, ...), is refused with a 400 that names it rather than silently ignored:
+a client that asks for something gets it or is told. Exceptions: OpenAI's
+bookkeeping fields that do not change the answer (``IGNORED_FIELDS``), and unknown
+fields inside messages (clients replay OpenAI's own message objects, with fields
+such as ``refusal`` or ``annotations``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,16 @@ class StreamOptions(_Body):
     include_usage: Bool | None = None
 
 
+# OpenAI request fields that do not change what is generated: accepted and ignored.
+IGNORED_FIELDS = frozenset(
+    {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+
+
 class GenerationBody(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
 
     # Optional: a mesh serves one model (llama-server and vLLM accept it missing too).
     model: Annotated[str, Strict(), Field(min_length=1, max_length=512)] | None = None
@@ -63,6 +74,10 @@ class GenerationBody(_Body):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to something this server cannot do."""
         problems: list[tuple[str, str]] = []
+        for field in sorted(set(self.model_extra or {}) - IGNORED_FIELDS):
+            problems.append(
+                (field, f"unknown parameter '{field}'; this server does not support it: remove it")
+            )
         if self.n is not None and self.n != 1:
             problems.append(("n", f"n={self.n} is not supported; only n=1 (one choice)"))
         if self.stream_options is not None and not self.stream:

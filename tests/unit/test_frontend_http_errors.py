@@ -95,6 +95,10 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, n=0), "n"),
         (CHAT, with_(OK_CHAT, logprobs=True), "logprobs"),
         (CHAT, with_(OK_CHAT, tools=[{"type": "function"}]), "tools"),
+        (CHAT, with_(OK_CHAT, tool_choice="auto"), "tool_choice"),
+        (CHAT, with_(OK_CHAT, parallel_tool_calls=False), "parallel_tool_calls"),
+        (CHAT, with_(OK_CHAT, frobnicate=1), "frobnicate"),
+        (COMPLETIONS, with_(OK_COMPLETION, typical_p=0.5), "typical_p"),
         (CHAT, with_(OK_CHAT, presence_penalty=2.5), "presence_penalty"),
         (CHAT, with_(OK_CHAT, frequency_penalty="high"), "frequency_penalty"),
         (CHAT, with_(OK_CHAT, repetition_penalty=0), "repetition_penalty"),
@@ -141,6 +145,19 @@ def test_missing_fields_are_400(http, path: str, field: str) -> None:
     body = dict(OK_CHAT if path == CHAT else OK_COMPLETION)
     del body[field]
     assert_openai_error(http.post(path, json=body), 400, code="missing_field", param=field)
+
+
+def test_bookkeeping_fields_and_replayed_message_fields_are_accepted(http) -> None:
+    """OpenAI's fields that change nothing, and the extra fields of a replayed
+    assistant message (as clients send back OpenAI's own message objects)."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},
+        {"role": "user", "content": "again"},
+    ]
+    body = with_(OK_CHAT, messages=messages, metadata={"k": "v"}, store=False)
+    reply = http.post(CHAT, json=body)
+    assert reply.status_code == 200, reply.text
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
