@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         "attempts in a row (0: keep trying)",
     )
     up.add_argument("--config", type=Path, default=None, help="mesh.toml")
+    up.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="file with the HTTP API key of the local stage 0 (or MESH_API_KEY)",
+    )
     up.add_argument("--log-level", default=None)
     add_speculation_arguments(up)
     add_security_arguments(up)
@@ -212,6 +218,8 @@ def local_stage_argv(
     command += security.child_argv()
     if frontend:
         command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
+        if getattr(args, "api_key_file", None) is not None:
+            command += ["--api-key-file", str(args.api_key_file.expanduser().absolute())]
         command += _speculation_argv(args)
     return command
 
@@ -258,13 +266,14 @@ def _speculation_argv(args: argparse.Namespace) -> list[str]:
 
 def up(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, prefix="coordinator")
-    security = validate(security_from_args(args), serving=True)
-    install(security)
-    log_posture(security, "the coordinator")
+    # What cannot work is refused before anything is said about the rest.
     ref = _resolve_model_ref(args.model, args.quant)
     model = read_model(ref)
     if not args.no_local_stage:
         check_port_free(args.http_host, args.http_port, "--http-port")
+    security = validate(security_from_args(args), serving=True)
+    install(security)
+    log_posture(security, "the coordinator")
     local = (0 if args.no_local_stage else 1) + max(0, args.spawn_stages)
     max_tokens = args.max_tokens_per_session or model.context_length
     settings = CoordinatorSettings(
@@ -323,7 +332,7 @@ def up(args: argparse.Namespace) -> int:
         state = service.state
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
-            _announce(service, public, args.state_file)
+            _announce(service, public, args.state_file, _key_example(args))
         failed = [c for c in children if c.poll() is not None and c.returncode != 0]
         if failed and not announced_term and not stopped.is_set():
             # Before the mesh first serves, a local stage that fails will fail again:
@@ -345,9 +354,30 @@ def up(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _announce(service: CoordinatorService, address: str, state_file: Path | None) -> None:
+def _key_example(args: argparse.Namespace) -> tuple[str, str]:
+    """How the banner's examples pass the API key: (curl header, Python expression);
+    the key itself is never printed."""
+    key_file = getattr(args, "api_key_file", None)
+    if key_file is not None:
+        path = str(key_file.expanduser().absolute())
+        return (
+            f' -H "Authorization: Bearer $(cat {path})"',
+            f"open('{path}').read().strip()",
+        )
+    if os.environ.get("MESH_API_KEY"):
+        return (' -H "Authorization: Bearer $MESH_API_KEY"', "os.environ['MESH_API_KEY']")
+    return "", "'none'"
+
+
+def _announce(
+    service: CoordinatorService,
+    address: str,
+    state_file: Path | None,
+    key: tuple[str, str] = ("", "'none'"),
+) -> None:
     status = service.status()
     url = status.http_url
+    header, api_key = key
     lines = [
         f"Mesh is serving {status.model_id} (term {status.term}) across "
         f"{sum(1 for s in status.stages if s.assigned)} stage(s)."
@@ -356,11 +386,12 @@ def _announce(service: CoordinatorService, address: str, state_file: Path | None
         lines += [
             f"OpenAI API: {url}/v1",
             "Try it:",
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{header} \\",
             f'    -d \'{{"model": "{status.model_id}", '
             '"messages": [{"role": "user", "content": "Hello!"}]}\'',
-            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', "
-            f"api_key='none'); print(c.chat.completions.create(model='{status.model_id}', "
+            f'  {sys.executable} -c "import os; from openai import OpenAI; '
+            f"c = OpenAI(base_url='{url}/v1', api_key={api_key}); "
+            f"print(c.chat.completions.create(model='{status.model_id}', "
             "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)\"",
         ]
     lines.append(f"Topology: mesh-coordinator status --coordinator {address}")
