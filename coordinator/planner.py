@@ -180,7 +180,7 @@ def plan_layers(
     left_out = [n.node_id for n in order if n not in chosen]
     if left_out:
         logger.info("plan leaves out node(s) %s", ", ".join(left_out))
-    logger.info("layer plan:\n%s", plan.describe())
+    logger.debug("layer plan:\n%s", plan.describe())
     return plan
 
 

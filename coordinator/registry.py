@@ -377,7 +377,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             last_heartbeat_at=event.now,
             accepted_term=event.term,
         )
-        logger.info("node %s joined from %s (%s)", event.node_id, event.address, event.device)
+        logger.debug("node %s joined from %s (%s)", event.node_id, event.address, event.device)
         return replace(state, nodes=state.nodes + (record,), membership_changed=True)
     logger.info("node %s joined again from %s", event.node_id, event.address)
     after = _degrade_if_assigned(state, event.node_id, "joined again (its process restarted)")
