@@ -9,7 +9,7 @@ order whatever the other rows are. On CPU it holds as follows (each kernel prope
 below is checked by ``tests/unit/test_row_invariance.py``, 1 and 2 threads):
 
 - **Linears.** torch's int4 and int8 weight-only kernels loop over one row at a
-  time: already invariant. The float32 / bfloat16 GEMMs (MKL, oneDNN) give every row
+  time: already invariant. The float32 / bfloat16 / float16 GEMMs (MKL, oneDNN) give every row
   the same result for any row count from 2 to 64 at any offset, but a one-row call
   takes a matrix-vector kernel that sums in another order, and with several
   threads MKL splits some shapes differently from 17 rows on (float32, K = 1536).

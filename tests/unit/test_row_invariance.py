@@ -104,6 +104,7 @@ def test_attention_rows_do_not_depend_on_the_window(
 FORMATS = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
+    "float16": {"dtype": "float16"},
     "int8": {"dtype": "bfloat16", "quant": "int8"},
     "int4": {"dtype": "bfloat16", "quant": "int4", "group_size": 32},
 }
