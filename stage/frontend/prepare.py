@@ -34,6 +34,7 @@ from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from stage.frontend.tools import TemplateTools, forced_prefix, generic_messages, template_tools
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class PreparedGeneration:
     stream: bool
     include_usage: bool
     fingerprint: str | None = None
+    tools: ToolUse | None = None
 
 
 @dataclass(frozen=True)
@@ -158,11 +160,21 @@ def _budget(prompt_len: int, requested: int | None, ctx: PromptContext, param: s
     return room if wanted is None else min(wanted, room)
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Prompt token ids of a conversation, through the tokenizer's chat template."""
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Prompt token ids of chat ``messages`` (and ``tools``, for a template that
+    renders them) through the tokenizer's chat template."""
+    extra = {"tools": list(tools)} if tools else {}
     try:
         encoded = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=True
+            [dict(m) for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **extra,
         )
     except TemplateError as exc:
         message = f"the model's chat template rejected the messages: {exc}"
@@ -171,6 +183,44 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[i
         raise bad_request(f"cannot apply the model's chat template: {exc}", "messages") from None
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     return [int(i) for i in ids]
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What the answer is parsed for: the functions it may call, whether several
+    calls are kept, and the text the answer was started with (``tool_choice``)."""
+
+    names: tuple[str, ...]
+    parallel: bool
+    prefix: str
+
+
+def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int], ToolUse | None]:
+    messages = [m.template_dict() for m in body.messages]
+    choice = body.tool_choice_name if body.tools else "none"
+    tools = [t.template_dict() for t in body.tools or ()] if choice != "none" else None
+    mode = template_tools(getattr(ctx.tokenizer, "chat_template", None))
+    if tools and mode is TemplateTools.OTHER:
+        raise bad_request(
+            "this model's chat template writes tool calls in a format this server does not "
+            "parse (only Hermes-style <tool_call> JSON is); omit tools",
+            "tools",
+            code="unsupported_parameter",
+        )
+    history = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if mode is TemplateTools.NATIVE:
+        prompt = render_chat(ctx.tokenizer, messages, tools)
+    elif tools or history:
+        prompt = render_chat(ctx.tokenizer, generic_messages(messages, tools))
+    else:
+        prompt = render_chat(ctx.tokenizer, messages)
+    if not tools:
+        return prompt, None
+    prefix = forced_prefix(choice)
+    if prefix:
+        prompt += [int(i) for i in ctx.tokenizer.encode(prefix, add_special_tokens=False)]
+    names = tuple(t["function"]["name"] for t in tools)
+    return prompt, ToolUse(names, body.parallel_tool_calls is not False, prefix)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
@@ -192,6 +242,7 @@ def _prepared(
     prompt: list[int],
     stop: tuple[str, ...],
     ctx: PromptContext,
+    tools: ToolUse | None = None,
 ) -> PreparedGeneration:
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     response_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -214,14 +265,14 @@ def _prepared(
         stream=bool(body.stream),
         include_usage=body.include_usage,
         fingerprint=ctx.fingerprint,
+        tools=tools,
     )
 
 
 async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> PreparedGeneration:
     stop = _check_common(body, ctx)
-    messages = [m.template_dict() for m in body.messages]
-    prompt = await asyncio.to_thread(render_chat, ctx.tokenizer, messages)
-    return _prepared("chat", body, prompt, stop, ctx)
+    prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
+    return _prepared("chat", body, prompt, stop, ctx, tools)
 
 
 async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> PreparedGeneration:

@@ -11,6 +11,7 @@ such as ``refusal`` or ``annotations``).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
@@ -112,15 +113,60 @@ class ContentPart(_Body):
         return self
 
 
+FunctionName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDef(_Body):
+    name: FunctionName
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates expect it (OpenAI's shape, unset fields left out)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Body):
+    name: FunctionName
+    arguments: Str
+
+
+class ToolCallIn(_Body):
+    """A call of an earlier assistant turn, sent back by the client."""
+
+    id: Annotated[str, Strict(), Field(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[ContentPart] | None = None
     name: Annotated[str, Strict(), Field(max_length=256)] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Annotated[str, Strict(), Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role!r} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an 'assistant' message may carry tool_calls")
         return self
 
     def text(self) -> str:
@@ -130,13 +176,37 @@ class ChatMessage(_Body):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as the chat template expects it; 'developer' is a system message."""
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it; 'developer' is a system
+        message; a call's arguments become an object where they parse as one (how
+        templates render them)."""
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ResponseFormat(_Body):
@@ -148,9 +218,19 @@ class ChatCompletionBody(GenerationBody):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
     logprobs: Bool | None = None
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
     functions: list[Any] | None = None
     response_format: ResponseFormat | None = None
+
+    @property
+    def tool_choice_name(self) -> str:
+        """``none``, ``auto`` (the default with tools), ``required`` or a function name."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice or "auto"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -162,9 +242,21 @@ class ChatCompletionBody(GenerationBody):
         problems = super().unsupported()
         if self.logprobs or self.top_logprobs:
             problems.append(("logprobs", "logprobs are not supported; omit logprobs"))
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
-            problems.append((param, "tool calling is not supported; omit tools"))
+        if self.functions:
+            problems.append(("functions", "'functions' is deprecated; send 'tools'"))
+        if not self.tools:
+            for name in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, name) is not None:
+                    problems.append((name, f"{name} is only allowed with tools"))
+        else:
+            names = [tool.function.name for tool in self.tools]
+            if len(set(names)) != len(names):
+                problems.append(("tools", "two tools have the same function name"))
+            choice = self.tool_choice_name
+            if choice not in ("none", "auto", "required") and choice not in names:
+                problems.append(
+                    ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
+                )
         if self.response_format is not None and self.response_format.type != "text":
             problems.append(
                 ("response_format", "only response_format {'type': 'text'} is supported")

@@ -21,6 +21,7 @@ from mesh.errors import MeshError
 from stage.frontend.errors import OpenAIError, from_mesh_error
 from stage.frontend.generation import GenerationRun
 from stage.frontend.telemetry import FrontendMetrics
+from stage.frontend.tools import CALL_OPEN, held_from, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,26 @@ def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
     """The non-streaming answer of a finished run."""
     p = run.prepared
     if p.kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = run.finish_reason
+        if p.tools is not None:
+            content, calls = parse_tool_calls(
+                p.tools.prefix + text, p.tools.names, p.tools.parallel
+            )
+            if calls:
+                message = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [call.to_openai() for call in calls],
+                }
+                finish = "tool_calls"
+            else:
+                message["content"] = p.tools.prefix + text
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None,
-            "finish_reason": run.finish_reason,
+            "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
@@ -127,8 +143,19 @@ async def sse_events(
     if run.prepared.kind == "chat":
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         yield sse(_chunk(run, [{**first, "finish_reason": None}]))
+    tools = run.prepared.tools if run.prepared.kind == "chat" else None
+    # With tools, text from a <tool_call> on is held back and sent as tool-call
+    # deltas once the answer is complete.
+    held = tools.prefix if tools is not None else ""
     try:
         while (text := await run.next_text()) is not None:
+            if tools is not None and text:
+                held += text
+                if CALL_OPEN not in held:
+                    cut = held_from(held)
+                    text, held = held[:cut], held[cut:]
+                else:
+                    text = ""
             if text:
                 yield sse(_chunk(run, [_choice(run, text, None)]))
     except MeshError as exc:
@@ -140,7 +167,23 @@ async def sse_events(
         logger.exception("request %s failed mid-stream", run.request.request_id)
         yield sse(OpenAIError(500, "internal server error; the server logged the details").body())
         return
-    last = _chunk(run, [_choice(run, None, run.finish_reason)])
+    finish = run.finish_reason
+    if tools is not None and held:
+        content, calls = parse_tool_calls(held, tools.names, tools.parallel)
+        if not calls:
+            yield sse(_chunk(run, [_choice(run, held, None)]))
+        else:
+            if content:
+                yield sse(_chunk(run, [_choice(run, content, None)]))
+            for index, call in enumerate(calls):
+                delta = {"tool_calls": [call.to_openai(index)]}
+                yield sse(
+                    _chunk(
+                        run, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+                    )
+                )
+            finish = "tool_calls"
+    last = _chunk(run, [_choice(run, None, finish)])
     last["timings"] = run.timings()
     yield sse(last)
     if run.prepared.include_usage:

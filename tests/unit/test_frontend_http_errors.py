@@ -31,6 +31,8 @@ COMPLETIONS = "/v1/completions"
 BODY_LIMIT = 64 * 1024
 OK_CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 OK_COMPLETION = {"model": MODEL_ID, "prompt": "hello", "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,29 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, n=0), "n"),
         (CHAT, with_(OK_CHAT, logprobs=True), "logprobs"),
         (CHAT, with_(OK_CHAT, tools=[{"type": "function"}]), "tools"),
+        (CHAT, with_(OK_CHAT, tools=[{"type": "retrieval", "function": {"name": "x"}}]), "tools"),
         (CHAT, with_(OK_CHAT, tool_choice="auto"), "tool_choice"),
+        (CHAT, with_(OK_CHAT, tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+        (
+            CHAT,
+            with_(
+                OK_CHAT,
+                tools=[TOOL],
+                tool_choice={"type": "function", "function": {"name": "other"}},
+            ),
+            "tool_choice",
+        ),
+        (CHAT, with_(OK_CHAT, tools=[TOOL, TOOL]), "tools"),
+        (CHAT, with_(OK_CHAT, tools=[{"type": "function", "function": {"name": "a b"}}]), "tools"),
+        (CHAT, with_(OK_CHAT, functions=[TOOL["function"]]), "functions"),
+        (
+            CHAT,
+            with_(
+                OK_CHAT,
+                messages=[{"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}],
+            ),
+            "messages",
+        ),
         (CHAT, with_(OK_CHAT, parallel_tool_calls=False), "parallel_tool_calls"),
         (CHAT, with_(OK_CHAT, frobnicate=1), "frobnicate"),
         (COMPLETIONS, with_(OK_COMPLETION, typical_p=0.5), "typical_p"),
