@@ -54,6 +54,8 @@ FIELDS = (
     "min_p",
     "logit_bias",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "response_format",
 )
 
