@@ -27,12 +27,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from mesh.errors import Unavailable
+from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from stage.frontend import anthropic
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
     OpenAIError,
     bad_request,
+    from_mesh_error,
     from_validation_error,
     install_error_handlers,
 )
@@ -58,7 +60,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-ENDPOINTS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
+MESSAGES_PATH = "/v1/messages"
+ENDPOINTS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, "/v1/models", "/health", "/metrics")
 
 
 def _reject_constant(name: str) -> Any:
@@ -132,9 +135,13 @@ class _Frontend:
         )
 
     def authorize(self, request: Request) -> None:
+        """The API key as ``Authorization: Bearer`` (OpenAI clients) or ``x-api-key``
+        (Anthropic clients)."""
         if self._api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, token = "bearer", request.headers["x-api-key"]
         given = token.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._api_key):
             raise OpenAIError(
@@ -202,6 +209,82 @@ class _Frontend:
             if not handed_over:
                 await run.aclose()
 
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (Anthropic's Messages API, stage/frontend/anthropic.py)."""
+        arrival = time.perf_counter()
+        self.authorize(request)
+        try:
+            payload = await read_json_object(request, self.max_request_bytes)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        body, chat = anthropic.parse_body(payload, self.model_id)
+        self.check_ready()
+        prepared = await prepare_chat(chat, self.prompt_context())
+        tools = prepared.tools
+        prefix, names = (tools.prefix, tools.names) if tools else ("", ())
+        parallel = tools.parallel if tools else True
+        run = GenerationRun(
+            self.backend, prepared, self.tokenizer, self.metrics, MESSAGES_PATH, arrival
+        )
+        message_id = anthropic.new_message_id()
+        model = body.model or self.model_id
+        input_tokens = len(prepared.request.prompt_tokens)
+        handed_over = False
+        try:
+            await until_disconnect(request.receive, run.start())
+            if prepared.stream:
+
+                async def texts():
+                    while (text := await run.next_text()) is not None:
+                        yield text
+
+                def finish() -> tuple[str | None, str | None, int]:
+                    return run.finish_reason, run.stop_string, run.completion_tokens
+
+                events = anthropic.message_events(
+                    texts(),
+                    finish,
+                    message_id,
+                    model,
+                    input_tokens,
+                    prefix,
+                    names,
+                    parallel,
+                )
+                handed_over = True
+                return EventStreamResponse(events, on_close=run.aclose)
+            text = await until_disconnect(request.receive, _collect(run))
+            blocks, called = anthropic.content_blocks(text, prefix, names, parallel)
+            stop_reason, stop_sequence = anthropic.stop_of(
+                run.finish_reason, run.stop_string, called
+            )
+            return JSONResponse(
+                {
+                    "id": message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": blocks,
+                    "stop_reason": stop_reason,
+                    "stop_sequence": stop_sequence,
+                    "usage": {
+                        "input_tokens": input_tokens,
+                        "output_tokens": run.completion_tokens,
+                    },
+                }
+            )
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        finally:
+            if not handed_over:
+                await run.aclose()
+
+
+def _anthropic_error(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(
+        anthropic.error_response_body(error), status_code=error.status, headers=error.headers
+    )
+
 
 async def _collect(run: GenerationRun) -> str:
     parts: list[str] = []
@@ -260,6 +343,15 @@ def create_app(
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
         return await front.generate(request, "completion")
+
+    @app.post(MESSAGES_PATH)
+    async def messages(request: Request) -> Response:
+        try:
+            return await front.messages(request)
+        except OpenAIError as error:
+            return _anthropic_error(error)
+        except MeshError as exc:
+            return _anthropic_error(from_mesh_error(exc, limits.retry_after_s))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

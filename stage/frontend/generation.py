@@ -98,6 +98,11 @@ class GenerationRun:
         except Exception as exc:  # handed to the consumer, which maps it to an HTTP answer
             self._queue.put_nowait(exc)
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._text.stop_string
+
     async def next_text(self) -> str | None:
         """The next piece of completion text ('' when tokens completed no text yet), or
         None once the generation has finished. Raises the backend's mid-stream errors."""

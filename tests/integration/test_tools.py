@@ -1,4 +1,5 @@
-"""Tool calling through a real 2-stage mesh, with the official openai client.
+"""Tool calling through a real 2-stage mesh, with the official openai client, and
+Anthropic's Messages API with the official anthropic client.
 
 The model is a tiny Llama trained here, in a few seconds, to answer two
 conversations with known text: asked about the weather with a ``get_weather`` tool
@@ -143,13 +144,18 @@ def package(smollm2_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def client(package: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+def url(package: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     processes = MeshProcesses(package, tmp_path_factory.mktemp("tools"), 2)
     try:
         processes.start().wait_serving()
-        yield OpenAI(base_url=processes.http_url + "/v1", api_key="unused", timeout=60)
+        yield processes.http_url
     finally:
         processes.close()
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
 
 
 def ask(client: OpenAI, messages=ASK, **kwargs):
@@ -204,3 +210,102 @@ def test_tool_choice_none_returns_no_call(client: OpenAI) -> None:
     reply = ask(client, tool_choice="none")
     choice = reply.choices[0]
     assert choice.message.tool_calls is None and choice.finish_reason != "tool_calls"
+
+
+# ---- Anthropic's Messages API ---------------------------------------------------------
+
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
+ANTHROPIC_ANSWERED = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "call_1",
+                "content": '{"sky": "sunny", "celsius": 21}',
+            }
+        ],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def claude(url: str):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=url, api_key="unused", timeout=60, max_retries=0)
+
+
+def test_messages_api_tool_use_and_tool_result(claude) -> None:
+    reply = claude.messages.create(
+        model=MODEL,
+        max_tokens=48,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        extra_body={"temperature": 0},
+    )
+    assert reply.stop_reason == "tool_use" and reply.role == "assistant"
+    (block,) = reply.content
+    assert block.type == "tool_use" and block.name == "get_weather"
+    assert block.input == {"city": "Paris"} and block.id.startswith("toolu_")
+    assert reply.usage.input_tokens > 50 and reply.usage.output_tokens > 5
+    answer = claude.messages.create(
+        model=MODEL,
+        max_tokens=48,
+        messages=ANTHROPIC_ANSWERED,
+        tools=ANTHROPIC_TOOLS,
+        extra_body={"temperature": 0},
+    )
+    assert answer.stop_reason == "end_turn"
+    assert [b.type for b in answer.content] == ["text"] and answer.content[0].text == REPLY_TEXT
+
+
+def test_messages_api_streams_text_and_tool_use(claude) -> None:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=48,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        extra_body={"temperature": 0},
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in message.content] == [
+        ("tool_use", "get_weather", {"city": "Paris"})
+    ]
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=48,
+        messages=ANTHROPIC_ANSWERED,
+        tools=ANTHROPIC_TOOLS,
+        extra_body={"temperature": 0},
+        stop_sequences=["Paris"],
+    ) as stream:
+        text = "".join(stream.text_stream)
+        message = stream.get_final_message()
+    assert text == REPLY_TEXT[: REPLY_TEXT.index("Paris")]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Paris")
+
+
+def test_messages_api_errors_have_its_shape(claude) -> None:
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=0, messages=ASK)
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in caught.value.body["error"]["message"]

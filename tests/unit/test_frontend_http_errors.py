@@ -293,6 +293,15 @@ def test_api_key_is_required_when_configured(backend, tokenizer) -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
         assert openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data
+        # Anthropic clients send the key as x-api-key, and get Anthropic's error shape.
+        import anthropic
+
+        ask = {"model": MODEL_ID, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            anthropic.Anthropic(base_url=url, api_key="nope", max_retries=0).messages.create(**ask)
+        assert caught.value.body["error"]["type"] == "authentication_error"
+        reply = anthropic.Anthropic(base_url=url, api_key="s3cret").messages.create(**ask)
+        assert reply.type == "message" and reply.usage.output_tokens == 2
 
 
 def test_disconnect_mid_stream_cancels_the_request(http, backend, base_url) -> None:
