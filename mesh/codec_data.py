@@ -22,6 +22,7 @@ from mesh.frames import (
     SegmentKind,
     SegmentResult,
     StageTiming,
+    TokenLogprob,
 )
 from mesh.proto.v1 import common_pb2, data_pb2
 from mesh.types import SamplingParams
@@ -39,6 +40,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_p=params.min_p,
         logit_bias=dict(params.logit_bias),
         prompt_tokens=params.prompt_tokens,
+        logprobs=params.top_logprobs >= 0,
+        top_logprobs=max(0, params.top_logprobs),
     )
 
 
@@ -58,6 +61,7 @@ def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         min_p=pb.min_p,
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in pb.logit_bias.items())),
         prompt_tokens=pb.prompt_tokens,
+        top_logprobs=pb.top_logprobs if pb.logprobs else -1,
     )
 
 
@@ -203,6 +207,14 @@ def segment_result_to_proto(result: SegmentResult) -> data_pb2.SegmentResult:
         token_ids=result.token_ids,
         accepted_count=result.accepted_count,
         epoch=result.epoch,
+        logprobs=[
+            data_pb2.TokenLogprob(
+                logprob=entry.logprob,
+                top_tokens=[token for token, _ in entry.top],
+                top_logprobs=[value for _, value in entry.top],
+            )
+            for entry in result.logprobs
+        ],
     )
     if result.error is not None:
         pb.error.CopyFrom(error_to_proto(result.error))
@@ -218,6 +230,13 @@ def segment_result_from_proto(pb: data_pb2.SegmentResult) -> SegmentResult:
         accepted_count=pb.accepted_count,
         error=_optional_error(pb),
         epoch=pb.epoch,
+        logprobs=tuple(
+            TokenLogprob(
+                entry.logprob,
+                tuple(zip(entry.top_tokens, entry.top_logprobs, strict=False)),
+            )
+            for entry in pb.logprobs
+        ),
     )
 
 

@@ -167,6 +167,15 @@ class FrameAck:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability and its likeliest alternatives
+    ``(token, logprob)``, best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class SegmentResult:
     """Emitted tokens (or an error) for one segment. ``pos_start`` is the position of
     the first emitted token (of the failed segment for an error); ``accepted_count``
@@ -179,6 +188,8 @@ class SegmentResult:
     accepted_count: int = 0
     error: ErrorInfo | None = None
     epoch: int = 0
+    # One per emitted token when the session asked for log-probabilities.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):

@@ -94,3 +94,18 @@ def sample_token(
     while probs[index] == 0.0 and index > 0:
         index -= 1
     return index
+
+
+def token_logprob(
+    logits: torch.Tensor, params: SamplingParams, token: int, history: Sequence[int] = ()
+) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``token``'s log-probability under the distribution it was chosen from
+    (penalties and biases applied, before temperature and filtering, as OpenAI
+    reports them) and the ``params.top_logprobs`` likeliest tokens, best first."""
+    scores = adjust_logits(logits, params, history).detach().to("cpu", torch.float32)
+    logprobs = torch.log_softmax(scores, dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if params.top_logprobs > 0:
+        values, indices = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
+        top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+    return float(logprobs[token]), top

@@ -57,6 +57,7 @@ class LayerRange:
         return cls(int(parts[0]), int(parts[1]))
 
 
+TOP_LOGPROBS_MAX = 20
 # Largest |bias| of a logit_bias entry (OpenAI's range).
 LOGIT_BIAS_MAX = 100.0
 
@@ -82,6 +83,8 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_tokens: int = 0
+    # -1: no log-probabilities; 0..20: each emitted token's, with that many alternatives.
+    top_logprobs: int = -1
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -101,6 +104,10 @@ class SamplingParams:
             )
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -1 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}"
+            )
         if self.prompt_tokens < 0:
             raise InvalidRequest(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
         for token, bias in self.logit_bias:

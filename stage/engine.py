@@ -24,9 +24,10 @@ from mesh.frames import (
     SegmentKind,
     SegmentResult,
     StageTiming,
+    TokenLogprob,
 )
 from mesh.runtime import BatchOutput, Span, StageRuntime
-from mesh.sampling import sample_token
+from mesh.sampling import sample_token, token_logprob
 from mesh.speculative.verify import verify_window
 
 logger = logging.getLogger(__name__)
@@ -170,10 +171,20 @@ class StageEngine:
                 logits, segment.token_ids, sampling, segment.pos_start + 1, before
             )
             emitted, accepted = list(verdict.emitted), verdict.accepted_count
+            rows = [logits[i] for i in range(len(emitted))]
+            # Row i follows the window's first i + 1 tokens (penalties see them).
+            seens = [[*before, *segment.token_ids[: i + 1]] for i in range(len(emitted))]
         else:
-            seen = [*before, *segment.token_ids] if sampling.uses_history else ()
+            seen = [*before, *segment.token_ids] if sampling.uses_history else []
             emitted = [sample_token(logits[-1], sampling, segment.pos_end, seen)]
             accepted = 0
+            rows, seens = [logits[-1]], [seen]
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if sampling.top_logprobs >= 0:
+            logprobs = tuple(
+                TokenLogprob(*token_logprob(row, sampling, token, seen))
+                for row, token, seen in zip(rows, emitted, seens, strict=True)
+            )
         return SegmentResult(
             request_id=segment.request_id,
             session_id=segment.session_id,
@@ -181,6 +192,7 @@ class StageEngine:
             token_ids=tuple(emitted),
             accepted_count=accepted,
             epoch=segment.epoch,
+            logprobs=logprobs,
         )
 
 

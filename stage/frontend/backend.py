@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from mesh.types import SamplingParams
 
@@ -78,6 +78,8 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    # One per token when the request asked for log-probabilities (mesh.frames).
+    logprobs: tuple[Any, ...] = ()
 
 
 @runtime_checkable

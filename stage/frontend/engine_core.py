@@ -380,7 +380,7 @@ class EngineCore:
         else:
             accepted = answer.accepted_count
             run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
-        event = run.commit(emitted)
+        event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
             self.cancel(run.request.request_id)
         return Outcome(run.request.request_id, event=event)

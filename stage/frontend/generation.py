@@ -46,6 +46,11 @@ class GenerationRun:
     ) -> None:
         self.prepared = prepared
         self.request = prepared.request
+        self.tokenizer = tokenizer
+        # (token, mesh.frames.TokenLogprob) of every kept token, when asked for;
+        # ``_unsent`` those not yet handed out with a streamed chunk.
+        self.logprobs: list[tuple[int, Any]] = []
+        self._unsent = 0
         self._backend = backend
         self._text = TextStream(tokenizer, prepared.stop)
         self._metrics = metrics
@@ -97,6 +102,12 @@ class GenerationRun:
             self._queue.put_nowait(_END)
         except Exception as exc:  # handed to the consumer, which maps it to an HTTP answer
             self._queue.put_nowait(exc)
+
+    def take_logprobs(self) -> list[tuple[int, Any]]:
+        """The log-probabilities of tokens not handed out yet (for a streamed chunk)."""
+        fresh = self.logprobs[self._unsent :]
+        self._unsent = len(self.logprobs)
+        return fresh
 
     @property
     def stop_string(self) -> str | None:
@@ -159,6 +170,8 @@ class GenerationRun:
                 ids = ids[: index + 1]
                 break
         self.completion_tokens += len(ids)
+        if event.logprobs:
+            self.logprobs += zip(ids, event.logprobs[: len(ids)], strict=False)
         if self._text.stopped:
             finish = "stop"
         elif finish is None and event.finish_reason is not None:

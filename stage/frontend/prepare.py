@@ -127,6 +127,7 @@ def _sampling(body: GenerationBody, prompt_len: int, vocab: int) -> SamplingPara
         min_p=body.min_p or 0.0,
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         prompt_tokens=prompt_len,
+        top_logprobs=body.requested_top_logprobs,
     )
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from mesh.speculative import Telemetry
 from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
@@ -37,8 +39,9 @@ class RequestRun:
     def tokens_left(self) -> int:
         return self.request.max_new_tokens - self.produced
 
-    def commit(self, emitted: list[int]) -> TokenEvent:
-        """Commit emitted tokens up to a stop token or the token budget."""
+    def commit(self, emitted: list[int], logprobs: Sequence[Any] = ()) -> TokenEvent:
+        """Commit emitted tokens up to a stop token or the token budget (with their
+        log-probabilities, when the request asked for them)."""
         finish = None
         out: list[int] = []
         for token in emitted:
@@ -51,7 +54,12 @@ class RequestRun:
                 break
         self.produced += len(out)
         self.tokens.extend(out)
-        return TokenEvent(token_ids=tuple(out), finish_reason=finish, stats=self.stats())
+        return TokenEvent(
+            token_ids=tuple(out),
+            finish_reason=finish,
+            stats=self.stats(),
+            logprobs=tuple(logprobs[: len(out)]),
+        )
 
     def observe(
         self,

@@ -96,6 +96,11 @@ class GenerationBody(_Body):
         return self.max_tokens
 
     @property
+    def requested_top_logprobs(self) -> int:
+        """-1: no log-probabilities; else how many alternatives per token."""
+        return -1
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -217,7 +222,7 @@ class ChatCompletionBody(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
     logprobs: Bool | None = None
-    top_logprobs: Int | None = None
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
@@ -238,10 +243,14 @@ class ChatCompletionBody(GenerationBody):
             return self.max_completion_tokens
         return self.max_tokens
 
+    @property
+    def requested_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
+
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            problems.append(("logprobs", "logprobs are not supported; omit logprobs"))
+        if self.top_logprobs is not None and not self.logprobs:
+            problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.functions:
             problems.append(("functions", "'functions' is deprecated; send 'tools'"))
         if not self.tools:
@@ -270,9 +279,13 @@ TokenList = Annotated[list[Int], Field(min_length=1)]
 class CompletionBody(GenerationBody):
     prompt: Str | TokenList | list[Str] | list[TokenList]
     echo: Bool | None = None
-    logprobs: Int | None = None
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=5)] | None = None
     best_of: Int | None = None
     suffix: Str | None = None
+
+    @property
+    def requested_top_logprobs(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
     def single_prompt(self) -> str | list[int] | None:
         """The one prompt of the request, or None when it holds several."""
@@ -295,8 +308,6 @@ class CompletionBody(GenerationBody):
             )
         if self.echo:
             problems.append(("echo", "echo is not supported; omit it"))
-        if self.logprobs:
-            problems.append(("logprobs", "logprobs are not supported; omit logprobs"))
         if self.best_of is not None and self.best_of != 1:
             problems.append(("best_of", "best_of is not supported; only best_of=1"))
         if self.suffix:

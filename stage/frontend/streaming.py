@@ -70,6 +70,49 @@ def sse(payload: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def chat_logprobs(run: GenerationRun, entries: list[tuple[int, Any]]) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs`` of ``entries`` (None when not asked for)."""
+    if run.request.sampling.top_logprobs < 0:
+        return None
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(run.tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(token, entry.logprob), "top_logprobs": [item(t, v) for t, v in entry.top]}
+            for token, entry in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    run: GenerationRun, entries: list[tuple[int, Any]], offset: int = 0
+) -> dict[str, Any] | None:
+    """OpenAI's legacy completions ``logprobs`` of ``entries``, text offsets from
+    ``offset`` (None when not asked for)."""
+    if run.request.sampling.top_logprobs < 0:
+        return None
+    tokens = [_token_text(run.tokenizer, token) for token, _ in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for _, entry in entries],
+        "top_logprobs": [
+            {_token_text(run.tokenizer, t): v for t, v in entry.top} for _, entry in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
 def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
     """The non-streaming answer of a finished run."""
     p = run.prepared
@@ -92,12 +135,17 @@ def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": chat_logprobs(run, run.logprobs),
             "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish_reason}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": completion_logprobs(run, run.logprobs),
+            "finish_reason": run.finish_reason,
+        }
         obj = "text_completion"
     body: dict[str, Any] = {
         "id": p.response_id,
@@ -129,11 +177,27 @@ def _chunk(run: GenerationRun, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return chunk
 
 
-def _choice(run: GenerationRun, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+def _choice(
+    run: GenerationRun,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     if run.prepared.kind == "chat":
         delta: dict[str, Any] = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _chunk_logprobs(run: GenerationRun, sent: int) -> dict[str, Any] | None:
+    """The log-probabilities of the tokens not streamed yet (``sent``: characters of
+    text streamed before them, for completion offsets)."""
+    entries = run.take_logprobs()
+    if not entries:
+        return None
+    if run.prepared.kind == "chat":
+        return chat_logprobs(run, entries)
+    return completion_logprobs(run, entries, sent)
 
 
 async def sse_events(
@@ -147,6 +211,7 @@ async def sse_events(
     # With tools, text from a <tool_call> on is held back and sent as tool-call
     # deltas once the answer is complete.
     held = tools.prefix if tools is not None else ""
+    sent = 0
     try:
         while (text := await run.next_text()) is not None:
             if tools is not None and text:
@@ -157,7 +222,8 @@ async def sse_events(
                 else:
                     text = ""
             if text:
-                yield sse(_chunk(run, [_choice(run, text, None)]))
+                yield sse(_chunk(run, [_choice(run, text, None, _chunk_logprobs(run, sent))]))
+                sent += len(text)
     except MeshError as exc:
         logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
         yield sse(from_mesh_error(exc, retry_after_s).body())
@@ -183,7 +249,7 @@ async def sse_events(
                     )
                 )
             finish = "tool_calls"
-    last = _chunk(run, [_choice(run, None, finish)])
+    last = _chunk(run, [_choice(run, None, finish, _chunk_logprobs(run, sent))])
     last["timings"] = run.timings()
     yield sse(last)
     if run.prepared.include_usage:

@@ -205,6 +205,18 @@ class TestIdenticalDraft:
         assert reply["choices"][0]["text"] == text[: text.index(stop)]
         same_reply(reply, baseline.cached(prompt, stop=[stop]))
 
+    def test_logprobs_of_accepted_drafts_come_from_the_verify_pass(self, mesh, baseline):
+        """Every token of a verify window carries its log-probability, equal (up to
+        float rounding between a window's rows and single rows) to plain decoding's."""
+        for prompt in PROMPTS[:2]:
+            reply = mesh.complete(prompt, logprobs=3)
+            reference = baseline.cached(prompt, logprobs=3)
+            same_reply(reply, reference)
+            got, want = reply["choices"][0]["logprobs"], reference["choices"][0]["logprobs"]
+            assert got["tokens"] == want["tokens"] and len(got["tokens"]) == NEW_TOKENS
+            assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
+            assert timings_of(reply)["accepted"] > 0
+
     def test_request_log_line_and_metrics(self, mesh):
         before = mesh.counters()
         reply = mesh.complete(PROMPTS[1], max_tokens=12)
@@ -391,3 +403,59 @@ def test_penalties_and_biases_are_lossless_with_speculation(
                     same_reply(reply, baseline.cached(prompt, **params))
                     drafted += timings_of(reply).get("drafted", 0)
             assert drafted > 0, name
+
+
+# ---- log-probabilities -----------------------------------------------------------------
+
+
+def test_logprobs_are_the_models(baseline, target_dir) -> None:
+    """Completions and chat log-probabilities: each token's equals the model's own
+    log-softmax at that step, the alternatives are the likeliest tokens in order,
+    streamed chunks carry the same entries, and penalties shape them."""
+    import json as jsonlib
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompt = PROMPTS[2]
+    ids = tokenizer.encode(prompt)
+    reply = baseline.cached(prompt, logprobs=3)
+    got = reply["choices"][0]["logprobs"]
+    tokens = list(ids)
+    with torch.no_grad():
+        for step in range(NEW_TOKENS):
+            logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1], dim=-1)
+            chosen = int(logprobs.argmax())
+            assert got["token_logprobs"][step] == pytest.approx(float(logprobs[chosen]), abs=1e-4)
+            top = torch.topk(logprobs, 3)
+            alternatives = list(got["top_logprobs"][step].values())
+            assert alternatives == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert got["tokens"][step] == tokenizer.decode([chosen])
+            tokens.append(chosen)
+    assert got["text_offset"][0] == 0 and "".join(got["tokens"]) == reply["choices"][0]["text"]
+    # Chat, plain and streamed.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    chat = httpx.post(baseline.url + "/v1/chat/completions", json=body, timeout=120).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 8 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert all(entry["logprob"] == entry["top_logprobs"][0]["logprob"] for entry in content)
+    streamed = []
+    with httpx.stream(
+        "POST", baseline.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in jsonlib.loads(line[6:])["choices"]:
+                    streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert streamed == content
+    # Penalties shape the distribution the logprobs come from.
+    biased = baseline.complete(prompt, logprobs=1, max_tokens=1, logit_bias={"17": 100})
+    assert biased["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(0.0, abs=1e-4)

@@ -20,7 +20,8 @@ import httpx
 import torch
 
 from mesh.errors import CapacityExceeded, MeshError
-from mesh.sampling import sample_token
+from mesh.frames import TokenLogprob
+from mesh.sampling import sample_token, token_logprob
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
 from stage.frontend.telemetry import FrontendMetrics
@@ -165,7 +166,10 @@ class TinyModelBackend:
                     return
                 produced += 1
                 done = produced >= request.max_new_tokens
-                emit(TokenEvent((token,), "length" if done else None, stats))
+                logprobs = ()
+                if request.sampling.top_logprobs >= 0:
+                    logprobs = (TokenLogprob(*token_logprob(logits, request.sampling, token)),)
+                emit(TokenEvent((token,), "length" if done else None, stats, logprobs))
                 if done:
                     return
                 if self.step_delay_s and cancel.wait(self.step_delay_s):

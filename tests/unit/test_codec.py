@@ -278,6 +278,8 @@ def test_every_proto_message_has_a_codec_type() -> None:
         "FrameResult": (result_to_proto, result_from_proto),
         "ErrorInfo": (error_to_proto, error_from_proto),
         "StageTiming": (timing_to_proto, timing_from_proto),
+        # Encoded inside SegmentResult (codec.segment_result_to_proto).
+        "TokenLogprob": (None, None),
         "ReturnAck": (None, None),
     }
     names = set()
@@ -289,3 +291,17 @@ def test_every_proto_message_has_a_codec_type() -> None:
         cls = getattr(codec, name, None)
         assert cls is not None, f"mesh.codec has no dataclass for {name}"
         assert hasattr(cls, "to_proto") and hasattr(cls, "from_proto"), name
+
+
+def test_segment_results_carry_their_logprobs() -> None:
+    from mesh.frames import SegmentResult, TokenLogprob
+
+    result = SegmentResult(
+        request_id="r",
+        session_id="s",
+        pos_start=7,
+        token_ids=(5, 9),
+        accepted_count=1,
+        logprobs=(TokenLogprob(-0.5, ((5, -0.5), (3, -1.25))), TokenLogprob(-2.0, ())),
+    )
+    assert codec.segment_result_from_proto(codec.segment_result_to_proto(result)) == result

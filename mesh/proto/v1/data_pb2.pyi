@@ -66,7 +66,7 @@ class FrameAck(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class SegmentResult(_message.Message):
-    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch")
+    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class SegmentResult(_message.Message):
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     pos_start: int
@@ -81,7 +82,18 @@ class SegmentResult(_message.Message):
     accepted_count: int
     error: _common_pb2.ErrorInfo
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_tokens", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_tokens: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FrameResult(_message.Message):
     __slots__ = ("term", "frame_id", "results", "timings")
