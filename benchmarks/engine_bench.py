@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip the torch.compile rows (compiling takes a while)",
     )
+    parser.add_argument(
+        "--row-invariant",
+        default="auto",
+        help="mesh-stage --row-invariant of the mesh rows; several, comma-separated (e.g. "
+        "off,on), give one row each and a price table (invariant over previous arithmetic)",
+    )
     parser.add_argument("--code-tokens", type=int, default=400, help="code prompt length")
     parser.add_argument("--int4-group-size", type=int, default=32)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="tokens per warm-up run")
@@ -210,26 +216,38 @@ def hf_engine(gguf: Path, dtype: str, banned: Sequence[int]) -> Engine:
     return engine
 
 
-def mesh_row(variant: PackageVariant, dtype: str, compile: bool) -> Engine:
+def mesh_row(variant: PackageVariant, dtype: str, compile: bool, mode: str = "auto") -> Engine:
     label = variant.name if variant.quant else variant.dtype
+    label = label if dtype == variant.dtype and not variant.quant else f"{label} @ {dtype}"
+    suffix = "" if mode == "auto" else f"-ri-{mode}"
     return Engine(
-        key=f"mesh-{variant.name}-{'compile' if compile else 'eager'}",
+        key=f"mesh-{variant.name}-{'compile' if compile else 'eager'}{suffix}",
         engine="mesh",
-        variant=label if dtype == variant.dtype and not variant.quant else f"{label} @ {dtype}",
+        variant=label if mode == "auto" else f"{label}, row-invariant {mode}",
         family=dtype,
         compile=compile,
     )
 
 
 def mesh_engine(
-    package: Path, variant: PackageVariant, dtype: str, compile: bool, banned: Sequence[int]
+    package: Path,
+    variant: PackageVariant,
+    dtype: str,
+    compile: bool,
+    banned: Sequence[int],
+    mode: str = "auto",
 ) -> Engine:
-    from mesh.runtime import load_config, load_stage_runtime
+    from mesh.runtime import invariant, load_config, load_stage_runtime
     from mesh.types import LayerRange
 
     layers = LayerRange(0, load_config(package).num_hidden_layers)
-    runtime = load_stage_runtime(package, layers, device="cpu", dtype=dtype, compile=compile)
-    engine = mesh_row(variant, dtype, compile)
+    # The runtime decides its arithmetic when it loads.
+    before, invariant.MODE = invariant.MODE, mode
+    try:
+        runtime = load_stage_runtime(package, layers, device="cpu", dtype=dtype, compile=compile)
+    finally:
+        invariant.MODE = before
+    engine = mesh_row(variant, dtype, compile, mode)
     engine.run = lambda ids, tokens: single_stage.runtime_greedy(
         runtime, ids, tokens, banned=banned
     )
@@ -466,16 +484,43 @@ def load_engines(
             failure = single_stage.probe_package(package, dtype)
         except Exception as error:  # noqa: BLE001 - report the variant, go on
             failure = f"build failed: {type(error).__name__}: {error}"
-        for compile in (False, True) if args.compile_variants else (False,):
-            row = mesh_row(variant, dtype, compile)
-            if failure is not None or package is None:
-                row.error = failure
-                engines.append(row)
-            else:
-                make = partial(mesh_engine, package, variant, dtype, compile, banned)
-                engines.append(guarded(make, row))
+        for mode in row_modes(args):
+            for compile in (False, True) if args.compile_variants else (False,):
+                row = mesh_row(variant, dtype, compile, mode)
+                if failure is not None or package is None:
+                    row.error = failure
+                    engines.append(row)
+                else:
+                    make = partial(mesh_engine, package, variant, dtype, compile, banned, mode)
+                    engines.append(guarded(make, row))
     engines.append(guarded(partial(llama_engine, gguf, args.threads, banned), llama_row(gguf)))
     return engines
+
+
+def row_modes(args: argparse.Namespace) -> list[str]:
+    modes = [m.strip() for m in str(args.row_invariant).split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ("auto", "on", "off")]
+    if unknown or not modes:
+        raise SystemExit(f"--row-invariant takes auto, on, off (comma-separated), got {unknown}")
+    return modes
+
+
+def invariance_price(engines: Sequence[Engine], summary: dict) -> list[dict[str, Any]]:
+    """Decode tok/s of each mesh row with row-invariant arithmetic over without."""
+    price = []
+    for engine in engines:
+        if not engine.key.endswith("-ri-on"):
+            continue
+        off = engine.key.removesuffix("-ri-on") + "-ri-off"
+        if off not in summary:
+            continue
+        entry: dict[str, Any] = {"row": engine.key.removesuffix("-ri-on")}
+        for prompt in PROMPTS:
+            entry[prompt] = common.ratio(
+                summary[engine.key][prompt]["decode_tok_s"], summary[off][prompt]["decode_tok_s"]
+            )
+        price.append(entry)
+    return price
 
 
 def measure(
@@ -562,6 +607,16 @@ def main(argv: list[str] | None = None) -> int:
         "engines": [engine_json(e, summary, rows, runs) for e in engines],
         "goals": goal_list,
     }
+    price = invariance_price(engines, summary)
+    if price:
+        payload["row_invariance_price"] = price
+        common.emit("\ndecode tok/s, row-invariant on / off (medians)")
+        common.emit(
+            common.render_table(
+                ["mesh row", *PROMPTS],
+                [[p["row"], *(common.fmt(p[name], 3) for name in PROMPTS)] for p in price],
+            )
+        )
     common.write_json(args.out, payload)
     common.emit(f"\nwrote {args.out}")
     return 0

@@ -33,6 +33,27 @@ def test_engine_bench_arguments():
     assert args.compile_variants is False and args.threads == 2
 
 
+def test_engine_bench_row_invariance_rows_and_price():
+    engine_bench = bench("engine_bench")
+    args = engine_bench.build_parser().parse_args(["--row-invariant", "off,on"])
+    assert engine_bench.row_modes(args) == ["off", "on"]
+    with pytest.raises(SystemExit):
+        engine_bench.row_modes(engine_bench.build_parser().parse_args(["--row-invariant", "x"]))
+    variant = engine_bench.package_variants(32)[3][0]
+    rows = [engine_bench.mesh_row(variant, "bfloat16", False, mode) for mode in ("off", "on")]
+    assert [r.key for r in rows] == [
+        f"mesh-{variant.name}-eager-ri-off",
+        f"mesh-{variant.name}-eager-ri-on",
+    ]
+    assert engine_bench.mesh_row(variant, "bfloat16", False).key == f"mesh-{variant.name}-eager"
+    summary = {
+        rows[0].key: {"chat": {"decode_tok_s": 50.0}, "code": {"decode_tok_s": 40.0}},
+        rows[1].key: {"chat": {"decode_tok_s": 45.0}, "code": {"decode_tok_s": 40.0}},
+    }
+    (price,) = engine_bench.invariance_price(rows, summary)
+    assert price == {"row": f"mesh-{variant.name}-eager", "chat": 0.9, "code": 1.0}
+
+
 def test_quant_quality_arguments_and_rows():
     quant_quality = bench("quant_quality")
     args = quant_quality.build_parser().parse_args([])
