@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=QUANT_SCHEMES,
         default=None,
         help="keep linear weights quantised: int4 (group-wise, from a GGUF's own 4-bit "
-        "codes where they convert exactly) or int8 (per channel); default: plain",
+        "codes where they convert exactly) or int8 (per channel); default: plain, except "
+        "for a quantised GGUF without --dtype, which stays quantised (int4 for 2- to 6-bit "
+        "block types, int8 for Q8_0)",
     )
     build.add_argument(
         "--head-quant",
@@ -123,13 +125,16 @@ def _build(args: argparse.Namespace) -> int:
         from mesh.package.builder import build_package
 
         out = args.out
+        quant = args.quant
+        if quant is None and args.dtype is None:
+            quant = _kept_quantisation(args.src)
         manifest = build_package(
             args.src,
             out,
             dtype=args.dtype or "float32",
             model_id=args.model_id,
             speculative=speculative,
-            quant=args.quant,
+            quant=quant,
             group_size=args.group_size,
             head_quant=args.head_quant,
         )
@@ -139,6 +144,25 @@ def _build(args: argparse.Namespace) -> int:
         f"{len(manifest.files)} files, manifest sha256 {manifest.sha256()[:12]} at {out}\n"
     )
     return EXIT_OK
+
+
+def _kept_quantisation(src: str) -> str | None:
+    """For a GGUF source built without --quant or --dtype: the quantisation that keeps
+    its own (a quantised GGUF stays quantised; a float package only when asked)."""
+    from mesh.package.gguf_file import GgufModel, kept_quantisation
+    from mesh.package.sources import gguf_source
+
+    path = gguf_source(src)
+    if path is None:
+        return None
+    quant, counts = kept_quantisation(GgufModel(path))
+    held = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+    if quant is not None:
+        sys.stderr.write(
+            f"mesh-package build: the GGUF's layer weights are {held}: keeping them quantised "
+            f"(--quant {quant}); pass --dtype float32 for a float package\n"
+        )
+    return quant
 
 
 def _quant_label(manifest: PackageManifest) -> str:

@@ -180,3 +180,25 @@ def _string_field(reader: Any, key: str) -> str:
     if field is None:
         return ""
     return bytes(field.parts[field.data[0]]).decode(errors="replace")
+
+
+_FOUR_BIT_AND_SO = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def kept_quantisation(model: GgufModel) -> tuple[str | None, dict[str, int]]:
+    """The package quantisation that keeps what a GGUF's decoder weights hold:
+    ``int4`` for 2- to 6-bit block types, ``int8`` for Q8_0, None (a float package)
+    for float types; with the count of layer weights per block type."""
+    counts: dict[str, int] = {}
+    for name, tensor in model.tensors.items():
+        if name.startswith("blk.") and name.endswith(".weight") and len(tensor.shape) >= 2:
+            counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
+    if not counts:
+        return None, counts
+    low = sum(n for t, n in counts.items() if t in _FOUR_BIT_AND_SO or t.startswith("IQ"))
+    eight = counts.get("Q8_0", 0)
+    if low >= eight and low * 2 >= sum(counts.values()):
+        return "int4", counts
+    if eight * 2 >= sum(counts.values()) or eight + low > sum(counts.values()) // 2:
+        return "int8", counts
+    return None, counts

@@ -352,6 +352,22 @@ class GgufCheckpoint(Checkpoint):
         tokenizer.save_pretrained(out_dir)
 
 
+def gguf_source(src: str) -> Path | None:
+    """The GGUF file (or first part) ``src`` names, or None when it names another
+    kind of source."""
+    if src == "default":
+        return None
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.resolve().glob("*.gguf"))
+        stems = {split_stem(g) for g in ggufs}
+        if len(ggufs) == 1 or (len(stems) == 1 and None not in stems):
+            return ggufs[0]
+    return None
+
+
 def open_checkpoint(src: str) -> Checkpoint:
     """Open ``src``: ``default``, a ``.gguf`` file, an HF model directory, or an HF
     repo id ``org/name[@revision]`` (fetched with huggingface_hub)."""

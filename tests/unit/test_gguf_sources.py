@@ -198,3 +198,30 @@ def test_the_manifest_states_how_far_each_form_is_from_the_gguf(tmp_path: Path) 
             worst, float((quant.dequantize_int4(parts, torch.float32) - source).abs().max())
         )
     assert rounded["max_abs_error"] == pytest.approx(worst, rel=1e-3) and worst > 0
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "flags", "kept"),
+    [
+        ("Q4_K", [], "int4"),
+        ("Q6_K", [], "int4"),
+        ("Q8_0", [], "int8"),
+        ("F16", [], None),
+        ("Q4_K", ["--dtype", "float32"], None),
+        ("Q8_0", ["--quant", "int4"], "int4"),
+    ],
+)
+def test_a_quantised_gguf_stays_quantised_unless_float_is_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layer_type: str, flags: list, kept
+) -> None:
+    from mesh.package.cli import main
+
+    def types(name: str, layer: int | None, shape: LlamaShape) -> str:
+        return "F32" if name.endswith("norm.weight") else layer_type
+
+    gguf = write_llama_gguf(tmp_path / "model.gguf", SHAPE, types=types)[0]
+    assert main(["build", str(gguf), "--out", str(tmp_path / "pkg"), *flags]) == 0
+    manifest = PackageManifest.load(tmp_path / "pkg")
+    assert (manifest.quantization or {}).get("linear") == kept
+    said = capsys.readouterr().err
+    assert ("keeping them quantised" in said) == (kept is not None and not flags)
