@@ -41,6 +41,7 @@ from mesh.security import (
     unavailable_hint,
     validate,
 )
+from mesh.types import DEFAULT_PREFIX_BYTES, DEFAULT_PREFIX_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="local stages add this latency to every outgoing data hop (benchmarks)",
     )
     up.add_argument("--max-sessions", type=int, default=16)
+    up.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_TOKENS,
+        help="positions of finished requests kept on every stage for later prompts that "
+        "start with them (0: no prefix cache)",
+    )
+    up.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_BYTES / 2**20,
+        help="most memory each local stage gives to kept prefixes",
+    )
     up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
     up.add_argument(
         "--max-batch-tokens",
@@ -204,6 +218,8 @@ def local_stage_argv(
         str(args.max_sessions),
         "--row-invariant",
         args.row_invariant,
+        "--prefix-cache-mb",
+        f"{args.prefix_cache_mb:g}",
     ]
     if args.inject_delay_ms:
         command += ["--inject-delay-ms", f"{args.inject_delay_ms:g}"]
@@ -218,6 +234,7 @@ def local_stage_argv(
     command += security.child_argv()
     if frontend:
         command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
+        command += ["--prefix-cache-tokens", str(args.prefix_cache_tokens)]
         if getattr(args, "api_key_file", None) is not None:
             command += ["--api-key-file", str(args.api_key_file.expanduser().absolute())]
         command += _speculation_argv(args)

@@ -216,6 +216,12 @@ def segment_problem(segment: data_pb2.Segment) -> InvalidRequest | None:
     if not segment.session_id:
         return InvalidRequest(f"{where}: session_id is empty; every segment must name its session")
     count = segment.token_count
+    if segment.prefix_from and kind is not SegmentKind.PREFILL:
+        return InvalidRequest(f"{where}: only a PREFILL segment may start from a prefix")
+    if (segment.keep_prefix or segment.forget_prefix) and kind is not SegmentKind.END:
+        return InvalidRequest(f"{where}: only an END segment may keep or forget a prefix")
+    if segment.keep_prefix and segment.forget_prefix:
+        return InvalidRequest(f"{where}: an END segment keeps or forgets a prefix, not both")
     if not kind.computes:
         if count or segment.token_ids:
             return InvalidRequest(f"{where}: {kind.value.upper()} segments carry no tokens")

@@ -115,6 +115,9 @@ def segment_to_proto(segment: Segment) -> data_pb2.Segment:
         token_ids=segment.token_ids,
         sample=segment.sample,
         epoch=segment.epoch,
+        prefix_from=segment.prefix_from,
+        keep_prefix=segment.keep_prefix,
+        forget_prefix=segment.forget_prefix,
     )
     if segment.sampling is not None:
         pb.sampling.CopyFrom(sampling_to_proto(segment.sampling))
@@ -132,6 +135,9 @@ def segment_from_proto(pb: data_pb2.Segment) -> Segment:
         sampling=sampling_from_proto(pb.sampling) if pb.HasField("sampling") else None,
         sample=pb.sample,
         epoch=pb.epoch,
+        prefix_from=pb.prefix_from,
+        keep_prefix=pb.keep_prefix,
+        forget_prefix=pb.forget_prefix,
     )
 
 

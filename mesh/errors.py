@@ -71,6 +71,16 @@ class StaleTerm(MeshError):
         self.held_term = held_term
 
 
+class PrefixMissing(MeshError):
+    """A stage does not hold the kept prefix a new session was to start from (it
+    was evicted there, or the stage restarted): stage 0 sends the prompt again
+    from position 0."""
+
+    grpc_code = "ABORTED"
+    http_status = 503
+    openai_type = "service_unavailable"
+
+
 class Unauthenticated(MeshError):
     grpc_code = "UNAUTHENTICATED"
     http_status = 401
@@ -89,6 +99,7 @@ _BY_GRPC_CODE: dict[str, type[MeshError]] = {
     "DEADLINE_EXCEEDED": Unavailable,
     "FAILED_PRECONDITION": StaleTerm,
     "UNAUTHENTICATED": Unauthenticated,
+    "ABORTED": PrefixMissing,
 }
 
 

@@ -78,6 +78,12 @@ class Segment:
     sampling: SamplingParams | None = None
     sample: bool = True
     epoch: int = 0
+    # Prefix cache (docs/protocol.md): the kept prefix a new session starts from
+    # (PREFILL), keep the session's first pos_start positions as a prefix (END),
+    # drop the kept prefix named session_id (END).
+    prefix_from: str = ""
+    keep_prefix: bool = False
+    forget_prefix: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):

@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 from mesh.errors import InvalidRequest
 
+# The prefix cache (docs/serving.md): positions of finished requests stage 0 keeps
+# on every stage (mesh-stage join --prefix-cache-tokens), and the most memory one
+# stage gives to them (--prefix-cache-mb).
+DEFAULT_PREFIX_TOKENS = 16384
+DEFAULT_PREFIX_BYTES = 2048 * 2**20
+
 
 @dataclass(frozen=True, order=True)
 class LayerRange:

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from mesh.codec import HeartbeatRequest, JoinRequest
 from mesh.config import add_speculation_arguments
-from mesh.errors import MeshError
+from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import bind, new_server
 from mesh.lifetime import watch_parent
 from mesh.logsetup import configure_logging
 from mesh.netaddr import advertise_host, split_host_port, url_host
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
 from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
+from mesh.types import DEFAULT_PREFIX_BYTES, DEFAULT_PREFIX_TOKENS
 from mesh.units import parse_bytes
 from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
@@ -108,6 +109,20 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--max-sessions", type=int, default=16, help="frontend request limit")
     join.add_argument("--max-queued", type=int, default=32, help="frontend queue limit")
     join.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_TOKENS,
+        help="stage 0 (--frontend): positions of finished requests kept on every stage so "
+        "that a later prompt starting with them skips their prefill (0: off)",
+    )
+    join.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_BYTES / 2**20,
+        help="most memory this stage gives to kept prefixes (least recently used first out; "
+        "0: keep none)",
+    )
+    join.add_argument(
         "--inject-delay-ms",
         type=float,
         default=0.0,
@@ -127,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         if args.row_invariant == "on":
             logger.warning("--quantised-gemm turns row-invariant arithmetic off")
     invariant.MODE = "off" if args.quantised_gemm else args.row_invariant
+    if args.prefix_cache_tokens < 0 or args.prefix_cache_mb < 0:
+        raise InvalidRequest(
+            "--prefix-cache-tokens and --prefix-cache-mb take 0 (no prefix cache) or more"
+        )
     if args.threads > 0:
         import torch
 
@@ -149,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             inject_delay_ms=args.inject_delay_ms,
             compile=args.compile,
             cuda_graphs=args.cuda_graphs,
+            prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         ),
         address,
         remote=CoordinatorPackageSource(args.coordinator, node_id),

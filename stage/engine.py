@@ -89,7 +89,10 @@ class StageEngine:
         for segment in frame.segments:
             (computing if segment.kind.computes else ending).append(segment)
         for segment in ending:
-            self.end_session(segment.session_id)
+            if segment.keep_prefix:
+                self.runtime.keep_prefix(segment.session_id, segment.pos_start)
+            elif not segment.forget_prefix:
+                self.end_session(segment.session_id)
         failures: list[SegmentResult] = []
         out = BatchOutput(None)
         if computing:
@@ -98,6 +101,10 @@ class StageEngine:
             )
             for index, error in out.errors.items():
                 failures.append(SegmentResult.failure(computing[index], error, self.stage_index))
+        # After the frame's sessions have copied what they start from.
+        for segment in ending:
+            if segment.forget_prefix:
+                self.runtime.forget_prefix(segment.session_id)
         timing = StageTiming(
             stage_index=self.stage_index,
             compute_ms=(time.perf_counter() - started) * 1000.0,
@@ -147,9 +154,11 @@ class StageEngine:
             pos_start=segment.pos_start,
             count=segment.token_count,
             logit_rows=logit_rows,
-            creates=segment.kind is SegmentKind.PREFILL and segment.pos_start == 0,
+            creates=segment.kind is SegmentKind.PREFILL
+            and (segment.pos_start == 0 or bool(segment.prefix_from)),
             request_id=segment.request_id,
             sampling=segment.sampling,
+            prefix_from=segment.prefix_from,
         )
 
     def _inputs(self, frame: Frame, computing: list[Segment]) -> torch.Tensor:

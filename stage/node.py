@@ -29,6 +29,7 @@ from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
 from mesh.runtime import load_stage_runtime
+from mesh.types import DEFAULT_PREFIX_BYTES
 from stage.engine import StageEngine
 from stage.links import ForwardLink, ReturnLink
 
@@ -53,6 +54,9 @@ class NodeSettings:
     compile: bool = False
     # Replay decode steps as CUDA graphs on a CUDA device (mesh-stage join --cuda-graphs).
     cuda_graphs: bool = False
+    # Bytes of kept prefixes (the prefix cache) this stage holds at most
+    # (mesh-stage join --prefix-cache-mb).
+    prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES
 
 
 @dataclass
@@ -175,6 +179,7 @@ class StageNode:
                 compile=self.settings.compile,
                 cuda_graphs=self.settings.cuda_graphs,
             )
+            runtime.set_prefix_bytes(self.settings.prefix_cache_bytes)
             engine = StageEngine(runtime, request.stage_index, request.term)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
             try:

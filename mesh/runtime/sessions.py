@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
-from mesh.errors import CapacityExceeded, InvalidRequest, NotFound
+from mesh.errors import CapacityExceeded, InvalidRequest, NotFound, PrefixMissing
 from mesh.runtime.invariant import KEY_BLOCK
-from mesh.types import LayerRange, SamplingParams
+from mesh.types import DEFAULT_PREFIX_BYTES, LayerRange, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,32 @@ class SessionCache:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.nbytes
 
+    def copy_prefix(self, source: SessionCache, length: int) -> None:
+        """Start from the first ``length`` positions of ``source`` (keys, values and
+        the token ids kept with them)."""
+        self.reserve(length)
+        if length:
+            self._buffer[..., :length, :] = source._buffer[..., :length, :]  # type: ignore[index]
+        self.length = length
+        self.history = source.history[:length]
+
+    def shrink(self) -> None:
+        """Give back the room past the committed positions (a kept prefix grows no
+        more)."""
+        if self._buffer is None or self.capacity <= self.length:
+            return
+        buffer = self._buffer[..., : self.length, :].clone()
+        self._buffer = buffer
+        self._layers = [buffer[i] for i in range(self.layout.layer_count)]
+        self.capacity = self.length
+        self.decode_graph = None
+
 
 class SessionTable:
-    """The sessions of one stage, with their limits. ``clock`` gives the time used for
-    idle expiry (``time.monotonic`` unless a test supplies its own)."""
+    """The sessions of one stage, with their limits, and the prefixes it keeps for
+    later sessions (the prefix cache; at most ``prefix_bytes``, least recently used
+    ones dropped first). ``clock`` gives the time used for idle expiry
+    (``time.monotonic`` unless a test supplies its own)."""
 
     def __init__(
         self,
@@ -124,6 +147,7 @@ class SessionTable:
         max_sessions: int,
         max_tokens_per_session: int,
         clock: Callable[[], float] = time.monotonic,
+        prefix_bytes: int = DEFAULT_PREFIX_BYTES,
     ) -> None:
         if max_sessions <= 0:
             raise InvalidRequest(f"max_sessions must be positive, got {max_sessions}")
@@ -136,16 +160,24 @@ class SessionTable:
         self.max_tokens_per_session = max_tokens_per_session
         self._clock = clock
         self._sessions: dict[str, SessionCache] = {}
+        self.prefix_bytes = max(0, prefix_bytes)
+        self._prefixes: OrderedDict[str, SessionCache] = OrderedDict()
 
     def open_for_frame(
-        self, session_id: str, pos_start: int, count: int, creates: bool = True
+        self,
+        session_id: str,
+        pos_start: int,
+        count: int,
+        creates: bool = True,
+        prefix_from: str = "",
     ) -> SessionCache:
         """The session's cache, ready for a frame of ``count`` tokens at ``pos_start``.
 
-        Creates the session when it is new (it then holds 0 tokens; refused with
-        NotFound unless ``creates``) and grows its buffer; checks every limit before
-        changing anything. The caller crops it to ``pos_start`` through
-        ``SessionCache.begin``.
+        Creates the session when it is new (refused with NotFound unless
+        ``creates``): empty, or holding a copy of the first ``pos_start`` positions of
+        the kept prefix ``prefix_from`` (PrefixMissing when this stage does not hold
+        it); grows its buffer; checks every limit before changing anything. The
+        caller crops it to ``pos_start`` through ``SessionCache.begin``.
         """
         cache = self._sessions.get(session_id)
         if cache is None and not creates:
@@ -153,7 +185,17 @@ class SessionTable:
                 f"this stage holds no session {session_id!r}; start it with a PREFILL "
                 "segment at position 0"
             )
+        source = None
+        if cache is None and prefix_from:
+            source = self._prefixes.get(prefix_from)
+            if source is None or source.length < pos_start:
+                raise PrefixMissing(
+                    f"this stage does not hold {pos_start} positions of prefix "
+                    f"{prefix_from!r}; send the prompt of session {session_id} from position 0"
+                )
         held = cache.length if cache is not None else 0
+        if source is not None:
+            held = pos_start
         if pos_start < 0:
             raise InvalidRequest(f"frame for session {session_id} starts at {pos_start} (< 0)")
         if pos_start > held:
@@ -175,6 +217,10 @@ class SessionTable:
                     "or end idle sessions"
                 )
             cache = SessionCache(self.layout, self._capacity_for(end, 0), self._clock())
+            if source is not None:
+                cache.copy_prefix(source, pos_start)
+                source.last_used = cache.last_used
+                self._prefixes.move_to_end(prefix_from)
             self._sessions[session_id] = cache
         else:
             cache.reserve(self._capacity_for(end, cache.capacity))
@@ -193,6 +239,43 @@ class SessionTable:
 
     def drop(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
+
+    # ---- kept prefixes -------------------------------------------------------------
+
+    def keep_prefix(self, session_id: str, length: int) -> bool:
+        """End the session, keeping its first ``length`` positions as the prefix named
+        ``session_id`` (False, and the session simply ended, when it is not held or
+        nothing can be kept)."""
+        cache = self._sessions.pop(session_id, None)
+        if cache is None:
+            return False
+        length = min(cache.length, length)
+        if length <= 0 or self.prefix_bytes <= 0:
+            return False
+        cache.length = length
+        cache.shrink()
+        cache.last_used = self._clock()
+        self._prefixes[session_id] = cache
+        self._prefixes.move_to_end(session_id)
+        self._evict_prefixes()
+        return session_id in self._prefixes
+
+    def forget_prefix(self, name: str) -> bool:
+        return self._prefixes.pop(name, None) is not None
+
+    def prefixes(self) -> dict[str, int]:
+        """The kept prefixes: name -> positions held, least recently used first."""
+        return {name: cache.length for name, cache in self._prefixes.items()}
+
+    def prefix_nbytes(self) -> int:
+        return sum(cache.nbytes() for cache in self._prefixes.values())
+
+    def _evict_prefixes(self) -> None:
+        held = self.prefix_nbytes()
+        while self._prefixes and held > self.prefix_bytes:
+            name, cache = self._prefixes.popitem(last=False)
+            held -= cache.nbytes()
+            logger.debug("dropped kept prefix %s (%s positions)", name, cache.length)
 
     def length(self, session_id: str) -> int:
         cache = self._sessions.get(session_id)
@@ -226,6 +309,9 @@ class SessionTable:
             del self._sessions[session_id]
         if expired:
             logger.info("expired %s idle session(s): %s", len(expired), ", ".join(expired))
+        for name, cache in list(self._prefixes.items()):
+            if now - cache.last_used > idle_timeout_s:
+                del self._prefixes[name]
         return expired
 
     def kv_bytes(self) -> int:

@@ -27,6 +27,9 @@ class Span:
     creates: bool = True
     request_id: str = ""
     sampling: SamplingParams | None = None
+    # A new session starting at pos_start > 0 copies its first pos_start positions
+    # from this kept prefix (SessionTable.keep_prefix).
+    prefix_from: str = ""
 
     def logits_wanted(self) -> int:
         return self.count if self.logit_rows < 0 else min(self.logit_rows, self.count)

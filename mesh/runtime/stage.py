@@ -158,20 +158,24 @@ class StageRuntime:
         self, session_id: str, pos_start: int, token_ids: Sequence[int]
     ) -> list[int]:
         """Keep ``token_ids`` as the session's tokens from ``pos_start`` on (what was
-        there is cropped, like its KV) and return the tokens before ``pos_start``;
-        only for sessions whose sampling uses them (``[]`` otherwise)."""
+        there is cropped, like its KV; kept with a prefix, so that a session started
+        from it can use penalties) and return the tokens before ``pos_start`` for
+        sessions whose sampling uses them (``[]`` otherwise)."""
         with self._lock:
             cache = self._sessions.get(session_id)
-            if cache is None or not cache.sampling.uses_history:
+            if cache is None:
                 return []
             history = cache.history
             if len(history) < pos_start:
+                if not cache.sampling.uses_history:
+                    history.clear()  # out of step: never kept wrong
+                    return []
                 raise InvalidRequest(
                     f"session {session_id} holds {len(history)} token ids but a segment "
                     f"starts at position {pos_start}; send its tokens from position 0"
                 )
-            before = history[:pos_start]
             del history[pos_start:]
+            before = list(history) if cache.sampling.uses_history else []
             history.extend(int(t) for t in token_ids)
             return before
 
@@ -184,6 +188,30 @@ class StageRuntime:
         """Free the session's KV; False when the stage did not hold it."""
         with self._lock:
             return self._sessions.drop(session_id)
+
+    def keep_prefix(self, session_id: str, length: int) -> bool:
+        """End the session, keeping its first ``length`` positions for later sessions
+        (``Span.prefix_from``); False when nothing was kept."""
+        with self._lock:
+            return self._sessions.keep_prefix(session_id, length)
+
+    def forget_prefix(self, name: str) -> bool:
+        with self._lock:
+            return self._sessions.forget_prefix(name)
+
+    def prefixes(self) -> dict[str, int]:
+        """Kept prefixes: name -> positions, least recently used first."""
+        with self._lock:
+            return self._sessions.prefixes()
+
+    def prefix_nbytes(self) -> int:
+        with self._lock:
+            return self._sessions.prefix_nbytes()
+
+    def set_prefix_bytes(self, limit: int) -> None:
+        """Bytes of kept prefixes this stage may hold (0: keep none)."""
+        with self._lock:
+            self._sessions.prefix_bytes = max(0, limit)
 
     def trim(self, session_id: str, length: int) -> None:
         """Crop the session to at most ``length`` tokens (NotFound for an unknown session)."""
@@ -255,7 +283,7 @@ class StageRuntime:
                 if self._is_first:
                     self._check_ids(prepared[row : row + span.count])
                 cache = self._sessions.open_for_frame(
-                    span.session_id, span.pos_start, span.count, span.creates
+                    span.session_id, span.pos_start, span.count, span.creates, span.prefix_from
                 )
                 if span.request_id:
                     cache.request_id = span.request_id

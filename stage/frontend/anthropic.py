@@ -275,16 +275,22 @@ async def message_events(
     finish: Any,
     message_id: str,
     model: str,
-    input_tokens: int,
+    input_tokens: tuple[int, int],
     prefix: str,
     names: tuple[str, ...],
     parallel: bool,
 ) -> AsyncIterator[bytes]:
     """The Messages API stream of an answer whose text pieces come from ``texts``;
-    ``finish()`` gives (finish reason, stop string, output tokens) once it ended.
+    ``finish()`` gives (finish reason, stop string, output tokens) once it ended;
+    ``input_tokens``: (prompt tokens read, prompt tokens taken from the prefix cache).
     Text from a possible ``<tool_call>`` on is held back and sent, at the end, as
     ``tool_use`` blocks."""
-    usage = {"input_tokens": input_tokens, "output_tokens": 0}
+    usage = {
+        "input_tokens": input_tokens[0],
+        "cache_read_input_tokens": input_tokens[1],
+        "cache_creation_input_tokens": 0,
+        "output_tokens": 0,
+    }
     start = {
         "id": message_id,
         "type": "message",

@@ -228,10 +228,11 @@ class _Frontend:
         )
         message_id = anthropic.new_message_id()
         model = body.model or self.model_id
-        input_tokens = len(prepared.request.prompt_tokens)
         handed_over = False
         try:
             await until_disconnect(request.receive, run.start())
+            # Anthropic counts the tokens read from a cache apart from the others.
+            input_tokens = len(prepared.request.prompt_tokens) - run.cached_tokens
             if prepared.stream:
 
                 async def texts():
@@ -246,7 +247,7 @@ class _Frontend:
                     finish,
                     message_id,
                     model,
-                    input_tokens,
+                    (input_tokens, run.cached_tokens),
                     prefix,
                     names,
                     parallel,
@@ -269,6 +270,8 @@ class _Frontend:
                     "stop_sequence": stop_sequence,
                     "usage": {
                         "input_tokens": input_tokens,
+                        "cache_read_input_tokens": run.cached_tokens,
+                        "cache_creation_input_tokens": 0,
                         "output_tokens": run.completion_tokens,
                     },
                 }

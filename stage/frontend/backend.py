@@ -69,6 +69,8 @@ class GenerationStats:
     prompt_ms: float
     decode_ms: float
     speculation: Mapping[str, float] = field(default_factory=dict)
+    # Prompt tokens whose prefill a kept prefix saved (the prefix cache).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

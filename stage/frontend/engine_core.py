@@ -28,6 +28,7 @@ from mesh.errors import (
     CapacityExceeded,
     InvalidRequest,
     MeshError,
+    PrefixMissing,
     StaleTerm,
     Unavailable,
 )
@@ -43,6 +44,7 @@ from stage.frontend.engine_types import (
     Tracked,
 )
 from stage.frontend.expectation import Expected, stale_reason
+from stage.frontend.prefix_index import PrefixIndex
 from stage.frontend.request_run import RequestRun
 from stage.frontend.step_cost import StepCostFit, acceptance, paying_window, row_threshold
 
@@ -65,6 +67,14 @@ class EngineCore:
         self.step_cost = StepCostFit()
         self.stale: list[str] = []
         self.recoveries = 0
+        # The prefix cache (stage/frontend/prefix_index.py); None when off.
+        self.prefixes = (
+            PrefixIndex(limits.prefix_cache_tokens) if limits.prefix_cache_tokens > 0 else None
+        )
+        self.prefix_hits = 0
+        self.prefix_lookups = 0
+        self.prefix_lost = 0
+        self.cached_tokens_total = 0
         self._ends: list[Segment] = []
         self._next_frame_id = 1
 
@@ -89,8 +99,10 @@ class EngineCore:
         self._admit()
         return run
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request (its consumer went away, or it ended): free its KV everywhere."""
+    def cancel(self, request_id: str, keep: bool = True) -> None:
+        """Stop a request (its consumer went away, or it ended): free its KV everywhere,
+        or with ``keep`` and the prefix cache on, keep the positions it read for later
+        prompts that start with them."""
         for run in list(self.waiting):
             if run.request.request_id == request_id:
                 self.waiting.remove(run)
@@ -99,8 +111,34 @@ class EngineCore:
         if tracked is None:
             return
         if tracked.prefilled or tracked.in_flight is not None:
-            self._ends.append(Segment(request_id, request_id, SegmentKind.END, 0))
+            self._ends.extend(self._end_segments(tracked, keep))
         self._admit()
+
+    def _end_segments(self, tracked: Tracked, keep: bool) -> list[Segment]:
+        """END for the request's session, keeping its positions when that is safe: its
+        prompt read in full and no recovery pending; the positions are every token it
+        holds but the last (read by no step yet)."""
+        request_id = tracked.run.request.request_id
+        kept, dropped = False, []
+        length = len(tracked.run.tokens) - 1
+        safe = not tracked.prefilling and tracked.recover_by is None
+        if keep and safe and self.prefixes is not None:
+            kept, dropped = self.prefixes.add(request_id, tracked.run.tokens[:length])
+        ends = [
+            Segment(
+                request_id,
+                request_id,
+                SegmentKind.END,
+                length if kept else 0,
+                keep_prefix=kept,
+            )
+        ]
+        ends += [self._forget(name) for name in dropped]
+        return ends
+
+    @staticmethod
+    def _forget(name: str) -> Segment:
+        return Segment(name, name, SegmentKind.END, 0, forget_prefix=True)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.limits.max_sessions:
@@ -120,6 +158,9 @@ class EngineCore:
         if previous is not None and (info is None or info.term != previous.term):
             self.frames.clear()
             self._ends.clear()
+            if self.prefixes is not None:
+                # The stages of a new pipeline start with nothing kept.
+                self.prefixes.clear()
             for tracked in self.running.values():
                 if tracked.in_flight is not None or tracked.prefilled:
                     self._lose(tracked, previous.term, "the pipeline was replaced")
@@ -249,6 +290,7 @@ class EngineCore:
             kind=SegmentKind.VERIFY if drafts else SegmentKind.DECODE,
             pos_start=run.position,
             token_ids=(run.tokens[-1], *drafts),
+            epoch=tracked.epoch,
         )
         tracked.in_flight = InFlight(segment, Expected.for_segment(segment, term), 0, now)
         tracked.in_flight.drafts, tracked.in_flight.draft_s = drafts, draft_s
@@ -272,6 +314,10 @@ class EngineCore:
     def _prefill_segment(self, tracked: Tracked, term: int, room: int, now: float) -> Segment:
         run = tracked.run
         tokens = run.tokens
+        first = tracked.prefilled == 0
+        prefix_from = ""
+        if first:
+            prefix_from = self._start_from_prefix(tracked)
         start = tracked.prefilled
         count = min(self.limits.prefill_chunk_tokens, room, len(tokens) - start)
         final = start + count >= len(tokens)
@@ -282,13 +328,54 @@ class EngineCore:
             kind=SegmentKind.PREFILL,
             pos_start=start,
             token_ids=tuple(tokens[start : start + count]),
-            sampling=run.request.sampling if start == 0 else None,
+            sampling=run.request.sampling if first else None,
             sample=final,
+            epoch=tracked.epoch,
+            prefix_from=prefix_from,
         )
         tracked.prefilled = start + count
         if final:
             tracked.in_flight = InFlight(segment, Expected.for_segment(segment, term), 0, now)
         return segment
+
+    def _start_from_prefix(self, tracked: Tracked) -> str:
+        """Start the request's session from the longest kept prefix of its tokens:
+        its name ("" for none); ``tracked.prefilled`` is then its length."""
+        if self.prefixes is None or tracked.no_prefix:
+            return ""
+        self.prefix_lookups += 1
+        hit = self.prefixes.lookup(tracked.run.tokens)
+        if hit is None:
+            return ""
+        self.prefixes.touch(hit.name)
+        self.prefix_hits += 1
+        self.cached_tokens_total += hit.length
+        tracked.prefilled = hit.length
+        tracked.prefix_from = hit.name
+        tracked.run.cached_tokens = hit.length
+        return hit.name
+
+    def _read_again(self, tracked: Tracked, error: MeshError) -> None:
+        """A stage lacked the prefix the session was to start from: forget it and
+        read the request's tokens again from position 0 (what was sent is void)."""
+        name = tracked.prefix_from
+        logger.info(
+            "request %s: prefix %s is gone on a stage (%s); reading %s tokens from 0",
+            tracked.run.request.request_id,
+            name,
+            error.message,
+            len(tracked.run.tokens),
+        )
+        self.prefix_lost += 1
+        if self.prefixes is not None and self.prefixes.remove(name):
+            self._ends.append(self._forget(name))
+        tracked.epoch += 1
+        tracked.prefilled = 0
+        tracked.prefilling = True
+        tracked.in_flight = None
+        tracked.prefix_from = ""
+        tracked.no_prefix = True
+        tracked.run.cached_tokens = 0
 
     # ---- results -------------------------------------------------------------------
 
@@ -316,6 +403,10 @@ class EngineCore:
         if tracked is None:
             if answer.error is not None or answer.token_ids:
                 self.stale.append("unclaimed")
+            return None
+        if answer.epoch != tracked.epoch:
+            if answer.error is not None or answer.token_ids:
+                self.stale.append("epoch")
             return None
         flight = tracked.in_flight
         if flight is None or flight.frame_id != frame_id:
@@ -347,6 +438,9 @@ class EngineCore:
 
     def _error(self, tracked: Tracked, answer: SegmentResult, term: int) -> Outcome | None:
         error = answer.error.to_error()  # type: ignore[union-attr]
+        if isinstance(error, PrefixMissing) and tracked.prefix_from:
+            self._read_again(tracked, error)
+            return None
         if isinstance(error, (Unavailable, StaleTerm)) and self.limits.recovery_timeout_s > 0:
             self._lose(tracked, term, error.message)
             return None
@@ -355,7 +449,7 @@ class EngineCore:
         return self._fail(tracked.run.request.request_id, error)
 
     def _fail(self, request_id: str, error: MeshError) -> Outcome:
-        self.cancel(request_id)
+        self.cancel(request_id, keep=False)
         return Outcome(request_id, error=error)
 
     def _commit(self, tracked: Tracked, flight: InFlight, answer: SegmentResult) -> Outcome:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from mesh.errors import MeshError
 from mesh.frames import Segment, SegmentKind
+from mesh.types import DEFAULT_PREFIX_TOKENS
 from stage.frontend.backend import TokenEvent
 from stage.frontend.expectation import Expected
 from stage.frontend.request_run import RequestRun
@@ -17,7 +18,8 @@ class EngineLimits:
     """``step_tokens``: rows one frame may hold (decode and verify rows first, prefill
     chunks in what is left); ``draft_tokens``: draft rows one step may hold, shared
     among the requests that speculate in it; ``prefill_chunk_tokens``: the longest
-    prompt chunk of one request in one step."""
+    prompt chunk of one request in one step; ``prefix_cache_tokens``: positions of
+    finished requests kept on the stages for later prompts (0: none)."""
 
     max_sessions: int = 16
     max_queued: int = 32
@@ -26,6 +28,7 @@ class EngineLimits:
     prefill_chunk_tokens: int = 512
     round_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
+    prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,12 @@ class Tracked:
     # drafts, if it was a verify window.
     lost: InFlight | None = None
     resumed: bool = False
+    # Raised when the request's segments in the pipe are void (its prompt is read
+    # again from position 0); answers of another epoch are dropped.
+    epoch: int = 0
+    # The kept prefix its session started from, and how many positions of it.
+    prefix_from: str = ""
+    no_prefix: bool = False
 
 
 @dataclass

@@ -85,6 +85,8 @@ class GenerationRun:
         self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(
             len(self.request.prompt_tokens)
         )
+        if isinstance(first, TokenEvent) and first.stats is not None:
+            self._stats = first.stats
         self._pending = first
 
     async def _pump(self) -> None:
@@ -216,12 +218,18 @@ class GenerationRun:
                     per_token
                 )
 
-    def usage(self) -> dict[str, int]:
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens a kept prefix spared the pipeline (the prefix cache)."""
+        return self._stats.cached_tokens if self._stats is not None else 0
+
+    def usage(self) -> dict[str, Any]:
         prompt = len(self.request.prompt_tokens)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def timings(self) -> dict[str, float]:

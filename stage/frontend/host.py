@@ -136,7 +136,11 @@ def start_frontend(
 ) -> FrontendHost:
     """Serve the OpenAI API on ``--http-host``; its announced URL uses ``advertise``
     when that host is a wildcard (so a client on another host can use it)."""
-    limits = EngineLimits(max_sessions=args.max_sessions, max_queued=args.max_queued)
+    limits = EngineLimits(
+        max_sessions=args.max_sessions,
+        max_queued=args.max_queued,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+    )
     scheduler = PipelineScheduler(node, model_id="", limits=limits)
     switch = SwitchableApp()
     api_key = _read_api_key(args)

@@ -18,6 +18,8 @@ class RequestRun:
         self.request = request
         self.tokens: list[int] = list(request.prompt_tokens)
         self.produced = 0
+        # Prompt positions its session started with from a kept prefix.
+        self.cached_tokens = 0
         self.term = 0
         self.recovered = False
         self.prompt_ms = 0.0
@@ -96,4 +98,5 @@ class RequestRun:
             prompt_ms=self.prompt_ms,
             decode_ms=(time.perf_counter() - self.decode_started) * 1000.0,
             speculation=speculation,
+            cached_tokens=self.cached_tokens,
         )

@@ -108,6 +108,30 @@ class PipelineScheduler:
             "Speculation counters of finished requests, by strategy and counter.",
             ("strategy", "counter"),
         )
+        self._m_prefix = {
+            "lookups": self.registry.counter(
+                "mesh_prefix_cache_lookups_total",
+                "Prompts looked up in the prefix cache (kept positions of earlier requests).",
+            ),
+            "hits": self.registry.counter(
+                "mesh_prefix_cache_hits_total",
+                "Prompts whose session started from a kept prefix.",
+            ),
+            "lost": self.registry.counter(
+                "mesh_prefix_cache_lost_total",
+                "Kept prefixes a stage no longer held when a session was to start from "
+                "them (the prompt was read again from position 0).",
+            ),
+            "cached": self.registry.counter(
+                "mesh_prefix_cache_tokens_total",
+                "Prompt tokens whose prefill a kept prefix spared.",
+            ),
+        }
+        self._m_prefix_held = self.registry.gauge(
+            "mesh_prefix_cache_held_tokens",
+            "Positions kept on every stage for later prompts, and the limit.",
+            ("of",),
+        )
         node.set_result_sink(self._on_result)
         node.on_load_change(self._on_load_change)
 
@@ -129,6 +153,19 @@ class PipelineScheduler:
         self._m_sessions.set(len(self.core.running))
         self._m_queued.set(self.core.queued)
         self._m_recoveries.set(self.core.recoveries)
+        core = self.core
+        for key, value in (
+            ("lookups", core.prefix_lookups),
+            ("hits", core.prefix_hits),
+            ("lost", core.prefix_lost),
+            ("cached", core.cached_tokens_total),
+        ):
+            counter = self._m_prefix[key]
+            if value > counter.get():
+                counter.inc(value - counter.get())
+        held = core.prefixes.held_tokens if core.prefixes is not None else 0
+        self._m_prefix_held.labels("held").set(held)
+        self._m_prefix_held.labels("limit").set(self.limits.prefix_cache_tokens)
         model = self.core.step_cost.model()
         if model is not None:
             self._m_step_cost.labels("fixed").set(model[0])

@@ -32,10 +32,13 @@ def greedy(prompt: tuple[int, ...], count: int) -> list[int]:
 
 
 class FakePipeline:
-    """Answers frames like a whole pipeline would: every segment, in order."""
+    """Answers frames like a whole pipeline would: every segment, in order. Keeps
+    prefixes as the stages do; a name in ``lost`` is one some stage no longer holds."""
 
     def __init__(self) -> None:
         self.sessions: dict[str, list[int]] = {}
+        self.kept: dict[str, list[int]] = {}
+        self.lost: set[str] = set()
         self.frames: list[Frame] = []
 
     def answer(self, frame: Frame) -> FrameResult:
@@ -44,14 +47,37 @@ class FakePipeline:
         for segment in frame.segments:
             sid = segment.session_id
             if segment.kind is SegmentKind.END:
-                self.sessions.pop(sid, None)
-                results.append(SegmentResult(segment.request_id, sid, 0))
+                held = self.sessions.pop(sid, None)
+                if segment.keep_prefix and held is not None:
+                    self.kept[sid] = held[: segment.pos_start]
+                if segment.forget_prefix:
+                    self.kept.pop(sid, None)
+                results.append(SegmentResult(segment.request_id, sid, 0, epoch=segment.epoch))
                 continue
+            if sid not in self.sessions and segment.pos_start > 0:
+                source = segment.prefix_from
+                if source and source in self.kept and source not in self.lost:
+                    self.sessions[sid] = self.kept[source][: segment.pos_start]
+                else:
+                    code = "ABORTED" if source else "NOT_FOUND"
+                    error = ErrorInfo(code, f"no session or prefix for {sid}", 1)
+                    results.append(
+                        SegmentResult(
+                            segment.request_id,
+                            sid,
+                            segment.pos_start,
+                            error=error,
+                            epoch=segment.epoch,
+                        )
+                    )
+                    continue
             held = self.sessions.setdefault(sid, [])
             del held[segment.pos_start :]
             held.extend(segment.token_ids)
             if segment.kind is SegmentKind.PREFILL and not segment.sample:
-                results.append(SegmentResult(segment.request_id, sid, segment.pos_end))
+                results.append(
+                    SegmentResult(segment.request_id, sid, segment.pos_end, epoch=segment.epoch)
+                )
                 continue
             if segment.kind is SegmentKind.VERIFY:
                 emitted, accepted = [], 0
@@ -63,11 +89,24 @@ class FakePipeline:
                         continue
                     break
                 results.append(
-                    SegmentResult(segment.request_id, sid, segment.pos_start + 1, emitted, accepted)
+                    SegmentResult(
+                        segment.request_id,
+                        sid,
+                        segment.pos_start + 1,
+                        emitted,
+                        accepted,
+                        epoch=segment.epoch,
+                    )
                 )
             else:
                 results.append(
-                    SegmentResult(segment.request_id, sid, segment.pos_end, [next_token(held)])
+                    SegmentResult(
+                        segment.request_id,
+                        sid,
+                        segment.pos_end,
+                        [next_token(held)],
+                        epoch=segment.epoch,
+                    )
                 )
         return FrameResult(frame.term, frame.frame_id, tuple(results))
 
@@ -315,3 +354,128 @@ def test_the_coordinator_sets_the_step_budget() -> None:
     frame = core.next_frame()
     assert frame.row_count == 8 and not frame.segments[0].sample
     assert run_to_end(core, pipe) == {}  # the frame above was never answered
+
+
+# ---- the prefix cache ---------------------------------------------------------------
+
+
+def first_prefill(pipe: FakePipeline, rid: str):
+    return next(
+        s
+        for f in pipe.frames
+        for s in f.segments
+        if s.request_id == rid and s.kind is SegmentKind.PREFILL
+    )
+
+
+def test_a_later_prompt_starts_from_the_kept_prefix_and_gets_the_same_tokens() -> None:
+    core, _ = core_with(prefix_cache_tokens=1000, prefill_chunk_tokens=16)
+    pipe = FakePipeline()
+    history = tuple(range(1, 60))
+    core.add(request("turn1", history, max_new=8))
+    first = run_to_end(core, pipe)["turn1"][0]
+    # The session's positions are kept: the prompt and all output but the last token.
+    assert pipe.kept == {"turn1": [*history, *first[:-1]]}
+    turn2 = (*history, *first, 5, 6, 7)
+    core.add(request("turn2", turn2, max_new=8))
+    got = run_to_end(core, pipe)["turn2"]
+    assert got[0] == greedy(turn2, 8)
+    segment = first_prefill(pipe, "turn2")
+    assert segment.prefix_from == "turn1"
+    assert segment.pos_start == len(history) + len(first) - 1
+    assert segment.sampling is not None  # the session's first segment
+    assert core.prefix_hits == 1 and core.cached_tokens_total == segment.pos_start
+    # turn2 extends turn1: turn1 is forgotten, turn2 kept.
+    assert set(pipe.kept) == {"turn2"} and set(core.prefixes._entries) == {"turn2"}
+
+
+def test_cached_tokens_are_reported_in_the_stats() -> None:
+    core, _ = core_with(prefix_cache_tokens=1000)
+    pipe = FakePipeline()
+    prompt = tuple(range(1, 40))
+    core.add(request("a", prompt, max_new=3))
+    run_to_end(core, pipe)
+    run = core.add(request("b", (*prompt[:35], 90, 91), max_new=3))
+    run_to_end(core, pipe)
+    assert run.stats().cached_tokens == 35
+
+
+def run_pipelined(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
+    """Like run_to_end, with as many frames in flight as the core sends."""
+    out: dict[str, list] = {}
+    for _ in range(limit):
+        frames = []
+        while (frame := core.next_frame()) is not None:
+            frames.append(frame)
+        if not frames:
+            return out
+        for frame in frames:
+            for outcome in core.on_result(pipe.answer(frame)):
+                entry = out.setdefault(outcome.request_id, [[], None, None])
+                if outcome.error is not None:
+                    entry[2] = outcome.error
+                else:
+                    entry[0].extend(outcome.event.token_ids)
+                    entry[1] = outcome.event.finish_reason
+    raise AssertionError("the core never ran out of work")
+
+
+def test_a_prefix_a_stage_lost_is_read_again_from_position_0() -> None:
+    core, _ = core_with(
+        stage_count=3, prefix_cache_tokens=1000, prefill_chunk_tokens=8, step_tokens=8
+    )
+    pipe = FakePipeline()
+    history = tuple(range(1, 50))
+    core.add(request("turn1", history, max_new=4))
+    first = run_pipelined(core, pipe)["turn1"][0]
+    pipe.lost.add("turn1")
+    turn2 = (*history, *first, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21)
+    core.add(request("turn2", turn2, max_new=6))
+    got = run_pipelined(core, pipe)["turn2"]
+    assert got[0] == greedy(turn2, 6) and got[2] is None
+    prefills = [
+        s
+        for f in pipe.frames
+        for s in f.segments
+        if s.request_id == "turn2" and s.kind is SegmentKind.PREFILL
+    ]
+    assert prefills[0].prefix_from == "turn1" and prefills[0].epoch == 0
+    again = [s for s in prefills if s.epoch == 1]
+    assert again[0].pos_start == 0 and not again[0].prefix_from
+    assert again[0].sampling is not None
+    assert core.prefix_lost == 1 and "turn1" not in core.prefixes
+    assert core.stale  # the void chunks' answers were dropped
+
+
+def test_the_least_recently_used_prefixes_go_first_and_the_stages_are_told() -> None:
+    core, _ = core_with(prefix_cache_tokens=100)
+    pipe = FakePipeline()
+    for i in range(4):
+        core.add(request(f"r{i}", tuple(range(100 * i + 1, 100 * i + 41)), max_new=2))
+        run_to_end(core, pipe)
+    # 41 positions each: two fit in 100.
+    assert set(core.prefixes._entries) == {"r2", "r3"}
+    assert set(pipe.kept) == {"r2", "r3"}
+
+
+def test_a_failed_request_keeps_nothing_and_a_new_pipeline_forgets_everything() -> None:
+    core, _ = core_with(prefix_cache_tokens=1000)
+    pipe = FakePipeline()
+    core.add(request("a", tuple(range(1, 40)), max_new=2))
+    run_to_end(core, pipe)
+    assert "a" in core.prefixes
+    core.set_pipeline(PipelineInfo(term=2, stage_count=1))
+    assert len(core.prefixes) == 0
+    core.add(request("b", tuple(range(1, 45)), max_new=2))
+    run_to_end(core, pipe)
+    assert not first_prefill(pipe, "b").prefix_from
+
+
+def test_the_prefix_cache_can_be_off() -> None:
+    core, _ = core_with(prefix_cache_tokens=0)
+    pipe = FakePipeline()
+    core.add(request("a", tuple(range(1, 40)), max_new=2))
+    run_to_end(core, pipe)
+    core.add(request("b", tuple(range(1, 45)), max_new=2))
+    run_to_end(core, pipe)
+    assert not pipe.kept and not first_prefill(pipe, "b").prefix_from

@@ -22,7 +22,7 @@ SEGMENT_KIND_VERIFY: SegmentKind
 SEGMENT_KIND_END: SegmentKind
 
 class Segment(_message.Message):
-    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch")
+    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,9 @@ class Segment(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    FORGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     kind: SegmentKind
@@ -41,7 +44,10 @@ class Segment(_message.Message):
     sampling: _common_pb2.SamplingParams
     sample: bool
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    prefix_from: str
+    keep_prefix: bool
+    forget_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("term", "frame_id", "segments", "hidden", "timings")
