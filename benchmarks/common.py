@@ -107,22 +107,30 @@ class MeshConfig:
     wire_dtype: str = "f32"
     speculation: str = "none"
     row_invariant: str = "auto"  # mesh-stage join --row-invariant
+    # mesh-stage join --prefix-cache-tokens of stage 0 (None: its default).
+    prefix_cache_tokens: int | None = None
 
     @property
     def label(self) -> str:
         spec = "" if self.speculation == "none" else f" spec={self.speculation}"
         arithmetic = "" if self.row_invariant == "auto" else f" row-invariant={self.row_invariant}"
+        cache = ""
+        if self.prefix_cache_tokens is not None:
+            cache = f" prefix-cache={self.prefix_cache_tokens or 'off'}"
         plural = "s" if self.stages > 1 else ""
-        return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}"
+        return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}{cache}"
 
     def stage_args(self) -> tuple[str, ...]:
         return ("--row-invariant", self.row_invariant)
 
     def stage0_args(self) -> tuple[str, ...]:
         """``none`` turns speculation off; ``package`` keeps the served default."""
+        cache: tuple[str, ...] = ()
+        if self.prefix_cache_tokens is not None:
+            cache = ("--prefix-cache-tokens", str(self.prefix_cache_tokens))
         if self.speculation == "package":
-            return ()
-        return ("--spec-type", self.speculation)
+            return cache
+        return ("--spec-type", self.speculation, *cache)
 
 
 @dataclass(frozen=True)

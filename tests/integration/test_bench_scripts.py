@@ -144,3 +144,26 @@ def test_hosts_bench_predicts_every_measured_point(tiny_package_factory, workloa
     assert all(r["predicted_tok_s"] > 0 and len(r["stage_ms"]) == r["stages"] for r in body["rows"])
     transfer = body["slice_transfer"]
     assert transfer["bytes"] > 0 and transfer["fraction_of_link"] > 0
+
+
+def test_agent_bench_compares_the_prefix_cache_off_and_on(
+    tiny_package_factory, workloads, tmp_path
+):
+    agent = bench("agent_bench")
+    package = tiny_package_factory("llama", layers=6)
+    out = tmp_path / "agent.json"
+    argv = ["--package", str(package), "--workloads", str(workloads), "--out", str(out)]
+    argv += ["--turns", "3", "--conversations", "1", "--repeats", "1", "--history-tokens", "100"]
+    argv += ["--max-tokens", "4", "--no-tools", "--workdir", str(tmp_path)]
+    assert agent.main(argv) == 0
+    body = json.loads(out.read_text())
+    # One conversation per workload (chat, code-edit), 3 turns each, on both meshes.
+    assert body["turns_compared"] == 6 and body["identical_turns"] == 6
+    off, on = body["summary"]["off"], body["summary"]["on"]
+    assert [r["turn"] for r in off] == [1, 2, 3] and all(r["samples"] == 2 for r in on)
+    assert off[0]["prompt_tokens"] >= 100
+    assert all(r["cached_tokens"] == 0 for r in off) and on[0]["cached_tokens"] == 0
+    # Later turns reuse (nearly) the whole prompt of the turn before.
+    for before, after in zip(on[:-1], on[1:], strict=True):
+        assert before["prompt_tokens"] - 8 <= after["cached_tokens"] < after["prompt_tokens"]
+    assert len(body["ttft_ratio_later_turns"]) == 2

@@ -16,9 +16,8 @@ from openai import OpenAI
 from coordinator.localmesh import MeshProcesses
 
 MODEL = "tiny-llama"
-HISTORY = (
-    "Here is the module we are editing, read it carefully before answering.\n"
-    + "\n".join(f"def step_{i}(value):\n    return value * {i} + {i * i}\n" for i in range(12))
+HISTORY = "Here is the module we are editing, read it carefully before answering.\n" + "\n".join(
+    f"def step_{i}(value):\n    return value * {i} + {i * i}\n" for i in range(12)
 )
 
 
