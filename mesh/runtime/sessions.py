@@ -187,7 +187,9 @@ class SessionTable:
             )
         source = None
         if cache is None and prefix_from:
-            source = self._prefixes.get(prefix_from)
+            # A kept prefix, or a live session (the first choice of a request with
+            # n > 1, whose prompt this session shares).
+            source = self._prefixes.get(prefix_from) or self._sessions.get(prefix_from)
             if source is None or source.length < pos_start:
                 raise PrefixMissing(
                     f"this stage does not hold {pos_start} positions of prefix "
@@ -220,7 +222,8 @@ class SessionTable:
             if source is not None:
                 cache.copy_prefix(source, pos_start)
                 source.last_used = cache.last_used
-                self._prefixes.move_to_end(prefix_from)
+                if prefix_from in self._prefixes:
+                    self._prefixes.move_to_end(prefix_from)
             self._sessions[session_id] = cache
         else:
             cache.reserve(self._capacity_for(end, cache.capacity))

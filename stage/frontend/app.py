@@ -12,6 +12,7 @@ balancers and scrapers. Every error is an OpenAI error body (see errors.py).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -192,22 +193,35 @@ class _Frontend:
             prepared.request.max_new_tokens,
             body.user,
         )
-        run = GenerationRun(self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival)
+        runs = [
+            GenerationRun(
+                self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, r, i
+            )
+            for i, r in enumerate(prepared.choice_requests())
+        ]
+
+        async def close() -> None:
+            await asyncio.gather(*(run.aclose() for run in runs))
+
         handed_over = False
         try:
-            await until_disconnect(request.receive, run.start())
+            # Submitted in order: the first choice's prompt is read first, the others
+            # start from a copy of it.
+            await until_disconnect(request.receive, _start_all(runs))
             if prepared.stream:
-                events = sse_events(run, self.metrics, self.limits.retry_after_s)
+                events = sse_events(runs, self.metrics, self.limits.retry_after_s)
                 handed_over = True
-                return EventStreamResponse(events, on_close=run.aclose)
-            text = await until_disconnect(request.receive, _collect(run))
-            return JSONResponse(final_body(run, text))
+                return EventStreamResponse(events, on_close=close)
+            texts = await until_disconnect(
+                request.receive, asyncio.gather(*(_collect(run) for run in runs))
+            )
+            return JSONResponse(final_body(runs, list(texts)))
         except ClientDisconnected:
             logger.info("client left before request %s finished", prepared.response_id)
             return Response(status_code=CLIENT_CLOSED_STATUS)
         finally:
             if not handed_over:
-                await run.aclose()
+                await close()
 
     async def messages(self, request: Request) -> Response:
         """``POST /v1/messages`` (Anthropic's Messages API, stage/frontend/anthropic.py)."""
@@ -287,6 +301,15 @@ def _anthropic_error(error: OpenAIError) -> JSONResponse:
     return JSONResponse(
         anthropic.error_response_body(error), status_code=error.status, headers=error.headers
     )
+
+
+async def _start_all(runs: list[GenerationRun]) -> None:
+    """Start every choice; when one cannot start, the error of the first that failed
+    is raised (the caller closes them all)."""
+    results = await asyncio.gather(*(run.start() for run in runs), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 async def _collect(run: GenerationRun) -> str:

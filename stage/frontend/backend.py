@@ -53,6 +53,9 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
+    # With n > 1: the request of the first choice, whose prompt this one shares (its
+    # session starts from a copy of that session's prompt positions).
+    fork_of: str = ""
 
 
 @dataclass(frozen=True)

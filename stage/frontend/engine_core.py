@@ -201,6 +201,7 @@ class EngineCore:
             if info is not None and info.term > tracked.failed_term:
                 tracked.recover_by = None
                 tracked.prefilled = 0
+                tracked.prompt_frame = 0
                 tracked.prefilling = True
                 self.recoveries += 1
                 logger.info(
@@ -243,6 +244,8 @@ class EngineCore:
             if room <= 0:
                 break
             if tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None:
+                if self._waits_for_fork(tracked):
+                    continue
                 segment = self._prefill_segment(tracked, info.term, room, now)
                 segments.append(segment)
                 rows += segment.token_count
@@ -317,7 +320,7 @@ class EngineCore:
         first = tracked.prefilled == 0
         prefix_from = ""
         if first:
-            prefix_from = self._start_from_prefix(tracked)
+            prefix_from = self._fork(tracked) or self._start_from_prefix(tracked)
         start = tracked.prefilled
         count = min(self.limits.prefill_chunk_tokens, room, len(tokens) - start)
         final = start + count >= len(tokens)
@@ -336,7 +339,42 @@ class EngineCore:
         tracked.prefilled = start + count
         if final:
             tracked.in_flight = InFlight(segment, Expected.for_segment(segment, term), 0, now)
+            tracked.prompt_frame = self._next_frame_id
         return segment
+
+    def _fork_parent(self, tracked: Tracked) -> Tracked | None:
+        """The running first choice whose session this choice (n > 1) is to start
+        from, or None (not a forked choice, or its first choice is gone: it then
+        reads its prompt as any request does)."""
+        parent_id = tracked.run.request.fork_of
+        if not parent_id or tracked.prefilled or tracked.no_prefix:
+            return None
+        parent = self.running.get(parent_id)
+        if parent is None or parent.recover_by is not None:
+            return None
+        return parent
+
+    def _waits_for_fork(self, tracked: Tracked) -> bool:
+        """True while the first choice's prompt has not been sent in an earlier frame
+        (each stage must have read it before this choice copies it)."""
+        parent = self._fork_parent(tracked)
+        if parent is None:
+            return False
+        return not (parent.prompt_frame and parent.prompt_frame < self._next_frame_id)
+
+    def _fork(self, tracked: Tracked) -> str:
+        """Start a forked choice from its first choice's prompt positions: all but the
+        prompt's last token, which it reads to sample its own first token."""
+        parent = self._fork_parent(tracked)
+        if parent is None or not parent.prompt_frame:
+            return ""
+        length = len(tracked.run.request.prompt_tokens) - 1
+        if length <= 0:
+            return ""
+        tracked.prefilled = length
+        tracked.prefix_from = parent.run.request.request_id
+        tracked.run.cached_tokens = length
+        return tracked.prefix_from
 
     def _start_from_prefix(self, tracked: Tracked) -> str:
         """Start the request's session from the longest kept prefix of its tokens:
@@ -371,6 +409,7 @@ class EngineCore:
             self._ends.append(self._forget(name))
         tracked.epoch += 1
         tracked.prefilled = 0
+        tracked.prompt_frame = 0
         tracked.prefilling = True
         tracked.in_flight = None
         tracked.prefix_from = ""

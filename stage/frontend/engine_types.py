@@ -78,6 +78,9 @@ class Tracked:
     # The kept prefix its session started from, and how many positions of it.
     prefix_from: str = ""
     no_prefix: bool = False
+    # The frame that carried the last chunk of its prompt (0: not sent yet): the
+    # choices forked from it may start in a later frame.
+    prompt_frame: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ from stage.frontend.backend import (
     FINISH_REASONS,
     SPECULATION_KEYS,
     GenerationBackend,
+    GenerationRequest,
     GenerationStats,
     TokenEvent,
 )
@@ -43,9 +44,13 @@ class GenerationRun:
         metrics: FrontendMetrics,
         endpoint: str,
         arrival_s: float,
+        request: GenerationRequest | None = None,
+        index: int = 0,
     ) -> None:
         self.prepared = prepared
-        self.request = prepared.request
+        # One choice of the prepared request (``index``: its place in ``choices``).
+        self.request = request or prepared.request
+        self.index = index
         self.tokenizer = tokenizer
         # (token, mesh.frames.TokenLogprob) of every kept token, when asked for;
         # ``_unsent`` those not yet handed out with a streamed chunk.
@@ -82,9 +87,10 @@ class GenerationRun:
         if isinstance(first, BaseException):
             await self.aclose()
             raise first
-        self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(
-            len(self.request.prompt_tokens)
-        )
+        if self.index == 0:  # the other choices share its prompt
+            self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(
+                len(self.request.prompt_tokens)
+            )
         if isinstance(first, TokenEvent) and first.stats is not None:
             self._stats = first.stats
         self._pending = first

@@ -25,7 +25,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from jinja2 import TemplateError
@@ -72,6 +72,27 @@ class PreparedGeneration:
     include_usage: bool
     fingerprint: str | None = None
     tools: ToolUse | None = None
+    # ``n``: choices generated for the prompt (see ``choice_requests``).
+    choices: int = 1
+
+    def choice_requests(self) -> list[GenerationRequest]:
+        """One request per choice. The first is ``request``; choice i reads the same
+        prompt from a copy of the first one's session (``fork_of``), under its own
+        request id, with seed + i (mod 2**64) so that sampled choices differ and
+        each one is reproducible."""
+        first = self.request
+        out = [first]
+        for index in range(1, self.choices):
+            sampling = replace(first.sampling, seed=(first.sampling.seed + index) % 2**64)
+            out.append(
+                replace(
+                    first,
+                    request_id=f"{first.request_id}-{index}",
+                    sampling=sampling,
+                    fork_of=first.request_id,
+                )
+            )
+        return out
 
 
 @dataclass(frozen=True)
@@ -267,6 +288,7 @@ def _prepared(
         include_usage=body.include_usage,
         fingerprint=ctx.fingerprint,
         tools=tools,
+        choices=body.n or 1,
     )
 
 

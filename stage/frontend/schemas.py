@@ -2,7 +2,7 @@
 
 Types are strict: ``"1"`` is not an integer and ``true`` is not a number. A field
 this server does not know, or knows but cannot honour (``logprobs``, ``tools``,
-``n`` > 1, ...), is refused with a 400 that names it rather than silently ignored:
+``echo``, ...), is refused with a 400 that names it rather than silently ignored:
 a client that asks for something gets it or is told. Exceptions: OpenAI's
 bookkeeping fields that do not change the answer (``IGNORED_FIELDS``), and unknown
 fields inside messages (clients replay OpenAI's own message objects, with fields
@@ -26,6 +26,9 @@ TOP_K_MAX = 2**32 - 1
 MAX_TOKENS_MAX = 2**31 - 1
 USER_MAX_CHARS = 256
 LOGIT_BIAS_MAX_ENTRIES = 1024
+
+# Most choices (``n``) one request may ask for.
+MAX_CHOICES = 16
 
 
 class _Body(BaseModel):
@@ -79,8 +82,8 @@ class GenerationBody(_Body):
             problems.append(
                 (field, f"unknown parameter '{field}'; this server does not support it: remove it")
             )
-        if self.n is not None and self.n != 1:
-            problems.append(("n", f"n={self.n} is not supported; only n=1 (one choice)"))
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            problems.append(("n", f"n={self.n}: n must be between 1 and {MAX_CHOICES}"))
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
         return problems

@@ -113,48 +113,57 @@ def completion_logprobs(
     }
 
 
-def final_body(run: GenerationRun, text: str) -> dict[str, Any]:
-    """The non-streaming answer of a finished run."""
+def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
+    """One choice of a non-streaming answer."""
     p = run.prepared
-    if p.kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = run.finish_reason
-        if p.tools is not None:
-            content, calls = parse_tool_calls(
-                p.tools.prefix + text, p.tools.names, p.tools.parallel
-            )
-            if calls:
-                message = {
-                    "role": "assistant",
-                    "content": content,
-                    "tool_calls": [call.to_openai() for call in calls],
-                }
-                finish = "tool_calls"
-            else:
-                message["content"] = p.tools.prefix + text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": chat_logprobs(run, run.logprobs),
-            "finish_reason": finish,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
+    if p.kind != "chat":
+        return {
+            "index": run.index,
             "text": text,
             "logprobs": completion_logprobs(run, run.logprobs),
             "finish_reason": run.finish_reason,
         }
-        obj = "text_completion"
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish = run.finish_reason
+    if p.tools is not None:
+        content, calls = parse_tool_calls(p.tools.prefix + text, p.tools.names, p.tools.parallel)
+        if calls:
+            message = {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [call.to_openai() for call in calls],
+            }
+            finish = "tool_calls"
+        else:
+            message["content"] = p.tools.prefix + text
+    return {
+        "index": run.index,
+        "message": message,
+        "logprobs": chat_logprobs(run, run.logprobs),
+        "finish_reason": finish,
+    }
+
+
+def usage_of(runs: list[GenerationRun]) -> dict[str, Any]:
+    """``usage`` of a request's choices: the prompt once, every choice's tokens."""
+    usage = runs[0].usage()
+    completion = sum(run.completion_tokens for run in runs)
+    usage["completion_tokens"] = completion
+    usage["total_tokens"] = usage["prompt_tokens"] + completion
+    return usage
+
+
+def final_body(runs: list[GenerationRun], texts: list[str]) -> dict[str, Any]:
+    """The non-streaming answer of a request whose choices (``runs``) finished."""
+    p = runs[0].prepared
     body: dict[str, Any] = {
         "id": p.response_id,
-        "object": obj,
+        "object": "chat.completion" if p.kind == "chat" else "text_completion",
         "created": p.created,
         "model": p.model_id,
-        "choices": [choice],
-        "usage": run.usage(),
-        "timings": run.timings(),
+        "choices": [_final_choice(run, text) for run, text in zip(runs, texts, strict=True)],
+        "usage": usage_of(runs),
+        "timings": runs[0].timings(),
     }
     if p.fingerprint:
         body["system_fingerprint"] = p.fingerprint
@@ -183,10 +192,10 @@ def _choice(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    common = {"index": run.index, "logprobs": logprobs, "finish_reason": finish_reason}
     if run.prepared.kind == "chat":
-        delta: dict[str, Any] = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"delta": {} if text is None else {"content": text}, **common}
+    return {"text": text or "", **common}
 
 
 def _chunk_logprobs(run: GenerationRun, sent: int) -> dict[str, Any] | None:
@@ -201,12 +210,65 @@ def _chunk_logprobs(run: GenerationRun, sent: int) -> dict[str, Any] | None:
 
 
 async def sse_events(
-    run: GenerationRun, metrics: FrontendMetrics, retry_after_s: int
+    runs: list[GenerationRun], metrics: FrontendMetrics, retry_after_s: int
 ) -> AsyncIterator[bytes]:
-    """The SSE byte chunks of a started run, ending with ``data: [DONE]``."""
+    """The SSE byte chunks of a request's started choices (``runs``), ending with
+    ``data: [DONE]``; several choices' chunks interleave as their tokens come."""
+    if len(runs) == 1:
+        chunks = _choice_events(runs[0], metrics, retry_after_s)
+    else:
+        chunks = _merged(runs, metrics, retry_after_s)
+    failed = False
+    async for chunk, error in chunks:
+        failed = failed or error
+        yield chunk
+    if failed and len(runs) == 1:
+        return
+    run = runs[0]
+    if run.prepared.include_usage:
+        usage = _chunk(run, [])
+        usage["usage"] = usage_of(runs)
+        usage["timings"] = run.timings()
+        yield sse(usage)
+    yield SSE_DONE
+
+
+async def _merged(
+    runs: list[GenerationRun], metrics: FrontendMetrics, retry_after_s: int
+) -> AsyncIterator[tuple[bytes, bool]]:
+    """Every choice's chunks, in the order they are ready."""
+    queue: asyncio.Queue[tuple[bytes, bool] | None] = asyncio.Queue()
+
+    async def pump(run: GenerationRun) -> None:
+        try:
+            async for item in _choice_events(run, metrics, retry_after_s):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _choice_events(
+    run: GenerationRun, metrics: FrontendMetrics, retry_after_s: int
+) -> AsyncIterator[tuple[bytes, bool]]:
+    """One choice's SSE chunks, each with whether it reports an error (the choice's
+    last chunk then)."""
     if run.prepared.kind == "chat":
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        yield sse(_chunk(run, [{**first, "finish_reason": None}]))
+        first = {"index": run.index, "delta": {"role": "assistant", "content": ""}}
+        yield sse(_chunk(run, [{**first, "logprobs": None, "finish_reason": None}])), False
     tools = run.prepared.tools if run.prepared.kind == "chat" else None
     # With tools, text from a <tool_call> on is held back and sent as tool-call
     # deltas once the answer is complete.
@@ -222,42 +284,35 @@ async def sse_events(
                 else:
                     text = ""
             if text:
-                yield sse(_chunk(run, [_choice(run, text, None, _chunk_logprobs(run, sent))]))
+                choice = _choice(run, text, None, _chunk_logprobs(run, sent))
+                yield sse(_chunk(run, [choice])), False
                 sent += len(text)
     except MeshError as exc:
         logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
-        yield sse(from_mesh_error(exc, retry_after_s).body())
+        yield sse(from_mesh_error(exc, retry_after_s).body()), True
         return
     except Exception:
         metrics.internal_errors.inc()
         logger.exception("request %s failed mid-stream", run.request.request_id)
-        yield sse(OpenAIError(500, "internal server error; the server logged the details").body())
+        error = OpenAIError(500, "internal server error; the server logged the details")
+        yield sse(error.body()), True
         return
     finish = run.finish_reason
     if tools is not None and held:
         content, calls = parse_tool_calls(held, tools.names, tools.parallel)
         if not calls:
-            yield sse(_chunk(run, [_choice(run, held, None)]))
+            yield sse(_chunk(run, [_choice(run, held, None)])), False
         else:
             if content:
-                yield sse(_chunk(run, [_choice(run, content, None)]))
+                yield sse(_chunk(run, [_choice(run, content, None)])), False
             for index, call in enumerate(calls):
                 delta = {"tool_calls": [call.to_openai(index)]}
-                yield sse(
-                    _chunk(
-                        run, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
-                    )
-                )
+                choice = {"index": run.index, "delta": delta, "logprobs": None}
+                yield sse(_chunk(run, [{**choice, "finish_reason": None}])), False
             finish = "tool_calls"
     last = _chunk(run, [_choice(run, None, finish, _chunk_logprobs(run, sent))])
     last["timings"] = run.timings()
-    yield sse(last)
-    if run.prepared.include_usage:
-        usage = _chunk(run, [])
-        usage["usage"] = run.usage()
-        usage["timings"] = run.timings()
-        yield sse(usage)
-    yield SSE_DONE
+    yield sse(last), False
 
 
 class EventStreamResponse(Response):

@@ -135,6 +135,55 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(client: OpenAI, mesh)
     sessions_freed(mesh)
 
 
+def test_n_choices_each_get_what_one_request_with_its_seed_gets(client: OpenAI, mesh):
+    # Choice i of a request with seed s is the answer to the same request with seed s + i.
+    content = "Name a fruit and a color."
+    many = chat(client, content, max_tokens=12, temperature=0.9, seed=40, n=3)
+    alone = [chat(client, content, max_tokens=12, temperature=0.9, seed=40 + i) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [
+        a.choices[0].message.content for a in alone
+    ]
+    assert len({c.message.content for c in many.choices}) > 1
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # Greedy choices are all the one greedy answer; completions take n too.
+    greedy = client.completions.create(
+        model=MODEL, prompt="The river", max_tokens=8, temperature=0, n=4
+    )
+    single = client.completions.create(model=MODEL, prompt="The river", max_tokens=8, temperature=0)
+    assert [c.text for c in greedy.choices] == [single.choices[0].text] * 4
+    sessions_freed(mesh)
+
+
+def test_streamed_choices_interleave_and_match_the_answer(client: OpenAI, mesh):
+    args = {"max_tokens": 10, "temperature": 0.8, "seed": 7, "n": 3}
+    whole = chat(client, "Tell me a short fact.", **args)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a short fact."}],
+        stream=True,
+        stream_options={"include_usage": True},
+        **args,
+    )
+    texts, finishes, usage = ["", "", ""], [None, None, None], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    # A client that leaves a stream of several choices frees every one of them.
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "stream": True, "n": 3}
+    with httpx.stream("POST", mesh.http_url + "/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(8))
+    sessions_freed(mesh)
+
+
 def error_of(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"}
@@ -150,7 +199,7 @@ def test_bad_input_gets_openai_errors_and_nothing_is_lost(mesh, client: OpenAI):
         (b"{not json", 400),
         (json.dumps({**good, "temperature": -1}).encode(), 400),
         (json.dumps({**good, "max_tokens": "many"}).encode(), 400),
-        (json.dumps({**good, "n": 3}).encode(), 400),
+        (json.dumps({**good, "n": 17}).encode(), 400),
         (json.dumps({**good, "messages": []}).encode(), 400),
         (json.dumps({**good, "model": "no-such-model"}).encode(), 404),
         (json.dumps({k: v for k, v in good.items() if k != "messages"}).encode(), 400),

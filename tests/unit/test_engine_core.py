@@ -56,8 +56,10 @@ class FakePipeline:
                 continue
             if sid not in self.sessions and segment.pos_start > 0:
                 source = segment.prefix_from
-                if source and source in self.kept and source not in self.lost:
-                    self.sessions[sid] = self.kept[source][: segment.pos_start]
+                # A kept prefix, or a live session (a forked choice of n > 1).
+                held = self.kept.get(source) or self.sessions.get(source)
+                if source and held is not None and source not in self.lost:
+                    self.sessions[sid] = held[: segment.pos_start]
                 else:
                     code = "ABORTED" if source else "NOT_FOUND"
                     error = ErrorInfo(code, f"no session or prefix for {sid}", 1)
@@ -119,8 +121,10 @@ class Clock:
         return self.now
 
 
-def request(rid: str, prompt: tuple[int, ...], max_new: int = 6, stop=()) -> GenerationRequest:
-    return GenerationRequest(rid, prompt, max_new, SamplingParams(), frozenset(stop))
+def request(
+    rid: str, prompt: tuple[int, ...], max_new: int = 6, stop=(), fork_of: str = ""
+) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_new, SamplingParams(), frozenset(stop), fork_of)
 
 
 def core_with(stage_count: int = 1, **limits) -> tuple[EngineCore, Clock]:
@@ -479,3 +483,62 @@ def test_the_prefix_cache_can_be_off() -> None:
     core.add(request("b", tuple(range(1, 45)), max_new=2))
     run_to_end(core, pipe)
     assert not pipe.kept and not first_prefill(pipe, "b").prefix_from
+
+
+# ---- n > 1: choices forked from the first one's session ----------------------------
+
+
+def prefills_of(pipe: FakePipeline, rid: str) -> list[tuple[int, object]]:
+    return [
+        (f.frame_id, s)
+        for f in pipe.frames
+        for s in f.segments
+        if s.request_id == rid and s.kind is SegmentKind.PREFILL
+    ]
+
+
+@pytest.mark.parametrize("stage_count", [1, 3])
+def test_choices_start_from_a_copy_of_the_first_choice_prompt(stage_count: int) -> None:
+    core, _ = core_with(stage_count=stage_count, prefill_chunk_tokens=16, step_tokens=16)
+    pipe = FakePipeline()
+    prompt = tuple(range(3, 50))
+    runs = [core.add(request("q", prompt, max_new=5))]
+    runs += [core.add(request(f"q-{i}", prompt, max_new=5, fork_of="q")) for i in (1, 2)]
+    got = run_pipelined(core, pipe)
+    for rid in ("q", "q-1", "q-2"):
+        assert got[rid][0] == greedy(prompt, 5) and got[rid][2] is None
+    last_prompt_frame = prefills_of(pipe, "q")[-1][0]
+    for rid in ("q-1", "q-2"):
+        (frame_id, segment), *rest = prefills_of(pipe, rid)
+        # One prefill of the prompt's last token, from the first choice's session,
+        # sent after every chunk of its prompt.
+        assert not rest and frame_id > last_prompt_frame
+        assert segment.prefix_from == "q" and segment.pos_start == len(prompt) - 1
+        assert segment.token_ids == prompt[-1:] and segment.sampling is not None
+    assert [run.stats().cached_tokens for run in runs] == [0, len(prompt) - 1, len(prompt) - 1]
+
+
+def test_a_choice_whose_first_choice_is_gone_reads_its_prompt() -> None:
+    core, _ = core_with(prefix_cache_tokens=0)
+    pipe = FakePipeline()
+    prompt = tuple(range(3, 30))
+    core.add(request("q", prompt, max_new=2))
+    run_to_end(core, pipe)
+    core.add(request("q-1", prompt, max_new=4, fork_of="q"))
+    assert run_to_end(core, pipe)["q-1"][0] == greedy(prompt, 4)
+    (_, segment), *_ = prefills_of(pipe, "q-1")
+    assert segment.pos_start == 0 and not segment.prefix_from
+
+
+def test_a_choice_a_stage_cannot_fork_reads_its_prompt_again() -> None:
+    core, _ = core_with(stage_count=2)
+    pipe = FakePipeline()
+    pipe.lost.add("q")
+    prompt = tuple(range(3, 30))
+    core.add(request("q", prompt, max_new=4))
+    core.add(request("q-1", prompt, max_new=4, fork_of="q"))
+    got = run_pipelined(core, pipe)
+    assert got["q-1"][0] == greedy(prompt, 4) and got["q-1"][2] is None
+    segments = [s for _, s in prefills_of(pipe, "q-1")]
+    assert segments[0].prefix_from == "q"
+    assert segments[-1].pos_start == 0 and segments[-1].epoch == 1

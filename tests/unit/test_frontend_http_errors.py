@@ -93,7 +93,7 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, stop=["a", "b", "c", "d", "e"]), "stop"),
         (CHAT, with_(OK_CHAT, stop=["x" * 300]), "stop"),
         (CHAT, with_(OK_CHAT, stop=""), "stop"),
-        (CHAT, with_(OK_CHAT, n=2), "n"),
+        (CHAT, with_(OK_CHAT, n=17), "n"),
         (CHAT, with_(OK_CHAT, n=0), "n"),
         (CHAT, with_(OK_CHAT, top_logprobs=3), "top_logprobs"),
         (CHAT, with_(OK_CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -160,7 +160,7 @@ def with_(body: dict, **changes) -> dict:
         (COMPLETIONS, with_(OK_COMPLETION, logprobs=6), "logprobs"),
         (COMPLETIONS, with_(OK_COMPLETION, logprobs=True), "logprobs"),
         (COMPLETIONS, with_(OK_COMPLETION, suffix="end"), "suffix"),
-        (COMPLETIONS, with_(OK_COMPLETION, n=3), "n"),
+        (COMPLETIONS, with_(OK_COMPLETION, n=40), "n"),
     ],
 )
 def test_bad_parameters_are_400(http, path: str, body: dict, param: str) -> None:

@@ -153,3 +153,19 @@ def test_the_last_stage_keeps_token_ids_with_a_prefix_for_penalties(package: Pat
     span = Span("b", 30, 2, prefix_from="a", sampling=penalised)
     run([stage], span, torch.tensor(tokens[30:32]))
     assert stage.record_history("b", 30, tokens[30:32]) == tokens[:30]
+
+
+def test_a_session_forks_from_a_live_session_without_changing_it(package: Path) -> None:
+    # n > 1: the other choices start from the first choice's session while it runs.
+    stages = load_chain(package, SPLITS[2])
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 1000, (30,))
+    first = run(stages, Span("q", 0, 24), tokens[:24])
+    forked = run(stages, Span("q-1", 23, 1, prefix_from="q"), tokens[23:24])
+    assert max_diff(forked, first[-1:]) < 1e-4
+    # Both sessions go on on their own; the first one is still live, not kept.
+    for stage in stages:
+        assert sorted(stage.sessions()) == ["q", "q-1"] and stage.prefixes() == {}
+    a = run(stages, Span("q", 24, 2), tokens[24:26])
+    b = run(stages, Span("q-1", 24, 2), tokens[24:26])
+    assert max_diff(a, b) < 1e-4
