@@ -42,6 +42,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         prompt_tokens=params.prompt_tokens,
         logprobs=params.top_logprobs >= 0,
         top_logprobs=max(0, params.top_logprobs),
+        grammar=params.grammar,
     )
 
 
@@ -62,6 +63,7 @@ def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in pb.logit_bias.items())),
         prompt_tokens=pb.prompt_tokens,
         top_logprobs=pb.top_logprobs if pb.logprobs else -1,
+        grammar=pb.grammar,
     )
 
 

@@ -91,6 +91,9 @@ class SamplingParams:
     prompt_tokens: int = 0
     # -1: no log-probabilities; 0..20: each emitted token's, with that many alternatives.
     top_logprobs: int = -1
+    # Structured output (mesh/grammar.py): the JSON text {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}} the output must follow; "" for none.
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -139,7 +142,10 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
-        """Whether the choice depends on the tokens before it (penalties)."""
+        """Whether the choice depends on the tokens before it (penalties, a grammar)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.grammar
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh.errors import InvalidRequest
+from mesh.errors import InvalidRequest, MeshError
 from mesh.frames import (
     Frame,
     FrameResult,
@@ -26,6 +26,7 @@ from mesh.frames import (
     StageTiming,
     TokenLogprob,
 )
+from mesh.grammar import OutputConstraint, TokenGrammars, mask_rows
 from mesh.runtime import BatchOutput, Span, StageRuntime
 from mesh.sampling import sample_token, token_logprob
 from mesh.speculative.verify import verify_window
@@ -48,10 +49,20 @@ class StageEngine:
     """Runs frames through one stage's runtime. The runtime's session table is the
     one owner of a session's state (KV, length, request, sampling, last use)."""
 
-    def __init__(self, runtime: StageRuntime, stage_index: int, term: int) -> None:
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        stage_index: int,
+        term: int,
+        grammars: TokenGrammars | None = None,
+    ) -> None:
         self.runtime = runtime
         self.stage_index = stage_index
         self.term = term
+        # Structured output (on the last stage): the compiler, and the grammar state
+        # of each session that has a grammar (derived from its output tokens).
+        self.grammars = grammars
+        self._constraints: dict[str, OutputConstraint] = {}
 
     @property
     def is_first(self) -> bool:
@@ -129,11 +140,16 @@ class StageEngine:
             except InvalidRequest as error:
                 failed[id(s)] = SegmentResult.failure(s, error, self.stage_index)
                 failures.append(failed[id(s)])
-        emitted = {
-            id(s): self._emit(s, out.of(i), before[id(s)])
-            for i, s in ran
-            if s.emits and id(s) in before
-        }
+        emitted: dict[int, SegmentResult] = {}
+        for i, s in ran:
+            if not s.emits or id(s) not in before:
+                continue
+            try:
+                emitted[id(s)] = self._emit(s, out.of(i), before[id(s)])
+            except MeshError as error:  # a grammar the output cannot follow
+                failed[id(s)] = SegmentResult.failure(s, error, self.stage_index)
+                failures.append(failed[id(s)])
+        self._forget_constraints()
         answers = tuple(
             emitted.get(id(s)) or failed.get(id(s)) or _acknowledged(s) for s in frame.segments
         )
@@ -175,6 +191,8 @@ class StageEngine:
         """The segment's tokens; ``before`` is the session's token ids before it (kept
         only where penalties use them)."""
         sampling = self.runtime.session_sampling(segment.session_id)
+        if sampling.grammar:
+            logits = self._constrain(segment, logits, before)
         if segment.kind is SegmentKind.VERIFY:
             verdict = verify_window(
                 logits, segment.token_ids, sampling, segment.pos_start + 1, before
@@ -203,6 +221,32 @@ class StageEngine:
             epoch=segment.epoch,
             logprobs=logprobs,
         )
+
+    def _constrain(self, segment: Segment, logits: torch.Tensor, before: list[int]) -> torch.Tensor:
+        """The segment's logits rows with what the session's grammar forbids at each
+        row set to -inf (row i of a verify window after its first i draft tokens)."""
+        sampling = self.runtime.session_sampling(segment.session_id)
+        if self.grammars is None:
+            raise InvalidRequest(
+                f"stage {self.stage_index} is not the last stage and cannot apply a grammar"
+            )
+        constraint = self._constraints.get(segment.session_id)
+        if constraint is None or constraint.spec != sampling.grammar:
+            constraint = self.grammars.constraint(sampling.grammar, logits.shape[-1])
+            self._constraints[segment.session_id] = constraint
+        if segment.kind is SegmentKind.VERIFY:
+            seen, drafts = [*before, segment.token_ids[0]], segment.token_ids[1:]
+        else:
+            seen, drafts = [*before, *segment.token_ids], ()
+            logits = logits[-1:]
+        return mask_rows(constraint, logits, seen[sampling.prompt_tokens :], drafts)
+
+    def _forget_constraints(self) -> None:
+        """Drop the grammar state of sessions this stage no longer holds."""
+        if self._constraints:
+            held = set(self.runtime.sessions())
+            for session_id in [s for s in self._constraints if s not in held]:
+                del self._constraints[session_id]
 
 
 def _acknowledged(segment: Segment) -> SegmentResult:

@@ -25,6 +25,7 @@ from mesh.codec import (
 )
 from mesh.errors import InvalidRequest, MeshError, StaleTerm, Unavailable
 from mesh.frames import ErrorInfo, Frame, FrameAck, FrameResult, Segment, SegmentKind, SegmentResult
+from mesh.grammar import TokenGrammars
 from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
@@ -180,7 +181,8 @@ class StageNode:
                 cuda_graphs=self.settings.cuda_graphs,
             )
             runtime.set_prefix_bytes(self.settings.prefix_cache_bytes)
-            engine = StageEngine(runtime, request.stage_index, request.term)
+            grammars = TokenGrammars(package_dir) if runtime.is_last else None
+            engine = StageEngine(runtime, request.stage_index, request.term, grammars)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
             try:
                 if request.downstream is not None:

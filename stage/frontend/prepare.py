@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from jinja2 import TemplateError
 
+from mesh.errors import InvalidRequest
+from mesh.grammar import grammar_spec
 from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
@@ -149,7 +151,20 @@ def _sampling(body: GenerationBody, prompt_len: int, vocab: int) -> SamplingPara
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         prompt_tokens=prompt_len,
         top_logprobs=body.requested_top_logprobs,
+        grammar=_grammar(body),
     )
+
+
+def _grammar(body: GenerationBody) -> str:
+    """The grammar spec of a chat request's ``response_format`` ("" for text)."""
+    form = getattr(body, "response_format", None)
+    if form is None or form.type == "text":
+        return ""
+    schema = form.json_schema.schema_ if form.json_schema is not None else None
+    try:
+        return grammar_spec(form.type, schema if form.type == "json_schema" else None)
+    except InvalidRequest as error:
+        raise bad_request(error.message, "response_format") from None
 
 
 def _logit_bias(bias: Mapping[str, float], vocab: int) -> tuple[tuple[int, float], ...]:

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
 Types are strict: ``"1"`` is not an integer and ``true`` is not a number. A field
-this server does not know, or knows but cannot honour (``logprobs``, ``tools``,
-``echo``, ...), is refused with a 400 that names it rather than silently ignored:
+this server does not know, or knows but cannot honour (``echo``, ``best_of``,
+``suffix``, ...), is refused with a 400 that names it rather than silently ignored:
 a client that asks for something gets it or is told. Exceptions: OpenAI's
 bookkeeping fields that do not change the answer (``IGNORED_FIELDS``), and unknown
 fields inside messages (clients replay OpenAI's own message objects, with fields
@@ -45,6 +45,21 @@ IGNORED_FIELDS = frozenset(
 )
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's shape. The schema is always
+    enforced, whether ``strict`` is set or not."""
+
+    name: Annotated[str, Strict(), Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationBody(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -74,6 +89,8 @@ class GenerationBody(_Body):
         ]
         | None
     ) = None
+    # Structured output (chat, and completions as an extension, as vLLM does).
+    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to something this server cannot do."""
@@ -86,6 +103,11 @@ class GenerationBody(_Body):
             problems.append(("n", f"n={self.n}: n must be between 1 and {MAX_CHOICES}"))
         if self.stream_options is not None and not self.stream:
             problems.append(("stream_options", "stream_options is only allowed with stream=true"))
+        form = self.response_format
+        if form is not None and form.type == "json_schema" and form.json_schema is None:
+            problems.append(
+                ("response_format", "type 'json_schema' needs 'json_schema': {name, schema}")
+            )
         return problems
 
     @property
@@ -217,10 +239,6 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-class ResponseFormat(_Body):
-    type: Str
-
-
 class ChatCompletionBody(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
@@ -230,7 +248,6 @@ class ChatCompletionBody(GenerationBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
     functions: list[Any] | None = None
-    response_format: ResponseFormat | None = None
 
     @property
     def tool_choice_name(self) -> str:
@@ -269,9 +286,14 @@ class ChatCompletionBody(GenerationBody):
                 problems.append(
                     ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
                 )
-        if self.response_format is not None and self.response_format.type != "text":
+        form = self.response_format
+        if form is not None and form.type != "text" and self.tools:
             problems.append(
-                ("response_format", "only response_format {'type': 'text'} is supported")
+                (
+                    "response_format",
+                    "response_format with tools is not supported: the grammar would forbid "
+                    "tool calls; send one or the other",
+                )
             )
         return problems
 

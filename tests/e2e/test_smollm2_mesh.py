@@ -6,6 +6,7 @@ the same alone and batched with 3 or 7 others."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import pytest
 import torch
@@ -87,5 +88,58 @@ def test_batched_requests_get_the_tokens_they_get_alone(tmp_path, smollm2_packag
             with concurrent.futures.ThreadPoolExecutor(streams) as pool:
                 together = list(pool.map(answer, CONCURRENT_PROMPTS))
             assert together == alone, f"{streams} streams"
+    finally:
+        mesh.close()
+
+
+PLACE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "bridge": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "maxLength": 40},
+        "year_built": {"type": "integer", "minimum": 0, "maximum": 2100},
+    },
+    "required": ["bridge", "city", "year_built"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_from_the_real_model(tmp_path, smollm2_package):
+    mesh = MeshProcesses(smollm2_package, tmp_path / "mesh", 2)
+    try:
+        mesh.start().wait_serving(deadline_s=300)
+        client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+        args = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [
+                {"role": "user", "content": "Name a famous bridge, its city and the year built."}
+            ],
+            "max_tokens": 80,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "place", "schema": PLACE_SCHEMA, "strict": True},
+            },
+        }
+        reply = client.chat.completions.create(**args)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        value = json.loads(choice.message.content)
+        assert list(value) == ["bridge", "city", "year_built"]
+        assert value["bridge"].strip() and value["city"].strip()
+        assert 0 <= value["year_built"] <= 2100
+        streamed = client.chat.completions.create(**args, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == choice.message.content
+        # Any JSON object, with n = 2 sampled choices.
+        json_object = {"type": "json_object"}
+        many = client.chat.completions.create(
+            **{**args, "response_format": json_object, "temperature": 0.7}, n=2, seed=3
+        )
+        for choice in many.choices:
+            if choice.finish_reason == "stop":
+                assert isinstance(json.loads(choice.message.content), dict)
+            else:
+                assert choice.message.content.startswith("{")
     finally:
         mesh.close()

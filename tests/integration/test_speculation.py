@@ -14,6 +14,7 @@ wherever X would have, and that continuation ends at EOS inside the first window
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,6 +157,51 @@ def timings_of(reply: dict) -> dict:
     return reply["timings"]
 
 
+# A schema whose every document is short: the grammar must end it, so a reply to it
+# stops on its own (EOS) well within STRUCTURED_TOKENS.
+CARD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["color", "ok", "size", "tags"],
+    "additionalProperties": False,
+}
+CARD_FORMAT = {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD_SCHEMA}}
+STRUCTURED_TOKENS = 60
+
+
+def assert_card(text: str) -> None:
+    value = json.loads(text)
+    assert list(value) == ["color", "ok", "size", "tags"], value
+    assert value["color"] in {"red", "green", "blue"} and isinstance(value["ok"], bool)
+    assert type(value["size"]) is int and 0 <= value["size"] <= 99
+    assert len(value["tags"]) <= 2 and set(value["tags"]) <= {"a", "b"}
+
+
+def assert_structured_equivalent(mesh: Served, baseline: Served) -> list[dict]:
+    """response_format replies (greedy and seeded) equal the baseline's, and the
+    schema's replies follow it; returns the greedy schema replies."""
+    greedy = []
+    for form in (CARD_FORMAT, {"type": "json_object"}):
+        for prompt in PROMPTS[2:]:
+            for params in ({}, {"temperature": 0.8, "seed": 77}):
+                params = {**params, "response_format": form, "max_tokens": STRUCTURED_TOKENS}
+                reply = mesh.complete(prompt, **params)
+                same_reply(reply, baseline.cached(prompt, **params))
+                text = reply["choices"][0]["text"]
+                if form is CARD_FORMAT:
+                    assert reply["choices"][0]["finish_reason"] == "stop"
+                    assert_card(text)
+                    greedy += [reply] if not params.get("seed") else []
+                else:
+                    assert text.startswith("{")
+    return greedy
+
+
 class TestIdenticalDraft:
     """Draft model == target, window 8: every draft token is accepted."""
 
@@ -175,6 +221,13 @@ class TestIdenticalDraft:
             assert timings["tokens_per_round"] > 1.0
             # Windows of 8 drafts plus the bonus token: 23 decode tokens in 3 rounds.
             assert timings["windows"] <= 3
+
+    def test_structured_output_equals_the_baseline(self, mesh, baseline):
+        # The draft model knows no grammar: the drafts it proposes where the
+        # grammar wants something else are rejected, and the text is unchanged.
+        for reply in assert_structured_equivalent(mesh, baseline):
+            timings = timings_of(reply)
+            assert timings["drafted"] > timings["accepted"]
 
     def test_eos_inside_a_window_stops_exactly(self, mesh, baseline):
         reference = baseline.cached(EOS_PROMPT)
@@ -279,6 +332,9 @@ class TestNgram:
         assert repeating["drafted"] > 0 and repeating["drafted"] == repeating["windows"]
         assert repeating["accepted"] > 0
         assert ("ngram", "drafted") in mesh.counters()
+
+    def test_structured_output_equals_the_baseline(self, mesh, baseline):
+        assert_structured_equivalent(mesh, baseline)
 
     def test_chat_endpoint(self, mesh, baseline):
         body = {

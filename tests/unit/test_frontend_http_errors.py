@@ -135,7 +135,38 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, logit_bias={"5": 101}), "logit_bias"),
         (CHAT, with_(OK_CHAT, logit_bias={"5": "up"}), "logit_bias"),
         (CHAT, with_(OK_CHAT, logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
-        (CHAT, with_(OK_CHAT, response_format={"type": "json_object"}), "response_format"),
+        (CHAT, with_(OK_CHAT, response_format={"type": "yaml"}), "response_format"),
+        (CHAT, with_(OK_CHAT, response_format={"type": "json_schema"}), "response_format"),
+        (
+            CHAT,
+            with_(
+                OK_CHAT,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strange"}},
+                },
+            ),
+            "response_format",
+        ),
+        (
+            CHAT,
+            with_(
+                OK_CHAT,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}},
+                },
+            ),
+            "response_format",
+        ),
+        (
+            CHAT,
+            with_(
+                OK_CHAT,
+                response_format={"type": "json_schema", "json_schema": {"name": "no spaces"}},
+            ),
+            "response_format",
+        ),
         (CHAT, with_(OK_CHAT, stream_options={"include_usage": True}), "stream_options"),
         (CHAT, with_(OK_CHAT, user=["not", "a", "string"]), "user"),
         (CHAT, with_(OK_CHAT, messages=[]), "messages"),
@@ -344,10 +375,16 @@ def test_disconnect_during_non_streaming_request_cancels_it(http, backend, base_
         assert len(wait) == closed_before, "the request finished before the client left"
     closed = backend.closed.wait_for(closed_before + 1, timeout_s=5.0)
     assert backend.requests[-1].request_id in closed
-    metrics = http.get("/metrics").text
-    assert metric_value(
-        metrics, "mesh_http_requests_total", f'endpoint="{COMPLETIONS}",status="499"'
-    )
+    # The answer (499) is counted once the handler returns, just after it freed the
+    # request.
+    deadline = time.monotonic() + 5.0
+    while True:
+        metrics = http.get("/metrics").text
+        label = f'endpoint="{COMPLETIONS}",status="499"'
+        if metric_value(metrics, "mesh_http_requests_total", label) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert metric_value(metrics, "mesh_http_requests_total", label)
 
 
 def test_client_leaving_during_the_body_upload_is_not_a_server_error(http, base_url) -> None:

@@ -1,0 +1,215 @@
+"""Structured output: the grammar a request's output must follow, as token masks.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``) becomes a grammar
+spec, a canonical JSON text carried in ``SamplingParams.grammar``. The last stage
+turns the spec into a matcher of the llguidance library (chosen over xgrammar and
+outlines-core by measured mask cost and compile time on the model's real tokenizer,
+``benchmarks/grammar_bench.py``) and, before every choice, sets the logits of the
+tokens the grammar does not allow at that point to -inf.
+
+A session's matcher is derived from its output tokens alone (``OutputConstraint.
+sync``): whatever the frames did to the session (a verify window's rejected tail, a
+failover that read every token again, a session started from a copy of another's
+positions), the mask at a position depends only on the output before it. That is
+what keeps speculation lossless: row ``i`` of a verify window is masked exactly as
+plain decoding would mask that position, and a draft token the grammar forbids can
+never be drawn, so it is rejected.
+
+JSON is generated compactly, with ``", "`` and ``": "`` as separators and no other
+whitespace between tokens: a small model given free whitespace can spend its whole
+budget on newlines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mesh.errors import Fatal, InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept per stage (a compile is well under a millisecond for
+# ordinary schemas; keeping them saves the lexer the library builds lazily).
+GRAMMAR_CACHE_ENTRIES = 64
+# Largest schema text accepted.
+MAX_SCHEMA_CHARS = 100_000
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_spec(kind: str, schema: Mapping[str, Any] | None = None) -> str:
+    """The spec of ``json_object`` or ``json_schema`` (with ``schema``), compact JSON;
+    raises InvalidRequest when the schema is not one the library can follow."""
+    if kind == "json_object":
+        spec: dict[str, Any] = {"type": "json_object"}
+    elif kind == "json_schema":
+        if not isinstance(schema, Mapping):
+            raise InvalidRequest("json_schema needs 'schema', a JSON object")
+        spec = {"type": "json_schema", "schema": dict(schema)}
+    else:
+        raise InvalidRequest(f"unknown grammar kind {kind!r}; use json_object or json_schema")
+    # Key order is kept: it is the order the properties are generated in.
+    text = json.dumps(spec, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise InvalidRequest(f"the schema is {len(text)} characters; at most {MAX_SCHEMA_CHARS}")
+    check_grammar(text)
+    return text
+
+
+def _library_grammar(spec: str) -> str:
+    """The llguidance grammar of a spec."""
+    from llguidance import LLMatcher
+
+    try:
+        parsed = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise InvalidRequest(f"grammar spec is not JSON: {error}") from error
+    kind = parsed.get("type") if isinstance(parsed, dict) else None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema" and isinstance(parsed.get("schema"), dict):
+        schema = parsed["schema"]
+    else:
+        raise InvalidRequest(
+            'grammar spec must be {"type": "json_object"} or {"type": "json_schema", '
+            '"schema": {...}}'
+        )
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)  # type: ignore[arg-type]
+    except ValueError as error:
+        raise InvalidRequest(f"the JSON schema cannot be used: {error}") from error
+
+
+def check_grammar(spec: str) -> None:
+    """Raise InvalidRequest (with the library's reason) when ``spec`` cannot be
+    compiled; needs no tokenizer."""
+    from llguidance import LLMatcher
+
+    grammar = _library_grammar(spec)
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise InvalidRequest(f"the JSON schema cannot be used: {problem}")
+
+
+class TokenGrammars:
+    """A stage's grammar compiler: the tokenizer in the library's form (built on first
+    use, about a second) and the compiled grammars of recent specs."""
+
+    def __init__(self, tokenizer_dir: Path) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._vocab = 0
+        self._templates: OrderedDict[str, Any] = OrderedDict()
+
+    def _library_tokenizer(self, vocab: int) -> Any:
+        if self._tokenizer is not None and self._vocab == vocab:
+            return self._tokenizer
+        from llguidance.hf import from_tokenizer
+        from transformers import AutoTokenizer
+
+        started = time.perf_counter()
+        hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        if hf.eos_token_id is None:
+            raise InvalidRequest(
+                "structured output needs the model's end-of-sequence token, and its "
+                "tokenizer names none"
+            )
+        self._tokenizer = from_tokenizer(hf, n_vocab=vocab, eos_token=hf.eos_token_id)
+        self._vocab = vocab
+        self._templates.clear()
+        logger.info(
+            "grammar tokenizer ready (%d tokens) in %.2fs",
+            vocab,
+            time.perf_counter() - started,
+        )
+        return self._tokenizer
+
+    def constraint(self, spec: str, vocab: int) -> OutputConstraint:
+        """A fresh constraint for one session (``vocab``: the width of the logits)."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            tokenizer = self._library_tokenizer(vocab)
+            template = self._templates.get(spec)
+            if template is None:
+                template = LLMatcher(tokenizer, _library_grammar(spec), log_level=0)
+                if template.is_error():
+                    raise InvalidRequest(f"the JSON schema cannot be used: {template.get_error()}")
+                self._templates[spec] = template
+                while len(self._templates) > GRAMMAR_CACHE_ENTRIES:
+                    self._templates.popitem(last=False)
+            self._templates.move_to_end(spec)
+            return OutputConstraint(spec, template.deep_copy(), vocab)
+
+
+class OutputConstraint:
+    """One session's grammar state: the matcher after ``consumed`` (output tokens)."""
+
+    def __init__(self, spec: str, matcher: Any, vocab: int) -> None:
+        self.spec = spec
+        self.vocab = vocab
+        self._matcher = matcher
+        self.consumed: list[int] = []
+        self._bits = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+
+    def sync(self, output: Sequence[int]) -> None:
+        """Bring the matcher to the state after ``output`` (the session's output
+        tokens so far): roll back what differs, consume the rest."""
+        same = 0
+        limit = min(len(self.consumed), len(output))
+        while same < limit and self.consumed[same] == output[same]:
+            same += 1
+        if same < len(self.consumed):
+            self._matcher.rollback(len(self.consumed) - same)
+            del self.consumed[same:]
+        for token in output[same:]:
+            self.consume(int(token))
+
+    def consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise Fatal(
+                f"output token {token} does not follow the request's grammar "
+                f"({self._matcher.get_error() or 'refused'}); the request cannot go on"
+            )
+        self.consumed.append(token)
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens the grammar allows next, as a bool tensor ``[vocab]``."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._matcher, self._bits)
+        if self._matcher.is_error():
+            raise Fatal(f"grammar matcher failed: {self._matcher.get_error()}")
+        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(bits[: self.vocab]).to(torch.bool)
+
+
+def mask_rows(
+    constraint: OutputConstraint, logits: torch.Tensor, output: Sequence[int], drafts: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with what the grammar forbids set to -inf: row 0
+    follows ``output``, row ``i`` follows ``output`` and ``drafts[:i]`` (a verify
+    window). Rows after a draft token the grammar forbids are left as they are: the
+    draw at that token's row cannot be it, so verification stops there."""
+    masked = logits.clone()
+    constraint.sync(output)
+    for row in range(logits.shape[0]):
+        allowed = constraint.allowed().to(logits.device)
+        masked[row].masked_fill_(~allowed, float("-inf"))
+        if row >= len(drafts):
+            break
+        token = int(drafts[row])
+        if not 0 <= token < constraint.vocab or not bool(allowed[token]):
+            break
+        constraint.consume(token)
+    return masked

@@ -1,0 +1,122 @@
+"""Structured output's parts (mesh/grammar.py) on SmolLM2's real tokenizer: specs
+checked before any stage sees them, a session's grammar state that follows its
+output whatever happened to it, and the masks of a verify window's rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mesh.errors import Fatal, InvalidRequest
+from mesh.grammar import TokenGrammars, grammar_spec, mask_rows
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0},
+        "pet": {"enum": ["cat", "dog"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+DOCUMENT = '{"name": "Ada", "age": 36, "pet": "cat"}'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir: Path):
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(smollm2_tokenizer_dir: Path) -> TokenGrammars:
+    return TokenGrammars(smollm2_tokenizer_dir)
+
+
+def test_specs_keep_the_schema_and_bad_schemas_are_refused() -> None:
+    spec = json.loads(grammar_spec("json_schema", SCHEMA))
+    assert spec == {"type": "json_schema", "schema": SCHEMA}
+    # The properties' order is the order they are generated in.
+    assert list(spec["schema"]["properties"]) == ["name", "age", "pet"]
+    assert json.loads(grammar_spec("json_object")) == {"type": "json_object"}
+    for bad, words in (
+        ({"type": "strange"}, "strange"),
+        ({"$ref": "#/definitions/missing"}, "missing"),
+        ({"type": "string", "pattern": "(("}, "regex"),
+    ):
+        with pytest.raises(InvalidRequest, match=words):
+            grammar_spec("json_schema", bad)
+    with pytest.raises(InvalidRequest, match="schema"):
+        grammar_spec("json_schema", None)
+    with pytest.raises(InvalidRequest, match="json_object or json_schema"):
+        grammar_spec("yaml")
+
+
+def allowed_after(grammars: TokenGrammars, spec: str, output: list[int]) -> torch.Tensor:
+    fresh = grammars.constraint(spec, VOCAB)
+    fresh.sync(output)
+    return fresh.allowed()
+
+
+VOCAB = 49152
+
+
+def test_the_mask_follows_a_document_and_ends_at_eos(grammars, tokenizer) -> None:
+    spec = grammar_spec("json_schema", SCHEMA)
+    constraint = grammars.constraint(spec, VOCAB)
+    ids = tokenizer.encode(DOCUMENT)
+    for i, token in enumerate(ids):
+        constraint.sync(ids[:i])
+        allowed = constraint.allowed()
+        assert allowed[token], (i, tokenizer.decode([token]))
+        assert 0 < int(allowed.sum()) < VOCAB
+    constraint.sync(ids)
+    assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    # What the schema forbids: another key, a string for the age, a third pet.
+    constraint.sync(tokenizer.encode('{"name": "Ada", "age": '))
+    assert not constraint.allowed()[tokenizer.encode('"')[0]]
+
+
+def test_sync_rolls_back_and_replays_to_any_output(grammars, tokenizer) -> None:
+    spec = grammar_spec("json_schema", SCHEMA)
+    ids = tokenizer.encode(DOCUMENT)
+    constraint = grammars.constraint(spec, VOCAB)
+    # Forward, back to a shorter output (a rejected window), to another branch
+    # (a failover's re-read), forward again: the mask is always a fresh matcher's.
+    for cut in (len(ids), 3, 7, 5, len(ids) - 1, 0, 9):
+        constraint.sync(ids[:cut])
+        assert constraint.consumed == ids[:cut]
+        assert torch.equal(constraint.allowed(), allowed_after(grammars, spec, ids[:cut]))
+    other = tokenizer.encode('{"name": "Bob", "age": 7')
+    constraint.sync(other)
+    assert torch.equal(constraint.allowed(), allowed_after(grammars, spec, other))
+
+
+def test_an_output_that_leaves_the_grammar_fails_the_session(grammars, tokenizer) -> None:
+    constraint = grammars.constraint(grammar_spec("json_object"), VOCAB)
+    with pytest.raises(Fatal, match="does not follow"):
+        constraint.sync(tokenizer.encode("hello"))
+
+
+def test_verify_rows_are_masked_after_their_drafts(grammars, tokenizer) -> None:
+    spec = grammar_spec("json_schema", SCHEMA)
+    ids = tokenizer.encode(DOCUMENT)
+    output, drafts = ids[:4], ids[4:8]
+    logits = torch.randn(len(drafts) + 1, VOCAB)
+    masked = mask_rows(grammars.constraint(spec, VOCAB), logits, output, drafts)
+    for row in range(len(drafts) + 1):
+        want = allowed_after(grammars, spec, output + drafts[:row])
+        assert torch.equal(masked[row] > float("-inf"), want)
+        assert torch.equal(masked[row][want], logits[row][want])
+    # A draft the grammar forbids: its row is masked (the draw cannot be it) and the
+    # rows after it, which verification never reaches, are left alone.
+    bad = tokenizer.encode("[")[0]
+    drafts = [ids[1], bad, ids[3]]  # after '{"name' only the rest of that key may come
+    logits = torch.randn(4, VOCAB)
+    masked = mask_rows(grammars.constraint(spec, VOCAB), logits, ids[:1], drafts)
+    assert masked[1][bad] == float("-inf")
+    assert torch.equal(masked[2], logits[2]) and torch.equal(masked[3], logits[3])
