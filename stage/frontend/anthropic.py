@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from mesh.errors import MeshError
 from stage.frontend.errors import OpenAIError, from_mesh_error, from_validation_error
 from stage.frontend.schemas import ChatCompletionBody
-from stage.frontend.tools import CALL_OPEN, held_from, parse_tool_calls
+from stage.frontend.tool_formats import ToolUse
 
 Str = Annotated[str, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -236,11 +237,11 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-def content_blocks(
-    text: str, prefix: str, names: tuple[str, ...], parallel: bool
-) -> tuple[list[dict[str, Any]], bool]:
-    """The answer's content blocks, and whether it called a tool."""
-    content, calls = parse_tool_calls(prefix + text, names, parallel) if names else (text, [])
+def content_blocks(text: str, tools: ToolUse | None) -> tuple[list[dict[str, Any]], bool]:
+    """The answer's content blocks (``text`` after the tools' prefix), and whether it
+    called a tool."""
+    prefix = tools.prefix if tools is not None else ""
+    content, calls = tools.parse(prefix + text) if tools is not None else (text, [])
     blocks: list[dict[str, Any]] = []
     if not calls:
         content = prefix + text
@@ -276,14 +277,12 @@ async def message_events(
     message_id: str,
     model: str,
     input_tokens: tuple[int, int],
-    prefix: str,
-    names: tuple[str, ...],
-    parallel: bool,
+    tools: ToolUse | None,
 ) -> AsyncIterator[bytes]:
     """The Messages API stream of an answer whose text pieces come from ``texts``;
     ``finish()`` gives (finish reason, stop string, output tokens) once it ended;
     ``input_tokens``: (prompt tokens read, prompt tokens taken from the prefix cache).
-    Text from a possible ``<tool_call>`` on is held back and sent, at the end, as
+    Text from (what may become) a tool call on is held back and sent, at the end, as
     ``tool_use`` blocks."""
     usage = {
         "input_tokens": input_tokens[0],
@@ -302,7 +301,8 @@ async def message_events(
         "usage": usage,
     }
     yield sse_event("message_start", {"message": start})
-    index, text_open, held = 0, False, prefix if names else ""
+    index, text_open = 0, False
+    answer, released = (tools.prefix if tools is not None else ""), 0
     pieces = texts.__aiter__()
     while True:
         try:
@@ -314,13 +314,10 @@ async def message_events(
             error = error_response_body(from_mesh_error(exc, 1))
             yield sse_event("error", {"error": error["error"]})
             return
-        if names:
-            held += piece
-            if CALL_OPEN in held:
-                piece = ""
-            else:
-                cut = held_from(held)
-                piece, held = held[:cut], held[cut:]
+        if tools is not None:
+            answer += piece
+            cut = max(released, tools.hold_start(answer))
+            piece, released = answer[released:cut], cut
         if not piece:
             continue
         if not text_open:
@@ -330,7 +327,11 @@ async def message_events(
         delta = {"type": "text_delta", "text": piece}
         yield sse_event("content_block_delta", {"index": index, "delta": delta})
     reason, stop_string, output_tokens = finish()
-    blocks, called = content_blocks(held, "", names, parallel) if held else ([], False)
+    # The held text (a tool was given: ``answer`` is empty otherwise).
+    held = answer[released:]
+    blocks, called = ([], False)
+    if tools is not None and held:
+        blocks, called = content_blocks(held, replace(tools, prefix=""))
     for block in blocks:
         if block["type"] == "text":
             if not text_open:

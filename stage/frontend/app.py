@@ -235,8 +235,6 @@ class _Frontend:
         self.check_ready()
         prepared = await prepare_chat(chat, self.prompt_context())
         tools = prepared.tools
-        prefix, names = (tools.prefix, tools.names) if tools else ("", ())
-        parallel = tools.parallel if tools else True
         run = GenerationRun(
             self.backend, prepared, self.tokenizer, self.metrics, MESSAGES_PATH, arrival
         )
@@ -262,14 +260,12 @@ class _Frontend:
                     message_id,
                     model,
                     (input_tokens, run.cached_tokens),
-                    prefix,
-                    names,
-                    parallel,
+                    tools,
                 )
                 handed_over = True
                 return EventStreamResponse(events, on_close=run.aclose)
             text = await until_disconnect(request.receive, _collect(run))
-            blocks, called = anthropic.content_blocks(text, prefix, names, parallel)
+            blocks, called = anthropic.content_blocks(text, tools)
             stop_reason, stop_sequence = anthropic.stop_of(
                 run.finish_reason, run.stop_string, called
             )

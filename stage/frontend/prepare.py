@@ -36,7 +36,14 @@ from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from stage.frontend.tools import TemplateTools, forced_prefix, generic_messages, template_tools
+from stage.frontend.tool_formats import (
+    ToolFormat,
+    ToolUse,
+    forced_prefix,
+    short_call_ids,
+    tool_format,
+)
+from stage.frontend.tools import TemplateTools, generic_messages, template_tools
 
 
 @dataclass(frozen=True)
@@ -222,16 +229,6 @@ def render_chat(
     return [int(i) for i in ids]
 
 
-@dataclass(frozen=True)
-class ToolUse:
-    """What the answer is parsed for: the functions it may call, whether several
-    calls are kept, and the text the answer was started with (``tool_choice``)."""
-
-    names: tuple[str, ...]
-    parallel: bool
-    prefix: str
-
-
 def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int], ToolUse | None]:
     messages = [m.template_dict() for m in body.messages]
     choice = body.tool_choice_name if body.tools else "none"
@@ -245,7 +242,11 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
             code="unsupported_parameter",
         )
     history = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    fmt = ToolFormat.HERMES
     if mode is TemplateTools.NATIVE:
+        fmt = tool_format(getattr(ctx.tokenizer, "chat_template", None))
+        if fmt is ToolFormat.MISTRAL:
+            messages = short_call_ids(messages)
         prompt = render_chat(ctx.tokenizer, messages, tools)
     elif tools or history:
         prompt = render_chat(ctx.tokenizer, generic_messages(messages, tools))
@@ -253,11 +254,11 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
         prompt = render_chat(ctx.tokenizer, messages)
     if not tools:
         return prompt, None
-    prefix = forced_prefix(choice)
+    prefix = forced_prefix(fmt, choice)
     if prefix:
         prompt += [int(i) for i in ctx.tokenizer.encode(prefix, add_special_tokens=False)]
     names = tuple(t["function"]["name"] for t in tools)
-    return prompt, ToolUse(names, body.parallel_tool_calls is not False, prefix)
+    return prompt, ToolUse(names, body.parallel_tool_calls is not False, prefix, fmt)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:

@@ -21,7 +21,6 @@ from mesh.errors import MeshError
 from stage.frontend.errors import OpenAIError, from_mesh_error
 from stage.frontend.generation import GenerationRun
 from stage.frontend.telemetry import FrontendMetrics
-from stage.frontend.tools import CALL_OPEN, held_from, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = run.finish_reason
     if p.tools is not None:
-        content, calls = parse_tool_calls(p.tools.prefix + text, p.tools.names, p.tools.parallel)
+        content, calls = p.tools.parse(p.tools.prefix + text)
         if calls:
             message = {
                 "role": "assistant",
@@ -270,19 +269,17 @@ async def _choice_events(
         first = {"index": run.index, "delta": {"role": "assistant", "content": ""}}
         yield sse(_chunk(run, [{**first, "logprobs": None, "finish_reason": None}])), False
     tools = run.prepared.tools if run.prepared.kind == "chat" else None
-    # With tools, text from a <tool_call> on is held back and sent as tool-call
-    # deltas once the answer is complete.
-    held = tools.prefix if tools is not None else ""
+    # With tools, text from (what may become) a tool call on is held back and sent
+    # as tool-call deltas once the answer is complete.
+    answer = tools.prefix if tools is not None else ""
+    released = 0
     sent = 0
     try:
         while (text := await run.next_text()) is not None:
             if tools is not None and text:
-                held += text
-                if CALL_OPEN not in held:
-                    cut = held_from(held)
-                    text, held = held[:cut], held[cut:]
-                else:
-                    text = ""
+                answer += text
+                cut = max(released, tools.hold_start(answer))
+                text, released = answer[released:cut], cut
             if text:
                 choice = _choice(run, text, None, _chunk_logprobs(run, sent))
                 yield sse(_chunk(run, [choice])), False
@@ -298,8 +295,9 @@ async def _choice_events(
         yield sse(error.body()), True
         return
     finish = run.finish_reason
+    held = answer[released:]
     if tools is not None and held:
-        content, calls = parse_tool_calls(held, tools.names, tools.parallel)
+        content, calls = tools.parse(held)
         if not calls:
             yield sse(_chunk(run, [_choice(run, held, None)])), False
         else:

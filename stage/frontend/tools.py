@@ -12,8 +12,9 @@ and reads results in ``tool`` messages. Two ways in:
   written into the assistant text as the model is asked to write them, and tool
   results come back as user messages wrapped in ``<tool_response>``.
 
-A template that renders tools in another format (Llama 3.x JSON calls, Mistral's
-``[TOOL_CALLS]``) is refused with a 400: parsing those is not built.
+Templates that render tools for Llama 3.x JSON calls or Mistral's ``[TOOL_CALLS]``
+are native too, with their own formats (``stage/frontend/tool_formats.py``); a
+template that renders tools in a format none of these is refused with a 400.
 
 ``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` lets the
 model choose; ``required`` starts the answer with ``<tool_call>``; a named function
@@ -44,9 +45,10 @@ class TemplateTools(Enum):
 def template_tools(template: str | None) -> TemplateTools:
     """How a chat template handles tools (see the module docstring)."""
     text = template or ""
-    if CALL_OPEN in text and "tools" in text:
+    known = (CALL_OPEN, "[TOOL_CALLS]", "<|python_tag|>", "ipython")
+    if "tools" in text and any(mark in text for mark in known):
         return TemplateTools.NATIVE
-    if "tools" in text or "[TOOL_CALLS]" in text or "<|python_tag|>" in text:
+    if "tools" in text or "[TOOL_CALLS]" in text:
         return TemplateTools.OTHER
     return TemplateTools.GENERIC
 
@@ -163,6 +165,12 @@ def _call_of(body: str, known: Sequence[str]) -> ToolCall | None:
         value = json.loads(body.strip())
     except ValueError:
         return None
+    return call_from_value(value, known, new_call_id())
+
+
+def call_from_value(value: Any, known: Sequence[str], call_id: str) -> ToolCall | None:
+    """A call from a decoded JSON value: an object with a known function ``name`` and
+    ``arguments`` (or Llama's ``parameters``): an object, or JSON text of one."""
     if not isinstance(value, dict) or value.get("name") not in known:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -173,7 +181,7 @@ def _call_of(body: str, known: Sequence[str]) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False), new_call_id())
+    return ToolCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False), call_id)
 
 
 def held_from(text: str) -> int:

@@ -189,6 +189,7 @@ class ScriptedBackend:
     def __init__(self, events: Sequence[TokenEvent | BaseException]) -> None:
         self.events = list(events)
         self.closed = ClosedLog()
+        self.requests: list[GenerationRequest] = []
 
     def ready(self) -> bool:
         return True
@@ -200,6 +201,7 @@ class ScriptedBackend:
         return ""
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        self.requests.append(request)
         try:
             for item in self.events:
                 await asyncio.sleep(0)

@@ -168,7 +168,9 @@ def wire_roundtrip(value, encode, decode, **kwargs):
 
 
 def sample_frame(hidden: torch.Tensor | None) -> Frame:
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1)
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1, grammar='{"type":"json_object"}'
+    )
     return Frame(
         term=3,
         frame_id=17,

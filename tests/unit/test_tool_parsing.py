@@ -77,7 +77,7 @@ def test_templates_are_told_apart() -> None:
     )
     native = "{% if tools %}{{ tools | tojson }}{% endif %}<tool_call>"
     assert template_tools(native) is TemplateTools.NATIVE
-    assert template_tools("{% if tools %}<|python_tag|>{% endif %}") is TemplateTools.OTHER
+    assert template_tools("{% if tools %}<function_calls>{% endif %}") is TemplateTools.OTHER
 
 
 def test_generic_messages_describe_tools_and_replay_calls_as_text() -> None:

@@ -1,0 +1,182 @@
+"""The tool-call formats models write, and what the frontend does with each.
+
+- ``HERMES``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
+  anywhere in the answer (Qwen2, Qwen3, SmolLM, Hermes fine-tunes; and every model
+  whose template does not render tools, told so in a system message).
+- ``LLAMA3_JSON``: the whole answer is a JSON call ``{"name": ..., "parameters":
+  {...}}`` (Llama 3.1-3.3 templates; the ``<|python_tag|>`` that may start it is a
+  special token, gone from the decoded text); several calls may follow one another,
+  separated by ``;``.
+- ``MISTRAL``: the answer is ``[TOOL_CALLS]`` and a JSON list of ``{"name": ...,
+  "arguments": {...}}`` (Mistral templates that mark calls with ``[TOOL_CALLS]``);
+  Mistral's templates want call ids of 9 letters and digits.
+
+The format comes from the model's chat template (``tool_format``). Each format
+says how to parse a finished answer, from where streamed text must be held back
+(``hold_start``), what the answer starts with for ``tool_choice`` ``required`` or a
+named function, and the ids of its calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from stage.frontend.tools import CALL_OPEN, ToolCall, call_from_value, held_from
+from stage.frontend.tools import forced_prefix as hermes_prefix
+from stage.frontend.tools import parse_tool_calls as parse_hermes
+
+MISTRAL_MARK = "[TOOL_CALLS]"
+LLAMA_TAG = "<|python_tag|>"
+
+
+class ToolFormat(Enum):
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+
+
+def tool_format(template: str | None) -> ToolFormat:
+    """The format a chat template writes tool calls in (Hermes when it names none)."""
+    text = template or ""
+    if CALL_OPEN in text:
+        return ToolFormat.HERMES
+    if MISTRAL_MARK in text:
+        return ToolFormat.MISTRAL
+    if LLAMA_TAG in text or "ipython" in text:
+        return ToolFormat.LLAMA3_JSON
+    return ToolFormat.HERMES
+
+
+def call_id(fmt: ToolFormat) -> str:
+    if fmt is ToolFormat.MISTRAL:
+        return uuid.uuid4().hex[:9]
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def short_call_ids(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every call id Mistral's templates would refuse (they take 9
+    letters and digits) replaced by 9 hex digits of its digest: the same for a call
+    and for the result that names it."""
+
+    def short(value: Any) -> str:
+        text = "" if value is None else str(value)
+        if len(text) == 9 and text.isascii() and text.isalnum():
+            return text
+        return hashlib.sha256(text.encode()).hexdigest()[:9]
+
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [{**c, "id": short(c.get("id"))} for c in message["tool_calls"]]
+        if message.get("tool_call_id"):
+            message["tool_call_id"] = short(message["tool_call_id"])
+        out.append(message)
+    return out
+
+
+def forced_prefix(fmt: ToolFormat, choice: str | None) -> str:
+    """What the answer starts with for ``tool_choice`` ``required`` (any call) or a
+    function name (that call); '' otherwise."""
+    if fmt is ToolFormat.HERMES:
+        return hermes_prefix(choice)
+    if choice in (None, "auto", "none"):
+        return ""
+    head = MISTRAL_MARK + "[" if fmt is ToolFormat.MISTRAL else ""
+    if choice == "required":
+        return head + '{"name": "'
+    key = "arguments" if fmt is ToolFormat.MISTRAL else "parameters"
+    return head + json.dumps({"name": choice})[:-1] + f', "{key}": '
+
+
+def hold_start(fmt: ToolFormat, text: str) -> int:
+    """Where streamed text must stop being sent as content, in the answer so far:
+    the start of what is or may become a call; ``len(text)`` when nothing is."""
+    if fmt is ToolFormat.HERMES:
+        return held_from(text)
+    body = text.lstrip()
+    opener = "[" if fmt is ToolFormat.MISTRAL else "{"
+    if not body or body.startswith(opener) or _partial(body, fmt):
+        return 0
+    return len(text)
+
+
+def _partial(body: str, fmt: ToolFormat) -> bool:
+    mark = MISTRAL_MARK if fmt is ToolFormat.MISTRAL else LLAMA_TAG
+    return mark.startswith(body) or body.startswith(mark)
+
+
+def parse_calls(
+    fmt: ToolFormat, text: str, known: Sequence[str], parallel: bool = True
+) -> tuple[str | None, list[ToolCall]]:
+    """The answer's text (None when it is only calls) and its tool calls; an answer
+    that is not a well-formed call of a known function is all text."""
+    if fmt is ToolFormat.HERMES:
+        return parse_hermes(text, known, parallel)
+    body = text.strip()
+    if fmt is ToolFormat.MISTRAL:
+        values = _mistral_values(body.removeprefix(MISTRAL_MARK).strip())
+    else:
+        values = _llama_values(body.removeprefix(LLAMA_TAG).strip())
+    if not values:
+        return text, []
+    calls = [call_from_value(value, known, call_id(fmt)) for value in values]
+    if any(call is None for call in calls):
+        return text, []
+    found = [call for call in calls if call is not None]
+    return None, found if parallel else found[:1]
+
+
+def _llama_values(body: str) -> list[Any]:
+    """JSON objects one after another (``;`` or whitespace between): [] unless the
+    whole body is that."""
+    if not body.startswith("{"):
+        return []
+    decoder = json.JSONDecoder()
+    values, at = [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return []
+        values.append(value)
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return values
+
+
+def _mistral_values(body: str) -> list[Any]:
+    """The JSON list of calls: [] unless the whole body is one list."""
+    if not body.startswith("["):
+        return []
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except ValueError:
+        return []
+    if body[end:].strip() or not isinstance(value, list):
+        return []
+    return value
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What an answer is parsed for: the functions it may call, whether several
+    calls are kept, the text the answer was started with (``tool_choice``) and the
+    format the model writes calls in."""
+
+    names: tuple[str, ...]
+    parallel: bool
+    prefix: str
+    format: ToolFormat = ToolFormat.HERMES
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return parse_calls(self.format, text, self.names, self.parallel)
+
+    def hold_start(self, text: str) -> int:
+        return hold_start(self.format, text)

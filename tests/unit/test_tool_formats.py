@@ -1,0 +1,246 @@
+"""Tool calls in the Llama 3.x JSON and Mistral ``[TOOL_CALLS]`` formats: which
+templates speak them, parsing, the streamed hold-back, forced prefixes, Mistral's
+call ids; and through the HTTP frontend with the official openai client, a
+tokenizer carrying a template of each kind and a backend that replays the model's
+answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from frontend_support import MODEL_ID, ScriptedBackend, live_server
+from openai import OpenAI
+
+from stage.frontend.backend import TokenEvent
+from stage.frontend.tool_formats import (
+    ToolFormat,
+    forced_prefix,
+    hold_start,
+    parse_calls,
+    short_call_ids,
+    tool_format,
+)
+from stage.frontend.tools import TemplateTools, template_tools
+
+KNOWN = ["get_weather", "get_time"]
+
+# Templates written for these tests in the two styles (not any model's own).
+LLAMA_STYLE = """
+{%- for message in messages %}
+{%- if loop.first and tools %}<|start_header_id|>system<|end_header_id|>
+
+Answer a function call as {"name": ..., "parameters": ...}. Functions:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|eot_id|>{% endif %}
+{%- if message.role == "tool" %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- elif message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for c in message.tool_calls %}{"name": "{{ c.function.name }}", "parameters": \
+{{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+MISTRAL_STYLE = """
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == "user" %}[INST]{{ message.content }}[/INST]
+{%- elif message.tool_calls %}
+{%- for c in message.tool_calls %}{% if c.id | length != 9 %}\
+{{ raise_exception("call ids must have 9 characters") }}{% endif %}{% endfor %}\
+[TOOL_CALLS]{{ message.tool_calls | map(attribute="function") | list | tojson }}</s>
+{%- elif message.role == "tool" %}[TOOL_RESULTS]{"call_id": "{{ message.tool_call_id }}", \
+"content": {{ message.content | tojson }}}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}</s>{% endif %}
+{%- endfor %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_templates_name_their_format() -> None:
+    assert tool_format(LLAMA_STYLE) is ToolFormat.LLAMA3_JSON
+    assert tool_format(MISTRAL_STYLE) is ToolFormat.MISTRAL
+    assert tool_format("{% if tools %}<tool_call>{% endif %}") is ToolFormat.HERMES
+    assert tool_format(None) is ToolFormat.HERMES
+    assert template_tools(LLAMA_STYLE) is TemplateTools.NATIVE
+    assert template_tools(MISTRAL_STYLE) is TemplateTools.NATIVE
+    assert template_tools("{% if tools %}<function_calls>{% endif %}") is TemplateTools.OTHER
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "calls"),
+    [
+        (ToolFormat.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', 1),
+        (
+            ToolFormat.LLAMA3_JSON,
+            ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+            '{"name": "get_time", "arguments": {"zone": "CET"}}',
+            2,
+        ),
+        (ToolFormat.LLAMA3_JSON, '{"name": "unknown", "parameters": {}}', 0),
+        (ToolFormat.LLAMA3_JSON, 'The answer is {"name": "get_weather"}', 0),
+        (ToolFormat.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Os', 0),
+        (ToolFormat.LLAMA3_JSON, '{"name": "get_weather", "parameters": {}} and more', 0),
+        (
+            ToolFormat.MISTRAL,
+            '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+            2,
+        ),
+        (ToolFormat.MISTRAL, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', 1),
+        (ToolFormat.MISTRAL, '[{"name": "get_weather", "arguments": [1]}]', 0),
+        (ToolFormat.MISTRAL, "[1, 2] is a list", 0),
+        (ToolFormat.MISTRAL, "Plain words.", 0),
+    ],
+)
+def test_parsing(fmt: ToolFormat, text: str, calls: int) -> None:
+    content, found = parse_calls(fmt, text, KNOWN)
+    assert len(found) == calls
+    if calls:
+        assert content is None and found[0].name == "get_weather"
+        assert json.loads(found[0].arguments) == {"city": "Oslo"}
+        assert (
+            len(found[0].id) == 9 if fmt is ToolFormat.MISTRAL else found[0].id.startswith("call_")
+        )
+        _, first = parse_calls(fmt, text, KNOWN, parallel=False)
+        assert len(first) == 1
+    else:
+        assert content == text
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.LLAMA3_JSON, ToolFormat.MISTRAL])
+def test_forced_prefixes_are_completed_into_calls(fmt: ToolFormat) -> None:
+    key = "arguments" if fmt is ToolFormat.MISTRAL else "parameters"
+    close = "]" if fmt is ToolFormat.MISTRAL else ""
+    named = forced_prefix(fmt, "get_weather") + '{"city": "Oslo"}}' + close
+    required = forced_prefix(fmt, "required") + f'get_time", "{key}": {{}}}}' + close
+    assert [c.name for c in parse_calls(fmt, named, KNOWN)[1]] == ["get_weather"]
+    assert [c.name for c in parse_calls(fmt, required, KNOWN)[1]] == ["get_time"]
+    assert forced_prefix(fmt, "auto") == forced_prefix(fmt, "none") == ""
+
+
+def test_streamed_text_is_held_only_when_it_may_be_a_call() -> None:
+    llama, mistral = ToolFormat.LLAMA3_JSON, ToolFormat.MISTRAL
+    assert hold_start(llama, "") == 0 and hold_start(llama, "  ") == 0
+    assert hold_start(llama, ' {"name"') == 0
+    assert hold_start(llama, "Sure, {x}") == len("Sure, {x}")
+    assert hold_start(mistral, "[TOOL") == 0 and hold_start(mistral, "[{") == 0
+    assert hold_start(mistral, "Hi [1]") == len("Hi [1]")
+
+
+def test_mistral_call_ids_are_shortened_the_same_for_call_and_result() -> None:
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_abcdef0123456789"}]},
+        {"role": "tool", "content": "x", "tool_call_id": "call_abcdef0123456789"},
+        {"role": "tool", "content": "y", "tool_call_id": "Ab3456789"},
+    ]
+    out = short_call_ids(messages)
+    short = out[0]["tool_calls"][0]["id"]
+    assert len(short) == 9 and short.isalnum() and out[1]["tool_call_id"] == short
+    assert out[2]["tool_call_id"] == "Ab3456789"
+    assert messages[0]["tool_calls"][0]["id"] == "call_abcdef0123456789"  # not changed
+
+
+# ---- through the frontend -----------------------------------------------------------
+
+
+@pytest.fixture()
+def serve(smollm2_tokenizer_dir) -> Iterator:
+    """serve(template, answer) -> (client, backend): the frontend with a tokenizer
+    carrying ``template``, whose backend answers every request with ``answer``."""
+    from transformers import AutoTokenizer
+
+    stack: list = []
+
+    def start(template: str, answer: str):
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+        tokenizer.chat_template = template
+        ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
+        backend = ScriptedBackend([TokenEvent(ids[:3]), TokenEvent(ids[3:], "stop")])
+        ctx = live_server(backend, tokenizer)
+        url = ctx.__enter__()
+        stack.append(ctx)
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        return client, backend, tokenizer
+
+    yield start
+    while stack:
+        stack.pop().__exit__(None, None, None)
+
+
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+ANSWERS = {
+    "llama": (LLAMA_STYLE, '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    "mistral": (
+        MISTRAL_STYLE,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+    ),
+}
+
+
+@pytest.mark.parametrize("style", sorted(ANSWERS))
+def test_calls_come_back_as_openai_tool_calls(serve, style: str) -> None:
+    template, answer = ANSWERS[style]
+    client, backend, tokenizer = serve(template, answer)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=[WEATHER])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    # The template rendered the tools into the prompt.
+    assert '"get_weather"' in tokenizer.decode(backend.requests[-1].prompt_tokens)
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], stream=True
+    )
+    content, names, arguments, finish = "", [], "", None
+    for chunk in stream:
+        for delta in chunk.choices:
+            content += delta.delta.content or ""
+            for piece in delta.delta.tool_calls or ():
+                names.append(piece.function.name)
+                arguments += piece.function.arguments or ""
+            finish = delta.finish_reason or finish
+    assert content == "" and names == ["get_weather"] and finish == "tool_calls"
+    assert json.loads(arguments) == {"city": "Oslo"}
+    # The call and its result go back through the template (Mistral's wants ids
+    # of 9 characters: ours, or any other client's, are fitted to it).
+    follow_up = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_from_elsewhere_1", **call.model_dump(exclude={"id"})}],
+        },
+        {"role": "tool", "tool_call_id": "call_from_elsewhere_1", "content": "sunny"},
+    ]
+    again = client.chat.completions.create(model=MODEL_ID, messages=follow_up, tools=[WEATHER])
+    assert again.choices[0].finish_reason == "tool_calls"
+    assert "sunny" in tokenizer.decode(backend.requests[-1].prompt_tokens)
+
+
+@pytest.mark.parametrize("style", sorted(ANSWERS))
+def test_plain_answers_stream_as_content(serve, style: str) -> None:
+    client, _, _ = serve(ANSWERS[style][0], "It is sunny in Oslo.")
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], stream=True
+    )
+    pieces = [
+        c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(pieces) == "It is sunny in Oslo." and len(pieces) >= 2
