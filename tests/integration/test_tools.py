@@ -262,7 +262,9 @@ def test_messages_api_tool_use_and_tool_result(claude) -> None:
     (block,) = reply.content
     assert block.type == "tool_use" and block.name == "get_weather"
     assert block.input == {"city": "Paris"} and block.id.startswith("toolu_")
-    assert reply.usage.input_tokens > 50 and reply.usage.output_tokens > 5
+    # Earlier tests sent the same prompt: most of it may come from the prefix cache.
+    usage = reply.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens > 50 and usage.output_tokens > 5
     answer = claude.messages.create(
         model=MODEL,
         max_tokens=48,
