@@ -10,12 +10,14 @@ below is checked by ``tests/unit/test_row_invariance.py``, 1 and 2 threads):
 
 - **Linears.** torch's int4 and int8 weight-only kernels loop over one row at a
   time: already invariant. The float32 / bfloat16 / float16 GEMMs (MKL, oneDNN) give every row
-  the same result for any row count from 2 to 64 at any offset, but a one-row call
-  takes a matrix-vector kernel that sums in another order, and with several
-  threads MKL splits some shapes differently from 17 rows on (float32, K = 1536).
-  ``rows`` therefore never calls them with one row (it adds a copy of that row) and
-  never with more than ``row_tile()`` rows (it cuts larger calls into tiles), so
-  every row goes through the same kernel.
+  the same result for some row counts and not for others, and which ones depends
+  on the CPU and the thread count (one VM measured: every count 2..64 alike, a
+  one-row call summing in another order; another: 1-3 rows unlike 4 and more, and
+  with 2 threads 5-7 and 9-11 too). ``probe_counts`` measures, once per kernel,
+  dtype and thread count, which counts give every row a full tile's result;
+  ``rows`` then calls the kernel only with those counts (padding with zero rows up
+  to the next one) and never with more than ``row_tile()`` rows (it cuts larger
+  calls into tiles), so every row goes through the same kernel.
 - **Attention** (``attention``). A query at position ``p`` always attends over the
   keys ``0 .. pad(p)``, ``pad`` rounding ``p + 1`` up to a multiple of ``KEY_BLOCK``
   (positions past ``p`` masked; the cache holds finite numbers there). Each query
@@ -23,7 +25,10 @@ below is checked by ``tests/unit/test_row_invariance.py``, 1 and 2 threads):
   decode step (its heads sharing a key/value head are the entry's rows); rows of a
   verify window or prefill chunk sharing a padded range run as one call over the
   broadcast keys. The kernel computes every entry alike and splits its work over
-  threads by entry, not inside one, so a row's result is the decode step's.
+  threads by entry, not inside one, so a row's result is the decode step's. In
+  float32 the same entries go through two batched matmuls and a softmax instead of
+  SDPA, whose float32 CPU kernel gave an entry other results in a batch than alone
+  with 2 threads on one VM measured.
 - Norms, rotary, activations and residuals are per row already; the embedding is a
   lookup.
 
@@ -45,10 +50,13 @@ kernels (one SDPA call per segment, untiled GEMMs).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 MODE = "auto"
@@ -74,23 +82,63 @@ def row_tile() -> int:
     return ROW_TILE if torch.get_num_threads() == 1 else ROW_TILE_THREADED
 
 
-def rows(matmul: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-    """``matmul(inputs)`` for ``inputs`` ``[T, K]`` with every call 2..``row_tile()``
-    rows: a lone row is doubled, a long input is cut into tiles."""
-    count = inputs.shape[0]
-    if count == 1:
-        return matmul(inputs.expand(2, -1).contiguous())[:1]
-    size = row_tile()
-    if count <= size:
-        return matmul(inputs)
-    tiles = []
-    for first in range(0, count, size):
-        tile = inputs[first : first + size]
-        if tile.shape[0] == 1:
-            tiles.append(matmul(tile.expand(2, -1).contiguous())[:1])
-        else:
-            tiles.append(matmul(tile))
-    return torch.cat(tiles)
+def rows(
+    matmul: Callable[[torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    counts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``matmul(inputs)`` for ``inputs`` ``[T, K]`` with every call of a row count in
+    ``counts`` (ascending; the last is the tile): a long input is cut into tiles, and
+    a call of fewer rows than a count is padded with zero rows up to the next one.
+    Without ``counts``, 2..``row_tile()``."""
+    if counts is None:
+        counts = range(2, row_tile() + 1)
+    tile = counts[-1]
+    out = []
+    for first in range(0, inputs.shape[0], tile):
+        part = inputs[first : first + tile]
+        size = part.shape[0]
+        padded = next(c for c in counts if c >= size)
+        if padded > size:
+            part = torch.cat([part, part.new_zeros(padded - size, part.shape[1])])
+        out.append(matmul(part)[:size])
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+# Row counts a probe tries (up to the tile): a call is padded up to the next one
+# that gives every row a full tile's result, so at most half its rows are padding.
+# One row is never a candidate: a one-row call may take a matrix-vector kernel whose
+# difference a probe in bfloat16 can miss.
+PROBE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PROBE_SCALES = (1.0, 0.1, 8.0)
+
+
+def probe_counts(
+    matmul: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype
+) -> tuple[int, ...]:
+    """The row counts (of ``PROBE_COUNTS`` up to ``row_tile()``) whose calls give each
+    row the result a full tile gives it, at any place in the tile: which GEMM calls
+    ``rows`` may make with this kernel, weight shape and thread count. BLAS libraries
+    choose their kernels by row count, shape and CPU (MKL on one 2-core VM: 1-3 rows
+    sum in another order than 4 and more; with 2 threads also 5-7 and 9-11), so this
+    is measured, not assumed. Returns the default 2..tile, with a warning, where no
+    choice of counts helps (a row's result depends on its place in a call)."""
+    tile = row_tile()
+    gen = torch.Generator().manual_seed(0)
+    good = set(c for c in PROBE_COUNTS if c < tile)
+    with torch.no_grad():
+        for scale in PROBE_SCALES:
+            x = (torch.randn(tile + 5, in_features, generator=gen) * scale).to(dtype)
+            full = matmul(x[:tile])
+            if not torch.equal(matmul(x[5 : tile + 5])[: tile - 5], full[5:]):
+                logger.warning(
+                    "row-invariant %s GEMMs are not available on this CPU: a row's "
+                    "result depends on its place in a call",
+                    dtype,
+                )
+                return tuple(range(2, tile + 1))
+            good = {c for c in good if torch.equal(matmul(x[:c]), full[:c])}
+    return (*sorted(good), tile)
 
 
 def padded_end(position: int) -> int:
@@ -167,9 +215,34 @@ def _attend(
         shape = (count, kv_heads, end - first_key, dim)
         held_keys, held_values = held_keys.expand(shape), held_values.expand(shape)
     mask = _mask(first_key, end, position, count, window, query.dtype, query.device)
+    if query.dtype == torch.float32:
+        return _attend_matmul(query, held_keys, held_values, mask, scaling)
     return F.scaled_dot_product_attention(
         query, held_keys, held_values, attn_mask=mask, scale=scaling
     )
+
+
+def _attend_matmul(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention as two batched matmuls and a softmax (float32): torch's CPU SDPA
+    kernel in float32 gave an entry other results in a batch than alone with 2
+    threads on one VM measured; batched GEMMs over entries of one shape do not. A
+    lone entry runs as two (one entry folds into another GEMM shape)."""
+    count, kv_heads, _, dim = query.shape
+    lone = count == 1
+    if lone:
+        query, mask, count = query.expand(2, -1, -1, -1), mask.expand(2, -1, -1, -1), 2
+    length = keys.shape[2]
+    keys = keys.expand(count, kv_heads, length, dim)
+    values = values.expand(count, kv_heads, length, dim)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).add_(mask)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    return out[:1] if lone else out
 
 
 @functools.lru_cache(maxsize=1024)

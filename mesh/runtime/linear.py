@@ -18,6 +18,7 @@ as fast with rows (see ``GEMM_ROWS``; benchmarks/quant_rows_bench.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,37 @@ def fuse(specs: list[LinearSpec]) -> LinearSpec:
     return LinearSpec(out, first.in_features, first.kind, parts=parts, bias=bias)
 
 
+# Row counts of the row-invariant CPU kernels, measured once per kernel kind, dtype,
+# thread count and weight shape (invariant.probe_counts).
+_ROW_COUNTS: dict[tuple, tuple[int, ...]] = {}
+
+
+def _row_counts(
+    kind: str,
+    weight_shape: tuple[int, int],
+    matmul: Callable[[torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+) -> tuple[int, ...]:
+    """The row counts ``matmul`` (a ``kind`` linear of ``weight_shape``) is called
+    with under row invariance: measured on its first call, kept for every linear of
+    its kind, dtype, shape and thread count."""
+    threads = torch.get_num_threads()
+    key = (kind, dtype, threads, tuple(weight_shape))
+    counts = _ROW_COUNTS.get(key)
+    if counts is None:
+        counts = invariant.probe_counts(matmul, weight_shape[-1], dtype)
+        _ROW_COUNTS[key] = counts
+        logger.info(
+            "row-invariant %s %s GEMMs %s, %d thread(s): row counts %s",
+            kind,
+            dtype,
+            tuple(weight_shape),
+            threads,
+            counts,
+        )
+    return counts
+
+
 class DenseLinear:
     """``F.linear`` over a plain weight; ``tiled``: every call 2..n rows, so a row's
     result does not depend on its neighbours (mesh/runtime/invariant.py)."""
@@ -101,7 +133,9 @@ class DenseLinear:
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.tiled and inputs.dim() == 2:
-            return invariant.rows(self._linear, inputs)
+            shape = (self.weight.shape[0], self.weight.shape[1])
+            counts = _row_counts("dense", shape, self._linear, self.weight.dtype)
+            return invariant.rows(self._linear, inputs, counts)
         return F.linear(inputs, self.weight, self.bias)
 
     def _linear(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -117,11 +151,13 @@ class PackedLinear:
     ``F.linear`` in bfloat16; ``_prefers_packed`` says where it is used. ``tiled`` as
     in ``DenseLinear``."""
 
-    __slots__ = ("weight", "bias", "nbytes", "tiled")
+    __slots__ = ("weight", "bias", "nbytes", "tiled", "in_features", "dtype")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, tiled: bool = False
     ) -> None:
+        self.in_features = weight.shape[1]
+        self.dtype = weight.dtype
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.bias = bias
         self.tiled = tiled
@@ -131,7 +167,9 @@ class PackedLinear:
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.tiled and inputs.dim() == 2:
-            return invariant.rows(self._linear, inputs)
+            shape = (self.nbytes // self.dtype.itemsize // self.in_features, self.in_features)
+            counts = _row_counts("packed", shape, self._linear, self.dtype)
+            return invariant.rows(self._linear, inputs, counts)
         return self._linear(inputs)
 
     def _linear(self, inputs: torch.Tensor) -> torch.Tensor:

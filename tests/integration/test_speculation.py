@@ -511,7 +511,14 @@ def test_logprobs_are_the_models(baseline, target_dir) -> None:
             if line.startswith("data: {"):
                 for choice in jsonlib.loads(line[6:])["choices"]:
                     streamed += (choice.get("logprobs") or {}).get("content") or []
-    assert streamed == content
+    # The second request finds the first one's prompt in the prefix cache: its prompt
+    # is read in two parts, which in float32 rounds within 1e-5 of one pass.
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    for got_entry, want in zip(streamed, content, strict=True):
+        assert got_entry["logprob"] == pytest.approx(want["logprob"], abs=1e-4)
+        assert [t["token"] for t in got_entry["top_logprobs"]] == [
+            t["token"] for t in want["top_logprobs"]
+        ]
     # Penalties shape the distribution the logprobs come from.
     biased = baseline.complete(prompt, logprobs=1, max_tokens=1, logit_bias={"17": 100})
     assert biased["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(0.0, abs=1e-4)
