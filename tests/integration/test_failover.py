@@ -31,10 +31,26 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_package_factory):
         processes.close()
 
 
-def stream_text(client: OpenAI, prompt: str, first_chunk: threading.Event | None = None) -> str:
+# Half the streams ask for JSON: after a failover the last stage rebuilds each
+# session's grammar state from the tokens read again.
+FORMATS = [None, {"type": "json_object"}, None, {"type": "json_object"}]
+
+
+def stream_text(
+    client: OpenAI,
+    prompt: str,
+    first_chunk: threading.Event | None = None,
+    response_format: dict | None = None,
+) -> str:
     pieces = []
+    extra = {"response_format": response_format} if response_format else {}
     stream = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body=extra,
     )
     for chunk in stream:
         for choice in chunk.choices:
@@ -115,12 +131,16 @@ def test_random_frames_crash_nothing_and_change_no_output(mesh: MeshProcesses):
 
 def test_killing_a_middle_stage_during_four_streams_loses_nothing(mesh: MeshProcesses):
     client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    baseline = [stream_text(client, p) for p in PROMPTS]
+    baseline = [stream_text(client, p, None, f) for p, f in zip(PROMPTS, FORMATS, strict=True)]
+    assert baseline[1].startswith("{") and baseline[3].startswith("{")
     started = [threading.Event() for _ in PROMPTS]
     middle = next(s for s in mesh.status().stages if s.assigned and s.stage_index == 1)
     term = mesh.status().term
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(stream_text, client, p, started[i]) for i, p in enumerate(PROMPTS)]
+        futures = [
+            pool.submit(stream_text, client, p, started[i], FORMATS[i])
+            for i, p in enumerate(PROMPTS)
+        ]
         for event in started:
             assert event.wait(60), "every stream should be producing tokens before the kill"
         mesh.kill_stage(middle.node_id)
