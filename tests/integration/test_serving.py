@@ -177,6 +177,14 @@ def test_streamed_choices_interleave_and_match_the_answer(client: OpenAI, mesh):
     assert finishes == [c.finish_reason for c in whole.choices]
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
     # A client that leaves a stream of several choices frees every one of them.
+    # More choices than the mesh takes sessions (8, and 2 queued): a 429, nothing kept.
+    refused = httpx.post(
+        mesh.http_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Once", "max_tokens": 50, "n": 16},
+        timeout=60,
+    )
+    assert refused.status_code == 429 and refused.json()["error"]["message"]
+    sessions_freed(mesh)
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "stream": True, "n": 3}
     with httpx.stream("POST", mesh.http_url + "/v1/completions", json=body, timeout=60) as reply:
         lines = reply.iter_lines()
