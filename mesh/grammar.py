@@ -118,13 +118,25 @@ class TokenGrammars:
         from transformers import AutoTokenizer
 
         started = time.perf_counter()
-        hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        try:
+            hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        except (OSError, ValueError) as error:
+            raise InvalidRequest(
+                f"structured output needs the model's tokenizer, which this stage cannot "
+                f"load from {self.tokenizer_dir}: {error}"
+            ) from error
         if hf.eos_token_id is None:
             raise InvalidRequest(
                 "structured output needs the model's end-of-sequence token, and its "
                 "tokenizer names none"
             )
-        self._tokenizer = from_tokenizer(hf, n_vocab=vocab, eos_token=hf.eos_token_id)
+        try:
+            library = from_tokenizer(hf, n_vocab=vocab, eos_token=hf.eos_token_id)
+        except (TypeError, ValueError, AttributeError) as error:
+            raise InvalidRequest(
+                f"structured output needs a fast (tokenizers) tokenizer: {error}"
+            ) from error
+        self._tokenizer = library
         self._vocab = vocab
         self._templates.clear()
         logger.info(

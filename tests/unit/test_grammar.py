@@ -120,3 +120,8 @@ def test_verify_rows_are_masked_after_their_drafts(grammars, tokenizer) -> None:
     masked = mask_rows(grammars.constraint(spec, VOCAB), logits, ids[:1], drafts)
     assert masked[1][bad] == float("-inf")
     assert torch.equal(masked[2], logits[2]) and torch.equal(masked[3], logits[3])
+
+
+def test_a_stage_without_a_tokenizer_refuses_the_grammar(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        TokenGrammars(tmp_path).constraint(grammar_spec("json_object"), VOCAB)
