@@ -43,6 +43,7 @@ requirements pull triton, which CPU decoding does not use).
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib.metadata
 import json
@@ -277,8 +278,9 @@ def token_bytes(tokenizer: Any) -> dict[bytes, list[int]]:
 # ---- libraries ---------------------------------------------------------------------
 
 
-class Library:
-    """One grammar library behind the calls the benchmark makes."""
+class Library(abc.ABC):
+    """One grammar library behind the calls the benchmark makes (each subclass
+    implements every abstract method for its library)."""
 
     name = ""
     api: dict[str, str] = {}
@@ -289,29 +291,37 @@ class Library:
         self.eos_id = eos_id
         self.threads = threads
 
+    @abc.abstractmethod
     def setup(self) -> None:
         """Build the tokenizer information (once per server)."""
 
+    @abc.abstractmethod
     def compile(self, case: Case) -> Any:
-        raise NotImplementedError
+        """A grammar for ``case``'s schema."""
 
+    @abc.abstractmethod
     def matcher(self, grammar: Any) -> Any:
-        raise NotImplementedError
+        """A fresh per-request matcher of ``grammar``."""
 
+    @abc.abstractmethod
     def fill(self, matcher: Any, bitmask: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Write the allowed next tokens into ``bitmask`` (int32, one bit per token)."""
 
+    @abc.abstractmethod
     def advance(self, matcher: Any, token: int) -> bool:
-        raise NotImplementedError
+        """Consume ``token``; False when the grammar refuses it."""
 
+    @abc.abstractmethod
     def rollback(self, matcher: Any, tokens: int) -> None:
-        raise NotImplementedError
+        """Undo the last ``tokens`` consumed tokens."""
 
+    @abc.abstractmethod
     def fork(self, matcher: Any) -> Any:
-        raise NotImplementedError
+        """An independent copy of ``matcher`` in its current state."""
 
+    @abc.abstractmethod
     def accepting(self, matcher: Any) -> bool:
-        raise NotImplementedError
+        """Whether the document so far is complete."""
 
     def memory_bytes(self, grammar: Any) -> int | None:
         return None

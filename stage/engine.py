@@ -30,6 +30,7 @@ from mesh.grammar import OutputConstraint, TokenGrammars, mask_rows
 from mesh.runtime import BatchOutput, Span, StageRuntime
 from mesh.sampling import sample_token, token_logprob
 from mesh.speculative.verify import verify_window
+from mesh.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class StageEngine:
         only where penalties use them)."""
         sampling = self.runtime.session_sampling(segment.session_id)
         if sampling.grammar:
-            logits = self._constrain(segment, logits, before)
+            logits = self._constrain(segment, logits, before, sampling)
         if segment.kind is SegmentKind.VERIFY:
             verdict = verify_window(
                 logits, segment.token_ids, sampling, segment.pos_start + 1, before
@@ -222,10 +223,15 @@ class StageEngine:
             logprobs=logprobs,
         )
 
-    def _constrain(self, segment: Segment, logits: torch.Tensor, before: list[int]) -> torch.Tensor:
+    def _constrain(
+        self,
+        segment: Segment,
+        logits: torch.Tensor,
+        before: list[int],
+        sampling: SamplingParams,
+    ) -> torch.Tensor:
         """The segment's logits rows with what the session's grammar forbids at each
         row set to -inf (row i of a verify window after its first i draft tokens)."""
-        sampling = self.runtime.session_sampling(segment.session_id)
         if self.grammars is None:
             raise InvalidRequest(
                 f"stage {self.stage_index} is not the last stage and cannot apply a grammar"
