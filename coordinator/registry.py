@@ -52,6 +52,8 @@ class NodeRecord:
     param_bytes: int = 0
     slice_bytes_done: int = 0
     slice_bytes_total: int = 0
+    kv_bytes: int = 0
+    prefix_bytes: int = 0
 
     @property
     def alive(self) -> bool:
@@ -141,6 +143,8 @@ class HeartbeatReceived:
     term: int = 0
     stage_state: str = ""
     active_sessions: int = 0
+    kv_bytes: int = 0
+    prefix_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -411,6 +415,8 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
         "health": "alive",
         "accepted_term": event.term,
         "active_sessions": event.active_sessions,
+        "kv_bytes": event.kv_bytes,
+        "prefix_bytes": event.prefix_bytes,
     }
     if event.stage_state:
         changes["stage_state"] = event.stage_state

@@ -156,6 +156,8 @@ class CoordinatorService:
                     term=request.term,
                     stage_state=request.state,
                     active_sessions=request.active_sessions,
+                    kv_bytes=request.kv_bytes,
+                    prefix_bytes=request.prefix_bytes,
                 ),
             )
             return HeartbeatReply(known=True, term=self.state.term)

@@ -28,6 +28,7 @@ COLUMNS = (
     "term",
     "heartbeat",
     "params",
+    "kv",
     "memory",
     "sessions",
     "slice",
@@ -51,6 +52,8 @@ class StageStatusView:
     active_sessions: int
     slice_bytes_done: int = 0
     slice_bytes_total: int = 0
+    kv_bytes: int = 0
+    prefix_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def status_from_state(state: State, *, now: float, coordinator_id: str = "") -> 
                     active_sessions=record.active_sessions,
                     slice_bytes_done=record.slice_bytes_done,
                     slice_bytes_total=record.slice_bytes_total,
+                    kv_bytes=record.kv_bytes,
+                    prefix_bytes=record.prefix_bytes,
                 ),
             )
         )
@@ -151,6 +156,7 @@ def _row(stage: StageStatusView) -> tuple[str, ...]:
         str(stage.term),
         f"{stage.heartbeat_age_s:.1f}s ago",
         f"{stage.param_bytes / MIB:.1f} MiB",
+        f"{(stage.kv_bytes + stage.prefix_bytes) / MIB:.1f} MiB",
         f"{stage.memory_bytes / GIB:.1f} GiB" if stage.memory_bytes else "unknown",
         str(stage.active_sessions),
         _slice(stage),

@@ -70,12 +70,15 @@ class JoinReply:
 
 @dataclass(frozen=True)
 class HeartbeatRequest:
-    """state: idle, claimed, preparing, loaded, serving or failed."""
+    """state: idle, claimed, preparing, loaded, serving or failed. ``kv_bytes``: KV
+    cache held for live sessions; ``prefix_bytes``: for kept prefixes."""
 
     node_id: str
     term: int
     state: str
     active_sessions: int = 0
+    kv_bytes: int = 0
+    prefix_bytes: int = 0
 
     def to_proto(self) -> coordinator_pb2.HeartbeatRequest:
         return coordinator_pb2.HeartbeatRequest(
@@ -83,11 +86,13 @@ class HeartbeatRequest:
             term=self.term,
             state=self.state,
             active_sessions=self.active_sessions,
+            kv_bytes=self.kv_bytes,
+            prefix_bytes=self.prefix_bytes,
         )
 
     @classmethod
     def from_proto(cls, pb: coordinator_pb2.HeartbeatRequest) -> HeartbeatRequest:
-        return cls(pb.node_id, pb.term, pb.state, pb.active_sessions)
+        return cls(pb.node_id, pb.term, pb.state, pb.active_sessions, pb.kv_bytes, pb.prefix_bytes)
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class StageStatus:
     active_sessions: int = 0
     slice_bytes_done: int = 0
     slice_bytes_total: int = 0
+    kv_bytes: int = 0
+    prefix_bytes: int = 0
 
     def to_proto(self) -> coordinator_pb2.StageStatus:
         pb = coordinator_pb2.StageStatus(
@@ -151,6 +158,8 @@ class StageStatus:
             active_sessions=self.active_sessions,
             slice_bytes_done=self.slice_bytes_done,
             slice_bytes_total=self.slice_bytes_total,
+            kv_bytes=self.kv_bytes,
+            prefix_bytes=self.prefix_bytes,
         )
         if self.layer_range is not None:
             pb.layer_range.CopyFrom(layer_range_to_proto(self.layer_range))
@@ -177,6 +186,8 @@ class StageStatus:
             active_sessions=pb.active_sessions,
             slice_bytes_done=pb.slice_bytes_done,
             slice_bytes_total=pb.slice_bytes_total,
+            kv_bytes=pb.kv_bytes,
+            prefix_bytes=pb.prefix_bytes,
         )
 
 

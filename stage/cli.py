@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from mesh.codec import HeartbeatRequest, JoinRequest
+from mesh.codec import JoinRequest
 from mesh.config import add_speculation_arguments
 from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import bind, new_server
@@ -196,12 +196,7 @@ def run(args: argparse.Namespace) -> int:
             http_url=http_url,
             term=node.term,
         ),
-        lambda: HeartbeatRequest(
-            node_id=node_id,
-            term=node.term,
-            state=node.state,
-            active_sessions=node.active_sessions(),
-        ),
+        node.heartbeat,
         on_term=node.observe_coordinator_term,
     )
     node.on_newer_term(membership.poke)

@@ -15,6 +15,7 @@ from pathlib import Path
 from mesh.codec import (
     ClaimRequest,
     FileInventory,
+    HeartbeatRequest,
     InventoryReply,
     PrepareRequest,
     Ready,
@@ -299,6 +300,20 @@ class StageNode:
     def active_sessions(self) -> int:
         loaded = self.loaded
         return loaded.engine.session_count() if loaded is not None else 0
+
+    def heartbeat(self) -> HeartbeatRequest:
+        """What this node tells the coordinator every beat: its term and state, and
+        its sessions and the KV cache they (and the kept prefixes) hold."""
+        loaded = self.loaded
+        runtime = loaded.engine.runtime if loaded is not None else None
+        return HeartbeatRequest(
+            node_id=self.settings.node_id,
+            term=self.term,
+            state=self.state,
+            active_sessions=self.active_sessions(),
+            kv_bytes=runtime.kv_bytes() if runtime is not None else 0,
+            prefix_bytes=runtime.prefix_nbytes() if runtime is not None else 0,
+        )
 
     def manifest(self) -> PackageManifest | None:
         loaded = self.loaded

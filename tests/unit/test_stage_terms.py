@@ -121,3 +121,24 @@ def test_a_refused_claim_names_the_held_term_over_grpc(node) -> None:
     finally:
         ch.close()
         server.stop(0)
+
+
+def test_the_heartbeat_reports_sessions_and_the_kv_they_hold(node) -> None:
+    idle = node.heartbeat()
+    assert (idle.node_id, idle.term, idle.state) == ("n", 3, "serving")
+    assert (idle.active_sessions, idle.kv_bytes, idle.prefix_bytes) == (0, 0, 0)
+    node.submit(prefill(3))
+    node.results.get(timeout=30)
+    busy = node.heartbeat()
+    assert busy.active_sessions == 1
+    assert busy.kv_bytes >= 3 * node.loaded.engine.runtime.kv_bytes_per_token
+    assert busy.prefix_bytes == 0
+    # The session ends keeping its positions for later prompts: its KV moves over.
+    end = Segment("s", "s", SegmentKind.END, 2, keep_prefix=True)
+    node.submit(Frame(3, 2, (end,)))
+    deadline = time.monotonic() + 30
+    while node.heartbeat().active_sessions:
+        assert time.monotonic() < deadline, node.heartbeat()
+        time.sleep(0.05)
+    kept = node.heartbeat()
+    assert kept.kv_bytes == 0 and kept.prefix_bytes > 0

@@ -47,7 +47,15 @@ def serving_state() -> State:
     state = apply(state, StageReady(node_id="w1", param_bytes=int(2.5 * (1 << 20))))
     state = apply(
         state,
-        HeartbeatReceived(node_id="w1", now=9.0, term=1, stage_state="serving", active_sessions=2),
+        HeartbeatReceived(
+            node_id="w1",
+            now=9.0,
+            term=1,
+            stage_state="serving",
+            active_sessions=2,
+            kv_bytes=3 << 20,
+            prefix_bytes=1 << 19,
+        ),
     )
     return apply(state, LoadSucceeded(term=1))
 
@@ -60,6 +68,7 @@ def test_status_lists_assigned_stages_first() -> None:
     assert w1.layer_range == LayerRange(head.layer_range.end, 30)
     assert (spare.assigned, spare.layer_range) == (False, None)
     assert w1.heartbeat_age_s == pytest.approx(1.0)
+    assert (w1.kv_bytes, w1.prefix_bytes) == (3 << 20, 1 << 19)
     assert (status.term, status.state, status.http_url) == (1, "serving", "http://10.0.0.1:8000")
 
 
@@ -83,6 +92,7 @@ def test_render_shows_header_and_one_row_per_node() -> None:
         "term",
         "heartbeat",
         "params",
+        "kv",
         "memory",
         "sessions",
         "slice",
@@ -92,6 +102,8 @@ def test_render_shows_header_and_one_row_per_node() -> None:
     assert rows["w1"].split()[0] == "1"
     assert "[15, 30)" in rows["w1"]
     assert "2.5 MiB" in rows["w1"]
+    # KV: the live sessions' and the kept prefixes' together.
+    assert "3.5 MiB" in rows["w1"]
     assert "serving" in rows["w1"]
     assert "1.0s ago" in rows["w1"]
     assert rows["w1"].split()[-2:] == ["2", "-"]

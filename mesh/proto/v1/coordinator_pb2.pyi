@@ -70,16 +70,20 @@ class JoinReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "term", "state", "active_sessions")
+    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     term: int
     state: str
     active_sessions: int
-    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+    kv_bytes: int
+    prefix_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "term")
@@ -94,7 +98,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("node_id", "address", "device", "memory_bytes", "assigned", "stage_index", "layer_range", "health", "state", "term", "heartbeat_age_s", "param_bytes", "active_sessions", "slice_bytes_done", "slice_bytes_total")
+    __slots__ = ("node_id", "address", "device", "memory_bytes", "assigned", "stage_index", "layer_range", "health", "state", "term", "heartbeat_age_s", "param_bytes", "active_sessions", "slice_bytes_done", "slice_bytes_total", "kv_bytes", "prefix_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,8 @@ class StageStatus(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SLICE_BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     SLICE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     device: str
@@ -125,7 +131,9 @@ class StageStatus(_message.Message):
     active_sessions: int
     slice_bytes_done: int
     slice_bytes_total: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., assigned: _Optional[bool] = ..., stage_index: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., health: _Optional[str] = ..., state: _Optional[str] = ..., term: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., param_bytes: _Optional[int] = ..., active_sessions: _Optional[int] = ..., slice_bytes_done: _Optional[int] = ..., slice_bytes_total: _Optional[int] = ...) -> None: ...
+    kv_bytes: int
+    prefix_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., assigned: _Optional[bool] = ..., stage_index: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., health: _Optional[str] = ..., state: _Optional[str] = ..., term: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., param_bytes: _Optional[int] = ..., active_sessions: _Optional[int] = ..., slice_bytes_done: _Optional[int] = ..., slice_bytes_total: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("coordinator_id", "model_id", "package_ref", "term", "state", "error", "http_url", "layer_count", "stages", "waiting_for")
