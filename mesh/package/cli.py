@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="print a package's manifest")
     inspect.add_argument("dir", type=Path)
 
-    verify = commands.add_parser("verify", help="re-hash every file against the manifest")
+    verify = commands.add_parser(
+        "verify", help="re-hash every file against the manifest; check safetensors headers"
+    )
     verify.add_argument("dir", type=Path)
     verify.add_argument("--quick", action="store_true", help="check presence and sizes only")
 
@@ -190,7 +192,7 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS
     manifest = PackageManifest.load(args.dir)
     total = sum(entry.bytes for entry in manifest.files)
-    check = "sizes checked" if args.quick else "sha256 verified"
+    check = "sizes checked" if args.quick else "sha256 and headers verified"
     sys.stdout.write(f"OK {len(manifest.files)} files, {total} bytes, {check} in {args.dir}\n")
     return EXIT_OK
 
