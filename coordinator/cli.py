@@ -24,7 +24,12 @@ from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.state_file import record_term, term_floor, update_state
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.codec import StatusReply, StatusRequest, WireDType
-from mesh.config import CLI_KEYS, add_speculation_arguments
+from mesh.config import (
+    add_speculation_arguments,
+    cli_speculation_args,
+    resolve_speculation,
+    speculation_layers,
+)
 from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.lifetime import PARENT_PID_ENV
@@ -41,129 +46,64 @@ from mesh.security import (
     unavailable_hint,
     validate,
 )
-from mesh.types import DEFAULT_PREFIX_BYTES, DEFAULT_PREFIX_TOKENS
+from mesh.settings import (
+    LOCAL_STAGE_FIELDS,
+    CoordinatorConfig,
+    FrontendConfig,
+    StageConfig,
+    add_arguments,
+    kv_sessions,
+    resolve,
+)
+from mesh.settings.commands import (
+    UpConfig,
+    add_config_arguments,
+    print_config,
+    read_config,
+    serving_settings,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
+DEFAULT_MODEL = CoordinatorConfig.model
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh-coordinator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run the coordinator (and local stages)")
-    up.add_argument("--model", default=DEFAULT_MODEL, help="package dir, HF repo, or 'default'")
-    up.add_argument("--listen", default="0.0.0.0:7070", help="coordinator gRPC HOST:PORT")
-    up.add_argument(
-        "--advertise",
-        default=None,
-        help="address other hosts use to reach this head (its coordinator, stage 0 and "
-        "HTTP API); default: the listen host, or this host's first global address when "
-        "listening on 0.0.0.0",
-    )
-    up.add_argument("--no-local-stage", action="store_true", help="do not run a local stage 0")
-    up.add_argument("--spawn-stages", type=int, default=0, help="extra local stage processes")
-    up.add_argument("--min-stages", type=int, default=0, help="wait for this many stages")
-    up.add_argument("--max-stages", type=int, default=0, help="use at most this many stages")
-    up.add_argument("--http-host", default="127.0.0.1", help="frontend bind host (local stage 0)")
-    up.add_argument("--http-port", type=int, default=8000, help="frontend port (local stage 0)")
-    up.add_argument("--wire-dtype", default="f32", help="activation dtype: f32|f16|bf16|int8")
-    up.add_argument(
-        "--dtype",
-        default="auto",
-        help="compute dtype: auto|float32|bfloat16|float16 (auto: bfloat16 for a quantised "
-        "package, else the package's dtype)",
-    )
-    up.add_argument(
-        "--quant",
-        choices=("int4", "int8"),
-        default=None,
-        help="with --model default: serve a quantised build of the default model",
-    )
-    up.add_argument(
-        "--compile",
-        action="store_true",
-        help="local stages run decode steps through torch.compile",
-    )
-    up.add_argument(
-        "--row-invariant",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="local stages' row-invariant arithmetic (see mesh-stage join --help)",
-    )
-    up.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="local stages on a CUDA --device replay decode steps as CUDA graphs",
-    )
-    up.add_argument(
-        "--inject-delay-ms",
-        type=float,
-        default=0.0,
-        help="local stages add this latency to every outgoing data hop (benchmarks)",
-    )
-    up.add_argument("--max-sessions", type=int, default=16)
-    up.add_argument(
-        "--prefix-cache-tokens",
-        type=int,
-        default=DEFAULT_PREFIX_TOKENS,
-        help="positions of finished requests kept on every stage for later prompts that "
-        "start with them (0: no prefix cache)",
-    )
-    up.add_argument(
-        "--prefix-cache-mb",
-        type=float,
-        default=DEFAULT_PREFIX_BYTES / 2**20,
-        help="most memory each local stage gives to kept prefixes",
-    )
-    up.add_argument("--max-tokens-per-session", type=int, default=0, help="0: model context")
-    up.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=512,
-        help="tokens one step of stage 0's engine core may hold (decode rows first, "
-        "prompt chunks in the rest)",
-    )
-    up.add_argument("--device", default="cpu", help="torch device of local stages, e.g. cuda:0")
-    up.add_argument("--stage-threads", type=int, default=0, help="torch threads per local stage")
-    up.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
-    up.add_argument(
-        "--forget-dead-after",
-        type=float,
-        default=600.0,
-        help="seconds after which a dead node leaves the registry and `status` (0: never)",
-    )
-    up.add_argument("--cache-dir", type=Path, default=None, help="slice cache of local stages")
-    up.add_argument(
-        "--state-file",
-        type=Path,
-        default=None,
-        help="JSON written once serving; also keeps the highest term used, so that a "
-        "restarted coordinator continues above it",
-    )
-    up.add_argument(
-        "--load-attempts",
-        type=int,
-        default=3,
-        help="before the mesh first serves, exit non-zero after this many failed load "
-        "attempts in a row (0: keep trying)",
-    )
-    up.add_argument("--config", type=Path, default=None, help="mesh.toml")
-    up.add_argument(
-        "--api-key-file",
-        type=Path,
-        default=None,
-        help="file with the HTTP API key of the local stage 0 (or MESH_API_KEY)",
-    )
-    up.add_argument("--log-level", default=None)
-    add_speculation_arguments(up)
-    add_security_arguments(up)
+    add_up_arguments(up)
     status = sub.add_parser("status", help="print the topology")
     status.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON")
     add_security_arguments(status)
     add_certs_parser(sub)
     return parser
+
+
+def add_up_arguments(up: argparse.ArgumentParser) -> None:
+    """``up``'s flags: the [coordinator] section, the [stage] fields of the local
+    stages, the [frontend] section (stage 0), speculation and security."""
+    add_config_arguments(up)
+    add_arguments(up, CoordinatorConfig)
+    add_arguments(up.add_argument_group("local stages"), StageConfig, only=LOCAL_STAGE_FIELDS)
+    add_arguments(up.add_argument_group("stage 0 (OpenAI API, engine core)"), FrontendConfig)
+    add_speculation_arguments(up)
+    add_security_arguments(up)
+
+
+def resolve_up(args: argparse.Namespace) -> UpConfig:
+    """Resolve ``up``'s configuration once (CLI > environment > TOML > built-in) and
+    check it whole, speculation included; errors name the key and its source."""
+    toml, source = read_config(args)
+    given = vars(args)
+    local = {name: given[name] for name in LOCAL_STAGE_FIELDS if name in given}
+    return UpConfig(
+        coordinator=resolve(CoordinatorConfig, "coordinator", args, toml, toml_source=source),
+        stage=resolve(StageConfig, "stage", local, toml, toml_source=source),
+        frontend=resolve(FrontendConfig, "frontend", args, toml, toml_source=source),
+        toml=toml,
+    )
 
 
 def _resolve_model_ref(ref: str, quant: str | None = None) -> str:
@@ -187,7 +127,7 @@ def _resolve_model_ref(ref: str, quant: str | None = None) -> str:
 def local_stage_argv(
     coordinator: str,
     index: int,
-    args: argparse.Namespace,
+    config: UpConfig,
     threads: int,
     frontend: bool,
     security: MeshSecurity,
@@ -196,7 +136,9 @@ def local_stage_argv(
 ) -> list[str]:
     """The command line of local stage ``index`` started by ``up``: it listens on
     ``listen_host`` (where the coordinator listens) and advertises ``advertise``,
-    so that stages on other hosts can reach it."""
+    so that stages on other hosts can reach it. Stage 0's serving and speculation
+    settings are not flags: they reach it with every Load."""
+    stage = config.stage.value
     command = [
         sys.executable,
         "-m",
@@ -212,32 +154,34 @@ def local_stage_argv(
         f"local-{index}",
         "--threads",
         str(threads),
-        "--device",
-        args.device,
-        "--max-sessions",
-        str(args.max_sessions),
-        "--row-invariant",
-        args.row_invariant,
-        "--prefix-cache-mb",
-        f"{args.prefix_cache_mb:g}",
     ]
-    if args.inject_delay_ms:
-        command += ["--inject-delay-ms", f"{args.inject_delay_ms:g}"]
-    if args.compile:
-        command.append("--compile")
-    if args.cuda_graphs:
-        command.append("--cuda-graphs")
-    if args.cache_dir is not None:
-        command += ["--cache-dir", str(args.cache_dir / f"local-{index}")]
-    if args.log_level:
-        command += ["--log-level", args.log_level]
+    for name in LOCAL_STAGE_FIELDS:
+        value = getattr(stage, name)
+        if name == "cache_dir":
+            if value is not None:
+                command += ["--cache-dir", str(value / f"local-{index}")]
+        elif isinstance(value, bool):
+            command.append(("--" if value else "--no-") + name.replace("_", "-"))
+        else:
+            command += [
+                "--" + name.replace("_", "-"),
+                f"{value:g}" if isinstance(value, float) else str(value),
+            ]
+    log_level = config.coordinator.value.log_level
+    if log_level:
+        command += ["--log-level", log_level]
     command += security.child_argv()
     if frontend:
-        command += ["--frontend", "--http-host", args.http_host, "--http-port", str(args.http_port)]
-        command += ["--prefix-cache-tokens", str(args.prefix_cache_tokens)]
-        if getattr(args, "api_key_file", None) is not None:
-            command += ["--api-key-file", str(args.api_key_file.expanduser().absolute())]
-        command += _speculation_argv(args)
+        serving = config.frontend.value
+        command += [
+            "--frontend",
+            "--http-host",
+            serving.http_host,
+            "--http-port",
+            str(serving.http_port),
+        ]
+        if serving.api_key_file is not None:
+            command += ["--api-key-file", str(serving.api_key_file.expanduser().absolute())]
     return command
 
 
@@ -264,59 +208,66 @@ def _spawn_stage(command: list[str], security: MeshSecurity) -> subprocess.Popen
     return subprocess.Popen(command, env=env, start_new_session=True)
 
 
-def _speculation_argv(args: argparse.Namespace) -> list[str]:
-    """The speculation flags and --config as given, for the local stage 0."""
-    argv: list[str] = ["--config", str(args.config)] if args.config else []
-    if args.no_draft:
-        argv.append("--no-draft")
-    for dest in CLI_KEYS:
-        value = getattr(args, dest, None)
-        if value is None or dest == "no_draft":
-            continue
-        flag = "--" + dest.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + dest.replace("_", "-"))
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
 def up(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, prefix="coordinator")
+    config = resolve_up(args)
+    coord = config.coordinator.value
+    serving = config.frontend.value
+    configure_logging(coord.log_level, prefix="coordinator")
     # What cannot work is refused before anything is said about the rest.
-    ref = _resolve_model_ref(args.model, args.quant)
+    ref = _resolve_model_ref(coord.model, coord.quant)
     model = read_model(ref)
-    if not args.no_local_stage:
-        check_port_free(args.http_host, args.http_port, "--http-port")
+    speculation = speculation_layers(
+        cli_speculation_args(args), dict(config.toml), model.manifest.model_id
+    )
+    # Checked here whole (with the package's block), so a bad flag fails at start.
+    resolve_speculation(
+        cli_speculation_args(args),
+        dict(config.toml),
+        model.manifest.model_id,
+        model.manifest.generation,
+        no_draft=args.no_draft,
+    )
+    if args.print_config:
+        extra = [
+            (f"speculation.{k}", v, where) for where, layer in speculation for k, v in layer.items()
+        ]
+        print_config([config.coordinator, config.stage, config.frontend], extra)
+        return 0
+    if not coord.no_local_stage:
+        check_port_free(serving.http_host, serving.http_port, "--http-port")
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, "the coordinator")
-    local = (0 if args.no_local_stage else 1) + max(0, args.spawn_stages)
-    max_tokens = args.max_tokens_per_session or model.context_length
+    local = (0 if coord.no_local_stage else 1) + coord.spawn_stages
+    max_tokens = coord.max_tokens_per_session or model.context_length
+    sent = serving_settings(config.frontend, speculation)
+    if args.no_draft:
+        sent += (("speculation.no_draft", "true", "CLI --no-draft"),)
     settings = CoordinatorSettings(
         load=LoadSettings(
             package_ref=ref,
             manifest_sha256=model.manifest.sha256(),
             model_id=model.manifest.model_id,
-            wire_dtype=WireDType.parse(args.wire_dtype),
-            torch_dtype=args.dtype,
-            max_sessions=args.max_sessions,
+            wire_dtype=WireDType.parse(coord.wire_dtype),
+            torch_dtype=coord.dtype,
+            max_sessions=kv_sessions(coord, serving),
             max_tokens_per_session=max_tokens,
-            max_batch_tokens=max(1, args.max_batch_tokens),
+            max_batch_tokens=serving.max_batch_tokens,
+            serving=sent,
         ),
-        min_stages=max(args.min_stages, local, 1),
-        max_stages=args.max_stages,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        forget_dead_after_s=max(0.0, args.forget_dead_after),
-        load_attempts=max(0, args.load_attempts),
-        term_floor=term_floor(args.state_file),
+        min_stages=max(coord.min_stages, local, 1),
+        max_stages=coord.max_stages,
+        heartbeat_timeout_s=coord.heartbeat_timeout,
+        forget_dead_after_s=coord.forget_dead_after,
+        load_attempts=coord.load_attempts,
+        term_floor=term_floor(coord.state_file),
     )
     service = CoordinatorService(
-        model, settings, on_term=lambda term: record_term(args.state_file, term)
+        model, settings, on_term=lambda term: record_term(coord.state_file, term)
     )
-    server, port = serve(service, args.listen)
-    listen_host, _ = split_host_port(args.listen)
-    advertise = advertise_host(listen_host, args.advertise)
+    server, port = serve(service, coord.listen)
+    listen_host, _ = split_host_port(coord.listen)
+    advertise = advertise_host(listen_host, coord.advertise)
     # Local stages reach the coordinator on the address it listens on (loopback for a
     # wildcard, or the advertised name with TLS: the one its certificate names);
     # everyone else is told the advertised one.
@@ -329,11 +280,11 @@ def up(args: argparse.Namespace) -> int:
     if public != address:
         logger.info("other hosts reach this coordinator at %s", public)
     service.start()
-    threads = args.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
+    threads = coord.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
     children: list[subprocess.Popen] = []
-    for index in range(0 if not args.no_local_stage else 1, 1 + max(0, args.spawn_stages)):
+    for index in range(0 if not coord.no_local_stage else 1, 1 + coord.spawn_stages):
         argv = local_stage_argv(
-            address, index, args, threads, index == 0, security, listen_host, advertise
+            address, index, config, threads, index == 0, security, listen_host, advertise
         )
         children.append(_spawn_stage(argv, security))
     stopped = threading.Event()
@@ -349,7 +300,7 @@ def up(args: argparse.Namespace) -> int:
         state = service.state
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
-            _announce(service, public, args.state_file, _key_example(args))
+            _announce(service, public, coord.state_file, _key_example(serving.api_key_file))
         failed = [c for c in children if c.poll() is not None and c.returncode != 0]
         if failed and not announced_term and not stopped.is_set():
             # Before the mesh first serves, a local stage that fails will fail again:
@@ -371,10 +322,9 @@ def up(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _key_example(args: argparse.Namespace) -> tuple[str, str]:
+def _key_example(key_file: Path | None) -> tuple[str, str]:
     """How the banner's examples pass the API key: (curl header, Python expression);
     the key itself is never printed."""
-    key_file = getattr(args, "api_key_file", None)
     if key_file is not None:
         path = str(key_file.expanduser().absolute())
         return (

@@ -46,6 +46,8 @@ class LoadSettings:
     max_tokens_per_session: int = 2048
     max_batch_tokens: int = 512
     session_idle_timeout_s: float = 300.0
+    # Stage 0's serving settings, (key, JSON value, origin): mesh.settings.commands.
+    serving: tuple[tuple[str, str, str], ...] = ()
     inventory_timeout_s: float = 600.0
     inventory_poll_s: float = 0.2
 
@@ -150,6 +152,7 @@ class LoadDriver:
                 max_tokens_per_session=settings.max_tokens_per_session,
                 max_batch_tokens=settings.max_batch_tokens,
                 session_idle_timeout_s=settings.session_idle_timeout_s,
+                serving=settings.serving if index == 0 else (),
             )
             reply = self._call(
                 stage,

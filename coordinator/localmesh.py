@@ -88,8 +88,11 @@ class MeshProcesses:
             wire_dtype,
             "--state-file",
             str(self.state_file),
-            "--max-sessions",
+            # Stage 0's limits travel with the Load (it is given none itself).
+            "--max-concurrent-requests",
             str(max_sessions),
+            "--max-queued",
+            str(max_queued),
             *coordinator_args,
         ]
         self.coordinator_address = ""
@@ -166,14 +169,12 @@ class MeshProcesses:
             str(self.threads),
             "--cache-dir",
             str(self.workdir / "cache" / node_id),
-            "--max-sessions",
-            str(self.max_sessions),
             *self.stage_args,
         ]
         if frontend:
             http_host = "127.0.0.1" if self.hosts is None else "0.0.0.0"
             command += ["--frontend", "--http-host", http_host, "--http-port", "0"]
-            command += ["--max-queued", str(self.max_queued), *self.stage0_args]
+            command += [*self.stage0_args]
         host = self._place(node_id, frontend)
         process = subprocess.Popen(
             self._placed(host, command),

@@ -7,6 +7,7 @@ so callers import from there.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from mesh.codec_tensor import WireDType
@@ -33,6 +34,17 @@ def _optional_range(pb_owner, field: str, where: str) -> LayerRange | None:
     if not pb_owner.HasField(field):
         return None
     return layer_range_from_proto(getattr(pb_owner, field), where)
+
+
+def _setting(pb: stage_pb2.Setting) -> tuple[str, str, str]:
+    try:
+        json.loads(pb.value_json)
+    except ValueError:
+        raise InvalidRequest(
+            f"StageLoadRequest.serving: {pb.key!r} holds {pb.value_json!r}, which is not "
+            "JSON; send each value JSON-encoded"
+        ) from None
+    return pb.key, pb.value_json, pb.origin
 
 
 def _set_range(pb_owner, field: str, layer_range: LayerRange | None) -> None:
@@ -218,6 +230,8 @@ class StageLoadRequest:
     max_tokens_per_session: int = 0
     max_batch_tokens: int = 0
     session_idle_timeout_s: float = 0.0
+    # Stage 0: (key, JSON value, origin) of the coordinator's serving settings.
+    serving: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def is_first(self) -> bool:
@@ -242,6 +256,10 @@ class StageLoadRequest:
             max_tokens_per_session=self.max_tokens_per_session,
             max_batch_tokens=self.max_batch_tokens,
             session_idle_timeout_s=self.session_idle_timeout_s,
+            serving=[
+                stage_pb2.Setting(key=key, value_json=value, origin=origin)
+                for key, value, origin in self.serving
+            ],
         )
         _set_range(pb, "layer_range", self.layer_range)
         if self.downstream is not None:
@@ -273,6 +291,7 @@ class StageLoadRequest:
             max_tokens_per_session=pb.max_tokens_per_session,
             max_batch_tokens=pb.max_batch_tokens,
             session_idle_timeout_s=pb.session_idle_timeout_s,
+            serving=tuple(_setting(item) for item in pb.serving),
         )
 
 

@@ -290,20 +290,40 @@ def toml_layers(toml: dict[str, Any], model_id: str) -> list[tuple[str, dict[str
     return layers
 
 
-TOML_TABLES = ("defaults", "models", "security")
+TOML_TABLES = ("coordinator", "stage", "frontend", "defaults", "models", "security")
 
 
-def check_toml(toml: dict[str, Any]) -> None:
-    """Refuse a config with a table this version does not know (a typo would
+def check_toml(toml: dict[str, Any], source: str = "config") -> None:
+    """Refuse a config with a table or key this version does not know (a typo would
     otherwise be ignored) and check every speculation table; run when ``up`` and
-    ``join`` start. ``[security]`` is checked by mesh.security."""
+    ``join`` start. ``[security]``'s keys are checked by mesh.security."""
+    from mesh.settings.sections import SECTIONS
+    from mesh.settings.tree import check_table
+
     unknown = sorted(set(toml) - set(TOML_TABLES))
     if unknown:
         raise InvalidRequest(
-            f"config: unknown table(s) or key(s) {', '.join(unknown)}; known tables: "
+            f"{source}: unknown table(s) or key(s) {', '.join(unknown)}; known tables: "
             f"{', '.join(TOML_TABLES)}"
         )
+    for section, cls in SECTIONS.items():
+        if section in toml:
+            check_table(cls, section, toml[section], source)
     toml_layers(toml, "")
+
+
+def speculation_layers(
+    cli: dict[str, Any], toml: dict[str, Any], model_id: str
+) -> list[tuple[str, dict[str, Any]]]:
+    """The speculation sources above the package, lowest first, checked: the TOML's
+    tables for ``model_id`` and the CLI flags. The coordinator sends them to stage 0
+    with its Load (values as given: a draft model as its reference text)."""
+    layers = [*toml_layers(toml, model_id), ("CLI", _cli_layer(cli))]
+    return [
+        (where, {k: str(v) if isinstance(v, DraftRef) else v for k, v in flat.items()})
+        for where, flat in layers
+        if flat
+    ]
 
 
 def _only_speculative(table: dict[str, Any], where: str) -> None:
@@ -388,16 +408,23 @@ def resolve_speculation(
     model_id: str,
     package_generation: dict[str, Any] | None,
     no_draft: bool = False,
+    lower: list[tuple[str, dict[str, Any]]] | tuple = (),
 ) -> SpeculationConfig:
     """Merge every source key by key (see the module docstring) and validate the result.
 
     ``cli`` maps ``CLI_KEYS`` names to values (None = not given). ``no_draft`` drops
     any draft model (the package's n-gram strategy, else the built-in n-gram, is used).
+    ``lower``: layers another process resolved (the coordinator's, sent with the
+    Load: ``speculation_layers``), below this process's TOML and CLI.
     """
     cli_flat = _cli_layer(cli)
     if no_draft and (cli_flat.get("type") in DRAFT_TYPES or "draft_model" in cli_flat):
         raise InvalidRequest("--no-draft conflicts with --draft-model / --spec-type with a draft")
-    upper = [*toml_layers(toml, model_id), ("CLI", cli_flat)]
+    sent = [
+        (where, {key: _check_value(key, value, where) for key, value in flat.items()})
+        for where, flat in lower
+    ]
+    upper = [*sent, *toml_layers(toml, model_id), ("CLI", cli_flat)]
     strategy = None
     for where, layer in upper:
         if "strategy" in layer:

@@ -163,7 +163,11 @@ class _Frontend:
             "created": self.created,
             "owned_by": "mesh",
             "context_length": self.backend.context_length,
-        }
+        } | self._speculation()
+
+    def _speculation(self) -> dict[str, Any]:
+        summary = getattr(self.backend, "speculation_summary", None)
+        return {"speculation": summary()} if summary is not None else {}
 
     async def generate(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         arrival = time.perf_counter()

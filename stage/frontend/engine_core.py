@@ -78,6 +78,15 @@ class EngineCore:
         self._ends: list[Segment] = []
         self._next_frame_id = 1
 
+    def set_limits(self, limits: EngineLimits) -> None:
+        """New limits (stage 0's serving settings arrive with every Load). Requests
+        already admitted keep running; a resized prefix cache starts empty."""
+        if limits.prefix_cache_tokens != self.limits.prefix_cache_tokens:
+            self.prefixes = (
+                PrefixIndex(limits.prefix_cache_tokens) if limits.prefix_cache_tokens > 0 else None
+            )
+        self.limits = limits
+
     # ---- requests ---------------------------------------------------------------
 
     def add(self, request: GenerationRequest) -> RequestRun:

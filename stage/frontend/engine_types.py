@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from mesh.errors import MeshError
 from mesh.frames import Segment, SegmentKind
-from mesh.types import DEFAULT_PREFIX_TOKENS
+from mesh.settings.sections import FrontendConfig
 from stage.frontend.backend import TokenEvent
 from stage.frontend.expectation import Expected
 from stage.frontend.request_run import RequestRun
@@ -21,14 +21,24 @@ class EngineLimits:
     prompt chunk of one request in one step; ``prefix_cache_tokens``: positions of
     finished requests kept on the stages for later prompts (0: none)."""
 
-    max_sessions: int = 16
-    max_queued: int = 32
-    step_tokens: int = 512
+    max_sessions: int = FrontendConfig.max_concurrent_requests
+    max_queued: int = FrontendConfig.max_queued
+    step_tokens: int = FrontendConfig.max_batch_tokens
     draft_tokens: int = 64
     prefill_chunk_tokens: int = 512
     round_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
-    prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS
+    prefix_cache_tokens: int = FrontendConfig.prefix_cache_tokens
+
+    @classmethod
+    def of(cls, serving: FrontendConfig) -> EngineLimits:
+        """The engine limits stage 0's [frontend] settings give."""
+        return cls(
+            max_sessions=serving.max_concurrent_requests,
+            max_queued=serving.max_queued,
+            step_tokens=serving.max_batch_tokens,
+            prefix_cache_tokens=serving.prefix_cache_tokens,
+        )
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from mesh.config import SpeculationConfig, cli_speculation_args, resolve_speculation
 from mesh.errors import MeshError
 from mesh.netaddr import is_wildcard, url_host
 from mesh.package.manifest import PackageManifest
+from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.engine_types import EngineLimits
 from stage.frontend.scheduler import PipelineScheduler
@@ -77,24 +81,28 @@ class FrontendHost:
         stop_server(self.server, self.thread)
 
 
-def _read_api_key(args: argparse.Namespace) -> str | None:
-    import os
-
-    if getattr(args, "api_key_file", None):
-        return args.api_key_file.read_text().strip() or None
+def _read_api_key(key_file: Path | None) -> str | None:
+    if key_file is not None:
+        return key_file.expanduser().read_text().strip() or None
     return os.environ.get("MESH_API_KEY") or None
 
 
-def _speculation(args: argparse.Namespace, model_id: str, loaded: LoadedStage, tokenizer):
-    """Resolve the speculation config (CLI > TOML model entry > TOML defaults >
-    package metadata > built-in) and build the per-request drafter factory. A draft
-    that cannot be used falls back to n-gram with a warning; speculation never stops
-    the frontend from serving."""
-    from mesh.config import cli_speculation_args, load_toml, resolve_speculation
-    from mesh.package.manifest import PackageManifest
-    from mesh.speculative import build_drafter
-
-    toml = load_toml(args.config) if getattr(args, "config", None) else {}
+def _speculation_config(
+    args: argparse.Namespace,
+    toml: dict[str, Any],
+    model_id: str,
+    loaded: LoadedStage,
+    sent: tuple[tuple[str, str, str], ...],
+) -> tuple[SpeculationConfig | None, tuple[str, ...]]:
+    """Resolve the speculation config: this process's CLI > its TOML model entry >
+    its TOML defaults > the coordinator's sources (sent with the Load) > package
+    metadata > built-in, and what the operator should know about it. None
+    (speculation off, with a warning) when it cannot be resolved: speculation never
+    stops the frontend from serving."""
+    layers = sent_speculation(sent)
+    no_draft = bool(getattr(args, "no_draft", False))
+    for _, layer in layers:
+        no_draft = bool(layer.pop("no_draft", False)) or no_draft
     manifest = PackageManifest.load(loaded.package_dir)
     try:
         config = resolve_speculation(
@@ -102,13 +110,24 @@ def _speculation(args: argparse.Namespace, model_id: str, loaded: LoadedStage, t
             toml,
             model_id,
             manifest.generation,
-            no_draft=bool(getattr(args, "no_draft", False)),
+            no_draft=no_draft,
+            lower=[layer for layer in layers if layer[1]],
         )
     except MeshError as error:
         logger.warning("speculation is off: %s", error.message)
-        return None
+        return None, (f"speculation is off: {error.message}",)
     for note in config.notes:
         logger.warning("speculation: %s", note)
+    return config, config.notes
+
+
+def _drafter(config: SpeculationConfig | None, loaded: LoadedStage, tokenizer):
+    """The per-request drafter factory; a draft that cannot be used falls back to
+    n-gram with a warning."""
+    from mesh.speculative import build_drafter
+
+    if config is None:
+        return None
     runtime = loaded.engine.runtime
     factory = build_drafter(config, tokenizer, device=runtime.device, dtype=runtime.torch_dtype)
     if factory is None:
@@ -132,29 +151,46 @@ def system_fingerprint(manifest: PackageManifest) -> str:
 
 
 def start_frontend(
-    node: StageNode, args: argparse.Namespace, advertise: str = "127.0.0.1"
+    node: StageNode, config: JoinConfig, args: argparse.Namespace, advertise: str = "127.0.0.1"
 ) -> FrontendHost:
-    """Serve the OpenAI API on ``--http-host``; its announced URL uses ``advertise``
-    when that host is a wildcard (so a client on another host can use it)."""
-    limits = EngineLimits(
-        max_sessions=args.max_sessions,
-        max_queued=args.max_queued,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-    )
-    scheduler = PipelineScheduler(node, model_id="", limits=limits)
+    """Serve the OpenAI API on ``http_host``; its announced URL uses ``advertise``
+    when that host is a wildcard (so a client on another host can use it). Each Load
+    brings the coordinator's serving and speculation settings; what this process
+    was given itself wins over them."""
+    own = config.frontend
+    scheduler = PipelineScheduler(node, model_id="", limits=EngineLimits.of(own.value))
     switch = SwitchableApp()
-    api_key = _read_api_key(args)
+    api_key = _read_api_key(own.value.api_key_file)
+    current: dict[str, Any] = {"speculation": None, "tokenizer": None}
 
     def on_load(loaded: LoadedStage | None) -> None:
         if loaded is None:
             switch.reason = "a stage of the pipeline was lost; the mesh is reloading"
             return
-        if switch.current is not None and switch.package_dir == str(loaded.package_dir):
+        sent = loaded.request.serving
+        try:
+            serving = merge_serving(own, sent)
+        except MeshError as error:
+            logger.warning("%s; keeping this process's own settings", error.message)
+            serving = own
+        scheduler.set_limits(EngineLimits.of(serving.value))
+        speculation, notes = _speculation_config(
+            args, dict(config.toml), scheduler.model_id, loaded, sent
+        )
+        package_dir = str(loaded.package_dir)
+        same_package = switch.current is not None and switch.package_dir == package_dir
+        if same_package and speculation == current["speculation"]:
             return
-        from transformers import AutoTokenizer
+        if not same_package:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(loaded.package_dir)
-        scheduler.speculation = _speculation(args, scheduler.model_id, loaded, tokenizer)
+            current["tokenizer"] = AutoTokenizer.from_pretrained(loaded.package_dir)
+        tokenizer = current["tokenizer"]
+        scheduler.speculation = _drafter(speculation, loaded, tokenizer)
+        scheduler.speculation_notes = notes
+        current["speculation"] = speculation
+        if same_package:
+            return
         scheduler.detokenize = tokenizer.decode
         manifest = PackageManifest.load(loaded.package_dir)
         switch.current = create_app(
@@ -164,12 +200,13 @@ def start_frontend(
             api_key=api_key,
             fingerprint=system_fingerprint(manifest),
         )
-        switch.package_dir = str(loaded.package_dir)
+        switch.package_dir = package_dir
         logger.info("frontend serving %s", scheduler.model_id)
 
     node.on_load_change(on_load)
-    server, thread, port = serve_app(switch, args.http_host, args.http_port, log_level="warning")
-    host = advertise if is_wildcard(args.http_host) else args.http_host
+    http_host, http_port = own.value.http_host, own.value.http_port
+    server, thread, port = serve_app(switch, http_host, http_port, log_level="warning")
+    host = advertise if is_wildcard(http_host) else http_host
     url = f"http://{url_host(host)}:{port}"
     logger.info("OpenAI frontend on %s (ready once the pipeline is loaded)", url)
     return FrontendHost(url=url, scheduler=scheduler, switch=switch, server=server, thread=thread)

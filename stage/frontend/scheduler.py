@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
 
 from mesh.errors import MeshError, Unavailable
 from mesh.frames import Frame, FrameResult
@@ -39,6 +40,9 @@ class PipelineScheduler:
     def __init__(self, node: StageNode, model_id: str, limits: EngineLimits) -> None:
         self.node = node
         self.speculation: DrafterFactory | None = None
+        # What the operator should know about the speculation in use (a package
+        # block left out, a draft that fell back to n-gram, clamped windows).
+        self.speculation_notes: tuple[str, ...] = ()
         self.detokenize: Callable[[Sequence[int]], str] | None = None
         self.telemetry_totals: dict[str, Telemetry] = {}
         self.model_id = model_id
@@ -292,6 +296,23 @@ class PipelineScheduler:
                 self._m_stage_queue_ms.labels(str(timing.stage_index)).observe(timing.queue_ms)
         self._dispatch(self.core.on_result(result))
         self._pump()
+
+    def speculation_summary(self) -> dict[str, Any]:
+        """The speculation stage 0 serves with, for ``/v1/models`` and status."""
+        factory = self.speculation
+        notes = list(self.speculation_notes)
+        if factory is not None and factory.fallback_reason:
+            notes.append(factory.fallback_reason)
+        return {"strategy": factory.name if factory is not None else "none", "notes": notes}
+
+    def set_limits(self, limits: EngineLimits) -> None:
+        """Apply new engine limits on the event loop (called from a Load's thread)."""
+        self.limits = limits
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.core.set_limits(limits)
+        else:
+            loop.call_soon_threadsafe(self.core.set_limits, limits)
 
     def _on_load_change(self, loaded: LoadedStage | None) -> None:
         self._loaded = loaded

@@ -1,14 +1,23 @@
 """`mesh-coordinator up` starts its local stages with command lines that the stage CLI
-accepts, carrying the engine flags."""
+accepts, carrying the [stage] settings that apply to them; stage 0's serving and
+speculation settings are not flags (they travel with the Load)."""
 
 from __future__ import annotations
 
 import pytest
 
 from coordinator.cli import build_parser as coordinator_parser
-from coordinator.cli import local_stage_argv
+from coordinator.cli import local_stage_argv, resolve_up
 from mesh.security import MeshSecurity
 from stage.cli import build_parser as stage_parser
+from stage.cli import resolve_join
+
+
+def _local(flags: list[str], index: int, frontend: bool):
+    config = resolve_up(coordinator_parser().parse_args(["up", *flags]))
+    argv = local_stage_argv("127.0.0.1:7070", index, config, 2, frontend, MeshSecurity())
+    assert argv[1:3] == ["-m", "stage.cli"]
+    return argv, resolve_join(stage_parser().parse_args(argv[3:]))
 
 
 @pytest.mark.parametrize(
@@ -18,11 +27,9 @@ from stage.cli import build_parser as stage_parser
 def test_engine_flags_reach_the_local_stages(
     flags: list[str], compiled: bool, graphs: bool
 ) -> None:
-    args = coordinator_parser().parse_args(["up", "--device", "cuda:0", *flags])
-    argv = local_stage_argv("127.0.0.1:7070", 1, args, 2, False, MeshSecurity())
-    assert argv[1:3] == ["-m", "stage.cli"]
-    stage = stage_parser().parse_args(argv[3:])
-    assert stage.command == "join" and stage.coordinator == "127.0.0.1:7070"
+    _, joined = _local(["--device", "cuda:0", *flags], 1, False)
+    stage = joined.stage.value
+    assert stage.coordinator == "127.0.0.1:7070"
     assert stage.device == "cuda:0" and stage.threads == 2 and stage.node_id == "local-1"
     assert stage.compile is compiled and stage.cuda_graphs is graphs
     assert not stage.frontend
@@ -30,9 +37,18 @@ def test_engine_flags_reach_the_local_stages(
 
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
 def test_row_invariance_reaches_the_local_stages(mode: str) -> None:
-    args = coordinator_parser().parse_args(["up", "--row-invariant", mode])
-    argv = local_stage_argv("127.0.0.1:7070", 0, args, 1, True, MeshSecurity())
-    assert stage_parser().parse_args(argv[3:]).row_invariant == mode
+    _, joined = _local(["--row-invariant", mode], 0, True)
+    assert joined.stage.value.row_invariant == mode and joined.stage.value.frontend
+
+
+def test_stage_0_gets_where_to_listen_but_not_its_serving_settings() -> None:
+    argv, joined = _local(
+        ["--http-port", "8123", "--max-concurrent-requests", "3", "--max-window", "4"], 0, True
+    )
+    assert joined.frontend.value.http_port == 8123
+    # Limits and speculation reach stage 0 with the Load, where its own flags win.
+    assert not joined.frontend.given("max_concurrent_requests")
+    assert "--max-window" not in argv and "--config" not in argv
 
 
 def test_the_api_key_file_reaches_stage_0_and_the_banner_never_prints_the_key(
@@ -42,20 +58,16 @@ def test_the_api_key_file_reaches_stage_0_and_the_banner_never_prints_the_key(
 
     key_file = tmp_path / "api-key"
     key_file.write_text("s3cret-key\n")
-    args = coordinator_parser().parse_args(["up", "--api-key-file", str(key_file)])
-    stage0 = stage_parser().parse_args(
-        local_stage_argv("h:1", 0, args, 1, True, MeshSecurity())[3:]
-    )
-    assert stage0.api_key_file == key_file.absolute()
-    other = local_stage_argv("h:1", 1, args, 1, False, MeshSecurity())
+    _, stage0 = _local(["--api-key-file", str(key_file)], 0, True)
+    assert stage0.frontend.value.api_key_file == key_file.absolute()
+    other, _ = _local(["--api-key-file", str(key_file)], 1, False)
     assert "--api-key-file" not in other
-    header, expression = _key_example(args)
+    header, expression = _key_example(key_file)
     assert f"$(cat {key_file.absolute()})" in header and "s3cret" not in header + expression
     monkeypatch.setenv("MESH_API_KEY", "env-key")
-    plain = coordinator_parser().parse_args(["up"])
-    assert _key_example(plain) == (
+    assert _key_example(None) == (
         ' -H "Authorization: Bearer $MESH_API_KEY"',
         "os.environ['MESH_API_KEY']",
     )
     monkeypatch.delenv("MESH_API_KEY")
-    assert _key_example(plain) == ("", "'none'")
+    assert _key_example(None) == ("", "'none'")

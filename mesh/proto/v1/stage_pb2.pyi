@@ -92,7 +92,7 @@ class PeerRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class StageLoadRequest(_message.Message):
-    __slots__ = ("term", "stage_index", "stage_count", "layer_range", "package_ref", "manifest_sha256", "downstream", "return_endpoint", "wire_dtype", "device", "torch_dtype", "max_sessions", "max_tokens_per_session", "max_batch_tokens", "session_idle_timeout_s")
+    __slots__ = ("term", "stage_index", "stage_count", "layer_range", "package_ref", "manifest_sha256", "downstream", "return_endpoint", "wire_dtype", "device", "torch_dtype", "max_sessions", "max_tokens_per_session", "max_batch_tokens", "session_idle_timeout_s", "serving")
     TERM_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     STAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class StageLoadRequest(_message.Message):
     MAX_TOKENS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
     term: int
     stage_index: int
     stage_count: int
@@ -123,7 +124,18 @@ class StageLoadRequest(_message.Message):
     max_tokens_per_session: int
     max_batch_tokens: int
     session_idle_timeout_s: float
-    def __init__(self, term: _Optional[int] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., package_ref: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., downstream: _Optional[_Union[PeerRef, _Mapping]] = ..., return_endpoint: _Optional[str] = ..., wire_dtype: _Optional[_Union[_common_pb2.WireDType, str]] = ..., device: _Optional[str] = ..., torch_dtype: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., session_idle_timeout_s: _Optional[float] = ...) -> None: ...
+    serving: _containers.RepeatedCompositeFieldContainer[Setting]
+    def __init__(self, term: _Optional[int] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., package_ref: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., downstream: _Optional[_Union[PeerRef, _Mapping]] = ..., return_endpoint: _Optional[str] = ..., wire_dtype: _Optional[_Union[_common_pb2.WireDType, str]] = ..., device: _Optional[str] = ..., torch_dtype: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., session_idle_timeout_s: _Optional[float] = ..., serving: _Optional[_Iterable[_Union[Setting, _Mapping]]] = ...) -> None: ...
+
+class Setting(_message.Message):
+    __slots__ = ("key", "value_json", "origin")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_JSON_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value_json: str
+    origin: str
+    def __init__(self, key: _Optional[str] = ..., value_json: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("term", "data_endpoint", "param_bytes", "load_ms")

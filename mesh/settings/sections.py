@@ -1,0 +1,184 @@
+"""The sections of the configuration tree: every setting of ``mesh-coordinator up``
+and ``mesh-stage join``, each default written once.
+
+- ``[coordinator]``: the coordinator process (``up``).
+- ``[stage]``: a stage process (``join``); ``up`` takes the fields that apply to
+  the stage processes it starts (device, threads, arithmetic, prefix cache).
+- ``[frontend]``: stage 0's OpenAI API and engine core. ``up`` sends these to stage
+  0 with its Load (a stage 0 started by ``join --frontend`` elsewhere gets them
+  too); a value the stage 0 process was given itself wins.
+- Speculation (``[defaults.speculative]``, ``[models."<id>".speculative]``) and
+  ``[security]`` keep their own tables, resolved by ``mesh.config`` and
+  ``mesh.security`` with the same precedence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mesh.settings.tree import setting
+from mesh.types import DEFAULT_PREFIX_BYTES, DEFAULT_PREFIX_TOKENS
+from mesh.units import parse_bytes
+
+ROW_INVARIANT = ("auto", "on", "off")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    model: str = setting("default", "package dir, HF repo, or 'default'")
+    quant: str | None = setting(
+        None, "with --model default: serve a quantised build of it", choices=("int4", "int8")
+    )
+    listen: str = setting("0.0.0.0:7070", "coordinator gRPC HOST:PORT")
+    advertise: str | None = setting(
+        None,
+        "address other hosts use to reach this head (its coordinator, stage 0 and HTTP "
+        "API); default: the listen host, or this host's first global address when "
+        "listening on 0.0.0.0",
+    )
+    no_local_stage: bool = setting(False, "do not run a local stage 0")
+    spawn_stages: int = setting(0, "extra local stage processes", minimum=0)
+    min_stages: int = setting(0, "wait for this many stages", minimum=0)
+    max_stages: int = setting(0, "use at most this many stages (0: no limit)", minimum=0)
+    wire_dtype: str = setting(
+        "f32", "activation dtype between stages", choices=("f32", "f16", "bf16", "int8")
+    )
+    dtype: str = setting(
+        "auto",
+        "compute dtype (auto: bfloat16 for a quantised package, else the package's dtype)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    kv_max_sessions: int = setting(
+        0,
+        "sessions every stage keeps KV for (0: as many as frontend.max_concurrent_requests)",
+        minimum=0,
+    )
+    max_tokens_per_session: int = setting(0, "positions per session (0: context)", minimum=0)
+    stage_threads: int = setting(0, "torch threads per local stage (0: cores / stages)", minimum=0)
+    heartbeat_timeout: float = setting(3.0, "seconds without a heartbeat: dead", minimum=0.1)
+    forget_dead_after: float = setting(
+        600.0, "seconds after which a dead node leaves the registry (0: never)", minimum=0
+    )
+    state_file: Path | None = setting(
+        None,
+        "JSON written once serving; also keeps the highest term used, so that a restarted "
+        "coordinator continues above it",
+    )
+    load_attempts: int = setting(
+        3,
+        "before the mesh first serves, exit non-zero after this many failed load attempts "
+        "in a row (0: keep trying)",
+        minimum=0,
+    )
+    log_level: str | None = setting(None, "logging level", choices=LOG_LEVELS)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    coordinator: str = setting("127.0.0.1:7070", "coordinator HOST:PORT")
+    listen: str = setting("0.0.0.0:7071", "gRPC bind HOST:PORT (port 0: any)")
+    advertise: str | None = setting(
+        None,
+        "host other nodes use to reach this one (default: the listen host, or, when "
+        "listening on 0.0.0.0, this host's address on the route to the coordinator)",
+    )
+    node_id: str | None = setting(
+        None,
+        "node name; default: the host name and a digest of the cache directory, the same "
+        "on every restart, so a restarted stage takes its place back",
+    )
+    device: str = setting("cpu", "torch device, e.g. cpu or cuda:0")
+    memory: int = setting(0, "memory offered, e.g. 20GiB (0: unknown)", parse=parse_bytes)
+    speed: float = setting(1.0, "relative speed hint", minimum=0.0)
+    cache_dir: Path | None = setting(None, "slice cache directory (default: $MESH_HOME/slices)")
+    threads: int = setting(0, "torch CPU threads (0: torch's default)", minimum=0)
+    compile: bool = setting(
+        False,
+        "run decode steps through torch.compile (compiles while loading; falls back to "
+        "eager where it cannot compile)",
+    )
+    quantised_gemm: bool = setting(
+        False,
+        "CPU int4/int8 linears of 64+ rows (long prefill chunks) dequantise and run a "
+        "float32 GEMM: 1.25-2x faster there, but a row's result then depends on the rows "
+        "beside it, so answers may change with load (turns row_invariant off)",
+    )
+    row_invariant: str = setting(
+        "auto",
+        "compute every token's row the same way whether it runs alone, in a verify window "
+        "or in a batch, so answers never change with load or speculation (CPU). auto: on "
+        "for int4/int8 packages (costs them up to ~10%% decode speed), off for dense ones "
+        "(costs float32/bfloat16 10-30%%); off: the previous kernels",
+        choices=ROW_INVARIANT,
+    )
+    cuda_graphs: bool = setting(
+        False,
+        "on a CUDA device, replay decode steps as CUDA graphs (checked against eager steps "
+        "while loading; falls back to eager where they cannot be captured)",
+    )
+    prefix_cache_mb: float = setting(
+        DEFAULT_PREFIX_BYTES / 2**20,
+        "most memory this stage gives to kept prefixes (least recently used first out; "
+        "0: keep none)",
+        minimum=0,
+    )
+    inject_delay_ms: float = setting(
+        0.0,
+        "add this latency to every outgoing data hop (benchmarks; emulates a network)",
+        minimum=0,
+    )
+    frontend: bool = setting(False, "host the OpenAI API: this stage becomes stage 0")
+    log_level: str | None = setting(None, "logging level", choices=LOG_LEVELS)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    http_host: str = setting("127.0.0.1", "bind host of the OpenAI API (0.0.0.0: every interface)")
+    http_port: int = setting(8000, "port of the OpenAI API (0: any)", minimum=0)
+    api_key_file: Path | None = setting(None, "file holding the HTTP API key (or set MESH_API_KEY)")
+    max_concurrent_requests: int = setting(
+        16, "requests generating at once (each holds a session on every stage)", minimum=1
+    )
+    max_queued: int = setting(32, "requests waiting for a slot before 429", minimum=0)
+    prefix_cache_tokens: int = setting(
+        DEFAULT_PREFIX_TOKENS,
+        "positions of finished requests kept on every stage for later prompts that start "
+        "with them (0: no prefix cache)",
+        minimum=0,
+    )
+    max_batch_tokens: int = setting(
+        512,
+        "tokens one step of stage 0's engine core may hold (decode rows first, prompt "
+        "chunks in the rest)",
+        minimum=1,
+    )
+
+
+# Fields of [stage] that `up` takes for the stage processes it starts.
+LOCAL_STAGE_FIELDS = (
+    "device",
+    "compile",
+    "quantised_gemm",
+    "row_invariant",
+    "cuda_graphs",
+    "prefix_cache_mb",
+    "inject_delay_ms",
+    "cache_dir",
+)
+# Fields of [frontend] the coordinator sends stage 0 with its Load: the rest (where it
+# listens, its key) belong to the stage 0 process.
+SERVING_FIELDS = (
+    "max_concurrent_requests",
+    "max_queued",
+    "prefix_cache_tokens",
+    "max_batch_tokens",
+)
+
+SECTIONS = {"coordinator": CoordinatorConfig, "stage": StageConfig, "frontend": FrontendConfig}
+
+
+def kv_sessions(coordinator: CoordinatorConfig, frontend: FrontendConfig) -> int:
+    """Sessions each stage keeps KV for: the frontend's concurrent requests unless set."""
+    return coordinator.kv_max_sessions or frontend.max_concurrent_requests
