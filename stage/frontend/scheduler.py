@@ -27,6 +27,7 @@ from stage.frontend.backend import GenerationRequest, TokenEvent
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_types import EngineLimits, Outcome, PipelineInfo
 from stage.frontend.request_run import RequestRun
+from stage.frontend.status import PipelineActivity
 from stage.node import LoadedStage, StageNode
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class PipelineScheduler:
         self.context_length = 0
         self.limits = limits
         self.core = EngineCore(limits, time.perf_counter, self._new_speculation)
+        # What the status page shows of the pipeline's recent work.
+        self.activity = PipelineActivity(time.perf_counter)
         self._loaded: LoadedStage | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -294,7 +297,9 @@ class PipelineScheduler:
             for timing in result.timings:
                 self._m_stage_ms.labels(str(timing.stage_index)).observe(timing.compute_ms)
                 self._m_stage_queue_ms.labels(str(timing.stage_index)).observe(timing.queue_ms)
-        self._dispatch(self.core.on_result(result))
+        outcomes = self.core.on_result(result)
+        self.activity.observe(result, sent, outcomes)
+        self._dispatch(outcomes)
         self._pump()
 
     def speculation_summary(self) -> dict[str, Any]:
