@@ -483,7 +483,8 @@ def _clamp_windows(
                 f"{values[to]} ({to} from {origins.get(to, BUILTIN_ORIGIN)})"
             )
             values[moved] = values[to]
-            origins[moved] = f"{origins.get(moved, BUILTIN_ORIGIN)}, clamped"
+            origin = origins.get(moved, BUILTIN_ORIGIN)
+            origins[moved] = origin if origin.endswith(", clamped") else f"{origin}, clamped"
             rank[origins[moved]] = low_rank if moved == low else high_rank
 
 

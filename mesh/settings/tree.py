@@ -145,15 +145,19 @@ def _from_text(cls: type, field: dataclasses.Field, text: str, where: str) -> An
         ) from None
 
 
-def _check(cls: type, field: dataclasses.Field, value: Any, where: str) -> Any:
-    """``value`` from a TOML table or a namespace, converted and checked."""
+def _check(cls: type, field: dataclasses.Field, value: Any, where: str, text: bool) -> Any:
+    """``value`` converted and checked. ``text``: it comes from a command line or the
+    environment, where every value is text; TOML values have types of their own
+    (only sizes and paths are written as strings there)."""
     kind, optional = _field_type(cls, field)
     meta = field.metadata
     if value is None:
         if optional:
             return None
         raise InvalidRequest(f"{where}: a value is required")
-    if isinstance(value, str) and (kind is not str or meta["parse"] is not None):
+    if isinstance(value, str) and (text or meta["parse"] is not None) and kind is not str:
+        value = _from_text(cls, field, value, where)
+    elif isinstance(value, str) and meta["parse"] is not None:
         value = _from_text(cls, field, value, where)
     elif kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -204,13 +208,14 @@ def resolve(
     """
     env = os.environ if env is None else env
     given = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli or {})
-    table = dict((toml or {}).get(section, {}))
+    table = (toml or {}).get(section, {})
     check_table(cls, section, table, toml_source)
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         name = field.name
         variable = env_name(section, name)
+        text = True
         if name in given:
             where = f"CLI {flag(name)}"
             value = given[name]
@@ -219,12 +224,12 @@ def resolve(
             value = env[variable]
         elif name in table:
             where = f"{toml_source} [{section}] {name}"
-            value = table[name]
+            value, text = table[name], False
         elif lower is not None and name in lower:
-            value, where = lower[name]
+            (value, where), text = lower[name], False
         else:
             continue
-        values[name] = _check(cls, field, value, f"{section}.{name} from {where}")
+        values[name] = _check(cls, field, value, f"{section}.{name} from {where}", text)
         origins[name] = where
     return Resolved(section=section, value=cls(**values), origins=origins)
 
