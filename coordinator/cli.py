@@ -1,5 +1,5 @@
-"""`mesh-coordinator`: run the coordinator (`up`), show the topology (`status`), or
-create TLS certificates for a cluster (`certs`)."""
+"""`mesh-coordinator`: run the coordinator (`up`), show the topology (`status`),
+create TLS certificates for a cluster (`certs`), or check a host's setup (`doctor`)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from mesh.config import (
     resolve_speculation,
     speculation_layers,
 )
+from mesh.doctor import add_doctor_arguments
 from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.lifetime import PARENT_PID_ENV
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
     add_security_arguments(status)
     add_certs_parser(sub)
+    doctor = sub.add_parser("doctor", help="check this host's setup for `up` (takes up's flags)")
+    add_up_arguments(doctor)
+    add_doctor_arguments(doctor)
     return parser
 
 
@@ -444,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "certs":
             sys.stdout.write(run_certs(args) + "\n")
             return 0
+        if args.command == "doctor":
+            from coordinator.doctor import run_doctor
+
+            return run_doctor(args)
         return up(args) if args.command == "up" else status(args)
     except MeshError as error:
         sys.stderr.write(f"mesh-coordinator: {error.message}\n")

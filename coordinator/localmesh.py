@@ -148,9 +148,14 @@ class MeshProcesses:
             raise RuntimeError("coordinator exited:\n" + self.coordinator_log())
         return ""
 
-    def start_stage(self, node_id: str, frontend: bool = False) -> subprocess.Popen:
+    def wait_address(self) -> str:
+        """The coordinator's HOST:PORT, once it listens."""
         if not self.coordinator_address:
             self.coordinator_address = wait_for(self._find_address, 60, "the coordinator")
+        return self.coordinator_address
+
+    def start_stage(self, node_id: str, frontend: bool = False) -> subprocess.Popen:
+        self.wait_address()
         command = [
             sys.executable,
             "-m",

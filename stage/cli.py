@@ -1,4 +1,5 @@
-"""`mesh-stage join`: run a stage node that joins a coordinator and obeys it."""
+"""`mesh-stage join`: run a stage node that joins a coordinator and obeys it;
+`mesh-stage doctor`: check this host's setup for it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from mesh.codec import JoinRequest
 from mesh.config import add_speculation_arguments
+from mesh.doctor import add_doctor_arguments
 from mesh.errors import MeshError
 from mesh.grpc_util import bind, new_server
 from mesh.lifetime import watch_parent
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="join a coordinator and serve a layer range")
     add_stage_arguments(join)
+    doctor = sub.add_parser("doctor", help="check this host's setup for `join` (takes its flags)")
+    add_stage_arguments(doctor)
+    add_doctor_arguments(doctor)
     return parser
 
 
@@ -167,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "doctor":
+            from stage.doctor import run_doctor
+
+            return run_doctor(args)
         return run(args)
     except MeshError as error:
         sys.stderr.write(f"mesh-stage: {error.message}\n")

@@ -47,6 +47,20 @@ def _pick_gguf(names: list[str], quant: str | None, where: str) -> str:
     )
 
 
+def local_draft_location(path: Path, quant: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` reads a local draft (a directory with config.json, a
+    ``.gguf`` file, or a directory holding one, ``quant`` picking among several) and
+    its keyword arguments. Raises PackageError when there is nothing to load."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise PackageError(f"draft model path {path} does not exist")
+    if path.is_file():
+        return str(path.parent), {"gguf_file": path.name}
+    if (path / "config.json").is_file():
+        return str(path), {}
+    return str(path), {"gguf_file": _pick_gguf([p.name for p in path.iterdir()], quant, str(path))}
+
+
 def load_draft_model(
     ref: DraftRef, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> LoadedDraft:
@@ -57,16 +71,7 @@ def load_draft_model(
 
     kwargs: dict[str, Any] = {}
     if ref.is_local:
-        path = Path(ref.repo_or_path).expanduser()
-        if not path.exists():
-            raise PackageError(f"draft model path {path} does not exist")
-        if path.is_file():
-            location, kwargs["gguf_file"] = str(path.parent), path.name
-        elif (path / "config.json").is_file():
-            location = str(path)
-        else:
-            location = str(path)
-            kwargs["gguf_file"] = _pick_gguf([p.name for p in path.iterdir()], None, str(path))
+        location, kwargs = local_draft_location(Path(ref.repo_or_path))
     else:
         location = ref.repo_or_path
         if ref.quant:
