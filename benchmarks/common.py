@@ -292,8 +292,11 @@ def openai_client(http_url: str):
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
-def parse_histogram_totals(text: str, name: str) -> dict[str, tuple[float, float]]:
-    """``{label_string: (sum, count)}`` of histogram ``name`` in Prometheus text."""
+def parse_histogram_totals(
+    text: str, name: str, scale: float = 1.0
+) -> dict[str, tuple[float, float]]:
+    """``{label_string: (sum * scale, count)}`` of histogram ``name`` in Prometheus
+    text (``scale=1000`` reads a ``_seconds`` histogram's sums in ms)."""
     totals: dict[str, list[float]] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line.strip())
@@ -302,7 +305,7 @@ def parse_histogram_totals(text: str, name: str) -> dict[str, tuple[float, float
         metric, labels, value = match.groups()
         labels = labels or ""
         if metric == f"{name}_sum":
-            totals.setdefault(labels, [0.0, 0.0])[0] = float(value)
+            totals.setdefault(labels, [0.0, 0.0])[0] = float(value) * scale
         elif metric == f"{name}_count":
             totals.setdefault(labels, [0.0, 0.0])[1] = float(value)
     return {labels: (pair[0], pair[1]) for labels, pair in totals.items()}
@@ -337,7 +340,7 @@ def label_value(labels: str, key: str) -> str | None:
 
 @dataclass(frozen=True)
 class PipelineMetrics:
-    """One scrape of stage 0's round and per-stage compute histograms."""
+    """One scrape of stage 0's round and per-stage compute histograms (sums in ms)."""
 
     round_ms: dict[str, tuple[float, float]]
     stage_compute_ms: dict[str, tuple[float, float]]
@@ -347,8 +350,8 @@ def scrape_pipeline_metrics(http_url: str) -> PipelineMetrics:
     with urllib.request.urlopen(http_url + "/metrics", timeout=30) as reply:
         text = reply.read().decode()
     return PipelineMetrics(
-        round_ms=parse_histogram_totals(text, "mesh_pipeline_round_ms"),
-        stage_compute_ms=parse_histogram_totals(text, "mesh_stage_compute_ms"),
+        round_ms=parse_histogram_totals(text, "mesh_pipeline_round_seconds", 1000.0),
+        stage_compute_ms=parse_histogram_totals(text, "mesh_stage_compute_seconds", 1000.0),
     )
 
 

@@ -62,7 +62,15 @@ logger = logging.getLogger("spec_bench")
 BASELINE = "baseline"
 MESH_START_DEADLINE_S = 900.0
 WARMUP_TOKENS = 16
-_COUNTER = re.compile(r'^mesh_speculation_tokens_total\{strategy="[^"]*",counter="(\w+)"\} (\S+)$')
+# Stage 0's speculation counters (summed over strategies and drafters) by short name.
+_COUNTERS = {
+    "mesh_speculation_drafted_tokens_total": "drafted",
+    "mesh_speculation_accepted_tokens_total": "accepted",
+    "mesh_speculation_windows_total": "windows",
+    "mesh_speculation_rounds_total": "rounds",
+    "mesh_speculation_emitted_tokens_total": "emitted",
+}
+_COUNTER = re.compile(r"^(mesh_speculation_\w+_total)\{[^}]*\} (\S+)$")
 
 
 @dataclass(frozen=True)
@@ -131,10 +139,13 @@ def round_breakdown(http_url: str) -> dict[str, dict[str, float]]:
     over everything the mesh served."""
     text = metrics_text(http_url)
     out = {}
-    for name, key in (("mesh_pipeline_round_ms", "kind"), ("mesh_stage_compute_ms", "stage")):
-        totals = parse_histogram_totals(text, name)
+    for name, key in (
+        ("mesh_pipeline_round_seconds", "kind"),
+        ("mesh_stage_compute_seconds", "stage"),
+    ):
+        totals = parse_histogram_totals(text, name, 1000.0)
         means = {labels: s / c for labels, (s, c) in totals.items() if c > 0}
-        out[name] = by_label(means, key)
+        out[name.replace("_seconds", "_ms")] = by_label(means, key)
     return out
 
 
@@ -144,8 +155,9 @@ def scrape_counters(http_url: str) -> dict[str, float]:
     counters: dict[str, float] = {}
     for line in text.splitlines():
         match = _COUNTER.match(line.strip())
-        if match:
-            counters[match.group(1)] = counters.get(match.group(1), 0.0) + float(match.group(2))
+        if match and match.group(1) in _COUNTERS:
+            key = _COUNTERS[match.group(1)]
+            counters[key] = counters.get(key, 0.0) + float(match.group(2))
     return counters
 
 

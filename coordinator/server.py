@@ -14,6 +14,7 @@ import grpc
 
 from coordinator import registry
 from coordinator.driver import LoadDriver, LoadError, LoadSettings, release_nodes
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.model import ModelInfo
 from coordinator.planner import footprint_from_manifest, plan_layers
 from coordinator.topology_view import status_from_state
@@ -92,6 +93,9 @@ class CoordinatorService:
         self._last_attempt = 0.0
         self._served_once = False
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
+        self.metrics = CoordinatorMetrics()
+        self.metrics.watch(lambda: self.state)
 
     def start(self) -> None:
         self._thread.start()
@@ -107,6 +111,7 @@ class CoordinatorService:
             before, self.state = self.state, registry.apply(self.state, event)
             if self.state is not before:  # an unchanged state must not wake the supervisor
                 self._changed.set()
+            self.metrics.observe(before, event, self.state)
             return self.state
 
     def _slice_progress(self, node_id: str, bytes_done: int, bytes_total: int) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,6 +18,9 @@ from mesh.codec import FrameAck, ack_from_proto
 from mesh.errors import Unavailable
 from mesh.grpc_util import channel
 from mesh.proto.v1 import data_pb2_grpc
+
+if TYPE_CHECKING:
+    from stage.metrics import LinkTraffic
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +37,13 @@ class _StreamLink(ABC):
         name: str,
         on_broken: Callable[[Exception], None],
         delay_s: float = 0.0,
+        traffic: LinkTraffic | None = None,
     ) -> None:
+        """``traffic`` counts the messages and bytes that go out (metrics)."""
         self.address = address
         self.delay_s = delay_s
         self.name = name
+        self._traffic = traffic
         self._on_broken = on_broken
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._broken: Exception | None = None
@@ -62,6 +69,8 @@ class _StreamLink(ABC):
             wait = due - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
+            if self._traffic is not None:
+                self._traffic.count(message.ByteSize())
             yield message
 
     def _run(self) -> None:
@@ -106,9 +115,10 @@ class ForwardLink(_StreamLink):
         on_broken: Callable[[Exception], None],
         on_ack: Callable[[FrameAck], None],
         delay_s: float = 0.0,
+        traffic: LinkTraffic | None = None,
     ) -> None:
         self._on_ack = on_ack
-        super().__init__(address, "forward", on_broken, delay_s)
+        super().__init__(address, "forward", on_broken, delay_s, traffic)
 
     def _consume(self) -> None:
         for ack in self._stub.Forward(self._requests()):
@@ -119,9 +129,13 @@ class ReturnLink(_StreamLink):
     """Token results (and errors) straight to stage 0."""
 
     def __init__(
-        self, address: str, on_broken: Callable[[Exception], None], delay_s: float = 0.0
+        self,
+        address: str,
+        on_broken: Callable[[Exception], None],
+        delay_s: float = 0.0,
+        traffic: LinkTraffic | None = None,
     ) -> None:
-        super().__init__(address, "return", on_broken, delay_s)
+        super().__init__(address, "return", on_broken, delay_s, traffic)
 
     def _consume(self) -> None:
         self._stub.Return(self._requests())

@@ -34,6 +34,7 @@ from mesh.runtime import load_stage_runtime
 from mesh.types import DEFAULT_PREFIX_BYTES
 from stage.engine import StageEngine
 from stage.links import ForwardLink, ReturnLink
+from stage.metrics import StageMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,15 @@ class StageNode:
     """One stage: control state machine plus the frame worker."""
 
     def __init__(
-        self, settings: NodeSettings, address: str, remote: RemotePackageSource | None = None
+        self,
+        settings: NodeSettings,
+        address: str,
+        remote: RemotePackageSource | None = None,
+        metrics: StageMetrics | None = None,
     ) -> None:
         """``remote`` serves packages named by a path this host cannot read (the
-        coordinator, for a worker without a shared file system)."""
+        coordinator, for a worker without a shared file system); ``metrics`` holds the
+        process's Prometheus series (a registry of its own by default)."""
         self.settings = settings
         self.address = address
         self.resolver = SliceResolver(settings.cache_dir, remote=remote)
@@ -101,6 +107,8 @@ class StageNode:
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
         self._on_newer_term: Callable[[], None] | None = None
+        self.metrics = metrics if metrics is not None else StageMetrics()
+        self.metrics.watch(self)
         self._worker = threading.Thread(target=self._work_loop, name="stage-worker", daemon=True)
         self._worker.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="idle-sweep", daemon=True)
@@ -192,12 +200,14 @@ class StageNode:
                         on_broken=self._downstream_broken,
                         on_ack=self._downstream_ack,
                         delay_s=self.settings.inject_delay_ms / 1000.0,
+                        traffic=self.metrics.sent["forward"],
                     )
                 if not request.is_first:
                     loaded.returns = ReturnLink(
                         request.return_endpoint,
                         on_broken=self._return_broken,
                         delay_s=self.settings.inject_delay_ms / 1000.0,
+                        traffic=self.metrics.sent["return"],
                     )
             except MeshError as error:
                 for link in (loaded.forward, loaded.returns):
@@ -353,7 +363,9 @@ class StageNode:
                     f"{loaded.engine.term}"
                 )
             queued_s = time.monotonic() - work.received_at
+            started = time.perf_counter()
             output = loaded.engine.process(frame, queued_s=queued_s)
+            self.metrics.frame_done(frame, queued_s, time.perf_counter() - started)
         except MeshError as error:
             self._fail(loaded, work, error)
             return
@@ -381,6 +393,7 @@ class StageNode:
     def _fail(self, loaded: LoadedStage | None, work: _Work, error: BaseException) -> None:
         frame = work.frame
         logger.warning("frame %s of term %s failed: %s", frame.frame_id, frame.term, error)
+        self.metrics.frame_failed(error)
         index = loaded.request.stage_index if loaded is not None else 0
         if work.ack is not None:
             work.ack(FrameAck(frame.frame_id, ErrorInfo.from_exception(error, index)))

@@ -74,9 +74,14 @@ class ControlServicer(stage_pb2_grpc.StageControlServicer):
         return self._call(context, "Inventory", run)
 
     def Load(self, request: stage_pb2.StageLoadRequest, context) -> stage_pb2.Ready:
-        return self._call(
-            context, "Load", lambda: self.node.load(StageLoadRequest.from_proto(request)).to_proto()
-        )
+        def run() -> stage_pb2.Ready:
+            try:
+                return self.node.load(StageLoadRequest.from_proto(request)).to_proto()
+            except Exception:
+                self.node.metrics.load_failures.inc()
+                raise
+
+        return self._call(context, "Load", run)
 
     def Release(self, request: stage_pb2.ReleaseRequest, context) -> stage_pb2.ReleaseReply:
         def run() -> stage_pb2.ReleaseReply:
@@ -118,6 +123,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
             acks.put(_END)
 
     def _accept(self, pb: data_pb2.Frame, send_ack: Callable[[FrameAck], None]) -> None:
+        self.node.metrics.received["forward"].count(pb.ByteSize())
         loaded = self.node.loaded
         try:
             if loaded is None:
@@ -169,7 +175,9 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
 
     def Return(self, request_iterator: Iterator[data_pb2.FrameResult], context):
         try:
+            received = self.node.metrics.received["return"]
             for pb in request_iterator:
+                received.count(pb.ByteSize())
                 self.on_result(result_from_proto(pb))
         except grpc.RpcError as error:
             logger.info("Return stream ended: %s", rpc_status_name(error))

@@ -24,12 +24,12 @@ from typing import Any, Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from mesh.errors import MeshError, Unavailable
-from mesh.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
 from stage.frontend import anthropic
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
@@ -336,8 +336,9 @@ def create_app(
 
     ``tokenizer`` is a Hugging Face tokenizer (chat template, encode, decode).
     ``stop_token_ids`` default to the tokenizer's EOS token. ``metrics`` lets the
-    caller share a registry; by default the app has its own. ``fingerprint`` is
-    answered as ``system_fingerprint`` (it names the weights being served).
+    caller share a registry (stage 0: its process's); by default the app has its own.
+    ``fingerprint`` is answered as ``system_fingerprint`` (it names the weights being
+    served).
     """
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
@@ -404,16 +405,10 @@ def create_app(
         )
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> PlainTextResponse:
-        text = metrics.registry.render()
-        try:
-            extra = backend.metrics_text()
-        except Exception:
-            logger.exception("the backend failed to render its metrics")
-            extra = ""
-        if extra:
-            text += extra if extra.endswith("\n") else extra + "\n"
-        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
+    async def metrics_endpoint() -> Response:
+        # In a thread: a stage's collector waits for its runtime between frames.
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(EdgeMiddleware, metrics=metrics, endpoints=ENDPOINTS)
     if cors_origins:

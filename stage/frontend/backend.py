@@ -105,7 +105,3 @@ class GenerationBackend(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """Start generating; see the module docstring for the full contract."""
         ...
-
-    def metrics_text(self) -> str:
-        """The backend's own Prometheus text lines, appended to /metrics (may be empty)."""
-        ...

@@ -60,6 +60,8 @@ class GenerationRun:
         self._text = TextStream(tokenizer, prepared.stop)
         self._metrics = metrics
         self._endpoint = endpoint
+        self._produced = metrics.completion_tokens.labels(endpoint=endpoint)
+        self._failed = False
         self._arrival_s = arrival_s
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -85,6 +87,7 @@ class GenerationRun:
         self._task = asyncio.create_task(self._pump(), name=f"generate {self.request.request_id}")
         first = await self._queue.get()
         if isinstance(first, BaseException):
+            self._failed = True
             await self.aclose()
             raise first
         if self.index == 0:  # the other choices share its prompt
@@ -132,6 +135,7 @@ class GenerationRun:
         else:
             item = await self._queue.get()
         if isinstance(item, BaseException):
+            self._failed = True
             await self.aclose()
             raise item
         if item is _END:
@@ -178,6 +182,7 @@ class GenerationRun:
                 ids = ids[: index + 1]
                 break
         self.completion_tokens += len(ids)
+        self._produced.inc(len(ids))
         if event.logprobs:
             self.logprobs += zip(ids, event.logprobs[: len(ids)], strict=False)
         if self._text.stopped:
@@ -213,9 +218,7 @@ class GenerationRun:
         if self._active:
             self._active = False
             self._metrics.active_requests.dec()
-            self._metrics.completion_tokens.labels(endpoint=self._endpoint).inc(
-                self.completion_tokens
-            )
+            self._metrics.generations.labels(endpoint=self._endpoint, reason=self._end()).inc()
             if self.completion_tokens >= 2 and self._first_token_s and self._last_event_s:
                 per_token = (self._last_event_s - self._first_token_s) / (
                     self.completion_tokens - 1
@@ -223,6 +226,14 @@ class GenerationRun:
                 self._metrics.time_per_output_token.labels(endpoint=self._endpoint).observe(
                     per_token
                 )
+
+    def _end(self) -> str:
+        """How the generation ended, for ``mesh_generations_total``."""
+        if self.finish_reason is None:
+            return "error" if self._failed else "cancelled"
+        if self.finish_reason == "stop" and self.stop_string is not None:
+            return "stop_string"
+        return self.finish_reason
 
     @property
     def cached_tokens(self) -> int:

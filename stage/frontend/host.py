@@ -24,6 +24,7 @@ from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.engine_types import EngineLimits
 from stage.frontend.scheduler import PipelineScheduler
+from stage.frontend.telemetry import FrontendMetrics
 from stage.node import LoadedStage, StageNode
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ def start_frontend(
     was given itself wins over them."""
     own = config.frontend
     scheduler = PipelineScheduler(node, model_id="", limits=EngineLimits.of(own.value))
+    http_metrics = FrontendMetrics(node.metrics.registry)  # one per process, every app
     switch = SwitchableApp()
     api_key = _read_api_key(own.value.api_key_file)
     current: dict[str, Any] = {"speculation": None, "tokenizer": None}
@@ -199,6 +201,7 @@ def start_frontend(
             model_id=scheduler.model_id,
             api_key=api_key,
             fingerprint=system_fingerprint(manifest),
+            metrics=http_metrics,
         )
         switch.package_dir = package_dir
         logger.info("frontend serving %s", scheduler.model_id)

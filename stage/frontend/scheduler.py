@@ -20,11 +20,11 @@ from typing import Any
 
 from mesh.errors import MeshError, Unavailable
 from mesh.frames import Frame, FrameResult
-from mesh.metrics import Registry
 from mesh.package.manifest import PackageManifest
 from mesh.speculative import DrafterFactory, Telemetry
 from stage.frontend.backend import GenerationRequest, TokenEvent
 from stage.frontend.engine_core import EngineCore
+from stage.frontend.engine_metrics import EngineMetrics
 from stage.frontend.engine_types import EngineLimits, Outcome, PipelineInfo
 from stage.frontend.request_run import RequestRun
 from stage.frontend.status import PipelineActivity
@@ -57,88 +57,7 @@ class PipelineScheduler:
         self._queues: dict[str, asyncio.Queue] = {}
         self._runs: dict[str, RequestRun] = {}
         self._ticker: asyncio.Task | None = None
-        self.registry = Registry()
-        self._m_sessions = self.registry.gauge("mesh_sessions_active", "Requests in flight.")
-        self._m_queued = self.registry.gauge("mesh_requests_queued", "Requests waiting.")
-        self._m_segments = self.registry.counter(
-            "mesh_pipeline_rounds_total", "Segments sent through the pipeline.", ("kind",)
-        )
-        self._m_frame_segments = self.registry.histogram(
-            "mesh_step_segments",
-            "Segments (sessions) per frame stage 0 sends.",
-            (),
-            buckets=(1, 2, 4, 8, 16, 32, 64),
-        )
-        self._m_frame_rows = self.registry.histogram(
-            "mesh_step_tokens",
-            "Tokens (activation rows) per frame stage 0 sends.",
-            (),
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-        )
-        self._m_stage_ms = self.registry.histogram(
-            "mesh_stage_compute_ms",
-            "Compute time per frame on each stage, in ms.",
-            ("stage",),
-            buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
-        )
-        self._m_stage_queue_ms = self.registry.histogram(
-            "mesh_stage_queue_ms",
-            "Time a frame waited on each stage before its compute started, in ms.",
-            ("stage",),
-            buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
-        )
-        self._m_round_ms = self.registry.histogram(
-            "mesh_pipeline_round_ms",
-            "Time from sending a frame to receiving its answer, in ms, by the kind of its "
-            "segments (mixed when they differ).",
-            ("kind",),
-            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
-        )
-        self._m_step_cost = self.registry.gauge(
-            "mesh_step_cost_ms",
-            "The fitted cost of a decode step on the slowest stage: fixed (per frame) and "
-            "per_row (per token row); speculation windows are sized from it.",
-            ("part",),
-        )
-        self._m_recoveries = self.registry.gauge(
-            "mesh_request_recoveries_total", "Requests resumed on a reloaded pipeline."
-        )
-        self._m_stale = self.registry.counter(
-            "mesh_stale_results_total",
-            "Results and errors dropped because they answer no segment in flight: of an "
-            "older term (term) or epoch (epoch), another position (position), too many "
-            "tokens (count), or for a request no longer waiting (unclaimed).",
-            ("reason",),
-        )
-        self._m_spec = self.registry.gauge(
-            "mesh_speculation_tokens_total",
-            "Speculation counters of finished requests, by strategy and counter.",
-            ("strategy", "counter"),
-        )
-        self._m_prefix = {
-            "lookups": self.registry.counter(
-                "mesh_prefix_cache_lookups_total",
-                "Prompts looked up in the prefix cache (kept positions of earlier requests).",
-            ),
-            "hits": self.registry.counter(
-                "mesh_prefix_cache_hits_total",
-                "Prompts whose session started from a kept prefix.",
-            ),
-            "lost": self.registry.counter(
-                "mesh_prefix_cache_lost_total",
-                "Kept prefixes a stage no longer held when a session was to start from "
-                "them (the prompt was read again from position 0).",
-            ),
-            "cached": self.registry.counter(
-                "mesh_prefix_cache_tokens_total",
-                "Prompt tokens whose prefill a kept prefix spared.",
-            ),
-        }
-        self._m_prefix_held = self.registry.gauge(
-            "mesh_prefix_cache_held_tokens",
-            "Positions kept on every stage for later prompts, and the limit.",
-            ("of",),
-        )
+        self.metrics = EngineMetrics(node.metrics.registry, self)
         node.set_result_sink(self._on_result)
         node.on_load_change(self._on_load_change)
 
@@ -155,38 +74,6 @@ class PipelineScheduler:
         if self._loaded is None:
             return "the pipeline is not loaded yet (or is reloading after a stage was lost)"
         return None
-
-    def metrics_text(self) -> str:
-        self._m_sessions.set(len(self.core.running))
-        self._m_queued.set(self.core.queued)
-        self._m_recoveries.set(self.core.recoveries)
-        core = self.core
-        for key, value in (
-            ("lookups", core.prefix_lookups),
-            ("hits", core.prefix_hits),
-            ("lost", core.prefix_lost),
-            ("cached", core.cached_tokens_total),
-        ):
-            counter = self._m_prefix[key]
-            if value > counter.get():
-                counter.inc(value - counter.get())
-        held = core.prefixes.held_tokens if core.prefixes is not None else 0
-        self._m_prefix_held.labels("held").set(held)
-        self._m_prefix_held.labels("limit").set(self.limits.prefix_cache_tokens)
-        model = self.core.step_cost.model()
-        if model is not None:
-            self._m_step_cost.labels("fixed").set(model[0])
-            self._m_step_cost.labels("per_row").set(model[1])
-        for strategy, totals in self.telemetry_totals.items():
-            for key, value in (
-                ("drafted", totals.drafted),
-                ("accepted", totals.accepted),
-                ("windows", totals.windows),
-                ("rounds", totals.rounds),
-                ("emitted", totals.emitted),
-            ):
-                self._m_spec.labels(strategy, key).set(value)
-        return self.registry.render()
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self._attach(asyncio.get_running_loop())
@@ -235,20 +122,28 @@ class PipelineScheduler:
             self._send(frame)
 
     def _send(self, frame: Frame) -> None:
-        for segment in frame.segments:
-            self._m_segments.labels(segment.kind.value).inc()
-        self._m_frame_segments.observe(len(frame.segments))
-        self._m_frame_rows.observe(frame.row_count)
+        self.metrics.frame_sent(frame)
         self.node.submit(frame)
 
     def _dispatch(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
+            run = self._runs.get(outcome.request_id)
+            if run is not None:
+                self._count_rounds(run)
             events = self._queues.get(outcome.request_id)
             if events is not None:
                 events.put_nowait(outcome.error if outcome.error is not None else outcome.event)
-        for reason in self.core.stale:
-            self._m_stale.labels(reason).inc()
+        self.metrics.stale(self.core.stale)
         self.core.stale.clear()
+
+    def _count_rounds(self, run: RequestRun) -> None:
+        """Add the decode rounds ``run`` committed since last time to the speculation
+        counters and ``telemetry_totals`` (however the request ends later)."""
+        rounds = self.metrics.rounds(run)
+        if rounds is not None:
+            self.telemetry_totals[run.strategy] = (
+                self.telemetry_totals.get(run.strategy, Telemetry()) + rounds
+            )
 
     def _new_speculation(self, request: GenerationRequest):
         factory = self.speculation
@@ -261,10 +156,6 @@ class PipelineScheduler:
 
     def _finish(self, run: RequestRun) -> None:
         telemetry = run.telemetry
-        if telemetry is not None and run.strategy:
-            self.telemetry_totals[run.strategy] = (
-                self.telemetry_totals.get(run.strategy, Telemetry()) + telemetry
-            )
         logger.info(
             "request %s done: prompt %s tokens, %s generated, %.1f tok/s%s",
             run.request.request_id,
@@ -290,13 +181,7 @@ class PipelineScheduler:
 
     def _deliver(self, result: FrameResult) -> None:
         sent = self.core.frames.get(result.frame_id)
-        if sent is not None and sent.term == result.term and result.timings:
-            kinds = {kind.value for kind in sent.kinds.values()}
-            label = kinds.pop() if len(kinds) == 1 else "mixed"
-            self._m_round_ms.labels(label).observe((time.perf_counter() - sent.sent_at) * 1000.0)
-            for timing in result.timings:
-                self._m_stage_ms.labels(str(timing.stage_index)).observe(timing.compute_ms)
-                self._m_stage_queue_ms.labels(str(timing.stage_index)).observe(timing.queue_ms)
+        self.metrics.result_received(sent, result)
         outcomes = self.core.on_result(result)
         self.activity.observe(result, sent, outcomes)
         self._dispatch(outcomes)

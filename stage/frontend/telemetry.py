@@ -1,8 +1,11 @@
 """Frontend metrics and the ASGI edge middleware that records them.
 
 The middleware sits just inside Starlette's error middleware. It counts every
-response by endpoint and status, times it (to the last byte, so a stream is timed
-whole), and is the catch-all: an exception that escapes the app is logged and
+response by endpoint and status when it ends, however it ends: a response whose
+client left before its last byte (a stream the client abandoned, a request the
+client dropped) is counted as 499, not as the status it started with. It times each
+response to its last byte (so a stream is timed whole), keeps the requests in
+flight, and is the catch-all: an exception that escapes the app is logged and
 answered with an OpenAI-shaped 500, and counted in
 ``mesh_http_internal_errors_total`` (which tests assert stays at zero).
 """
@@ -14,60 +17,94 @@ import logging
 import time
 from collections.abc import Collection
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mesh.metrics import Registry
+from mesh.metrics import LATENCY_BUCKETS_S, STEP_BUCKETS_S
 
 logger = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 UNMATCHED_ENDPOINT = "unmatched"
 # nginx's convention for "the client closed the connection before the answer".
 CLIENT_CLOSED_STATUS = 499
+# How a generation ended (``mesh_generations_total{reason}``).
+GENERATION_ENDS = ("stop", "stop_string", "length", "error", "cancelled")
 
 
 class FrontendMetrics:
-    """The HTTP layer's series, registered in ``registry``."""
+    """The HTTP layer's series, registered in ``registry`` (a new one by default;
+    stage 0 passes its process's)."""
 
-    def __init__(self, registry: Registry | None = None) -> None:
-        self.registry = registry or Registry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = r.counter(
+        self.requests = Counter(
             "mesh_http_requests_total",
-            "HTTP requests by endpoint and status.",
+            "HTTP requests by endpoint and status, counted when the response ends (499: "
+            "the client left before the last byte).",
             ("endpoint", "status"),
+            registry=r,
         )
-        self.request_seconds = r.histogram(
+        self.request_seconds = Histogram(
             "mesh_http_request_duration_seconds",
             "Time from request arrival to the last byte of the response.",
             ("endpoint",),
-            LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
         )
-        self.prompt_tokens = r.counter(
-            "mesh_prompt_tokens_total", "Prompt tokens of accepted generations.", ("endpoint",)
+        self.in_flight = Gauge(
+            "mesh_http_requests_in_flight",
+            "HTTP requests being answered, by endpoint.",
+            ("endpoint",),
+            registry=r,
         )
-        self.completion_tokens = r.counter(
-            "mesh_completion_tokens_total", "Generated tokens.", ("endpoint",)
+        self.prompt_tokens = Counter(
+            "mesh_prompt_tokens_total",
+            "Prompt tokens of accepted generations.",
+            ("endpoint",),
+            registry=r,
         )
-        self.time_to_first_token = r.histogram(
+        self.completion_tokens = Counter(
+            "mesh_completion_tokens_total",
+            "Generated tokens, counted as they are produced.",
+            ("endpoint",),
+            registry=r,
+        )
+        self.generations = Counter(
+            "mesh_generations_total",
+            "Generations (choices) by how they ended: a stop token (stop), a stop string "
+            "(stop_string), the token budget (length), an error, or closed before "
+            "finishing (cancelled: the client left).",
+            ("endpoint", "reason"),
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
             "mesh_time_to_first_token_seconds",
             "Time from request arrival to the first generated token.",
             ("endpoint",),
-            LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
         )
-        self.time_per_output_token = r.histogram(
+        self.time_per_output_token = Histogram(
             "mesh_time_per_output_token_seconds",
             "Mean time between generated tokens after the first, per request.",
             ("endpoint",),
-            TOKEN_LATENCY_BUCKETS,
+            buckets=STEP_BUCKETS_S,
+            registry=r,
         )
-        self.active_requests = r.gauge(
-            "mesh_active_requests", "Generations in flight in the HTTP layer."
+        self.active_requests = Gauge(
+            "mesh_active_requests", "Generations in flight in the HTTP layer.", registry=r
         )
-        self.internal_errors = r.counter(
-            "mesh_http_internal_errors_total", "Requests that ended in an unexpected exception."
+        self.internal_errors = Counter(
+            "mesh_http_internal_errors_total",
+            "Requests that ended in an unexpected exception.",
+            registry=r,
         )
+
+    def internal_error_count(self) -> int:
+        """How many requests reached the catch-all so far."""
+        value = self.registry.get_sample_value("mesh_http_internal_errors_total")
+        return int(value or 0)
 
 
 class EdgeMiddleware:
@@ -87,24 +124,35 @@ class EdgeMiddleware:
         started = time.perf_counter()
         status = CLIENT_CLOSED_STATUS
         response_started = False
+        completed = False
 
         async def send_recording(message: Message) -> None:
-            nonlocal status, response_started
+            nonlocal status, response_started, completed
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 response_started = True
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                completed = True
 
+        in_flight = self.metrics.in_flight.labels(endpoint=endpoint)
+        in_flight.inc()
         try:
             await self.app(scope, receive, send_recording)
         except Exception:
             self.metrics.internal_errors.inc()
             logger.exception("unexpected error serving %s %s", scope.get("method"), path)
             if response_started:
+                status, completed = 500, True
                 raise
             status = 500
             await _send_internal_error(send)
+            completed = True
         finally:
+            in_flight.dec()
+            if not completed:
+                # The client left before the last byte (a stream it abandoned).
+                status = CLIENT_CLOSED_STATUS
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
             self.metrics.request_seconds.labels(endpoint=endpoint).observe(
                 time.perf_counter() - started

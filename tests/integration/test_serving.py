@@ -297,5 +297,5 @@ def _frontend_url(processes: MeshProcesses) -> str | None:
 def test_health(mesh):
     assert httpx.get(mesh.http_url + "/health").status_code == 200
     metrics = httpx.get(mesh.http_url + "/metrics").text
-    assert "mesh_stage_compute_ms_bucket" in metrics
+    assert "mesh_stage_compute_seconds_bucket" in metrics
     assert "mesh_sessions_active" in metrics

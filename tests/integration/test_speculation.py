@@ -15,7 +15,6 @@ wherever X would have, and that continuation ends at EOS inside the first window
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.localmesh import MeshProcesses, wait_for
 
@@ -35,6 +35,14 @@ PROMPTS = (
     "Once upon a time",
 )
 NEW_TOKENS = 24
+# Stage 0's speculation counter families (names without ``_total``) by short name.
+SPECULATION_COUNTERS = {
+    "mesh_speculation_drafted_tokens": "drafted",
+    "mesh_speculation_accepted_tokens": "accepted",
+    "mesh_speculation_windows": "windows",
+    "mesh_speculation_rounds": "rounds",
+    "mesh_speculation_emitted_tokens": "emitted",
+}
 
 
 def fixed(window: int) -> tuple[str, ...]:
@@ -105,10 +113,15 @@ class Served:
         return self._cache[key]
 
     def counters(self) -> dict[tuple[str, str], float]:
-        """mesh_speculation_tokens_total by (strategy, counter)."""
+        """Stage 0's speculation counters by (strategy, counter), summed over drafters."""
         text = httpx.get(self.url + "/metrics", timeout=30).text
-        pattern = r'^mesh_speculation_tokens_total\{strategy="([^"]+)",counter="(\w+)"\} (\S+)$'
-        return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
+        counters: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            counter = SPECULATION_COUNTERS.get(family.name)
+            for sample in family.samples if counter else ():
+                key = (sample.labels["strategy"], counter)
+                counters[key] = counters.get(key, 0.0) + sample.value
+        return counters
 
     def stage0_log(self) -> str:
         return self.processes.stage_log("stage-0")

@@ -89,14 +89,11 @@ class TinyModelBackend:
     def unavailable_reason(self) -> str | None:
         return None if self._ready else (self._reason or "loading layers")
 
-    def metrics_text(self) -> str:
+    @property
+    def active_count(self) -> int:
+        """Requests the backend is generating for now."""
         with self._lock:
-            active = len(self._active)
-        return (
-            "# HELP tiny_backend_sessions Sessions in the test backend.\n"
-            "# TYPE tiny_backend_sessions gauge\n"
-            f"tiny_backend_sessions {active}\n"
-        )
+            return len(self._active)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         if self.fail_with is not None:
@@ -197,9 +194,6 @@ class ScriptedBackend:
     def unavailable_reason(self) -> str | None:
         return None
 
-    def metrics_text(self) -> str:
-        return ""
-
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self.requests.append(request)
         try:
@@ -238,7 +232,7 @@ def live_server(
         yield base_url
     finally:
         stop_server(server, thread)
-    seen = metrics.internal_errors.get()
+    seen = metrics.internal_error_count()
     assert seen == internal_errors, f"{seen} requests reached the catch-all 500 handler"
 
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from mesh.codec import bytes_per_token
-from mesh.metrics import Registry
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -54,19 +54,29 @@ def test_the_shared_workload_file_parses():
 
 def test_histogram_deltas_from_the_registry_exposition():
     common = bench("common")
-    registry = Registry()
-    compute = registry.histogram("mesh_stage_compute_ms", "c", ("stage",), buckets=(1, 10, 100))
-    rounds = registry.histogram("mesh_pipeline_round_ms", "r", ("kind",), buckets=(1, 10, 100))
-    compute.labels("0").observe(40.0)
-    rounds.labels("prefill").observe(90.0)
-    before = common.parse_histogram_totals(registry.render(), "mesh_stage_compute_ms")
-    before_rounds = common.parse_histogram_totals(registry.render(), "mesh_pipeline_round_ms")
-    for value in (10.0, 20.0):
+    registry = CollectorRegistry()
+    buckets = (0.001, 0.01, 0.1)
+    compute = Histogram(
+        "mesh_stage_compute_seconds", "c", ("stage",), buckets=buckets, registry=registry
+    )
+    rounds = Histogram(
+        "mesh_pipeline_round_seconds", "r", ("kind",), buckets=buckets, registry=registry
+    )
+
+    def totals(name: str) -> dict[str, tuple[float, float]]:
+        # Sums in ms, as the benchmarks report them.
+        return common.parse_histogram_totals(generate_latest(registry).decode(), name, 1000.0)
+
+    compute.labels("0").observe(0.040)
+    rounds.labels("prefill").observe(0.090)
+    before = totals("mesh_stage_compute_seconds")
+    before_rounds = totals("mesh_pipeline_round_seconds")
+    for value in (0.010, 0.020):
         compute.labels("0").observe(value)
         compute.labels("1").observe(value * 3)
         rounds.labels("decode").observe(value * 5)
-    after = common.parse_histogram_totals(registry.render(), "mesh_stage_compute_ms")
-    after_rounds = common.parse_histogram_totals(registry.render(), "mesh_pipeline_round_ms")
+    after = totals("mesh_stage_compute_seconds")
+    after_rounds = totals("mesh_pipeline_round_seconds")
     means = common.by_label(common.histogram_means(before, after), "stage")
     assert means == {"0": pytest.approx(15.0), "1": pytest.approx(45.0)}
     sums = common.by_label(common.histogram_sums(before, after), "stage")

@@ -169,7 +169,7 @@ def test_top_k_extension_reaches_the_backend(base_url, backend) -> None:
     assert backend.requests[-1].sampling.seed == 2**64 - 1  # negative seeds wrap like int64
 
 
-def test_eight_concurrent_requests(client, base_url) -> None:
+def test_eight_concurrent_requests(client, backend, base_url) -> None:
     def one(i: int) -> str:
         if i % 2:
             stream = client.completions.create(
@@ -186,7 +186,7 @@ def test_eight_concurrent_requests(client, base_url) -> None:
     assert len(set(texts)) == 1 and texts[0]
     metrics = httpx.get(f"{base_url}/metrics").text
     assert metric_value(metrics, "mesh_active_requests") == 0
-    assert metric_value(metrics, "tiny_backend_sessions") == 0
+    assert backend.active_count == 0
 
 
 def test_models_health_and_metrics(client, base_url) -> None:
@@ -211,4 +211,4 @@ def test_models_health_and_metrics(client, base_url) -> None:
         assert f"# TYPE {name} histogram" in text
         assert metric_value(text, f"{name}_count", 'endpoint="/v1/completions"') >= 1
     assert "# TYPE mesh_active_requests gauge" in text
-    assert "tiny_backend_sessions 0" in text  # the backend's own lines are appended
+    assert metric_value(text, "mesh_http_requests_in_flight", 'endpoint="/metrics"') == 1
