@@ -24,6 +24,7 @@ from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.engine_types import EngineLimits
 from stage.frontend.scheduler import PipelineScheduler
+from stage.frontend.status_page import STATUS_PATHS, StatusPage
 from stage.frontend.telemetry import FrontendMetrics
 from stage.node import LoadedStage, StageNode
 
@@ -33,14 +34,19 @@ RETRY_AFTER_S = 5
 
 
 class SwitchableApp:
-    """An ASGI app that forwards to the current FastAPI app, or answers 503."""
+    """An ASGI app that forwards to the current FastAPI app, or answers 503. The
+    status page (stage/frontend/status_page.py) answers its own paths, loaded or not."""
 
     def __init__(self) -> None:
         self.current: Any = None
         self.package_dir = ""
         self.reason = "the pipeline is not loaded yet"
+        self.status: StatusPage | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if self.status is not None and scope.get("path") in STATUS_PATHS:
+            await self.status(scope, receive, send)
+            return
         app = self.current
         if app is not None:
             await app(scope, receive, send)
@@ -80,6 +86,8 @@ class FrontendHost:
 
     def stop(self) -> None:
         stop_server(self.server, self.thread)
+        if self.switch.status is not None:
+            self.switch.status.close()
 
 
 def _read_api_key(key_file: Path | None) -> str | None:
@@ -207,6 +215,7 @@ def start_frontend(
         logger.info("frontend serving %s", scheduler.model_id)
 
     node.on_load_change(on_load)
+    switch.status = StatusPage(node, scheduler, config.stage.value.coordinator, api_key)
     http_host, http_port = own.value.http_host, own.value.http_port
     server, thread, port = serve_app(switch, http_host, http_port, log_level="warning")
     host = advertise if is_wildcard(http_host) else http_host

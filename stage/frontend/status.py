@@ -140,31 +140,31 @@ class StatusEvent:
 
 class EventLog:
     """The last ``limit`` events, newest first. An event added under the ``key`` of
-    one already held replaces it (its message and time) and counts up."""
+    the newest one replaces it (its message and time) and counts up."""
 
     def __init__(self, limit: int = EVENT_LIMIT, clock: Callable[[], float] = time.time) -> None:
         self.limit = limit
         self.clock = clock
         self._lock = threading.Lock()
-        self._events: dict[Hashable, StatusEvent] = {}
+        self._events: deque[tuple[Hashable, StatusEvent]] = deque(maxlen=limit)
 
     def add(self, kind: str, message: str, key: Hashable | None = None) -> None:
         key = (kind, message) if key is None else key
         with self._lock:
-            held = self._events.pop(key, None)
-            count = held.count + 1 if held is not None else 1
-            self._events[key] = StatusEvent(self.clock(), kind, message, count)
-            while len(self._events) > self.limit:
-                del self._events[next(iter(self._events))]
+            count = 1
+            if self._events and self._events[-1][0] == key:
+                count += self._events.pop()[1].count
+            self._events.append((key, StatusEvent(self.clock(), kind, message, count)))
 
     def events(self) -> list[StatusEvent]:
         with self._lock:
-            return list(reversed(self._events.values()))
+            return [event for _, event in reversed(self._events)]
 
 
 class WarningEvents(logging.Handler):
-    """Puts this process's warnings and errors into an ``EventLog``, one line per
-    message template (a warning logged for each request shows once, counted)."""
+    """Puts this process's warnings and errors into an ``EventLog``, keyed by their
+    message template (a warning logged for each of several requests in a row shows
+    once, counted)."""
 
     def __init__(self, log: EventLog) -> None:
         super().__init__(logging.WARNING)

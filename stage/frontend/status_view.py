@@ -15,12 +15,13 @@ from stage.frontend.status import ActivitySnapshot, StageTimes, StatusEvent
 
 @dataclass(frozen=True)
 class SpeculationStatus:
-    """``strategy``: the drafter in use ("" when speculation is off); counters of
-    the decode rounds of every request since the frontend started."""
+    """``strategy``: the drafter in use ("" when speculation is off); ``notes``: why
+    it differs from what was configured; counters of the decode rounds of every
+    request since the frontend started."""
 
     strategy: str = ""
     policy: str = ""
-    fallback: str = ""
+    notes: tuple[str, ...] = ()
     drafted: int = 0
     accepted: int = 0
     windows: int = 0
@@ -128,7 +129,7 @@ def status_document(
         "speculation": {
             "strategy": spec.strategy,
             "policy": spec.policy,
-            "fallback": spec.fallback,
+            "notes": list(spec.notes),
             "drafted": spec.drafted,
             "accepted": spec.accepted,
             "windows": spec.windows,

@@ -85,7 +85,7 @@ def test_activity_starts_afresh_with_a_new_term_and_ignores_stale_timings() -> N
     assert activity.stage_times()[0].step_ms == 7.0
 
 
-def test_event_log_is_newest_first_counts_repeats_and_keeps_a_limit() -> None:
+def test_event_log_is_newest_first_counts_repeats_in_a_row_and_keeps_a_limit() -> None:
     clock = Clock(1000.0)
     log = EventLog(limit=3, clock=clock)
     log.add("load", "pipeline loaded")
@@ -98,9 +98,14 @@ def test_event_log_is_newest_first_counts_repeats_and_keeps_a_limit() -> None:
         ("warning", "request b: lost", 2, 1002.0),
         ("load", "pipeline loaded", 1, 1000.0),
     ]
-    for name in ("x", "y", "z"):
-        log.add("node", name)
-    assert [e.message for e in log.events()] == ["z", "y", "x"]
+    # Only in a row: the same event after another one is a line of its own.
+    log.add("mesh", "serving -> loading")
+    log.add("warning", "request c: lost", key="lost")
+    assert [(e.message, e.count) for e in log.events()] == [
+        ("request c: lost", 1),
+        ("serving -> loading", 1),
+        ("request b: lost", 2),
+    ]
 
 
 def test_warnings_become_events_one_per_message_template() -> None:
@@ -173,7 +178,7 @@ def local(**fields) -> LocalStatus:
         kv_bytes=2048,
         prefix_bytes=512,
         sessions=1,
-        speculation=SpeculationStatus("smol-ngram", "cost", "", drafted=8, accepted=6, windows=2),
+        speculation=SpeculationStatus("smol-ngram", "cost", (), drafted=8, accepted=6, windows=2),
     )
     return LocalStatus(**{**base, **fields})
 
