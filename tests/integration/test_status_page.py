@@ -159,7 +159,7 @@ def page(browser):
     opened.close()
 
 
-def test_the_page_asks_for_the_api_key(mesh: MeshProcesses, page):
+def test_the_page_asks_for_the_api_key(page, mesh: MeshProcesses):
     from playwright.sync_api import expect
 
     page.goto(mesh.http_url + "/status")
@@ -180,7 +180,7 @@ def stage_rows(page):
     return page.locator("#stages tbody tr")
 
 
-def test_the_page_shows_the_stages_and_the_tokens_going_through(mesh: MeshProcesses, client, page):
+def test_the_page_shows_the_stages_and_the_tokens_going_through(page, mesh: MeshProcesses, client):
     from playwright.sync_api import expect
 
     page.goto(f"{mesh.http_url}/status#key={API_KEY}")
@@ -212,7 +212,7 @@ def test_the_page_shows_the_stages_and_the_tokens_going_through(mesh: MeshProces
     expect(page.locator("#events")).to_contain_text("pipeline loaded")
 
 
-def test_a_killed_stage_shows_as_a_failover(mesh: MeshProcesses, page):
+def test_a_killed_stage_shows_as_a_failover(page, mesh: MeshProcesses):
     from playwright.sync_api import expect
 
     page.goto(f"{mesh.http_url}/status#key={API_KEY}")
