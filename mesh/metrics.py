@@ -23,6 +23,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from mesh.errors import InvalidRequest
 from mesh.netaddr import url_host
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,6 @@ def serve_metrics(
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as error:
-        from mesh.errors import InvalidRequest
-
         raise InvalidRequest(
             f"cannot serve metrics on {url_host(host)}:{port} ({error.strerror}); another "
             "process holds it: choose another --metrics-port"

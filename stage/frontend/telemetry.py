@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 UNMATCHED_ENDPOINT = "unmatched"
 # nginx's convention for "the client closed the connection before the answer".
 CLIENT_CLOSED_STATUS = 499
-# How a generation ended (``mesh_generations_total{reason}``).
-GENERATION_ENDS = ("stop", "stop_string", "length", "error", "cancelled")
 
 
 class FrontendMetrics:
@@ -100,11 +98,6 @@ class FrontendMetrics:
             "Requests that ended in an unexpected exception.",
             registry=r,
         )
-
-    def internal_error_count(self) -> int:
-        """How many requests reached the catch-all so far."""
-        value = self.registry.get_sample_value("mesh_http_internal_errors_total")
-        return int(value or 0)
 
 
 class EdgeMiddleware:

@@ -232,7 +232,7 @@ def live_server(
         yield base_url
     finally:
         stop_server(server, thread)
-    seen = metrics.internal_error_count()
+    seen = metrics.registry.get_sample_value("mesh_http_internal_errors_total")
     assert seen == internal_errors, f"{seen} requests reached the catch-all 500 handler"
 
 
