@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from mesh.grpc_util import rpc_status_name
+from stage.node import NodeSettings, StageNode
 from stage.servicers import DataServicer
 
 
@@ -47,8 +48,12 @@ def test_status_name_of_a_bare_and_a_full_rpc_error() -> None:
     assert rpc_status_name(StatusError()) == "UNAVAILABLE"
 
 
-def test_return_stream_ended_by_a_bare_rpc_error_returns_an_ack() -> None:
+def test_return_stream_ended_by_a_bare_rpc_error_returns_an_ack(tmp_path) -> None:
     results: list = []
-    servicer = DataServicer(node=None, on_result=results.append)  # type: ignore[arg-type]
-    reply = servicer.Return(ended_stream(grpc.RpcError()), context=None)
+    node = StageNode(NodeSettings(node_id="n", cache_dir=tmp_path), "127.0.0.1:1")
+    try:
+        servicer = DataServicer(node=node, on_result=results.append)
+        reply = servicer.Return(ended_stream(grpc.RpcError()), context=None)
+    finally:
+        node.stop()
     assert reply is not None and results == []
