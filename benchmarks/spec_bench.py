@@ -151,7 +151,11 @@ def round_breakdown(http_url: str) -> dict[str, dict[str, float]]:
 
 def scrape_counters(http_url: str) -> dict[str, float]:
     """Stage 0's speculation counters (drafted, accepted, windows, rounds, emitted)."""
-    text = metrics_text(http_url)
+    return speculation_counters(metrics_text(http_url))
+
+
+def speculation_counters(text: str) -> dict[str, float]:
+    """The speculation counters of a /metrics body, summed over strategies and drafters."""
     counters: dict[str, float] = {}
     for line in text.splitlines():
         match = _COUNTER.match(line.strip())

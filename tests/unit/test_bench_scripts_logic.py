@@ -87,6 +87,14 @@ def test_histogram_deltas_from_the_registry_exposition():
     }
 
 
+def test_spec_bench_reads_the_speculation_counters_stage_0_exposes():
+    from metrics_support import process_expositions
+
+    counters = bench("spec_bench").speculation_counters(process_expositions()["stage-0"])
+    # One round of the n-gram strategy: 2 drafted, 1 accepted, 2 tokens emitted.
+    assert counters == {"drafted": 2, "accepted": 1, "windows": 1, "rounds": 1, "emitted": 2}
+
+
 def test_statistics_rotation_table_and_json(tmp_path: Path):
     common = bench("common")
     assert common.median([3.0, float("nan"), 1.0, 2.0]) == 2.0
