@@ -369,6 +369,7 @@ def _announce(
             f"print(c.chat.completions.create(model='{status.model_id}', "
             "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)\"",
         ]
+        lines.append(f"Status page: {url}/status")
     lines.append(f"Topology: mesh-coordinator status --coordinator {address}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()

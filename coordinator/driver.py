@@ -31,6 +31,7 @@ from mesh.codec import (
 from mesh.errors import MeshError, StaleTerm
 from mesh.grpc_util import CONTROL_DEADLINE_S, LOAD_DEADLINE_S, channel, error_from_rpc
 from mesh.proto.v1 import stage_pb2_grpc
+from mesh.settings.sections import FrontendConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ class LoadSettings:
     model_id: str
     wire_dtype: WireDType = WireDType.F32
     torch_dtype: str = "auto"
-    max_sessions: int = 16
+    max_sessions: int = FrontendConfig.max_concurrent_requests
     max_tokens_per_session: int = 2048
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = FrontendConfig.max_batch_tokens
     session_idle_timeout_s: float = 300.0
     # Stage 0's serving settings, (key, JSON value, origin): mesh.settings.commands.
     serving: tuple[tuple[str, str, str], ...] = ()

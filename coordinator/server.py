@@ -29,6 +29,7 @@ from mesh.codec import (
 from mesh.errors import MeshError
 from mesh.grpc_util import abort_with
 from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from mesh.settings.sections import CoordinatorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ class CoordinatorSettings:
     min_stages: int = 1
     max_stages: int = 0
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = CoordinatorConfig.heartbeat_timeout
     # Dead nodes leave the registry (and `status`) after this long (0: never).
-    forget_dead_after_s: float = 600.0
+    forget_dead_after_s: float = CoordinatorConfig.forget_dead_after
     supervise_interval_s: float = 0.25
     # A failed load is tried again after retry_backoff_s, doubling per failure up
     # to retry_backoff_max_s.
@@ -49,7 +50,7 @@ class CoordinatorSettings:
     retry_backoff_max_s: float = 30.0
     # Before the mesh has ever served, give up after this many failed attempts in a
     # row (0: never); `up` then exits non-zero with the last error.
-    load_attempts: int = 3
+    load_attempts: int = CoordinatorConfig.load_attempts
     # The highest term used before this coordinator started (from its state file).
     term_floor: int = 0
     # Serving on fewer than min_stages while more nodes are alive (a lost stage came

@@ -270,7 +270,8 @@ def test_sampling_unset_top_p_means_no_filtering() -> None:
 
 
 def test_every_proto_message_has_a_codec_type() -> None:
-    mapped_elsewhere = {"Tensor", "SamplingParams", "LayerRange"}
+    # Setting: (key, JSON value, origin) triples inside StageLoadRequest.serving.
+    mapped_elsewhere = {"Tensor", "SamplingParams", "LayerRange", "Setting"}
     # The data plane's values are proto-free (mesh/frames.py); functions encode them.
     data_plane = {
         "Frame": (frame_to_proto, frame_from_proto),

@@ -85,6 +85,14 @@ CONTROL_MESSAGES = [
     load_request(),
     load_request(stage_index=0, layer_range=LayerRange(0, 10)),
     load_request(stage_index=2, downstream=None, wire_dtype=WireDType.INT8),
+    load_request(
+        stage_index=0,
+        serving=(
+            ("frontend.max_queued", "64", "mesh.toml [frontend] max_queued"),
+            ("speculation.window_policy.max_window", "8", "CLI"),
+            ("speculation.draft_model", '"org/draft:Q8_0"', "[defaults.speculative]"),
+        ),
+    ),
     Ready(term=7, data_endpoint="10.0.0.2:7071", param_bytes=123456789, load_ms=812.5),
     ReleaseRequest(term=7, reason="replan after node-c died"),
     ReleaseReply(term=7),
@@ -166,6 +174,10 @@ def test_load_request_rejects_missing_pieces() -> None:
     pb = load_request().to_proto()
     pb.layer_range.end = pb.layer_range.start
     with pytest.raises(InvalidRequest, match=r"StageLoadRequest.layer_range is \[10, 10\)"):
+        StageLoadRequest.from_proto(pb)
+    pb = load_request(serving=(("frontend.max_queued", "64", "CLI"),)).to_proto()
+    pb.serving[0].value_json = "sixty-four"
+    with pytest.raises(InvalidRequest, match="'frontend.max_queued' holds 'sixty-four'"):
         StageLoadRequest.from_proto(pb)
 
 

@@ -10,12 +10,15 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from coordinator.cli import build_parser as coordinator_parser
+from mesh.settings import SECTIONS, resolve
 from stage.cli import build_parser as stage_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,13 +27,34 @@ K8S_VERSION = "1.33.0"
 TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
 
 
-def parse_mesh_command(argv: list[str]):
-    """Parse ``mesh-coordinator ...`` or ``mesh-stage ...`` with the real parser."""
+def parse_mesh_command(argv: list[str]) -> SimpleNamespace:
+    """Parse ``mesh-coordinator ...`` or ``mesh-stage ...`` with the real parser; the
+    settings of the configuration tree are resolved from the flags alone (no
+    environment, no config file: they are not on this machine)."""
     program, *rest = argv
     parser = {"mesh-coordinator": coordinator_parser, "mesh-stage": stage_parser}[
         Path(program).name
     ]()
-    return parser.parse_args(rest)
+    args = parser.parse_args(rest)
+    values = dict(vars(args))
+    sections = {"up": ("coordinator", "stage", "frontend"), "join": ("stage", "frontend")}
+    for section in sections.get(args.command, ()):
+        cls = SECTIONS[section]
+        given = {f.name: values[f.name] for f in fields(cls) if f.name in values}
+        resolved = resolve(cls, section, given, {}, env={})
+        values |= {f.name: getattr(resolved.value, f.name) for f in fields(cls) if f.name in given}
+        values |= {
+            f.name: getattr(resolved.value, f.name)
+            for f in fields(cls)
+            if f.name not in values and _takes(parser, args.command, f.name)
+        }
+    return SimpleNamespace(**values)
+
+
+def _takes(parser, command: str, name: str) -> bool:
+    """Whether ``command``'s parser has the flag of setting ``name``."""
+    sub = parser._subparsers._group_actions[0].choices[command]
+    return any(action.dest == name for action in sub._actions)
 
 
 # ---- Kubernetes ----------------------------------------------------------------------
