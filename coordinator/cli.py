@@ -35,7 +35,7 @@ from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.lifetime import PARENT_PID_ENV
 from mesh.logsetup import configure_logging
-from mesh.metrics import add_metrics_arguments, local_stage_metrics_argv, serve_metrics
+from mesh.metrics import local_stage_metrics_argv, serve_metrics
 from mesh.netaddr import advertise_host, is_wildcard, split_host_port, url_host
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import (
@@ -95,7 +95,6 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     add_arguments(up.add_argument_group("stage 0 (OpenAI API, engine core)"), FrontendConfig)
     add_speculation_arguments(up)
     add_security_arguments(up)
-    add_metrics_arguments(up, local_stages=True)
 
 
 def resolve_up(args: argparse.Namespace) -> UpConfig:
@@ -273,7 +272,7 @@ def up(args: argparse.Namespace) -> int:
     )
     server, port = serve(service, coord.listen)
     listen_host, _ = split_host_port(coord.listen)
-    serve_metrics(service.metrics.registry, listen_host, args.metrics_port, who="the coordinator")
+    serve_metrics(service.metrics.registry, listen_host, coord.metrics_port, who="the coordinator")
     advertise = advertise_host(listen_host, coord.advertise)
     # Local stages reach the coordinator on the address it listens on (loopback for a
     # wildcard, or the advertised name with TLS: the one its certificate names);
@@ -293,7 +292,7 @@ def up(args: argparse.Namespace) -> int:
         argv = local_stage_argv(
             address, index, config, threads, index == 0, security, listen_host, advertise
         )
-        argv += local_stage_metrics_argv(args, index)
+        argv += local_stage_metrics_argv(coord.stage_metrics_port_base, index)
         children.append(_spawn_stage(argv, security))
     stopped = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopped.set())

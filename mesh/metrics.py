@@ -4,7 +4,9 @@ Each process keeps its series in one ``prometheus_client.CollectorRegistry`` of 
 own (never the library's global default, so tests can run several in one
 interpreter) and serves it on ``--metrics-port`` with prometheus_client's HTTP
 server; stage 0 also answers ``GET /metrics`` on its HTTP API. This module holds the
-histogram buckets in base units, the flags and the server start. The series
+histogram buckets in base units and the server start; the ports are settings of the
+configuration tree (``metrics_port`` in ``[coordinator]`` and ``[stage]``,
+``stage_metrics_port_base`` in ``[coordinator]``). The series
 themselves are defined where they are recorded: ``stage/metrics.py`` (every stage),
 ``stage/frontend/telemetry.py`` and ``stage/frontend/engine_metrics.py`` (stage 0),
 ``coordinator/metrics.py`` (the coordinator). ``docs/operations.md`` lists them all.
@@ -12,7 +14,6 @@ themselves are defined where they are recorded: ``stage/metrics.py`` (every stag
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 from prometheus_client import (
@@ -64,30 +65,9 @@ SEGMENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser, *, local_stages: bool = False) -> None:
-    """``--metrics-port`` (this process), and with ``local_stages`` (``up``)
-    ``--stage-metrics-port-base`` for the stage processes it starts."""
-    parser.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=None,
-        help="serve this process's Prometheus metrics on this port, at the host it "
-        "listens on (default: off; 0: a free port, logged)",
-    )
-    if local_stages:
-        parser.add_argument(
-            "--stage-metrics-port-base",
-            type=_port,
-            default=None,
-            help="local stage i serves its metrics on this port + i (local stage 0 at the "
-            "base; default: off; 0: each a free port, logged in its own log)",
-        )
-
-
-def local_stage_metrics_argv(args: argparse.Namespace, index: int) -> list[str]:
+def local_stage_metrics_argv(base: int | None, index: int) -> list[str]:
     """The ``--metrics-port`` of local stage ``index`` started by ``up`` (none unless
-    ``--stage-metrics-port-base`` was given)."""
-    base = getattr(args, "stage_metrics_port_base", None)
+    ``stage_metrics_port_base`` is set; 0: each a free port)."""
     if base is None:
         return []
     return ["--metrics-port", str(base + index if base else 0)]
@@ -110,10 +90,3 @@ def serve_metrics(
     bound = int(server.server_port)
     logger.info("%s serves metrics on http://%s:%d/metrics", who, url_host(host), bound)
     return bound
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
-    return value

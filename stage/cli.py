@@ -20,7 +20,7 @@ from mesh.errors import MeshError
 from mesh.grpc_util import bind, new_server
 from mesh.lifetime import watch_parent
 from mesh.logsetup import configure_logging
-from mesh.metrics import add_metrics_arguments, serve_metrics
+from mesh.metrics import serve_metrics
 from mesh.netaddr import advertise_host, split_host_port, url_host
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
 from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
@@ -67,7 +67,6 @@ def add_stage_arguments(join: argparse.ArgumentParser) -> None:
     add_arguments(join.add_argument_group("stage 0 (with --frontend)"), FrontendConfig)
     add_speculation_arguments(join)
     add_security_arguments(join)
-    add_metrics_arguments(join)
 
 
 def resolve_join(args: argparse.Namespace) -> JoinConfig:
@@ -122,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         remote=CoordinatorPackageSource(stage.coordinator, node_id),
     )
     metrics_host = split_host_port(stage.listen)[0]
-    serve_metrics(node.metrics.registry, metrics_host, args.metrics_port, who=f"stage {node_id}")
+    serve_metrics(node.metrics.registry, metrics_host, stage.metrics_port, who=f"stage {node_id}")
     stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
     data_pb2_grpc.add_StageDataServicer_to_server(DataServicer(node, node.deliver_result), server)
     server.start()

@@ -72,6 +72,20 @@ class CoordinatorConfig:
         "in a row (0: keep trying)",
         minimum=0,
     )
+    metrics_port: int | None = setting(
+        None,
+        "serve the coordinator's Prometheus metrics on this port, at its listen host (0: a "
+        "free port, logged)",
+        minimum=0,
+        maximum=65535,
+    )
+    stage_metrics_port_base: int | None = setting(
+        None,
+        "local stage i serves its metrics on this port + i (0: each a free port, logged in "
+        "its own log)",
+        minimum=0,
+        maximum=65535,
+    )
     log_level: str | None = setting(None, "logging level", choices=LOG_LEVELS)
 
 
@@ -130,6 +144,13 @@ class StageConfig:
         minimum=0,
     )
     frontend: bool = setting(False, "host the OpenAI API: this stage becomes stage 0")
+    metrics_port: int | None = setting(
+        None,
+        "serve this stage's Prometheus metrics on this port, at its listen host (0: a free "
+        "port, logged)",
+        minimum=0,
+        maximum=65535,
+    )
     log_level: str | None = setting(None, "logging level", choices=LOG_LEVELS)
 
 

@@ -36,13 +36,21 @@ def setting(
     help: str,
     *,
     minimum: float | None = None,
+    maximum: float | None = None,
     choices: tuple[str, ...] | None = None,
     parse: Any = None,
 ) -> Any:
-    """A field of a section. ``minimum`` bounds numbers; ``choices`` lists the allowed
-    strings; ``parse`` converts a text value (CLI, environment) when the field's type
-    alone cannot (e.g. ``20GiB``) and must return the field's type."""
-    meta = {"help": help, "minimum": minimum, "choices": choices, "parse": parse}
+    """A field of a section. ``minimum`` and ``maximum`` bound numbers; ``choices``
+    lists the allowed strings; ``parse`` converts a text value (CLI, environment)
+    when the field's type alone cannot (e.g. ``20GiB``) and must return the field's
+    type."""
+    meta = {
+        "help": help,
+        "minimum": minimum,
+        "maximum": maximum,
+        "choices": choices,
+        "parse": parse,
+    }
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -173,6 +181,8 @@ def _check(cls: type, field: dataclasses.Field, value: Any, where: str, text: bo
         raise InvalidRequest(f"{where}: expected a string, got {value!r}")
     if meta["minimum"] is not None and value < meta["minimum"]:
         raise InvalidRequest(f"{where}: {value!r} is below the minimum, {meta['minimum']:g}")
+    if meta["maximum"] is not None and value > meta["maximum"]:
+        raise InvalidRequest(f"{where}: {value!r} is above the maximum, {meta['maximum']:g}")
     if meta["choices"] and value not in meta["choices"]:
         raise InvalidRequest(f"{where}: {value!r} is not one of {', '.join(meta['choices'])}")
     return value

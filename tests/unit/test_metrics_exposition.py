@@ -4,16 +4,15 @@ their own (speculation by a composite's child, the coordinator's loads)."""
 
 from __future__ import annotations
 
-import argparse
 import socket
 
 import httpx
 import pytest
 from metrics_support import naming_problems, process_expositions, series_names, value
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
 
 from mesh.errors import InvalidRequest
-from mesh.metrics import add_metrics_arguments, local_stage_metrics_argv, serve_metrics
+from mesh.metrics import local_stage_metrics_argv, serve_metrics
 
 # The series an operator relies on, by the kind of process that exposes them.
 STAGE_SERIES = {
@@ -116,64 +115,21 @@ def test_a_metrics_port_serves_the_registry() -> None:
             serve_metrics(registry, "127.0.0.1", taken)
 
 
-def test_metrics_flags_and_the_local_stages_ports() -> None:
-    parser = argparse.ArgumentParser()
-    add_metrics_arguments(parser, local_stages=True)
-    off = parser.parse_args([])
-    assert off.metrics_port is None and local_stage_metrics_argv(off, 1) == []
-    based = parser.parse_args(["--metrics-port", "9300", "--stage-metrics-port-base", "9301"])
+def test_metrics_ports_are_settings_and_the_local_stages_get_theirs() -> None:
+    from coordinator.cli import build_parser, resolve_up
+
+    def up(*flags: str):
+        return resolve_up(build_parser().parse_args(["up", *flags])).coordinator.value
+
+    off = up()
+    assert (
+        off.metrics_port is None and local_stage_metrics_argv(off.stage_metrics_port_base, 1) == []
+    )
+    based = up("--metrics-port", "9300", "--stage-metrics-port-base", "9301")
     assert based.metrics_port == 9300
-    assert local_stage_metrics_argv(based, 0) == ["--metrics-port", "9301"]
-    assert local_stage_metrics_argv(based, 2) == ["--metrics-port", "9303"]
-    free = parser.parse_args(["--stage-metrics-port-base", "0"])
-    assert local_stage_metrics_argv(free, 3) == ["--metrics-port", "0"]
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--metrics-port", "70000"])
-
-
-def test_a_composite_strategy_counts_each_child_it_drafted_with(tmp_path) -> None:
-    from mesh.speculative import AdaptiveWindow, CompositeDrafter, MemoryNgramDrafter, NgramDrafter
-    from mesh.types import SamplingParams
-    from stage.frontend.backend import GenerationRequest
-    from stage.frontend.engine_types import EngineLimits
-    from stage.frontend.request_run import RequestRun
-    from stage.frontend.scheduler import PipelineScheduler
-    from stage.node import NodeSettings, StageNode
-
-    # The first child needs a repeated 4-gram, the second a repeated 2-gram.
-    composite = CompositeDrafter(NgramDrafter(4, 6), MemoryNgramDrafter(2, 6))
-    prompt = (1, 2, 3, 1, 2)
-    composite.begin(prompt)
-    request = GenerationRequest("r", prompt, 32, SamplingParams(), frozenset())
-    run = RequestRun(request, (composite, AdaptiveWindow(4, 1, 8), "composite"))
-    node = StageNode(NodeSettings("n", cache_dir=tmp_path), "127.0.0.1:1")
-    try:
-        metrics = PipelineScheduler(node, "tiny", EngineLimits()).metrics
-        drafts = composite.propose(4)  # only the 2-gram child matches [1, 2] -> [3, ...]
-        assert drafts and composite.last_source is composite.draft
-        run.observe(drafts, 1, [drafts[0], 9], 0.01, 0.001)
-        assert metrics.rounds(run).windows == 1
-        run.observe([], 0, [7], 0.01, 0.0)  # a round without drafts
-        assert metrics.rounds(run).windows == 0
-        assert metrics.rounds(run) is None  # nothing new
-        text = generate_latest(node.metrics.registry).decode()
-    finally:
-        node.stop()
-    child = {"strategy": "composite", "drafter": "ngram-memory"}
-    assert value(text, "mesh_speculation_drafted_tokens_total", **child) == len(drafts)
-    assert value(text, "mesh_speculation_accepted_tokens_total", **child) == 1
-    assert value(text, "mesh_speculation_windows_total", **child) == 1
-    assert value(text, "mesh_speculation_drafted_tokens_total", drafter="ngram") == 0
-    assert value(text, "mesh_speculation_rounds_total", strategy="composite") == 2
-    assert value(text, "mesh_speculation_emitted_tokens_total", strategy="composite") == 3
-
-
-def test_the_coordinator_counts_loads_and_lost_nodes(expositions) -> None:
-    text = expositions["coordinator"]
-    assert value(text, "mesh_coordinator_load_attempts_total") == 1
-    assert value(text, "mesh_coordinator_loads_total", outcome="ok") == 1
-    assert value(text, "mesh_coordinator_loads_total", outcome="failed") == 0
-    assert value(text, "mesh_coordinator_load_seconds_count") == 1
-    assert value(text, "mesh_coordinator_nodes_lost_total") == 2
-    assert value(text, "mesh_coordinator_term") == 1
-    assert value(text, "mesh_coordinator_nodes", health="dead") == 2
+    assert local_stage_metrics_argv(based.stage_metrics_port_base, 0) == ["--metrics-port", "9301"]
+    assert local_stage_metrics_argv(based.stage_metrics_port_base, 2) == ["--metrics-port", "9303"]
+    free = up("--stage-metrics-port-base", "0")
+    assert local_stage_metrics_argv(free.stage_metrics_port_base, 3) == ["--metrics-port", "0"]
+    with pytest.raises(InvalidRequest, match="coordinator.metrics_port from CLI --metrics-port"):
+        up("--metrics-port", "70000")
