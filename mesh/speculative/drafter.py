@@ -8,6 +8,7 @@ token sequence (prompt + generated) and proposes continuations of it:
     accept(n, next_token)    committed += first n proposed + next_token
     extend(tokens)           committed += tokens (not from this drafter's proposal)
     rollback(length)         committed = committed[:length]
+    finish()                 the request ended; committed is final
 
 The caller commits the first generated token (sampled by the prefill) with
 ``accept(0, token)``; ``last_token`` is the ``current`` token of the next window
@@ -79,6 +80,12 @@ class Drafter(ABC):
         self._pending = []
         self._extend([int(t) for t in tokens])
 
+    def finish(self) -> None:
+        """The request ended: its committed sequence is final (a drafter that learns
+        across requests records it here)."""
+        self._pending = []
+        self._on_finish()
+
     def rollback(self, length: int) -> None:
         """Truncate the committed sequence to ``length`` tokens."""
         if not 0 <= length <= len(self._tokens):
@@ -134,6 +141,10 @@ class Drafter(ABC):
         """Verification kept ``accepted_count`` tokens of ``proposal`` (before commit)."""
         return None
 
+    def _on_finish(self) -> None:
+        """The request ended (``self._tokens`` is its whole sequence)."""
+        return None
+
     def _extend(self, tokens: list[int]) -> None:
         if tokens:
             start = len(self._tokens)
@@ -182,3 +193,7 @@ class CompositeDrafter(Drafter):
     def _on_rollback(self, length: int) -> None:
         self.ngram.rollback(min(length, self.ngram.committed_length))
         self.draft.rollback(min(length, self.draft.committed_length))
+
+    def _on_finish(self) -> None:
+        self.ngram.finish()
+        self.draft.finish()

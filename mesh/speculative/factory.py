@@ -43,7 +43,8 @@ class DrafterFactory:
     fallback_reason: str | None = None
     draft: LoadedDraft | None = None
 
-    def new_drafter(self) -> Drafter:
+    def new_drafter(self, scope: str = "") -> Drafter:
+        """A drafter for one request of tenant ``scope`` (``GenerationRequest.scope``)."""
         return self.make()
 
     def new_policy(self) -> WindowPolicy:

@@ -56,6 +56,15 @@ class GenerationRequest:
     # With n > 1: the request of the first choice, whose prompt this one shares (its
     # session starts from a copy of that session's prompt positions).
     fork_of: str = ""
+    # Whose earlier requests may shape this one's drafts (the request's ``user``; the
+    # mesh has one API key, so tenants are told apart by it). Never changes output.
+    scope: str = ""
+    # OpenAI's Predicted Outputs: the tokens the client expects back (None: none).
+    prediction_tokens: tuple[int, ...] | None = None
+    # Per-request speculation control (an extension): off, or a cap on the window
+    # (0: the server's policy alone).
+    speculation: bool = True
+    max_window: int = 0
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,7 @@ def _prepared(
         ),
         sampling=_sampling(body, len(prompt), len(ctx.tokenizer)),
         stop_token_ids=ctx.stop_token_ids,
+        scope=body.user or "",
     )
     return PreparedGeneration(
         kind=kind,

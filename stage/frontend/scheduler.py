@@ -98,6 +98,10 @@ class PipelineScheduler:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            if run.drafter is not None:
+                # However it ended (stop, stop string, client gone, error), its tokens
+                # so far are what it committed.
+                run.drafter.finish()
             self._runs.pop(request_id, None)
             self.core.cancel(request_id)
             self._pump()
@@ -149,7 +153,7 @@ class PipelineScheduler:
         factory = self.speculation
         if factory is None:
             return None
-        drafter = factory.new_drafter()
+        drafter = factory.new_drafter(scope=request.scope)
         text = self.detokenize(request.prompt_tokens) if self.detokenize else None
         drafter.begin(request.prompt_tokens, prompt_text=text)
         return drafter, factory.new_policy(), factory.name
