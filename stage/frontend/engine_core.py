@@ -317,6 +317,8 @@ class EngineCore:
             draft_cost_per_token_s=run.drafter.cost_per_token_s,
         )
         window = plan_window(run.policy, context)
+        if run.request.max_window:
+            window = min(window, run.request.max_window)
         if window <= 0:
             return [], 0.0
         started = self.clock()

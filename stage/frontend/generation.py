@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from mesh.speculative.prediction import prediction_counts
 from stage.frontend.backend import (
     FINISH_REASONS,
     SPECULATION_KEYS,
@@ -70,6 +71,8 @@ class GenerationRun:
         self._active = False
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        # The completion's token ids, kept for the prediction counts in ``usage``.
+        self._output_ids: list[int] = []
         self._stats: GenerationStats | None = None
         self._submitted_s = 0.0
         self._first_token_s: float | None = None
@@ -182,6 +185,8 @@ class GenerationRun:
                 ids = ids[: index + 1]
                 break
         self.completion_tokens += len(ids)
+        if self.request.prediction_tokens is not None:
+            self._output_ids += ids
         self._produced.inc(len(ids))
         if event.logprobs:
             self.logprobs += zip(ids, event.logprobs[: len(ids)], strict=False)
@@ -247,6 +252,19 @@ class GenerationRun:
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        } | self._prediction_usage()
+
+    def _prediction_usage(self) -> dict[str, Any]:
+        """OpenAI's prediction counts, when the request sent a prediction."""
+        prediction = self.request.prediction_tokens
+        if prediction is None:
+            return {}
+        accepted, rejected = prediction_counts(prediction, self._output_ids)
+        return {
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": rejected,
+            }
         }
 
     def timings(self) -> dict[str, float]:

@@ -274,6 +274,15 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+def _prediction(body: GenerationBody, ctx: PromptContext) -> tuple[int, ...] | None:
+    """The prediction's tokens (no special tokens: it stands for the output)."""
+    if body.prediction is None:
+        return None
+    return tuple(
+        int(t) for t in ctx.tokenizer.encode(body.prediction.text, add_special_tokens=False)
+    )
+
+
 def _prepared(
     kind: Literal["chat", "completion"],
     body: GenerationBody,
@@ -281,6 +290,7 @@ def _prepared(
     stop: tuple[str, ...],
     ctx: PromptContext,
     tools: ToolUse | None = None,
+    prediction: tuple[int, ...] | None = None,
 ) -> PreparedGeneration:
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     response_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -293,6 +303,9 @@ def _prepared(
         sampling=_sampling(body, len(prompt), len(ctx.tokenizer)),
         stop_token_ids=ctx.stop_token_ids,
         scope=body.user or "",
+        prediction_tokens=prediction,
+        speculation=body.speculation is not False,
+        max_window=getattr(body.speculation, "max_window", 0),
     )
     return PreparedGeneration(
         kind=kind,
@@ -312,7 +325,8 @@ def _prepared(
 async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> PreparedGeneration:
     stop = _check_common(body, ctx)
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
-    return _prepared("chat", body, prompt, stop, ctx, tools)
+    prediction = await asyncio.to_thread(_prediction, body, ctx)
+    return _prepared("chat", body, prompt, stop, ctx, tools, prediction)
 
 
 async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> PreparedGeneration:
@@ -320,4 +334,5 @@ async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> Prepar
     single = body.single_prompt()
     assert single is not None  # _check_common refused batched prompts
     prompt = await asyncio.to_thread(encode_prompt, ctx.tokenizer, single)
-    return _prepared("completion", body, prompt, stop, ctx)
+    prediction = await asyncio.to_thread(_prediction, body, ctx)
+    return _prepared("completion", body, prompt, stop, ctx, prediction=prediction)

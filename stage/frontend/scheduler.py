@@ -16,12 +16,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
+from mesh.config import WindowPolicySpec
 from mesh.errors import MeshError, Unavailable
 from mesh.frames import Frame, FrameResult
 from mesh.package.manifest import PackageManifest
-from mesh.speculative import DrafterFactory, Telemetry
+from mesh.speculative import DrafterFactory, Telemetry, make_policy
+from mesh.speculative.prediction import PredictionDrafter
 from stage.frontend.backend import GenerationRequest, TokenEvent
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_metrics import EngineMetrics
@@ -33,6 +36,8 @@ from stage.node import LoadedStage, StageNode
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.1
+# The widest window a request with a prediction may be given.
+PREDICTION_MAX_WINDOW = 32
 
 
 class PipelineScheduler:
@@ -150,13 +155,24 @@ class PipelineScheduler:
             )
 
     def _new_speculation(self, request: GenerationRequest):
+        """The request's drafter, window policy and strategy name: the server's, or
+        drafting from the request's prediction first (Predicted Outputs, with the
+        server's drafter where the prediction has nothing); none when the request
+        turned speculation off."""
         factory = self.speculation
-        if factory is None:
+        if not request.speculation or (factory is None and request.prediction_tokens is None):
             return None
-        drafter = factory.new_drafter(scope=request.scope)
+        drafter = factory.new_drafter(scope=request.scope) if factory is not None else None
+        spec = factory.config.window_policy if factory is not None else WindowPolicySpec()
+        name = factory.name if factory is not None else ""
+        if request.prediction_tokens is not None:
+            drafter = PredictionDrafter(request.prediction_tokens, drafter)
+            # A prediction is worth long windows; the policy still weighs their cost.
+            spec = replace(spec, max_window=max(spec.max_window, PREDICTION_MAX_WINDOW))
+            name = "prediction"
         text = self.detokenize(request.prompt_tokens) if self.detokenize else None
         drafter.begin(request.prompt_tokens, prompt_text=text)
-        return drafter, factory.new_policy(), factory.name
+        return drafter, make_policy(spec), name
 
     def _finish(self, run: RequestRun) -> None:
         telemetry = run.telemetry

@@ -29,6 +29,9 @@ LOGIT_BIAS_MAX_ENTRIES = 1024
 
 # Most choices (``n``) one request may ask for.
 MAX_CHOICES = 16
+# Longest ``prediction`` text (characters); longest per-request speculation window.
+PREDICTION_MAX_CHARS = 1_000_000
+MAX_WINDOW = 64
 
 
 class _Body(BaseModel):
@@ -58,6 +61,33 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class PredictionTextPart(_Body):
+    type: Literal["text"]
+    text: Str
+
+
+class Prediction(_Body):
+    """OpenAI's Predicted Outputs: the text the client expects back (typically the
+    file being edited), drafted from; it never changes the output."""
+
+    type: Literal["content"]
+    content: (
+        Annotated[str, Strict(), Field(max_length=PREDICTION_MAX_CHARS)] | list[PredictionTextPart]
+    )
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SpeculationControl(_Body):
+    """The ``speculation`` extension as an object: a cap on this request's window."""
+
+    max_window: Annotated[int, Strict(), Field(ge=1, le=MAX_WINDOW)]
 
 
 class GenerationBody(_Body):
@@ -91,6 +121,11 @@ class GenerationBody(_Body):
     ) = None
     # Structured output (chat, and completions as an extension, as vLLM does).
     response_format: ResponseFormat | None = None
+    # Predicted Outputs (chat, and completions as an extension).
+    prediction: Prediction | None = None
+    # Extension: false turns speculation off for this request; {"max_window": N}
+    # caps its draft window (true: the server's policy, the default).
+    speculation: Bool | SpeculationControl | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to something this server cannot do."""

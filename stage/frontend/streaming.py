@@ -149,6 +149,11 @@ def usage_of(runs: list[GenerationRun]) -> dict[str, Any]:
     completion = sum(run.completion_tokens for run in runs)
     usage["completion_tokens"] = completion
     usage["total_tokens"] = usage["prompt_tokens"] + completion
+    if "completion_tokens_details" in usage:
+        details = [run.usage()["completion_tokens_details"] for run in runs]
+        usage["completion_tokens_details"] = {
+            key: sum(d[key] for d in details) for key in details[0]
+        }
     return usage
 
 

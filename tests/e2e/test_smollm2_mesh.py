@@ -143,3 +143,57 @@ def test_structured_output_from_the_real_model(tmp_path, smollm2_package):
                 assert choice.message.content.startswith("{")
     finally:
         mesh.close()
+
+
+EDIT_CODE = (
+    "def average(values):\n"
+    "    total = 0\n"
+    "    for value in values:\n"
+    "        total += value\n"
+    "    return total / len(values)\n"
+)
+
+
+def test_predicted_outputs_on_a_code_edit(tmp_path, smollm2_package):
+    """A code edit with the original code as the prediction: the same answer as
+    without it, the re-emitted lines counted as accepted, and OpenAI's counts add up."""
+    mesh = MeshProcesses(smollm2_package, tmp_path / "mesh", 2)
+    messages = [
+        {
+            "role": "user",
+            "content": "Repeat this function exactly, then rename `total` to `acc`:\n\n"
+            + EDIT_CODE,
+        }
+    ]
+    try:
+        mesh.start().wait_serving(deadline_s=300)
+        client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+
+        def ask(**extra):
+            return client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=messages,
+                max_tokens=96,
+                temperature=0,
+                **extra,
+            )
+
+        plain = ask(extra_body={"speculation": False})
+        predicted = ask(prediction={"type": "content", "content": EDIT_CODE})
+    finally:
+        mesh.close()
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_package)
+    predicted_tokens = len(tokenizer.encode(EDIT_CODE, add_special_tokens=False))
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == (
+        predicted_tokens
+    )
+    # The answer starts by re-emitting the function's first lines (SmolLM2-135M then
+    # drops the loop): those come back from the prediction.
+    assert details.accepted_prediction_tokens >= 8, (
+        details,
+        predicted.choices[0].message.content,
+    )
