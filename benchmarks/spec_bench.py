@@ -80,6 +80,8 @@ class SpecConfig:
     name: str
     label: str
     stage0_args: tuple[str, ...]
+    # Send each code-edit request's original code as its ``prediction``.
+    prediction: bool = False
 
 
 def build_configs(
@@ -104,6 +106,12 @@ def build_configs(
             ("--spec-type", "ngram", "--spec-auto", "--window-policy", "adaptive"),
         ),
         "cost": SpecConfig("cost", "default: n-gram, auto gating, cost-aware window", ()),
+        "prediction": SpecConfig(
+            "prediction",
+            "default + the original code as `prediction` (Predicted Outputs)",
+            (),
+            prediction=True,
+        ),
     }
     if draft_model:
         draft = ("--spec-type", "draft-model", "--draft-model", draft_model)
@@ -171,9 +179,29 @@ def speculation_line(log: str) -> str:
     return lines[-1].split("stage.frontend.host: ", 1)[1] if lines else "not logged"
 
 
+_CODE_BLOCK = re.compile(r"```[\w+-]*\n(.*?)```", re.DOTALL)
+
+
+def prediction_of(request: WorkloadRequest) -> str | None:
+    """The code block of the request's last message (what a code edit returns, edited),
+    or None when it has none."""
+    content = request.messages[-1].get("content")
+    found = _CODE_BLOCK.search(content) if isinstance(content, str) else None
+    return found.group(1) if found else None
+
+
 def measure_one(
-    client: Any, http_url: str, model_id: str, request: WorkloadRequest, max_tokens: int
+    client: Any,
+    http_url: str,
+    model_id: str,
+    request: WorkloadRequest,
+    max_tokens: int,
+    prediction: bool = False,
 ) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    code = prediction_of(request) if prediction else None
+    if code is not None:
+        extra["prediction"] = {"type": "content", "content": code}
     before = scrape_counters(http_url)
     started = time.perf_counter()
     reply = client.chat.completions.create(
@@ -181,6 +209,7 @@ def measure_one(
         messages=list(request.messages),
         max_tokens=max_tokens,
         temperature=0,
+        **extra,
     )
     wall_s = time.perf_counter() - started
     after = scrape_counters(http_url)
@@ -201,6 +230,9 @@ def measure_one(
         "rounds": int(delta.get("rounds", 0)),
         "emitted": int(delta.get("emitted", 0)),
         "text_sha1": hashlib.sha1(text.encode()).hexdigest(),
+        "prediction_accepted": getattr(
+            reply.usage.completion_tokens_details, "accepted_prediction_tokens", None
+        ),
     }
 
 
@@ -245,7 +277,7 @@ def run_latency(
                 tokens = args.max_tokens or request.max_tokens
                 for config in rotated(list(configs), repeat + index):
                     url, model_id, client = served[config.name]
-                    record = measure_one(client, url, model_id, request, tokens)
+                    record = measure_one(client, url, model_id, request, tokens, config.prediction)
                     record.update(latency_ms=latency_ms, config=config.name, repeat=repeat)
                     records.append(record)
                     logger.info(
