@@ -23,14 +23,16 @@ from typing import Any
 
 from mesh.errors import InvalidRequest, PackageError
 
-STRATEGY_TYPES = ("draft-model", "ngram", "composite", "none")
+STRATEGY_TYPES = ("draft-model", "ngram", "composite", "suffix", "none")
 DRAFT_TYPES = ("draft-model", "composite")
 POLICY_NAMES = ("fixed", "adaptive", "cost")
 MAX_WINDOW_LIMIT = 64
 NGRAM_LIMIT = 32
+CORPUS_TOKENS_LIMIT = 1 << 30
+CORPUS_SCOPES = ("user", "global")
 
 STRATEGY_KEYS = ("type", "draft_model", "ngram_min", "ngram_max", "ngram_memory", "p_min")
-STRATEGY_KEYS += ("auto", "window_policy")
+STRATEGY_KEYS += ("auto", "window_policy", "corpus_tokens", "corpus_scope")
 WINDOW_KEYS = ("default", "initial_window", "min_window", "max_window")
 # CLI flag name (argparse dest) -> flat config key.
 CLI_KEYS = {
@@ -42,6 +44,8 @@ CLI_KEYS = {
     "ngram_max": "ngram_max",
     "ngram_memory": "ngram_memory",
     "p_min": "p_min",
+    "corpus_tokens": "corpus_tokens",
+    "corpus_scope": "corpus_scope",
     "window_policy": "window_policy.default",
     "initial_window": "window_policy.initial_window",
     "min_window": "window_policy.min_window",
@@ -56,6 +60,8 @@ BUILTIN = {
     "ngram_memory": True,
     "p_min": 0.0,
     "auto": True,
+    "corpus_tokens": 1_000_000,
+    "corpus_scope": "user",
     "window_policy.default": "cost",
     "window_policy.initial_window": 4,
     "window_policy.min_window": 1,
@@ -119,6 +125,8 @@ class SpeculationConfig:
     ngram_memory: bool = True
     p_min: float = 0.0
     auto: bool = True
+    corpus_tokens: int = 1_000_000
+    corpus_scope: str = "user"
     window_policy: WindowPolicySpec = WindowPolicySpec()
     strategy: str | None = None
     origins: tuple[tuple[str, str], ...] = ()
@@ -138,6 +146,8 @@ class SpeculationConfig:
             return f"speculation off (type from {self.origin('type')})"
         wp = self.window_policy
         draft = f" draft={self.draft_model}" if self.draft_model else ""
+        if self.type == "suffix":
+            draft = f" corpus={self.corpus_tokens}/{self.corpus_scope}"
         return (
             f"speculation type={self.type}{draft} ngram=[{self.ngram_min},{self.ngram_max}] "
             f"auto={self.auto} policy={wp.default}({wp.initial_window},{wp.min_window},"
@@ -185,6 +195,10 @@ def _check_value(key: str, value: Any, where: str) -> Any:
         return value
     if key == "window_policy.default":
         return _check_choice(value, key, where, POLICY_NAMES)
+    if key == "corpus_tokens":
+        return _check_int(value, key, where, 0, CORPUS_TOKENS_LIMIT)
+    if key == "corpus_scope":
+        return _check_choice(value, key, where, CORPUS_SCOPES)
     return _check_int(value, key, where, 0, MAX_WINDOW_LIMIT)
 
 
@@ -347,6 +361,8 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ngram-max", type=int)
     group.add_argument("--ngram-memory", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--p-min", type=float, help="stop drafting below this probability")
+    group.add_argument("--corpus-tokens", type=int, help="suffix drafter's corpus (0: off)")
+    group.add_argument("--corpus-scope", choices=CORPUS_SCOPES, help="share it per user or all")
     group.add_argument("--window-policy", choices=POLICY_NAMES)
     group.add_argument("--initial-window", type=int)
     group.add_argument("--min-window", type=int)
@@ -523,6 +539,8 @@ def _finish(
         ngram_memory=values["ngram_memory"],
         p_min=values["p_min"],
         auto=values["auto"],
+        corpus_tokens=values["corpus_tokens"],
+        corpus_scope=values["corpus_scope"],
         window_policy=WindowPolicySpec(
             default=values["window_policy.default"],
             initial_window=init,

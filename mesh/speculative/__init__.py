@@ -5,6 +5,7 @@ See docs/speculation.md for how stage 0 drives these per verify round.
 """
 
 from mesh.speculative.auto import AutoNgramDrafter, prompt_signals
+from mesh.speculative.corpus import CorpusStats, CorpusView, SharedCorpus
 from mesh.speculative.draft_model import (
     DraftModelDrafter,
     LoadedDraft,
@@ -25,6 +26,7 @@ from mesh.speculative.policy import (
     make_policy,
     plan_window,
 )
+from mesh.speculative.suffix import SuffixDrafter
 from mesh.speculative.telemetry import Telemetry
 from mesh.speculative.verify import VerifyResult, truncate_at_stop, verify_window
 
@@ -32,6 +34,8 @@ __all__ = [
     "AdaptiveWindow",
     "AutoNgramDrafter",
     "CompositeDrafter",
+    "CorpusStats",
+    "CorpusView",
     "CostAwareWindow",
     "DraftModelDrafter",
     "Drafter",
@@ -42,6 +46,8 @@ __all__ = [
     "NgramDrafter",
     "NgramIndex",
     "RoundContext",
+    "SharedCorpus",
+    "SuffixDrafter",
     "Telemetry",
     "VerifyResult",
     "WindowPolicy",

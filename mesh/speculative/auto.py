@@ -12,6 +12,9 @@ plainly with no verify overhead. It turns warm when
 While warm it proposes through the wrapped n-gram drafter and backs off to cold when
 the acceptance rate of its proposals falls too low. After a back-off only observed
 hits (not the prompt) can warm it again.
+
+The suffix drafter is gated the same way (its shadow trials see the shared corpus
+too, so a request that repeats an earlier one warms up on its first hits).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from itertools import islice
 
 from mesh.speculative.drafter import Drafter
 from mesh.speculative.ngram import NgramDrafter
+from mesh.speculative.suffix import SuffixDrafter
 
 _DETECTORS: tuple[tuple[str, re.Pattern[str], int], ...] = (
     ("code-fence", re.compile(r"```|~~~"), 1),
@@ -70,13 +74,13 @@ def prompt_signals(text: str) -> list[str]:
 
 
 class AutoNgramDrafter(Drafter):
-    """Wraps an n-gram drafter with cold observation, warm-up and back-off."""
+    """Wraps an n-gram (or suffix) drafter with cold observation, warm-up and back-off."""
 
     name = "ngram-auto"
 
     def __init__(
         self,
-        inner: NgramDrafter,
+        inner: NgramDrafter | SuffixDrafter,
         shadow_window: int = 4,
         hit_tokens: int = 2,
         warm_hits: int = 2,
@@ -87,6 +91,8 @@ class AutoNgramDrafter(Drafter):
     ) -> None:
         super().__init__()
         self.inner = inner
+        if isinstance(inner, SuffixDrafter):
+            self.name = "suffix-auto"
         self.shadow_window = shadow_window
         self.hit_tokens = hit_tokens
         self.warm_hits = warm_hits
@@ -178,6 +184,9 @@ class AutoNgramDrafter(Drafter):
         if not self._shadow:
             _, self._shadow = self.inner.lookup(self.shadow_window)
             self._shadow_matched = 0
+
+    def _on_finish(self) -> None:
+        self.inner.finish()
 
     def _on_rollback(self, length: int) -> None:
         self.inner.rollback(length)

@@ -44,8 +44,8 @@ def plain_decode(table, prompt, params, max_tokens):
     return out
 
 
-def speculative_decode(table, prompt, params, max_tokens, config):
-    factory = build_drafter(config, target_tokenizer=None)
+def speculative_decode(table, prompt, params, max_tokens, config, factory=None):
+    factory = factory or build_drafter(config, target_tokenizer=None)
     drafter, policy, telemetry = factory.new_drafter(), factory.new_policy(), Telemetry()
     drafter.begin(prompt, "```\ncode\n```")
     # Prefill: the last stage samples the first token at position len(prompt).
@@ -70,6 +70,7 @@ def speculative_decode(table, prompt, params, max_tokens, config):
         policy.observe(len(drafts), result.accepted_count, round_time_s, draft_time_s)
         telemetry.record_round(len(drafts), result.accepted_count, len(tokens))
         out += tokens
+    drafter.finish()
     return out, telemetry
 
 
@@ -77,10 +78,13 @@ CONFIGS = [
     SpeculationConfig(auto=False, window_policy=WindowPolicySpec("fixed", 6, 1, 6)),
     SpeculationConfig(window_policy=WindowPolicySpec("adaptive", 4, 1, 16)),
     SpeculationConfig(ngram_memory=False, ngram_min=1, ngram_max=3),
+    SpeculationConfig(type="suffix", auto=False, window_policy=WindowPolicySpec("fixed", 6, 1, 6)),
+    SpeculationConfig(type="suffix", window_policy=WindowPolicySpec("adaptive", 4, 1, 16)),
 ]
+IDS = ["fixed", "adaptive", "cost", "suffix-fixed", "suffix-adaptive"]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["fixed", "adaptive", "cost"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_speculative_loop_equals_plain_decoding(config, temperature) -> None:
     accepted = 0
@@ -94,3 +98,24 @@ def test_speculative_loop_equals_plain_decoding(config, temperature) -> None:
         assert telemetry.emitted == len(spec) - 1  # the first token came from the prefill
         accepted += telemetry.accepted
     assert accepted > 0, "no draft was ever accepted; the loop test proves nothing"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_suffix_corpus_carries_one_request_to_the_next(temperature) -> None:
+    """A second request whose prompt ends like the first one's drafts from the first
+    one's answer through the corpus: more accepted drafts, the same tokens."""
+    config = SpeculationConfig(
+        type="suffix", auto=False, window_policy=WindowPolicySpec("fixed", 8, 1, 8)
+    )
+    for seed in range(4):
+        table = toy_table(seed)
+        params = SamplingParams(temperature=temperature, seed=seed)
+        first_prompt = [1, 2, 3, 9, 4, 5, 6, 7, 8]
+        second_prompt = [12, 13, 10, 9, 4, 5, 6, 7, 8]  # same length: same positions
+        shared = build_drafter(config, target_tokenizer=None)
+        speculative_decode(table, first_prompt, params, 40, config, shared)
+        second, helped = speculative_decode(table, second_prompt, params, 40, config, shared)
+        alone, unhelped = speculative_decode(table, second_prompt, params, 40, config)
+        assert second == alone == plain_decode(table, second_prompt, params, 40)
+        assert helped.accepted > unhelped.accepted
+        assert shared.corpus.stats().hits > 0

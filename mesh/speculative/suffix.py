@@ -1,0 +1,250 @@
+"""Suffix drafting over the request's own tokens and a shared corpus of earlier ones.
+
+For the current end of the committed sequence the drafter looks for earlier places
+where the same tokens occurred, in the request itself and in its scope's corpus
+(``mesh/speculative/corpus.py``), and proposes what followed them:
+
+1. *Anchors.* The last ``ngram_max`` tokens (the long anchor) are looked up first;
+   only when no earlier occurrence exists, the last ``ngram_min`` tokens. Up to
+   ``max_candidates`` occurrences per source (request, corpus), most recent first.
+2. *Match length.* Each occurrence's match is extended backwards, up to
+   ``max_match`` (64) tokens, by comparing slices (a binary search over the length).
+3. *Voting.* The occurrences whose match is at least half the longest one vote. Token
+   by token, the continuation most of the still-agreeing voters share is chosen
+   (ties: the most recent occurrence); the product of the shares is the proposal's
+   agreement, and the proposal stops before it would fall below ``min_agreement``.
+4. *Length.* At most ``match_factor`` times the longest match (at least 1), and at
+   most k (the window policy's choice): a long exact match whose continuations agree
+   gives a long proposal, a short or ambiguous one a short proposal or none.
+
+A continuation inside the request that runs into its end continues periodically,
+as the n-gram drafter's does. The request index is incremental (an anchor key ->
+newest follower position, and a per-position link to the previous occurrence in an
+``array('i')``); commit and rollback cost O(tokens changed) and rollback is exact.
+When the request ends, ``finish()`` adds its whole sequence to the corpus.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from mesh.errors import InvalidRequest
+from mesh.speculative.corpus import CorpusView, Document, anchor_key
+from mesh.speculative.drafter import Drafter
+
+MAX_MATCH = 64
+
+
+class Candidate(NamedTuple):
+    """An earlier occurrence of the current suffix: how many tokens match, what
+    followed it (up to k tokens), and its corpus document (None: the request)."""
+
+    match: int
+    continuation: list[int]
+    document: Document | None
+
+
+class LocalAnchors:
+    """The request's anchor index: per anchor length, key -> newest follower position
+    and a per-position link to the previous follower of the same key (-1: none)."""
+
+    def __init__(self, anchors: tuple[int, ...]) -> None:
+        self.anchors = anchors
+        self.heads: list[dict[int, int]] = [{} for _ in anchors]
+        self.prev: list[array] = [array("i") for _ in anchors]
+
+    def clear(self) -> None:
+        for head, prev in zip(self.heads, self.prev, strict=True):
+            head.clear()
+            del prev[:]
+
+    def add(self, tokens: Sequence[int], start: int) -> None:
+        """Index the anchors followed by ``tokens[j]`` for ``j >= start`` (``start`` is
+        the number of positions indexed so far)."""
+        for level, n in enumerate(self.anchors):
+            head, prev = self.heads[level], self.prev[level]
+            for j in range(start, len(tokens)):
+                if j < n:
+                    prev.append(-1)
+                    continue
+                key = hash(tuple(tokens[j - n : j]))
+                prev.append(head.get(key, -1))
+                head[key] = j
+
+    def remove(self, tokens: Sequence[int], length: int) -> None:
+        """Undo ``add`` for positions ``>= length``, newest first."""
+        for level, n in enumerate(self.anchors):
+            head, prev = self.heads[level], self.prev[level]
+            for j in range(len(tokens) - 1, max(length, n) - 1, -1):
+                key = hash(tuple(tokens[j - n : j]))
+                if prev[j] < 0:
+                    del head[key]
+                else:
+                    head[key] = prev[j]
+            del prev[length:]
+
+    def occurrences(self, level: int, key: int, limit: int) -> list[int]:
+        """Up to ``limit`` follower positions of ``key``, newest first."""
+        found: list[int] = []
+        position = self.heads[level].get(key, -1)
+        prev = self.prev[level]
+        while position >= 0 and len(found) < limit:
+            found.append(position)
+            position = prev[position]
+        return found
+
+
+def match_length(seq: Sequence[int], end: int, suffix: Sequence[int], floor: int) -> int:
+    """How many tokens before ``seq[end]`` equal the last ones of ``suffix`` (at most
+    ``len(suffix)`` and ``end``); 0 when fewer than ``floor`` do. ``seq`` and
+    ``suffix`` are of one type (lists, or ``array('i')``) so slices compare."""
+    size = len(suffix)
+    top = min(size, end)
+    if top < floor or seq[end - floor : end] != suffix[size - floor :]:
+        return 0
+    if seq[end - top : end] == suffix[size - top :]:
+        return top
+    low, high = floor, top  # low matches, high does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if seq[end - mid : end] == suffix[size - mid :]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+class SuffixDrafter(Drafter):
+    """Longest-match drafting over the request and its scope's corpus (module doc)."""
+
+    name = "suffix"
+    prior_cost_per_token_s = 3e-6
+    max_match = MAX_MATCH
+    max_candidates = 8
+    match_factor = 1.0
+    min_agreement = 0.5
+
+    def __init__(
+        self, ngram_min: int = 2, ngram_max: int = 6, corpus: CorpusView | None = None
+    ) -> None:
+        super().__init__()
+        if not 1 <= ngram_min <= ngram_max <= self.max_match:
+            raise InvalidRequest(
+                f"ngram_min ({ngram_min}) and ngram_max ({ngram_max}) must satisfy "
+                f"1 <= ngram_min <= ngram_max <= {self.max_match}"
+            )
+        anchors = (ngram_min,) if ngram_min == ngram_max else (ngram_min, ngram_max)
+        if corpus is not None and corpus.anchors != anchors:
+            raise InvalidRequest(
+                f"the corpus indexes anchors {corpus.anchors}, the drafter needs {anchors}"
+            )
+        self.anchors = anchors
+        self.index = LocalAnchors(anchors)
+        self.corpus = corpus
+        self.last_match = 0
+        self.last_from_corpus = False
+        self._finished = False
+
+    def lookup(self, k: int) -> tuple[int | None, list[int]]:
+        """The longest match and what ``propose(k)`` would return, without recording
+        a proposal (auto gating's shadow trials use it)."""
+        proposal = self._draft(k)
+        return (self.last_match or None), proposal
+
+    def _on_begin(self, prompt_text: str | None) -> None:
+        self.index.clear()
+        self.index.add(self._tokens, 0)
+        self.last_match = 0
+        self.last_from_corpus = False
+        self._finished = False
+
+    def _propose(self, k: int) -> list[int]:
+        return self._draft(k)
+
+    def _on_commit(self, start: int) -> None:
+        self.index.add(self._tokens, start)
+
+    def _on_rollback(self, length: int) -> None:
+        self.index.remove(self._tokens, length)
+
+    def _on_finish(self) -> None:
+        if self.corpus is not None and not self._finished:
+            self.corpus.add(self._tokens)
+        self._finished = True
+
+    # ---- drafting ---------------------------------------------------------------------
+
+    def _draft(self, k: int) -> list[int]:
+        self.last_match = 0
+        self.last_from_corpus = False
+        tokens = self._tokens
+        length = len(tokens)
+        suffix = tokens[-self.max_match :]
+        packed: array | None = None  # the suffix as array('i'), to compare with documents
+        for level in range(len(self.anchors) - 1, -1, -1):
+            n = self.anchors[level]
+            if length <= n:
+                continue
+            key = anchor_key(tokens, length, n)
+            found: list[Candidate] = []  # most recent first: the request's, then the corpus's
+            best = n
+            for position in self.index.occurrences(level, key, self.max_candidates):
+                size = match_length(tokens, position, suffix, max(n, (best + 1) // 2))
+                if size:
+                    best = max(best, size)
+                    found.append(Candidate(size, self._local_continuation(position, k), None))
+            hits = self.corpus.occurrences(level, key, self.max_candidates) if self.corpus else []
+            for doc, offset in hits:
+                packed = array("i", suffix) if packed is None else packed
+                size = match_length(doc.tokens, offset, packed, max(n, (best + 1) // 2))
+                if size:
+                    best = max(best, size)
+                    found.append(Candidate(size, doc.tokens[offset : offset + k].tolist(), doc))
+            if found:
+                return self._vote(found, best, k)
+        if self.corpus is not None:
+            self.corpus.record_lookup(())
+        return []
+
+    def _local_continuation(self, follow: int, k: int) -> list[int]:
+        tokens = self._tokens
+        continuation = tokens[follow : follow + k]
+        period = len(tokens) - follow
+        while len(continuation) < k:
+            continuation.append(continuation[len(continuation) - period])
+        return continuation
+
+    def _vote(self, found: list[Candidate], best: int, k: int) -> list[int]:
+        floor = (best + 1) // 2
+        voters = [c for c in found if c.match >= floor]
+        cap = min(k, max(1, int(best * self.match_factor)))
+        proposal: list[int] = []
+        agreement = 1.0
+        while len(proposal) < cap:
+            t = len(proposal)
+            if len(voters) == 1:
+                proposal.extend(voters[0].continuation[t:cap])
+                break
+            counts: dict[int, int] = {}
+            live = 0
+            for voter in voters:
+                if t < len(voter.continuation):
+                    live += 1
+                    token = voter.continuation[t]
+                    counts[token] = counts.get(token, 0) + 1
+            if not live:
+                break
+            token = max(counts, key=counts.__getitem__)  # the first seen wins a tie
+            agreement *= counts[token] / live
+            if agreement < self.min_agreement:
+                break
+            proposal.append(token)
+            voters = [v for v in voters if t < len(v.continuation) and v.continuation[t] == token]
+        self.last_match = best
+        used = [v.document for v in voters if v.document is not None] if proposal else []
+        self.last_from_corpus = bool(used)
+        if self.corpus is not None:
+            self.corpus.record_lookup(used)
+        return proposal
