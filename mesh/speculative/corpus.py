@@ -110,8 +110,10 @@ class _Partition:
     def occurrences(self, level: int, key: int, limit: int) -> list[tuple[Document, int]]:
         found: list[tuple[Document, int]] = []
         position = self.heads[level].get(key, -1)
+        doc: Document | None = None
         while position >= 0 and len(found) < limit:
-            doc = self.document_at(position)
+            if doc is None or position < doc.base:  # chains run from newer to older
+                doc = self.document_at(position)
             offset = position - doc.base
             found.append((doc, offset))
             position = doc.prev[level][offset]

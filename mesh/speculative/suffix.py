@@ -38,11 +38,12 @@ MAX_MATCH = 64
 
 
 class Candidate(NamedTuple):
-    """An earlier occurrence of the current suffix: how many tokens match, what
-    followed it (up to k tokens), and its corpus document (None: the request)."""
+    """An earlier occurrence of the current suffix: how many tokens match, the
+    position of the token that followed it, and its corpus document (None: the
+    request's own tokens)."""
 
     match: int
-    continuation: list[int]
+    follow: int
     document: Document | None
 
 
@@ -102,10 +103,12 @@ def match_length(seq: Sequence[int], end: int, suffix: Sequence[int], floor: int
     ``suffix`` are of one type (lists, or ``array('i')``) so slices compare."""
     size = len(suffix)
     top = min(size, end)
-    if top < floor or seq[end - floor : end] != suffix[size - floor :]:
+    if top < floor:
         return 0
     if seq[end - top : end] == suffix[size - top :]:
         return top
+    if seq[end - floor : end] != suffix[size - floor :]:
+        return 0
     low, high = floor, top  # low matches, high does not
     while high - low > 1:
         mid = (low + high) // 2
@@ -194,46 +197,51 @@ class SuffixDrafter(Drafter):
                 size = match_length(tokens, position, suffix, max(n, (best + 1) // 2))
                 if size:
                     best = max(best, size)
-                    found.append(Candidate(size, self._local_continuation(position, k), None))
+                    found.append(Candidate(size, position, None))
             hits = self.corpus.occurrences(level, key, self.max_candidates) if self.corpus else []
             for doc, offset in hits:
                 packed = array("i", suffix) if packed is None else packed
                 size = match_length(doc.tokens, offset, packed, max(n, (best + 1) // 2))
                 if size:
                     best = max(best, size)
-                    found.append(Candidate(size, doc.tokens[offset : offset + k].tolist(), doc))
+                    found.append(Candidate(size, offset, doc))
             if found:
                 return self._vote(found, best, k)
         if self.corpus is not None:
             self.corpus.record_lookup(())
         return []
 
-    def _local_continuation(self, follow: int, k: int) -> list[int]:
+    def _continuation(self, candidate: Candidate, size: int) -> tuple[int, ...]:
+        """Up to ``size`` tokens after ``candidate``; in the request, periodically
+        continued past its end."""
+        follow, doc = candidate.follow, candidate.document
+        if doc is not None:
+            return tuple(doc.tokens[follow : follow + size])
         tokens = self._tokens
-        continuation = tokens[follow : follow + k]
+        continuation = tokens[follow : follow + size]
         period = len(tokens) - follow
-        while len(continuation) < k:
+        while len(continuation) < size:
             continuation.append(continuation[len(continuation) - period])
-        return continuation
+        return tuple(continuation)
 
     def _vote(self, found: list[Candidate], best: int, k: int) -> list[int]:
-        floor = (best + 1) // 2
-        voters = [c for c in found if c.match >= floor]
         cap = min(k, max(1, int(best * self.match_factor)))
+        # Voters with the same continuation vote together: (continuation, documents).
+        groups: dict[tuple[int, ...], list[Document | None]] = {}
+        for candidate in found:
+            if 2 * candidate.match >= best:
+                groups.setdefault(self._continuation(candidate, cap), []).append(candidate.document)
+        agreeing = list(groups.items())
         proposal: list[int] = []
         agreement = 1.0
-        while len(proposal) < cap:
+        while len(agreeing) > 1 and len(proposal) < cap:
             t = len(proposal)
-            if len(voters) == 1:
-                proposal.extend(voters[0].continuation[t:cap])
-                break
             counts: dict[int, int] = {}
             live = 0
-            for voter in voters:
-                if t < len(voter.continuation):
-                    live += 1
-                    token = voter.continuation[t]
-                    counts[token] = counts.get(token, 0) + 1
+            for continuation, docs in agreeing:
+                if t < len(continuation):
+                    live += len(docs)
+                    counts[continuation[t]] = counts.get(continuation[t], 0) + len(docs)
             if not live:
                 break
             token = max(counts, key=counts.__getitem__)  # the first seen wins a tie
@@ -241,9 +249,11 @@ class SuffixDrafter(Drafter):
             if agreement < self.min_agreement:
                 break
             proposal.append(token)
-            voters = [v for v in voters if t < len(v.continuation) and v.continuation[t] == token]
+            agreeing = [(c, docs) for c, docs in agreeing if t < len(c) and c[t] == token]
+        if len(agreeing) == 1:
+            proposal = list(agreeing[0][0])  # it agrees with everything chosen so far
         self.last_match = best
-        used = [v.document for v in voters if v.document is not None] if proposal else []
+        used = [d for _, docs in agreeing for d in docs if d is not None] if proposal else []
         self.last_from_corpus = bool(used)
         if self.corpus is not None:
             self.corpus.record_lookup(used)
