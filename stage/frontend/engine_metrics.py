@@ -214,7 +214,8 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families = self._families()
-        running, queued, recoveries, lookups, hits, lost, cached, held, cost = families
+        running, queued, recoveries, lookups, hits, lost, cached, held, cost = families[:9]
+        corpus_docs, corpus_tokens, corpus_evictions, corpus_lookups, corpus_hits = families[9:]
         scheduler = self._scheduler
         core = scheduler.core
         running.add_metric([], len(core.running))
@@ -231,6 +232,14 @@ class _EngineCollector(Collector):
         if model is not None:
             cost.add_metric(["fixed"], model[0] / 1000.0)
             cost.add_metric(["per_row"], model[1] / 1000.0)
+        factory = scheduler.speculation
+        corpus = getattr(factory, "corpus", None)
+        stats = corpus.stats() if corpus is not None else None
+        corpus_docs.add_metric([], stats.documents if stats else 0)
+        corpus_tokens.add_metric([], stats.tokens if stats else 0)
+        corpus_evictions.add_metric([], stats.evictions if stats else 0)
+        corpus_lookups.add_metric([], stats.lookups if stats else 0)
+        corpus_hits.add_metric([], stats.hits if stats else 0)
         return iter(families)
 
     @staticmethod
@@ -266,5 +275,23 @@ class _EngineCollector(Collector):
                 "The fitted cost of a decode step on the slowest stage: fixed (per frame) "
                 "and per_row (per token row); speculation windows are sized from it.",
                 labels=("part",),
+            ),
+            GaugeMetricFamily(
+                "mesh_speculation_corpus_documents",
+                "Finished requests the suffix drafter's shared corpus holds (all tenants).",
+            ),
+            GaugeMetricFamily(
+                "mesh_speculation_corpus_tokens", "Tokens the shared corpus holds (all tenants)."
+            ),
+            CounterMetricFamily(
+                "mesh_speculation_corpus_evictions",
+                "Documents evicted from the shared corpus (least recently used first).",
+            ),
+            CounterMetricFamily(
+                "mesh_speculation_corpus_lookups", "Proposals that searched the shared corpus."
+            ),
+            CounterMetricFamily(
+                "mesh_speculation_corpus_hits",
+                "Proposals that found a match in the shared corpus.",
             ),
         ]
