@@ -106,6 +106,11 @@ def build_configs(
             ("--spec-type", "ngram", "--spec-auto", "--window-policy", "adaptive"),
         ),
         "cost": SpecConfig("cost", "default: n-gram, auto gating, cost-aware window", ()),
+        "suffix": SpecConfig(
+            "suffix",
+            "suffix drafter (request + shared corpus), auto gating, cost-aware window",
+            ("--spec-type", "suffix"),
+        ),
         "prediction": SpecConfig(
             "prediction",
             "default + the original code as `prediction` (Predicted Outputs)",
