@@ -202,8 +202,12 @@ def measure_one(
     request: WorkloadRequest,
     max_tokens: int,
     prediction: bool = False,
+    user: str = "warmup",
 ) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
+    """One greedy request. ``user`` scopes what the suffix drafter may learn from:
+    each repeat is its own tenant, so a repeat never drafts from the same request's
+    earlier answer (requests of one repeat may draw on each other)."""
+    extra: dict[str, Any] = {"user": user}
     code = prediction_of(request) if prediction else None
     if code is not None:
         extra["prediction"] = {"type": "content", "content": code}
@@ -282,7 +286,9 @@ def run_latency(
                 tokens = args.max_tokens or request.max_tokens
                 for config in rotated(list(configs), repeat + index):
                     url, model_id, client = served[config.name]
-                    record = measure_one(client, url, model_id, request, tokens, config.prediction)
+                    record = measure_one(
+                        client, url, model_id, request, tokens, config.prediction, f"r{repeat}"
+                    )
                     record.update(latency_ms=latency_ms, config=config.name, repeat=repeat)
                     records.append(record)
                     logger.info(
