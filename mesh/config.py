@@ -7,7 +7,7 @@ Sources, highest precedence first (each key is merged on its own):
 3. ``[defaults.speculative]`` in that file
 4. the package manifest's ``generation.speculative_decoding`` (its ``default``
    strategy, or the one named by a ``strategy`` key above)
-5. the built-in default: n-gram, auto gating on, cost-aware window policy
+5. the built-in default: the suffix drafter, auto gating on, cost-aware window policy
 
 This module is plain Python (no torch): the CLI imports it before anything heavy.
 """
@@ -54,7 +54,7 @@ CLI_KEYS = {
 
 BUILTIN_ORIGIN = "built-in default"
 BUILTIN = {
-    "type": "ngram",
+    "type": "suffix",
     "ngram_min": 2,
     "ngram_max": 6,
     "ngram_memory": True,
@@ -118,7 +118,7 @@ class WindowPolicySpec:
 class SpeculationConfig:
     """The resolved speculation settings of stage 0 for one model."""
 
-    type: str = "ngram"
+    type: str = "suffix"
     draft_model: DraftRef | None = None
     ngram_min: int = 2
     ngram_max: int = 6

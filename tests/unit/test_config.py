@@ -59,9 +59,9 @@ def toml_with(defaults: dict | None = None, model: dict | None = None) -> dict:
 def test_builtin_default() -> None:
     config = resolve_speculation({}, {}, MODEL, None)
     assert config == SpeculationConfig()
-    assert config.type == "ngram" and config.auto and config.window_policy.default == "cost"
+    assert config.type == "suffix" and config.auto and config.window_policy.default == "cost"
     assert config.origin("type") == "built-in default"
-    assert "speculation type=ngram" in config.describe()
+    assert "speculation type=suffix" in config.describe()
 
 
 LEVELS = ("cli", "model", "defaults", "package")
@@ -143,7 +143,7 @@ def test_no_draft_without_package_ngram_falls_back_to_builtin() -> None:
         }
     }
     config = resolve_speculation({}, {}, MODEL, package, no_draft=True)
-    assert config.type == "ngram" and config.strategy is None
+    assert config.type == "suffix" and config.strategy is None
     assert config.window_policy == WindowPolicySpec()
 
 
@@ -317,7 +317,7 @@ def test_window_flags_clamp_the_windows_of_lower_sources() -> None:
 )
 def test_an_unusable_package_block_is_left_out_with_a_note(block) -> None:
     config = resolve_speculation({}, {}, MODEL, {"speculative_decoding": block})
-    assert config.type == "ngram" and config.strategy is None
+    assert config.type == "suffix" and config.strategy is None
     assert config.window_policy == WindowPolicySpec()
     assert any("package's speculation block is left out" in note for note in config.notes)
 

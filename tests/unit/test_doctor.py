@@ -363,7 +363,7 @@ def test_draft_model_without_a_draft_type_is_unused(package, tiny_model_factory,
     code, checks = coordinator_doctor([*argv, "--draft-model", str(draft)], capsys)
     assert code == 0
     assert checks["draft model"]["status"] == "WARN"
-    assert "is not used: speculation type is 'ngram'" in checks["draft model"]["detail"]
+    assert "is not used: speculation type is 'suffix'" in checks["draft model"]["detail"]
 
 
 # ---- mesh-stage doctor -------------------------------------------------------------------

@@ -42,14 +42,17 @@ def test_none_disables() -> None:
 
 
 def test_ngram_variants() -> None:
-    factory = build_drafter(SpeculationConfig(), None)
+    factory = build_drafter(SpeculationConfig(type="ngram"), None)
     drafter = factory.new_drafter()
     assert isinstance(drafter, AutoNgramDrafter)
     assert isinstance(drafter.inner, MemoryNgramDrafter)
     assert isinstance(factory.new_policy(), CostAwareWindow)
     plain = build_drafter(
         SpeculationConfig(
-            auto=False, ngram_memory=False, window_policy=WindowPolicySpec("adaptive", 4, 1, 8)
+            type="ngram",
+            auto=False,
+            ngram_memory=False,
+            window_policy=WindowPolicySpec("adaptive", 4, 1, 8),
         ),
         None,
     )

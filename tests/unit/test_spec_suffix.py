@@ -275,7 +275,7 @@ def test_config_keys_flags_and_errors() -> None:
     assert resolve_speculation({}, toml, "m", None).corpus_tokens == 0
     default = resolve_speculation({}, {}, "m", None)
     assert (default.type, default.corpus_tokens, default.corpus_scope) == (
-        "ngram",
+        "suffix",
         1_000_000,
         "user",
     )
