@@ -9,6 +9,9 @@ Sources, highest precedence first (each key is merged on its own):
    strategy, or the one named by a ``strategy`` key above)
 5. the built-in default: the suffix drafter, auto gating on, cost-aware window policy
 
+On stage 0 the coordinator's sources (its flags and TOML tables, sent with the
+Load) sit between 3 and 4: stage 0's own flags and TOML come first.
+
 This module is plain Python (no torch): the CLI imports it before anything heavy.
 """
 
