@@ -5,7 +5,6 @@ Run both in-process (`main([...])`, JSON) and as the installed console scripts."
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -17,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from package_support import rehash
 
 from coordinator import cli as coordinator_cli
-from mesh.package.manifest import PackageManifest, layer_path, sha256_file
+from mesh.package.manifest import layer_path
 from stage import cli as stage_cli
 
 BIN = Path(sys.executable).parent
@@ -109,18 +109,6 @@ def stage_doctor(argv: list[str], capsys) -> tuple[int, Checks]:
 def only_failure(checks: Checks) -> dict:
     (failure,) = [c for c in checks if c["status"] == "FAIL"]
     return failure
-
-
-def rehash(package: Path, relative: str) -> None:
-    manifest = PackageManifest.load(package)
-    path = package / relative
-    files = tuple(
-        dataclasses.replace(f, bytes=path.stat().st_size, sha256=sha256_file(path))
-        if f.path == relative
-        else f
-        for f in manifest.files
-    )
-    dataclasses.replace(manifest, files=files).save(package)
 
 
 # ---- mesh-coordinator doctor ------------------------------------------------------------

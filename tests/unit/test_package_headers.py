@@ -3,7 +3,6 @@ but which cannot be loaded (truncated and re-hashed, a header that lies) is caug
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import struct
@@ -12,14 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from package_support import rehash
 
 from mesh.package.cli import main
 from mesh.package.manifest import (
     EMBED_PATH,
     HEAD_PATH,
-    PackageManifest,
     layer_path,
-    sha256_file,
 )
 from mesh.package.safetensors_header import header_problem, read_header
 from mesh.package.verify import verify_package
@@ -30,19 +28,6 @@ def package(tiny_package_factory, tmp_path) -> Path:
     target = tmp_path / "pkg"
     shutil.copytree(tiny_package_factory("llama", layers=2), target)
     return target
-
-
-def rehash(package: Path, relative: str) -> None:
-    """Make the manifest describe the file as it is now (size and sha256)."""
-    manifest = PackageManifest.load(package)
-    path = package / relative
-    files = tuple(
-        dataclasses.replace(f, bytes=path.stat().st_size, sha256=sha256_file(path))
-        if f.path == relative
-        else f
-        for f in manifest.files
-    )
-    dataclasses.replace(manifest, files=files).save(package)
 
 
 def rewrite_header(path: Path, edit) -> None:
