@@ -6,12 +6,18 @@ Exact conversions (every block type stores ``w = scale * q + min`` per 32 weight
 
 - Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``) and Q4_K (``d * sc * q - dmin * m``
   with 6-bit sub-block scales) -> int4 with group 32;
-- Q8_0 (``d * q``) -> group-wise int8 (embeddings).
+- Q8_0 (``d * q``), Q4_0 (``d * (q - 8)``) and Q5_0 (``d * (q - 16)``) -> group-wise
+  int8 with group 32 (embeddings): symmetric codes with one float16 scale per block.
 
-Any other type, or another target form, is not converted here: the builder then
-quantises the dequantised tensor itself. GGUF files of the ``llama`` architecture
+Nothing else converts exactly into a form the runtime has: Q5_1, Q5_K and Q6_K hold
+more than 16 levels (no int4), Q4_1/Q4_K/Q5_1/Q5_K add a per-block offset and Q6_K
+has a scale per 16 weights (no symmetric int8 group of 32), and the runtime's int8
+linears scale whole rows. For those, and for another target form or group size, the
+builder quantises the dequantised tensor itself and the manifest records how far
+the result is from the file's own dequantisation. GGUF files of the ``llama`` architecture
 store q and k projections with their rows permuted for llama.cpp's rotary layout;
 the permutation is undone on the codes and scales alike (it moves whole rows).
+Stacked expert tensors are read one expert at a time (mesh/package/gguf_experts.py).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 
 from mesh.errors import PackageError
+from mesh.package.gguf_experts import expert_names
 from mesh.package.gguf_file import GgufModel, GgufTensor
 from mesh.quant import pack_int4
 
@@ -64,15 +71,23 @@ def hf_name(gguf_name: str) -> str | None:
 
 class GgufQuantReader:
     """The tensors of a GGUF model looked up by HF name: raw codes where they convert
-    exactly, float rows otherwise, with llama.cpp's q/k row order undone."""
+    exactly, float rows otherwise, with llama.cpp's q/k row order undone. One expert
+    of a stacked expert tensor is a tensor of its own here."""
 
     def __init__(self, model: GgufModel, heads: int, kv_heads: int) -> None:
         self.model = model
         self._names: dict[str, str] = {}
-        for gguf_name in model.tensors:
+        # HF name -> the expert it is in a stacked tensor.
+        self._experts: dict[str, int] = {}
+        for gguf_name, tensor in model.tensors.items():
             name = hf_name(gguf_name)
             if name is not None:
                 self._names[name] = gguf_name
+                continue
+            for name, expert in expert_names(gguf_name, tensor.shape):
+                self._names[name] = gguf_name
+                if expert is not None:
+                    self._experts[name] = expert
         self._permute = model.architecture == "llama"
         self._heads = heads
         self._kv_heads = kv_heads
@@ -87,15 +102,22 @@ class GgufQuantReader:
     def _tensor(self, name: str) -> GgufTensor:
         return self.model.tensors[self._names[name]]
 
+    def _first_row(self, name: str) -> int:
+        """Where ``name``'s rows start in its GGUF tensor (an expert's in the stack)."""
+        expert = self._experts.get(name)
+        return 0 if expert is None else expert * self._tensor(name).shape[1]
+
     def type_name(self, name: str) -> str | None:
         gguf_name = self._names.get(name)
         return None if gguf_name is None else self.model.tensors[gguf_name].type_name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._tensor(name).shape
+        shape = self._tensor(name).shape
+        return shape[1:] if name in self._experts else shape
 
     def nbytes(self, name: str) -> int:
-        return self._tensor(name).nbytes
+        tensor = self._tensor(name)
+        return tensor.nbytes // tensor.shape[0] if name in self._experts else tensor.nbytes
 
     def row_unit(self, name: str) -> int:
         """Rows are read in multiples of this: a permuted tensor's rows move within a
@@ -105,15 +127,16 @@ class GgufQuantReader:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor as float32 (for small ones: norms, biases)."""
-        tensor = self._tensor(name)
-        if len(tensor.shape) == 1:
+        shape = self.shape(name)
+        if len(shape) == 1:
             values = self.model.float_rows(self._names[name], 0, 1).reshape(-1, 1)
             return self._unpermute(name, values).reshape(-1)
-        return self.float_rows(name, 0, tensor.rows).reshape(tensor.shape)
+        return self.float_rows(name, 0, int(np.prod(shape[:-1]))).reshape(shape)
 
     def float_rows(self, name: str, first: int, count: int) -> torch.Tensor:
         """Rows ``first .. first + count`` (HF order) as float32."""
-        values = self.model.float_rows(self._names[name], first, count)
+        start = self._first_row(name) + first
+        values = self.model.float_rows(self._names[name], start, count)
         return self._unpermute(name, values)
 
     def converts(self, name: str, kind: str, group: int) -> bool:
@@ -123,13 +146,13 @@ class GgufQuantReader:
         if gguf_name is None or group != QK:
             return False
         tensor = self.model.tensors[gguf_name]
-        return (tensor.type_name, kind) in _CONVERTERS and len(tensor.shape) == 2
+        return (tensor.type_name, kind) in _CONVERTERS and len(self.shape(name)) == 2
 
     def parts(self, name: str, kind: str, first: int, count: int) -> dict[str, torch.Tensor]:
         """Rows ``first .. first + count`` of ``name`` in form ``kind`` (``converts``)."""
         tensor = self._tensor(name)
         converter = _CONVERTERS[(tensor.type_name, kind)]
-        parts = converter(self.model.raw_rows(tensor.name, first, count))
+        parts = converter(self.model.raw_rows(tensor.name, self._first_row(name) + first, count))
         return {key: self._unpermute(name, value) for key, value in parts.items()}
 
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -202,6 +225,26 @@ def _q8_0(rows: np.ndarray) -> dict[str, torch.Tensor]:
     return {"qweight": torch.from_numpy(codes.copy()), "scales": _f16(blocks, 0)}
 
 
+def _q4_0_int8g(rows: np.ndarray) -> dict[str, torch.Tensor]:
+    blocks = _blocks(rows, 18)
+    codes = _nibbles_split_halves(blocks[..., 2:18]).astype(np.int8) - 8
+    return {
+        "qweight": torch.from_numpy(codes.reshape(rows.shape[0], -1)),
+        "scales": _f16(blocks, 0),
+    }
+
+
+def _q5_0_int8g(rows: np.ndarray) -> dict[str, torch.Tensor]:
+    blocks = _blocks(rows, 22)
+    # Bit i of the little-endian uint32 after the scale is element i's fifth bit.
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")
+    codes = (_nibbles_split_halves(blocks[..., 6:22]) | (high << 4)).astype(np.int8) - 16
+    return {
+        "qweight": torch.from_numpy(codes.reshape(rows.shape[0], -1)),
+        "scales": _f16(blocks, 0),
+    }
+
+
 def _q4_k(rows: np.ndarray) -> dict[str, torch.Tensor]:
     blocks = _blocks(rows, 144)
     d = _f16(blocks, 0).float().unsqueeze(-1)
@@ -230,4 +273,6 @@ _CONVERTERS: dict[tuple[str, str], Any] = {
     ("Q4_1", "int4"): _q4_1,
     ("Q4_K", "int4"): _q4_k,
     ("Q8_0", "int8g"): _q8_0,
+    ("Q4_0", "int8g"): _q4_0_int8g,
+    ("Q5_0", "int8g"): _q5_0_int8g,
 }

@@ -135,7 +135,15 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
 
 
 @pytest.mark.parametrize(
-    ("type_name", "kind"), [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q4_K", "int4"), ("Q8_0", "int8g")]
+    ("type_name", "kind"),
+    [
+        ("Q4_0", "int4"),
+        ("Q4_1", "int4"),
+        ("Q4_K", "int4"),
+        ("Q8_0", "int8g"),
+        ("Q4_0", "int8g"),
+        ("Q5_0", "int8g"),
+    ],
 )
 def test_gguf_blocks_convert_to_the_same_weights(type_name: str, kind: str) -> None:
     from gguf import GGMLQuantizationType
