@@ -303,6 +303,9 @@ class Ready:
     data_endpoint: str
     param_bytes: int = 0
     load_ms: float = 0.0
+    # Measured after loading: ms per decoder layer and for the LM head (0: not measured).
+    layer_ms: float = 0.0
+    head_ms: float = 0.0
 
     def to_proto(self) -> stage_pb2.Ready:
         return stage_pb2.Ready(
@@ -310,11 +313,13 @@ class Ready:
             data_endpoint=self.data_endpoint,
             param_bytes=self.param_bytes,
             load_ms=self.load_ms,
+            layer_ms=self.layer_ms,
+            head_ms=self.head_ms,
         )
 
     @classmethod
     def from_proto(cls, pb: stage_pb2.Ready) -> Ready:
-        return cls(pb.term, pb.data_endpoint, pb.param_bytes, pb.load_ms)
+        return cls(pb.term, pb.data_endpoint, pb.param_bytes, pb.load_ms, pb.layer_ms, pb.head_ms)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ class JoinRequest:
     frontend: bool = False
     http_url: str = ""
     term: int = 0
+    # "stated" (--memory), "measured" (free device memory / available RAM) or "".
+    memory_source: str = ""
 
     def to_proto(self) -> coordinator_pb2.JoinRequest:
         return coordinator_pb2.JoinRequest(
@@ -35,6 +37,7 @@ class JoinRequest:
             frontend=self.frontend,
             http_url=self.http_url,
             term=self.term,
+            memory_source=self.memory_source,
         )
 
     @classmethod
@@ -49,6 +52,7 @@ class JoinRequest:
             frontend=pb.frontend,
             http_url=pb.http_url,
             term=pb.term,
+            memory_source=pb.memory_source,
         )
 
 
@@ -71,7 +75,8 @@ class JoinReply:
 @dataclass(frozen=True)
 class HeartbeatRequest:
     """state: idle, claimed, preparing, loaded, serving or failed. ``kv_bytes``: KV
-    cache held for live sessions; ``prefix_bytes``: for kept prefixes."""
+    cache held for live sessions; ``prefix_bytes``: for kept prefixes; ``step_ms``:
+    mean compute time of the last ``step_frames`` frames."""
 
     node_id: str
     term: int
@@ -79,6 +84,8 @@ class HeartbeatRequest:
     active_sessions: int = 0
     kv_bytes: int = 0
     prefix_bytes: int = 0
+    step_ms: float = 0.0
+    step_frames: int = 0
 
     def to_proto(self) -> coordinator_pb2.HeartbeatRequest:
         return coordinator_pb2.HeartbeatRequest(
@@ -88,11 +95,22 @@ class HeartbeatRequest:
             active_sessions=self.active_sessions,
             kv_bytes=self.kv_bytes,
             prefix_bytes=self.prefix_bytes,
+            step_ms=self.step_ms,
+            step_frames=self.step_frames,
         )
 
     @classmethod
     def from_proto(cls, pb: coordinator_pb2.HeartbeatRequest) -> HeartbeatRequest:
-        return cls(pb.node_id, pb.term, pb.state, pb.active_sessions, pb.kv_bytes, pb.prefix_bytes)
+        return cls(
+            pb.node_id,
+            pb.term,
+            pb.state,
+            pb.active_sessions,
+            pb.kv_bytes,
+            pb.prefix_bytes,
+            pb.step_ms,
+            pb.step_frames,
+        )
 
 
 @dataclass(frozen=True)
@@ -141,6 +159,11 @@ class StageStatus:
     slice_bytes_total: int = 0
     kv_bytes: int = 0
     prefix_bytes: int = 0
+    memory_source: str = ""
+    planned_step_ms: float = 0.0
+    measured_step_ms: float = 0.0
+    layer_ms: float = 0.0
+    head_ms: float = 0.0
 
     def to_proto(self) -> coordinator_pb2.StageStatus:
         pb = coordinator_pb2.StageStatus(
@@ -160,6 +183,11 @@ class StageStatus:
             slice_bytes_total=self.slice_bytes_total,
             kv_bytes=self.kv_bytes,
             prefix_bytes=self.prefix_bytes,
+            memory_source=self.memory_source,
+            planned_step_ms=self.planned_step_ms,
+            measured_step_ms=self.measured_step_ms,
+            layer_ms=self.layer_ms,
+            head_ms=self.head_ms,
         )
         if self.layer_range is not None:
             pb.layer_range.CopyFrom(layer_range_to_proto(self.layer_range))
@@ -188,6 +216,11 @@ class StageStatus:
             slice_bytes_total=pb.slice_bytes_total,
             kv_bytes=pb.kv_bytes,
             prefix_bytes=pb.prefix_bytes,
+            memory_source=pb.memory_source,
+            planned_step_ms=pb.planned_step_ms,
+            measured_step_ms=pb.measured_step_ms,
+            layer_ms=pb.layer_ms,
+            head_ms=pb.head_ms,
         )
 
 

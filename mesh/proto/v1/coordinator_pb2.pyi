@@ -42,7 +42,7 @@ class FileChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "address", "device", "memory_bytes", "speed_hint", "frontend", "http_url", "term")
+    __slots__ = ("node_id", "address", "device", "memory_bytes", "speed_hint", "frontend", "http_url", "term", "memory_source")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class JoinRequest(_message.Message):
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     device: str
@@ -59,7 +60,8 @@ class JoinRequest(_message.Message):
     frontend: bool
     http_url: str
     term: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., speed_hint: _Optional[float] = ..., frontend: _Optional[bool] = ..., http_url: _Optional[str] = ..., term: _Optional[int] = ...) -> None: ...
+    memory_source: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., speed_hint: _Optional[float] = ..., frontend: _Optional[bool] = ..., http_url: _Optional[str] = ..., term: _Optional[int] = ..., memory_source: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("coordinator_id", "heartbeat_interval_ms")
@@ -70,20 +72,24 @@ class JoinReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes")
+    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     term: int
     state: str
     active_sessions: int
     kv_bytes: int
     prefix_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ...) -> None: ...
+    step_ms: float
+    step_frames: int
+    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "term")
@@ -98,7 +104,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("node_id", "address", "device", "memory_bytes", "assigned", "stage_index", "layer_range", "health", "state", "term", "heartbeat_age_s", "param_bytes", "active_sessions", "slice_bytes_done", "slice_bytes_total", "kv_bytes", "prefix_bytes")
+    __slots__ = ("node_id", "address", "device", "memory_bytes", "assigned", "stage_index", "layer_range", "health", "state", "term", "heartbeat_age_s", "param_bytes", "active_sessions", "slice_bytes_done", "slice_bytes_total", "kv_bytes", "prefix_bytes", "memory_source", "planned_step_ms", "measured_step_ms", "layer_ms", "head_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +122,11 @@ class StageStatus(_message.Message):
     SLICE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     device: str
@@ -133,7 +144,12 @@ class StageStatus(_message.Message):
     slice_bytes_total: int
     kv_bytes: int
     prefix_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., assigned: _Optional[bool] = ..., stage_index: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., health: _Optional[str] = ..., state: _Optional[str] = ..., term: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., param_bytes: _Optional[int] = ..., active_sessions: _Optional[int] = ..., slice_bytes_done: _Optional[int] = ..., slice_bytes_total: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ...) -> None: ...
+    memory_source: str
+    planned_step_ms: float
+    measured_step_ms: float
+    layer_ms: float
+    head_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., assigned: _Optional[bool] = ..., stage_index: _Optional[int] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., health: _Optional[str] = ..., state: _Optional[str] = ..., term: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., param_bytes: _Optional[int] = ..., active_sessions: _Optional[int] = ..., slice_bytes_done: _Optional[int] = ..., slice_bytes_total: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., memory_source: _Optional[str] = ..., planned_step_ms: _Optional[float] = ..., measured_step_ms: _Optional[float] = ..., layer_ms: _Optional[float] = ..., head_ms: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("coordinator_id", "model_id", "package_ref", "term", "state", "error", "http_url", "layer_count", "stages", "waiting_for")

@@ -138,16 +138,20 @@ class Setting(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value_json: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("term", "data_endpoint", "param_bytes", "load_ms")
+    __slots__ = ("term", "data_endpoint", "param_bytes", "load_ms", "layer_ms", "head_ms")
     TERM_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_MS_FIELD_NUMBER: _ClassVar[int]
     term: int
     data_endpoint: str
     param_bytes: int
     load_ms: float
-    def __init__(self, term: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., param_bytes: _Optional[int] = ..., load_ms: _Optional[float] = ...) -> None: ...
+    layer_ms: float
+    head_ms: float
+    def __init__(self, term: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., param_bytes: _Optional[int] = ..., load_ms: _Optional[float] = ..., layer_ms: _Optional[float] = ..., head_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("term", "reason")
