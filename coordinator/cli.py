@@ -21,6 +21,7 @@ from coordinator.certs import add_certs_parser, run_certs
 from coordinator.driver import LoadSettings
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
+from coordinator.stage0_budget import stage0_extra_bytes
 from coordinator.state_file import record_term, term_floor, update_state
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.codec import StatusReply, StatusRequest, WireDType
@@ -225,7 +226,7 @@ def up(args: argparse.Namespace) -> int:
         cli_speculation_args(args), dict(config.toml), model.manifest.model_id
     )
     # Checked here whole (with the package's block), so a bad flag fails at start.
-    resolve_speculation(
+    resolved = resolve_speculation(
         cli_speculation_args(args),
         dict(config.toml),
         model.manifest.model_id,
@@ -262,6 +263,8 @@ def up(args: argparse.Namespace) -> int:
         ),
         min_stages=max(coord.min_stages, local, 1),
         max_stages=coord.max_stages,
+        stage0_extra_bytes=stage0_extra_bytes(resolved, kv_sessions(coord, serving), max_tokens),
+        rebalance_spread=coord.rebalance_spread,
         heartbeat_timeout_s=coord.heartbeat_timeout,
         forget_dead_after_s=coord.forget_dead_after,
         load_attempts=coord.load_attempts,

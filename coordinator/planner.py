@@ -11,22 +11,27 @@ How layers are shared out:
 - A node's *capacity* is the memory it offers minus the fixed extras of its
   position, divided by the cost of one layer (weights plus its KV budget).
   ``memory_bytes == 0`` means the node did not say: it is treated as unlimited.
-- Layers go out in proportion to each node's weight: its memory left after fixed
-  extras, scaled by its speed hint relative to the other nodes that offer the same
-  memory (so speed decides only between equal-memory nodes). An unlimited node
-  weighs as much as the largest known one; when no node states its memory, speed
-  alone decides.
-- Where the last node does not state its memory, compute decides its share: its
-  LM head counts as ``HEAD_LOAD_FACTOR * head_bytes / layer_bytes`` layers of load
+  Stage 0's extras are the embeddings and ``stage0_extra_bytes``: the draft model's
+  weights and its KV budget when speculation drafts with one.
+- Memory is *stated* (the operator's ``--memory``: a share as well as a limit) or
+  *measured* (the node's free device memory or available RAM: a limit only).
+- When the nodes' compute is measured (``layer_ms``: one decoder layer on the node's
+  device, timed by the stage after it loads), layers go out so that the estimated
+  step times balance: a stage's estimate is its layers times its ``layer_ms``, plus
+  on the last stage the LM head (``head_ms``, scaled to the node's speed when another
+  node measured it) and on stage 0 its frontend's overhead (``overhead_ms``, measured
+  while serving). A node not measured yet counts as the mean of those that were.
+- Before any measurement (the first plan), a prior decides: layers go out in
+  proportion to each node's weight: its stated memory left after fixed extras,
+  scaled by its speed hint relative to the other nodes that offer the same memory
+  (so speed decides only between equal-memory nodes). A node whose memory is not
+  stated weighs as much as the largest stated one; when no node states its memory,
+  speed alone decides. Where the last node does not state its memory, its LM head
+  counts as ``HEAD_LOAD_FACTOR * head_bytes / layer_bytes`` layers of load
   (SmolLM2: 4 layers in float32, 6.5 in the int4 package, whose head is int8), and
-  the last stage gets that many fewer layers, so that no stage waits on a slower
-  last one when several frames are in the pipe. The factor is measured, not
-  derived: reading the head costs about its bytes, but stage 0 also runs the
-  frontend (HTTP, tokenizer, drafter, engine core), and with the whole head counted
-  stage 0 became the busier stage (busy 77% / 65% float32 and 88% / 58% int4 at 8
-  streams on the 2-core VM, against 61% / 79% and 52% / 68% with an even split).
-  (A node that states its memory already gives the head's memory up from its
-  share.)
+  the last stage gets that many fewer layers. The factor is a guess from one
+  machine (stage 0 also runs the frontend, which the factor leaves room for); the
+  measured figures replace it from the second plan on.
 - Every stage gets at least one layer and never more than its capacity. Nodes that
   cannot hold a single layer are left out; when there are more nodes than layers
   (or than ``max_stages``), the smallest ones are left out.
@@ -47,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 GIB = float(1 << 30)
 # The share of the LM head's bytes that counts as compute load on the last stage
-# (see the module docstring).
+# before the nodes' compute is measured (see the module docstring).
 HEAD_LOAD_FACTOR = 0.5
 
 DTYPE_BYTES = {
@@ -72,6 +77,18 @@ class NodeCapacity:
     memory_bytes: int
     speed_hint: float = 1.0
     frontend: bool = False
+    # memory_bytes was measured on the node (a limit, not a share; see above).
+    memory_measured: bool = False
+    # Measured compute in ms per decode step of a few rows (0: not measured): one
+    # decoder layer, the LM head (when the node held it), and the frontend's
+    # overhead (stage 0, from its serving step times).
+    layer_ms: float = 0.0
+    head_ms: float = 0.0
+    overhead_ms: float = 0.0
+
+    @property
+    def memory_stated(self) -> bool:
+        return self.memory_bytes > 0 and not self.memory_measured
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,9 @@ class StageAssignment:
     stage_index: int
     layer_range: LayerRange
     planned_bytes: int
+    # The estimated step time (ms of the nodes' measured compute; 0 before any
+    # measurement).
+    planned_step_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,10 +155,12 @@ class Plan:
         return None
 
     def describe(self) -> str:
-        """One line per stage, e.g. ``stage 0: a (10.0.0.1:7071) layers [0, 15) 1.20 GiB``."""
+        """One line per stage, e.g. ``stage 0: a (10.0.0.1:7071) layers [0, 15) 1.20 GiB``
+        (and ``, step 12.5 ms`` when the compute was measured)."""
         return "\n".join(
             f"stage {s.stage_index}: {s.node_id} ({s.address}) layers {s.layer_range} "
             f"{s.planned_bytes / GIB:.2f} GiB"
+            + (f", step {s.planned_step_ms:.2f} ms" if s.planned_step_ms else "")
             for s in self.stages
         )
 
@@ -158,13 +180,21 @@ def plan_layers(
     room = sum(min(c, footprint.layer_count) for c in capacities)
     if capacities[0] < 1 or room < footprint.layer_count:
         raise InvalidRequest(_cannot_fit_message(chosen, footprint, len(order)))
-    head_load = [0.0] * len(chosen)
-    if footprint.layer_bytes > 0 and chosen[-1].memory_bytes == 0:
-        head_load[-1] = HEAD_LOAD_FACTOR * footprint.head_bytes / footprint.layer_bytes
-    counts = _apportion(_weights(chosen, footprint), capacities, footprint.layer_count, head_load)
+    compute = _measured_compute(chosen, footprint)
+    if compute is not None:
+        layer_ms, fixed_ms = compute
+        weights = [1.0 / ms for ms in layer_ms]
+        load = [f / ms for f, ms in zip(fixed_ms, layer_ms, strict=True)]
+    else:
+        weights = _weights(chosen, footprint)
+        load = [0.0] * len(chosen)
+        if footprint.layer_bytes > 0 and not chosen[-1].memory_stated:
+            load[-1] = HEAD_LOAD_FACTOR * footprint.head_bytes / footprint.layer_bytes
+    counts = _apportion(weights, capacities, footprint.layer_count, load)
     stages: list[StageAssignment] = []
     start = 0
-    for index, (node, count) in enumerate(zip(chosen, counts, strict=True)):
+    steps = step_estimates(chosen, counts, footprint)
+    for index, (node, count, step_ms) in enumerate(zip(chosen, counts, steps, strict=True)):
         fixed = footprint.fixed_bytes(first=index == 0, last=index == len(chosen) - 1)
         stages.append(
             StageAssignment(
@@ -173,6 +203,7 @@ def plan_layers(
                 stage_index=index,
                 layer_range=LayerRange(start, start + count),
                 planned_bytes=fixed + count * footprint.bytes_per_layer,
+                planned_step_ms=step_ms,
             )
         )
         start += count
@@ -214,6 +245,12 @@ def _check_inputs(
             raise InvalidRequest(
                 f"node {node.node_id} has speed hint {node.speed_hint}; it must be positive"
             )
+        for name in ("layer_ms", "head_ms", "overhead_ms"):
+            value = getattr(node, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise InvalidRequest(
+                    f"node {node.node_id} reports {name} {value}; it must be >= 0 (0: unmeasured)"
+                )
     frontends = [n.node_id for n in nodes if n.frontend]
     if len(frontends) > 1:
         raise InvalidRequest(
@@ -275,10 +312,48 @@ def _choose_nodes(
         chain.remove(drop)
 
 
+def step_estimates(
+    chain: Sequence[NodeCapacity], counts: Sequence[int], footprint: ModelFootprint
+) -> list[float]:
+    """The estimated step time (ms) of each stage of ``chain`` holding ``counts``
+    layers, by the rule the planner balances with; zeros when nothing is measured."""
+    compute = _measured_compute(chain, footprint)
+    if compute is None:
+        return [0.0] * len(chain)
+    layer_ms, fixed_ms = compute
+    return [n * ms + f for n, ms, f in zip(counts, layer_ms, fixed_ms, strict=True)]
+
+
+def _measured_compute(
+    chain: Sequence[NodeCapacity], footprint: ModelFootprint
+) -> tuple[list[float], list[float]] | None:
+    """Per stage of ``chain``: ms per layer and fixed ms (the head on the last stage,
+    the frontend's overhead on stage 0); None when no node's compute is measured.
+    With no head measured anywhere, the prior's head load stands in."""
+    known = [n.layer_ms for n in chain if n.layer_ms > 0]
+    if not known:
+        return None
+    mean = sum(known) / len(known)
+    layer_ms = [n.layer_ms if n.layer_ms > 0 else mean for n in chain]
+    fixed_ms = [0.0] * len(chain)
+    fixed_ms[0] += chain[0].overhead_ms
+    # The head's cost relative to a layer is the model's; the device scales both.
+    heads = [n.head_ms / n.layer_ms for n in chain if n.head_ms > 0 and n.layer_ms > 0]
+    last = chain[-1]
+    if last.head_ms > 0 and last.layer_ms > 0:
+        fixed_ms[-1] += last.head_ms
+    elif heads:
+        fixed_ms[-1] += heads[0] * layer_ms[-1]
+    elif footprint.layer_bytes > 0:
+        prior = HEAD_LOAD_FACTOR * footprint.head_bytes / footprint.layer_bytes
+        fixed_ms[-1] += prior * layer_ms[-1]
+    return layer_ms, fixed_ms
+
+
 def _weights(chain: Sequence[NodeCapacity], footprint: ModelFootprint) -> list[float]:
     rooms: list[float | None] = []
     for index, node in enumerate(chain):
-        if node.memory_bytes == 0:
+        if not node.memory_stated:
             rooms.append(None)
         else:
             fixed = footprint.fixed_bytes(first=index == 0, last=index == len(chain) - 1)
@@ -287,10 +362,14 @@ def _weights(chain: Sequence[NodeCapacity], footprint: ModelFootprint) -> list[f
     unlimited_room = max(known) if known else 1.0
     weights: list[float] = []
     for node, room in zip(chain, rooms, strict=True):
-        peers = [n.speed_hint for n in chain if n.memory_bytes == node.memory_bytes]
+        peers = [n.speed_hint for n in chain if _stated(n) == _stated(node)]
         relative_speed = node.speed_hint / (sum(peers) / len(peers))
         weights.append((unlimited_room if room is None else room) * relative_speed)
     return weights
+
+
+def _stated(node: NodeCapacity) -> int:
+    return node.memory_bytes if node.memory_stated else 0
 
 
 def _apportion(

@@ -54,6 +54,13 @@ class NodeRecord:
     slice_bytes_total: int = 0
     kv_bytes: int = 0
     prefix_bytes: int = 0
+    memory_source: str = ""
+    # Measured by the stage at its last load (ms per decode step of a few rows), and
+    # the mean compute time of its recent frames in the current term.
+    layer_ms: float = 0.0
+    head_ms: float = 0.0
+    step_ms: float = 0.0
+    step_frames: int = 0
 
     @property
     def alive(self) -> bool:
@@ -66,6 +73,9 @@ class NodeRecord:
             memory_bytes=self.memory_bytes,
             speed_hint=self.speed_hint,
             frontend=self.frontend,
+            memory_measured=self.memory_source == "measured",
+            layer_ms=self.layer_ms,
+            head_ms=self.head_ms,
         )
 
 
@@ -126,6 +136,7 @@ class NodeJoined:
     frontend: bool = False
     http_url: str = ""
     term: int = 0
+    memory_source: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +156,8 @@ class HeartbeatReceived:
     active_sessions: int = 0
     kv_bytes: int = 0
     prefix_bytes: int = 0
+    step_ms: float = 0.0
+    step_frames: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +187,9 @@ class StageReady:
     param_bytes: int
     term: int | None = None
     now: float | None = None  # when the Ready reply was received
+    # The stage's step probe (0: not measured; an earlier figure is kept then).
+    layer_ms: float = 0.0
+    head_ms: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,6 +348,9 @@ def apply(state: State, event: Event) -> State:
             if event.term is not None and event.term != state.term:
                 return state
             changes: dict[str, object] = {"param_bytes": event.param_bytes, "stage_state": "loaded"}
+            if event.layer_ms > 0:
+                changes["layer_ms"] = event.layer_ms
+                changes["head_ms"] = event.head_ms
             node = state.node(event.node_id)
             if event.now is not None and node is not None:
                 # A Ready reply is proof of life: a stage busy loading its layers may
@@ -374,6 +393,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             address=event.address,
             device=event.device,
             memory_bytes=event.memory_bytes,
+            memory_source=event.memory_source,
             speed_hint=event.speed_hint,
             frontend=event.frontend,
             http_url=event.http_url,
@@ -392,6 +412,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             address=event.address,
             device=event.device,
             memory_bytes=event.memory_bytes,
+            memory_source=event.memory_source,
             speed_hint=event.speed_hint,
             frontend=event.frontend,
             http_url=event.http_url,
@@ -420,6 +441,11 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
     }
     if event.stage_state:
         changes["stage_state"] = event.stage_state
+    if event.term == state.term and event.stage_state == "serving":
+        # Frames of this term only: a stage between a Claim and its Load still
+        # remembers the frames of its previous term.
+        changes["step_ms"] = event.step_ms
+        changes["step_frames"] = event.step_frames
     after = _update_node(state, event.node_id, **changes)
     if known.alive:
         return after
@@ -469,7 +495,7 @@ def _load_started(state: State, event: LoadStarted) -> State:
             f"the plan covers {event.plan.layer_count} layers but the model has "
             f"{state.layer_count}; plan again with the model's footprint"
         )
-    nodes = tuple(replace(n, param_bytes=0) for n in state.nodes)
+    nodes = tuple(replace(n, param_bytes=0, step_ms=0.0, step_frames=0) for n in state.nodes)
     return replace(
         state,
         nodes=nodes,

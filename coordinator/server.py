@@ -8,15 +8,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
-from coordinator import registry
+from coordinator import balance, registry
 from coordinator.driver import LoadDriver, LoadError, LoadSettings, release_nodes
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.model import ModelInfo
-from coordinator.planner import footprint_from_manifest, plan_layers
+from coordinator.planner import ModelFootprint, Plan, footprint_from_manifest, plan_layers
 from coordinator.topology_view import status_from_state
 from mesh.codec import (
     HeartbeatReply,
@@ -57,6 +57,16 @@ class CoordinatorSettings:
     # back): plan again once stage 0 is idle, or after this long even if busy
     # (in-flight requests then resume on the new pipeline).
     regrow_busy_after_s: float = 60.0
+    # Stage 0's memory besides the model's embeddings and layers: the draft model's
+    # weights and KV budget (coordinator/stage0_budget.py).
+    stage0_extra_bytes: int = 0
+    # Plan again when the stages' measured step times differ by more than this
+    # (0.15: 15%) and stage 0 is idle; 0: never.
+    rebalance_spread: float = CoordinatorConfig.rebalance_spread
+    # Frames every stage must have measured before their step times are compared,
+    # and the least time between two rebalance checks.
+    rebalance_min_frames: int = balance.MIN_STEP_FRAMES
+    rebalance_check_s: float = 10.0
 
 
 class CoordinatorService:
@@ -92,6 +102,7 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._last_attempt = 0.0
+        self._last_rebalance_check = 0.0
         self._served_once = False
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
@@ -136,13 +147,17 @@ class CoordinatorService:
                 frontend=request.frontend,
                 http_url=request.http_url,
                 term=request.term,
+                memory_source=request.memory_source,
             )
         )
         logger.info(
-            "node %s joined from %s (%s, holding term %s)",
+            "node %s joined from %s (%s, %s, holding term %s)",
             request.node_id,
             request.address,
             request.device,
+            f"{request.memory_bytes / 2**30:.2f} GiB {request.memory_source}"
+            if request.memory_bytes
+            else "memory unknown",
             request.term,
         )
         return JoinReply(
@@ -164,6 +179,8 @@ class CoordinatorService:
                     active_sessions=request.active_sessions,
                     kv_bytes=request.kv_bytes,
                     prefix_bytes=request.prefix_bytes,
+                    step_ms=request.step_ms,
+                    step_frames=request.step_frames,
                 ),
             )
             return HeartbeatReply(known=True, term=self.state.term)
@@ -172,6 +189,7 @@ class CoordinatorService:
         now = time.monotonic()
         with self._lock:
             view = status_from_state(self.state, now=now, coordinator_id=self.coordinator_id)
+            steps = {s.node_id: s for s in balance.stage_steps(self.state, self._footprint())}
             waiting = registry.waiting_for(
                 self.state,
                 min_stages=self.settings.min_stages,
@@ -188,7 +206,7 @@ class CoordinatorService:
             error=view.error,
             http_url=view.http_url,
             layer_count=view.layer_count,
-            stages=tuple(StageStatus(**vars(stage)) for stage in view.stages),
+            stages=tuple(_stage_status(stage, steps.get(stage.node_id)) for stage in view.stages),
             waiting_for=waiting,
         )
 
@@ -214,6 +232,8 @@ class CoordinatorService:
                 self._load_once()
             elif self._should_regrow(after):
                 self._load_once(grow_from=len(after.topology.stages))
+            elif self._should_rebalance(after):
+                self._rebalance(after)
 
     def _should_load(self, state: registry.State) -> bool:
         if self.gave_up is not None:
@@ -245,6 +265,49 @@ class CoordinatorService:
         busy_s = now - self._undersized_since
         return registry.frontend_idle(state) or busy_s >= self.settings.regrow_busy_after_s
 
+    def _should_rebalance(self, state: registry.State) -> bool:
+        if self.settings.rebalance_spread <= 0:
+            return False
+        now = time.monotonic()
+        if now - self._last_rebalance_check < self.settings.rebalance_check_s:
+            return False
+        if now - self._last_attempt < self._backoff_s():
+            return False
+        return balance.should_rebalance(
+            state, self.settings.rebalance_spread, self.settings.rebalance_min_frames
+        )
+
+    def _rebalance(self, state: registry.State) -> None:
+        """Plan again with the measured compute; load only a plan that changes the
+        split and whose slowest stage is estimated faster than today's."""
+        self._last_rebalance_check = time.monotonic()
+        footprint = self._footprint()
+        steps = balance.stage_steps(state, footprint)
+        try:
+            plan = self._plan(state, footprint)
+        except MeshError as error:
+            logger.info("cannot plan a better balance: %s", error.message)
+            return
+        current = state.topology
+        if current is None or _ranges(plan) == _ranges(current):
+            logger.debug("measured step times differ, but the plan is already the balanced one")
+            return
+        scale = balance.calibrate(state, footprint).scale
+        before = max(s.planned_ms for s in steps)
+        after = max(s.planned_step_ms for s in plan.stages) * scale
+        if after >= before:
+            logger.debug("no better balance: %.2f ms now, %.2f ms planned", before, after)
+            return
+        logger.info(
+            "measured step times %s differ by more than %.0f%%: planning again "
+            "(slowest stage %.2f ms now, %.2f ms estimated)",
+            ", ".join(f"{s.measured_ms:.2f} ms" for s in steps),
+            self.settings.rebalance_spread * 100,
+            before,
+            after,
+        )
+        self._load_once(plan=plan)
+
     def _backoff_s(self) -> float:
         if self._failures == 0:
             return self.settings.retry_backoff_s
@@ -272,24 +335,31 @@ class CoordinatorService:
         ]
         release_nodes(survivors, before.term, "a stage of the pipeline was lost")
 
-    def _load_once(self, grow_from: int = 0) -> None:
-        """Plan and load a new term. With ``grow_from`` (the stage count serving now),
-        load only when the plan uses more stages than that."""
-        self._last_attempt = time.monotonic()
+    def _footprint(self) -> ModelFootprint:
         load = self.settings.load
-        with self._lock:
-            state = self.state
-            nodes = registry.planner_nodes(state)
-        footprint = footprint_from_manifest(
+        return footprint_from_manifest(
             self.model.manifest,
             dtype=load.torch_dtype,
             max_sessions=load.max_sessions,
             max_tokens_per_session=load.max_tokens_per_session,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
+            stage0_extra_bytes=self.settings.stage0_extra_bytes,
         )
+
+    def _plan(self, state: registry.State, footprint: ModelFootprint) -> Plan:
+        nodes = balance.planning_nodes(state, footprint)
+        return plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
+
+    def _load_once(self, grow_from: int = 0, plan: Plan | None = None) -> None:
+        """Plan and load a new term. With ``grow_from`` (the stage count serving now),
+        load only when the plan uses more stages than that; ``plan``: load this one."""
+        self._last_attempt = time.monotonic()
+        load = self.settings.load
+        with self._lock:
+            state = self.state
         try:
-            plan = plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
+            plan = plan if plan is not None else self._plan(state, self._footprint())
         except MeshError as error:
             if grow_from:  # the pipeline serving now stays as it is
                 logger.info("cannot plan a larger pipeline: %s", error.message)
@@ -332,6 +402,8 @@ class CoordinatorService:
                     param_bytes=ready.param_bytes,
                     term=term,
                     now=time.monotonic(),
+                    layer_ms=ready.layer_ms,
+                    head_ms=ready.head_ms,
                 )
             )
         self.apply(registry.LoadSucceeded(term=term))
@@ -339,6 +411,18 @@ class CoordinatorService:
         self._failures = 0
         self._undersized_since: float | None = None
         logger.info("term %s: serving %s", term, self.model.manifest.model_id)
+
+
+def _ranges(plan: Plan) -> list[tuple[str, int, int]]:
+    return [(s.node_id, s.layer_range.start, s.layer_range.end) for s in plan.stages]
+
+
+def _stage_status(stage, step: balance.StageStep | None) -> StageStatus:
+    """A node's status row, with its planned and measured step time when it holds a stage."""
+    status = StageStatus(**vars(stage))
+    if step is None:
+        return status
+    return replace(status, planned_step_ms=step.planned_ms, measured_step_ms=step.measured_ms)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):

@@ -30,6 +30,7 @@ COLUMNS = (
     "params",
     "kv",
     "memory",
+    "step",
     "sessions",
     "slice",
 )
@@ -54,6 +55,13 @@ class StageStatusView:
     slice_bytes_total: int = 0
     kv_bytes: int = 0
     prefix_bytes: int = 0
+    memory_source: str = ""
+    # Step time of the stage (ms): planned (coordinator/balance.py) and measured.
+    planned_step_ms: float = 0.0
+    measured_step_ms: float = 0.0
+    # The node's step probe at its last load: one decoder layer, the LM head.
+    layer_ms: float = 0.0
+    head_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,9 @@ def status_from_state(state: State, *, now: float, coordinator_id: str = "") -> 
                     slice_bytes_total=record.slice_bytes_total,
                     kv_bytes=record.kv_bytes,
                     prefix_bytes=record.prefix_bytes,
+                    memory_source=record.memory_source,
+                    layer_ms=record.layer_ms,
+                    head_ms=record.head_ms,
                 ),
             )
         )
@@ -157,10 +168,27 @@ def _row(stage: StageStatusView) -> tuple[str, ...]:
         f"{stage.heartbeat_age_s:.1f}s ago",
         f"{stage.param_bytes / MIB:.1f} MiB",
         f"{(stage.kv_bytes + stage.prefix_bytes) / MIB:.1f} MiB",
-        f"{stage.memory_bytes / GIB:.1f} GiB" if stage.memory_bytes else "unknown",
+        _memory(stage),
+        _step(stage),
         str(stage.active_sessions),
         _slice(stage),
     )
+
+
+def _memory(stage: StageStatusView) -> str:
+    """e.g. "16.0 GiB measured", "8.0 GiB stated", "unknown"."""
+    if not stage.memory_bytes:
+        return "unknown"
+    return f"{stage.memory_bytes / GIB:.1f} GiB {stage.memory_source}".rstrip()
+
+
+def _step(stage: StageStatusView) -> str:
+    """Planned / measured step time, e.g. "4.1/4.6ms"; "-" for what is not known."""
+    if not stage.assigned or not (stage.planned_step_ms or stage.measured_step_ms):
+        return "-"
+    planned = f"{stage.planned_step_ms:.1f}" if stage.planned_step_ms else "-"
+    measured = f"{stage.measured_step_ms:.1f}" if stage.measured_step_ms else "-"
+    return f"{planned}/{measured}ms"
 
 
 def _slice(stage: StageStatusView) -> str:

@@ -26,6 +26,7 @@ from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
 from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
 from mesh.settings import FrontendConfig, StageConfig, add_arguments, resolve
 from mesh.settings.commands import JoinConfig, add_config_arguments, print_config, read_config
+from stage.hardware import offered_memory
 from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
 from stage.package_client import CoordinatorPackageSource
@@ -100,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     cache_dir = stage.cache_dir or default_cache_dir()
     node_id = stage.node_id or default_node_id(cache_dir)
     configure_logging(stage.log_level, prefix=node_id)
+    offered = offered_memory(stage.device, stage.memory, stage.memory_margin)
+    logger.info(
+        "offering %s bytes of memory (%s)", offered.bytes_total, offered.detail or "unknown"
+    )
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, f"stage {node_id}")
@@ -139,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             node_id=node_id,
             address=address,
             device=stage.device,
-            memory_bytes=stage.memory,
+            memory_bytes=offered.bytes_total,
+            memory_source=offered.source,
             speed_hint=stage.speed,
             frontend=stage.frontend,
             http_url=http_url,

@@ -31,8 +31,10 @@ from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
 from mesh.runtime import load_stage_runtime
+from mesh.runtime.probe import probe_step
 from mesh.types import DEFAULT_PREFIX_BYTES
 from stage.engine import StageEngine
+from stage.hardware import RecentSteps
 from stage.links import ForwardLink, ReturnLink
 from stage.metrics import StageMetrics
 
@@ -109,6 +111,8 @@ class StageNode:
         self._on_newer_term: Callable[[], None] | None = None
         self.metrics = metrics if metrics is not None else StageMetrics()
         self.metrics.watch(self)
+        # Compute time of the last frames, for the coordinator's rebalance.
+        self.steps = RecentSteps()
         self._worker = threading.Thread(target=self._work_loop, name="stage-worker", daemon=True)
         self._worker.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="idle-sweep", daemon=True)
@@ -190,6 +194,8 @@ class StageNode:
                 cuda_graphs=self.settings.cuda_graphs,
             )
             runtime.set_prefix_bytes(self.settings.prefix_cache_bytes)
+            probe = probe_step(runtime)
+            self.steps.clear()
             grammars = TokenGrammars(package_dir) if runtime.is_last else None
             engine = StageEngine(runtime, request.stage_index, request.term, grammars)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
@@ -237,6 +243,8 @@ class StageNode:
             data_endpoint=self.address,
             param_bytes=runtime.param_bytes,
             load_ms=load_ms,
+            layer_ms=probe.layer_ms,
+            head_ms=probe.head_ms,
         )
 
     def _ready_slice(self, request: StageLoadRequest) -> Path:
@@ -316,6 +324,7 @@ class StageNode:
         its sessions and the KV cache they (and the kept prefixes) hold."""
         loaded = self.loaded
         runtime = loaded.engine.runtime if loaded is not None else None
+        step_ms, step_frames = self.steps.mean()
         return HeartbeatRequest(
             node_id=self.settings.node_id,
             term=self.term,
@@ -323,6 +332,8 @@ class StageNode:
             active_sessions=self.active_sessions(),
             kv_bytes=runtime.kv_bytes() if runtime is not None else 0,
             prefix_bytes=runtime.prefix_nbytes() if runtime is not None else 0,
+            step_ms=step_ms,
+            step_frames=step_frames,
         )
 
     def manifest(self) -> PackageManifest | None:
@@ -366,6 +377,8 @@ class StageNode:
             started = time.perf_counter()
             output = loaded.engine.process(frame, queued_s=queued_s)
             self.metrics.frame_done(frame, queued_s, time.perf_counter() - started)
+            if any(segment.kind.computes for segment in frame.segments):
+                self.steps.observe((time.perf_counter() - started) * 1000.0)
         except MeshError as error:
             self._fail(loaded, work, error)
             return

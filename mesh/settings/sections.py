@@ -42,6 +42,12 @@ class CoordinatorConfig:
     spawn_stages: int = setting(0, "extra local stage processes", minimum=0)
     min_stages: int = setting(0, "wait for this many stages", minimum=0)
     max_stages: int = setting(0, "use at most this many stages (0: no limit)", minimum=0)
+    rebalance_spread: float = setting(
+        0.15,
+        "plan the layers again, with the stages' measured compute, when their measured step "
+        "times differ by more than this fraction and stage 0 is idle (0: never)",
+        minimum=0,
+    )
     wire_dtype: str = setting(
         "f32", "activation dtype between stages", choices=("f32", "f16", "bf16", "int8")
     )
@@ -104,7 +110,19 @@ class StageConfig:
         "on every restart, so a restarted stage takes its place back",
     )
     device: str = setting("cpu", "torch device, e.g. cpu or cuda:0")
-    memory: int = setting(0, "memory offered, e.g. 20GiB (0: unknown)", parse=parse_bytes)
+    memory: int = setting(
+        0,
+        "memory offered for weights and KV, e.g. 20GiB (0: measure it: a CUDA device's free "
+        "memory, or on a CPU the available RAM less memory_margin)",
+        parse=parse_bytes,
+    )
+    memory_margin: int = setting(
+        1 << 30,
+        "on a CPU, RAM left out of the measured offer for everything besides weights and KV "
+        "(activations, the frontend, other processes), e.g. 2GiB",
+        parse=parse_bytes,
+        minimum=0,
+    )
     speed: float = setting(1.0, "relative speed hint", minimum=0.0)
     cache_dir: Path | None = setting(None, "slice cache directory (default: $MESH_HOME/slices)")
     threads: int = setting(0, "torch CPU threads (0: torch's default)", minimum=0)
@@ -175,6 +193,14 @@ class FrontendConfig:
         "chunks in the rest)",
         minimum=1,
     )
+    max_windows_in_flight: int = setting(
+        4,
+        "verify windows one request may have in the pipe at once, drafted ahead of "
+        "their verdicts; the cost model picks the depth up to this (1: wait for each "
+        "verdict)",
+        minimum=1,
+        maximum=16,
+    )
 
 
 # Fields of [stage] that `up` takes for the stage processes it starts.
@@ -195,6 +221,7 @@ SERVING_FIELDS = (
     "max_queued",
     "prefix_cache_tokens",
     "max_batch_tokens",
+    "max_windows_in_flight",
 )
 
 SECTIONS = {"coordinator": CoordinatorConfig, "stage": StageConfig, "frontend": FrontendConfig}

@@ -94,6 +94,7 @@ def test_render_shows_header_and_one_row_per_node() -> None:
         "params",
         "kv",
         "memory",
+        "step",
         "sessions",
         "slice",
     ]

@@ -1,0 +1,164 @@
+"""Compute balance from measurements: what the planner is told about each node's
+speed, each stage's planned and measured step time, and when the coordinator plans
+again because the stages' step times drifted apart.
+
+Pure functions of the registry state. Two measurements meet here:
+
+- the step probe every stage runs after it loads (``layer_ms``, ``head_ms``: a
+  decode step of a few dummy rows on the node's device), kept per node across terms;
+- the mean compute time of each stage's recent frames while serving (``step_ms``,
+  from heartbeats, frames of the current term only).
+
+Serving frames are not the probe's step (more rows, prompt chunks), so the two are
+tied by one *scale*: the median over the stages after stage 0 of measured step time
+over probe estimate. What stage 0 measures beyond its scaled estimate is its
+frontend's overhead (the HTTP server, tokenizer, drafter and engine core share its
+process); it is handed to the planner, in the probe's milliseconds, as fixed load on
+stage 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from coordinator.planner import ModelFootprint, NodeCapacity, step_estimates
+from coordinator.registry import State, frontend_idle, planner_nodes
+
+# Plan again once the slowest stage's measured step time is this much above the
+# fastest one's (and stage 0 is idle).
+REBALANCE_SPREAD = 0.15
+# Frames each stage must have measured in the current term before its figure counts.
+MIN_STEP_FRAMES = 32
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One stage of the current topology: planned and measured step time (ms)."""
+
+    node_id: str
+    stage_index: int
+    layers: int
+    planned_ms: float
+    measured_ms: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """``scale``: serving ms per probe ms; ``overhead_ms``: stage 0's frontend
+    overhead in probe ms, charged to ``frontend_node``."""
+
+    scale: float = 1.0
+    overhead_ms: float = 0.0
+    frontend_node: str = ""
+
+
+def calibrate(
+    state: State, footprint: ModelFootprint, min_frames: int = MIN_STEP_FRAMES
+) -> Calibration:
+    """The scale and stage 0's overhead from the current topology's measurements
+    (the neutral calibration when they are missing)."""
+    stages = _measured_stages(state, footprint, min_frames)
+    if stages is None or len(stages) < 2:
+        return Calibration()
+    estimates, measured = stages
+    ratios = [m / e for e, m in zip(estimates[1:], measured[1:], strict=True) if e > 0]
+    if not ratios:
+        return Calibration()
+    scale = statistics.median(ratios)
+    overhead = max(0.0, measured[0] / scale - estimates[0])
+    return Calibration(scale, overhead, state.topology.stages[0].node_id)  # type: ignore[union-attr]
+
+
+def planning_nodes(state: State, footprint: ModelFootprint) -> list[NodeCapacity]:
+    """``planner_nodes`` with stage 0's measured frontend overhead added."""
+    calibration = calibrate(state, footprint)
+    return [
+        replace(n, overhead_ms=calibration.overhead_ms)
+        if n.node_id == calibration.frontend_node
+        else n
+        for n in planner_nodes(state)
+    ]
+
+
+def stage_steps(state: State, footprint: ModelFootprint) -> list[StageStep]:
+    """Planned (the probe's estimate, in serving ms once calibrated) and measured step
+    time of every stage of the current topology; empty without a topology."""
+    if state.topology is None:
+        return []
+    chain = _chain(state)
+    if chain is None:
+        return []
+    calibration = calibrate(state, footprint)
+    chain[0] = replace(chain[0], overhead_ms=calibration.overhead_ms)
+    counts = [len(s.layer_range) for s in state.topology.stages]
+    planned = step_estimates(chain, counts, footprint)
+    result = []
+    for stage, estimate in zip(state.topology.stages, planned, strict=True):
+        node = state.node(stage.node_id)
+        result.append(
+            StageStep(
+                node_id=stage.node_id,
+                stage_index=stage.stage_index,
+                layers=len(stage.layer_range),
+                planned_ms=estimate * calibration.scale,
+                measured_ms=node.step_ms if node is not None else 0.0,
+            )
+        )
+    return result
+
+
+def spread(state: State, min_frames: int = MIN_STEP_FRAMES) -> float | None:
+    """Slowest over fastest measured stage step time, less 1; None until every stage
+    of a 2+ stage topology has measured ``min_frames`` frames of the current term."""
+    if state.topology is None or len(state.topology.stages) < 2:
+        return None
+    times = []
+    for stage in state.topology.stages:
+        node = state.node(stage.node_id)
+        if node is None or node.step_frames < min_frames or node.step_ms <= 0:
+            return None
+        times.append(node.step_ms)
+    return max(times) / min(times) - 1.0
+
+
+def should_rebalance(
+    state: State, threshold: float = REBALANCE_SPREAD, min_frames: int = MIN_STEP_FRAMES
+) -> bool:
+    """Serving, stage 0 idle, and the measured step times differ by more than
+    ``threshold`` (0.15: the slowest stage is more than 15% above the fastest)."""
+    if state.mesh_state != "serving" or not frontend_idle(state):
+        return False
+    measured = spread(state, min_frames)
+    return measured is not None and measured > threshold
+
+
+def _chain(state: State) -> list[NodeCapacity] | None:
+    """The planner's view of the current topology's nodes, in stage order."""
+    chain = []
+    for stage in state.topology.stages:  # type: ignore[union-attr]
+        node = state.node(stage.node_id)
+        if node is None:
+            return None
+        chain.append(node.capacity())
+    return chain
+
+
+def _measured_stages(
+    state: State, footprint: ModelFootprint, min_frames: int
+) -> tuple[list[float], list[float]] | None:
+    """Probe estimates (no overhead) and measured step times of the current stages;
+    None unless every stage has both."""
+    if state.topology is None:
+        return None
+    chain = _chain(state)
+    if chain is None or any(n.layer_ms <= 0 for n in chain):
+        return None
+    measured = []
+    for stage in state.topology.stages:
+        node = state.node(stage.node_id)
+        if node is None or node.step_frames < min_frames or node.step_ms <= 0:
+            return None
+        measured.append(node.step_ms)
+    counts = [len(s.layer_range) for s in state.topology.stages]
+    return step_estimates(chain, counts, footprint), measured
