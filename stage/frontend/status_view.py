@@ -169,6 +169,10 @@ def _stage_row(local: LocalStatus, stage: StageStatus, times: StageTimes | None)
         "kv_bytes": local.kv_bytes if own else stage.kv_bytes,
         "prefix_bytes": local.prefix_bytes if own else stage.prefix_bytes,
         "sessions": local.sessions if own else stage.active_sessions,
+        "memory_bytes": stage.memory_bytes or None,
+        "memory_source": stage.memory_source,
+        # The coordinator's estimate of this stage's step time (coordinator/balance.py).
+        "planned_step_ms": stage.planned_step_ms or None,
         **_times(times),
     }
 
@@ -204,6 +208,9 @@ def _local_rows(local: LocalStatus, times: dict[int, StageTimes]) -> list[dict[s
             "kv_bytes": local.kv_bytes,
             "prefix_bytes": local.prefix_bytes,
             "sessions": local.sessions,
+            "memory_bytes": None,
+            "memory_source": "",
+            "planned_step_ms": None,
             **_times(times.get(0)),
         }
     ]
@@ -223,6 +230,9 @@ def _local_rows(local: LocalStatus, times: dict[int, StageTimes]) -> list[dict[s
                 "kv_bytes": None,
                 "prefix_bytes": None,
                 "sessions": None,
+                "memory_bytes": None,
+                "memory_source": "",
+                "planned_step_ms": None,
                 **_times(times.get(index)),
             }
         )

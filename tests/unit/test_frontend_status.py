@@ -193,7 +193,15 @@ def test_the_document_lists_stages_in_order_with_their_times() -> None:
     coordinator = reply(
         node("w1", 1, kv_bytes=4096, prefix_bytes=1, active_sessions=1, param_bytes=10),
         node("spare", None, "dead", state="unreachable"),
-        node("head", 0, kv_bytes=1, prefix_bytes=1),
+        node(
+            "head",
+            0,
+            kv_bytes=1,
+            prefix_bytes=1,
+            memory_bytes=1 << 30,
+            memory_source="measured",
+            planned_step_ms=3.5,
+        ),
     )
     doc = status_document(local(), coordinator, "", activity_of(1), [], now=5.0)
     assert [(s["index"], s["node_id"], s["layers"]) for s in doc["stages"]] == [
@@ -205,6 +213,9 @@ def test_the_document_lists_stages_in_order_with_their_times() -> None:
     assert (head["kv_bytes"], head["prefix_bytes"], head["sessions"]) == (2048, 512, 1)
     assert (w1["kv_bytes"], w1["prefix_bytes"], w1["param_bytes"]) == (4096, 1, 10)
     assert (head["step_ms"], head["queue_ms"], w1["step_ms"], w1["queue_ms"]) == (4, 1, 9, 2)
+    # The coordinator's planned step time and the memory figure beside the measured time.
+    assert (head["planned_step_ms"], w1["planned_step_ms"]) == (3.5, None)
+    assert (head["memory_bytes"], head["memory_source"]) == (1 << 30, "measured")
     assert [n["node_id"] for n in doc["spare_nodes"]] == ["spare"]
     assert doc["mesh"]["reachable"] and doc["mesh"]["state"] == "serving"
     assert doc["throughput"]["tokens_total"] == 5

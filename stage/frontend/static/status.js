@@ -89,9 +89,11 @@
         state,
         cell(String(stage.term), true),
         cell(bytes(stage.param_bytes), true),
+        cell(stage.memory_bytes ? bytes(stage.memory_bytes) + " " + stage.memory_source : "-", true),
         cell(bytes(stage.kv_bytes), true),
         cell(bytes(stage.prefix_bytes), true),
         cell(stage.sessions === null ? "-" : String(stage.sessions), true),
+        cell(ms(stage.planned_step_ms), true),
         cell(ms(stage.step_ms), true),
         cell(ms(stage.queue_ms), true),
         cell(stage.heartbeat_age_s === null ? "-" : stage.heartbeat_age_s.toFixed(1) + " s ago", true)
