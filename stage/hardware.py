@@ -8,13 +8,11 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 from mesh.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
-MEMINFO = Path("/proc/meminfo")
 STEP_WINDOW_FRAMES = 64
 GIB = float(1 << 30)
 
@@ -29,23 +27,21 @@ class OfferedMemory:
     detail: str = ""
 
 
-def offered_memory(device: str, stated: int, margin: int, meminfo: Path = MEMINFO) -> OfferedMemory:
-    """``stated`` when given (> 0); else free memory of a CUDA device, or the host's
-    available RAM less ``margin`` on a CPU. Refuses a host whose available RAM the
-    margin leaves empty."""
+def offered_memory(device: str, stated: int, margin: int) -> OfferedMemory:
+    """``stated`` when given (> 0); else the free memory of a CUDA device, or on a CPU
+    the available RAM (of the host, or of its cgroup when that is lower) less
+    ``margin``. Refuses a host whose available RAM the margin leaves empty."""
     if stated > 0:
         return OfferedMemory(stated, "stated", "--memory")
-    if device.startswith("cuda"):
-        import torch
+    from mesh.doctor.host import device_memory
 
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return OfferedMemory(int(free), "measured", f"free memory of {device}")
-    available = _mem_available(meminfo)
-    if available is None:
-        logger.warning(
-            "cannot read MemAvailable from %s: offering unknown memory (give --memory)", meminfo
-        )
+    memory = device_memory(device)
+    if memory is None:
+        logger.warning("cannot measure the memory of %s: offering unknown memory", device)
         return OfferedMemory(0, "")
+    if not device.startswith("cpu"):
+        return OfferedMemory(memory.available_bytes, "measured", f"free memory ({memory.source})")
+    available = memory.available_bytes
     offered = available - margin
     if offered <= 0:
         raise InvalidRequest(
@@ -53,23 +49,11 @@ def offered_memory(device: str, stated: int, margin: int, meminfo: Path = MEMINF
             f"is {margin / GIB:.2f} GiB: nothing is left to offer; lower --memory-margin or "
             "state the memory with --memory"
         )
-    detail = f"available RAM {available / GIB:.2f} GiB less a {margin / GIB:.2f} GiB margin"
+    detail = (
+        f"available RAM {available / GIB:.2f} GiB ({memory.source}) less a "
+        f"{margin / GIB:.2f} GiB margin"
+    )
     return OfferedMemory(offered, "measured", detail)
-
-
-def _mem_available(meminfo: Path) -> int | None:
-    try:
-        lines = meminfo.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name == "MemAvailable":
-            parts = value.split()
-            if parts and parts[0].isdigit():
-                scale = 1024 if len(parts) > 1 and parts[1].lower() == "kb" else 1
-                return int(parts[0]) * scale
-    return None
 
 
 class RecentSteps:
