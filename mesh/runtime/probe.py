@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_ROWS = 4
 PROBE_REPEATS = 5
-PROBE_BUDGET_S = 0.5
+PROBE_BUDGET_S = 0.25
 _SESSION = "__step-probe-{}__"
 
 
