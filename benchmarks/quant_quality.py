@@ -15,7 +15,13 @@ float32 reference row (float32 against bfloat16: what rounding alone costs). A
 package that cannot be built or run is reported, not fatal. Prints a table and
 writes JSON (``--out``). Nothing here asserts: the figures are for a person to judge.
 
+``--gguf-types`` adds rows for GGUF files made from the same float weights in other
+block types (``Q4_K_M``: llama.cpp's mix; see benchmarks/gguf_variants.py), each
+built into the packages ``--gguf-forms`` names; the notes say which layer weights
+kept the file's codes and which were rounded again.
+
     .venv/bin/python benchmarks/quant_quality.py [--tokens 64] [--group-sizes 32 64]
+        [--max-prompts 4] [--gguf-types Q4_K_M Q8_0 ...] [--gguf-forms int4 int8]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import gguf_variants
 import single_stage
 import torch
 from single_stage import PackageVariant
@@ -64,12 +71,16 @@ class Candidate:
 
     variant: PackageVariant
     dtype: str
+    gguf: str | None = None  # a gguf_variants recipe: the package is built from that file
     param_bytes: int | None = None
     error: str | None = None
+    kept: dict[str, Any] | None = None
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
+        if self.gguf is not None:
+            return f"{self.gguf} file -> {self.variant.name}"
         return self.variant.name
 
 
@@ -80,13 +91,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--group-sizes", type=int, nargs="+", default=[32], help="int4 group sizes to compare"
     )
+    parser.add_argument(
+        "--max-prompts",
+        type=int,
+        default=0,
+        help="use this many prompts, taken in turn from each workload (0: all)",
+    )
+    parser.add_argument(
+        "--gguf-types",
+        nargs="*",
+        default=list(gguf_variants.DEFAULT_RECIPES),
+        choices=gguf_variants.RECIPES,
+        help="GGUF files to make from the float weights and compare (none: skip)",
+    )
+    parser.add_argument(
+        "--gguf-forms",
+        nargs="+",
+        default=list(gguf_variants.PACKAGE_FORMS),
+        choices=gguf_variants.PACKAGE_FORMS,
+        help="packages built from each GGUF file",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     single_stage.add_output_arguments(parser, "quant_quality")
     return parser
 
 
-def candidates(group_sizes: Sequence[int]) -> list[Candidate]:
-    """The dense float32 reference row, int8, then int4 at each group size."""
+def candidates(
+    group_sizes: Sequence[int],
+    gguf_types: Sequence[str] = (),
+    gguf_forms: Sequence[str] = gguf_variants.PACKAGE_FORMS,
+) -> list[Candidate]:
+    """The dense float32 reference row, int8, then int4 at each group size; then each
+    GGUF file in each package form."""
+    from_files = [
+        Candidate(
+            PackageVariant("bfloat16", form, 32 if form == "int4" else None), "bfloat16", gguf
+        )
+        for gguf in gguf_types
+        for form in gguf_forms
+    ]
     return [
         Candidate(PackageVariant("float32"), "float32"),
         Candidate(PackageVariant("bfloat16", "int8"), "bfloat16"),
@@ -95,7 +138,23 @@ def candidates(group_sizes: Sequence[int]) -> list[Candidate]:
             Candidate(PackageVariant("bfloat16", "int4", g, "int4"), "bfloat16")
             for g in group_sizes
         ),
+        *from_files,
     ]
+
+
+def spread_prompts(prompts: Sequence[QualityPrompt], limit: int) -> list[QualityPrompt]:
+    """At most ``limit`` prompts (all when 0), one from each workload in turn."""
+    if limit <= 0 or limit >= len(prompts):
+        return list(prompts)
+    queues: dict[str, list[QualityPrompt]] = {}
+    for prompt in prompts:
+        queues.setdefault(prompt.workload, []).append(prompt)
+    chosen: list[QualityPrompt] = []
+    while len(chosen) < limit:
+        for queue in queues.values():
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
 
 
 # ---- the maths -----------------------------------------------------------------------
@@ -220,7 +279,12 @@ def score(
 def prepare(workdir: Path, candidate: Candidate) -> Path | None:
     """The candidate's package, or None with ``candidate.error`` set."""
     try:
-        package = single_stage.ensure_package(workdir, candidate.variant)
+        if candidate.gguf is not None:
+            quant = candidate.variant.quant or "int4"
+            package = gguf_variants.ensure_package(workdir, candidate.gguf, quant)
+            candidate.kept = gguf_variants.kept(package)
+        else:
+            package = single_stage.ensure_package(workdir, candidate.variant)
     except Exception as error:  # noqa: BLE001 - report the variant, go on
         candidate.error = f"build failed: {type(error).__name__}: {error}"
         return None
@@ -242,7 +306,7 @@ def table_rows(rows: Sequence[Candidate]) -> list[list[str]]:
                 common.fmt(figures["mean_kl"], 4),
                 common.fmt(figures["worst_kl"], 4),
                 params,
-                row.error or "-",
+                row.error or (gguf_variants.kept_note(row.kept) if row.kept else "-"),
             ]
         )
     return out
@@ -260,14 +324,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_start = common.load_average()
     workloads = common.load_workloads(args.workloads or common.default_workloads_path())
-    rows = candidates(args.group_sizes)
+    rows = candidates(args.group_sizes, args.gguf_types, args.gguf_forms)
+    files: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="quant-quality-") as scratch:
         workdir = (args.workdir or Path(scratch)).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         reference = single_stage.ensure_package(workdir, REFERENCE)
-        prompts = build_prompts(
-            AutoTokenizer.from_pretrained(reference), workloads, args.max_prompt_tokens
+        prompts = spread_prompts(
+            build_prompts(
+                AutoTokenizer.from_pretrained(reference), workloads, args.max_prompt_tokens
+            ),
+            args.max_prompts,
         )
+        for recipe in args.gguf_types:
+            try:
+                files[recipe] = gguf_variants.ensure_gguf(workdir, recipe)
+            except Exception as error:  # noqa: BLE001 - its rows report it
+                logger.warning("cannot make the %s file: %s", recipe, error, exc_info=True)
+                files[recipe] = {"error": f"{type(error).__name__}: {error}"}
         stop = single_stage.package_eos_ids(reference)
         references = reference_pass(reference, prompts, args.tokens, stop)
         for row in rows:
@@ -285,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{REFERENCE.name} teacher-forced\n\n"
         + common.render_table(TABLE_HEADERS, table_rows(rows))
     )
+    if files:
+        common.emit("\n" + gguf_variants.files_table(files))
     payload = {
         "benchmark": "quant_quality",
         "command": common.command_line(),
@@ -293,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_end": common.load_average(),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "reference": REFERENCE.name,
+        "gguf_files": files,
         "prompts": [
             {"request_id": p.request_id, "workload": p.workload, "tokens": len(p.ids)}
             for p in prompts
@@ -300,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [
             {
                 "package": row.label,
+                "gguf": row.gguf,
+                "kept": row.kept,
                 "computes_in": row.dtype,
                 "param_bytes": row.param_bytes,
                 "error": row.error,

@@ -72,6 +72,26 @@ def test_quant_quality_arguments_and_rows():
     assert dtypes == ["float32", "bfloat16", "bfloat16", "bfloat16"]
 
 
+def test_quant_quality_gguf_rows_and_prompt_spread():
+    quant_quality = bench("quant_quality")
+    args = quant_quality.build_parser().parse_args([])
+    assert args.gguf_types[0] == "Q4_K_M" and args.gguf_forms == ["int4", "int8"]
+    args = quant_quality.build_parser().parse_args(
+        ["--gguf-types", "Q4_K_M", "Q6_K", "--gguf-forms", "int4", "--max-prompts", "3"]
+    )
+    rows = quant_quality.candidates([32], args.gguf_types, args.gguf_forms)[4:]
+    assert [r.label for r in rows] == ["Q4_K_M file -> int4-g32", "Q6_K file -> int4-g32"]
+    assert quant_quality.build_parser().parse_args(["--gguf-types"]).gguf_types == []
+    with pytest.raises(SystemExit):
+        quant_quality.build_parser().parse_args(["--gguf-types", "Q3_K"])
+    prompts = [
+        quant_quality.QualityPrompt(f"{w}-{i}", w, (1,)) for w in ("chat", "code") for i in range(3)
+    ]
+    chosen = quant_quality.spread_prompts(prompts, args.max_prompts)
+    assert [p.request_id for p in chosen] == ["chat-0", "code-0", "chat-1"]
+    assert quant_quality.spread_prompts(prompts, 0) == prompts
+
+
 def test_package_variants_name_their_directories():
     single_stage = bench("single_stage")
     engine_bench = bench("engine_bench")
