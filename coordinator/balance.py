@@ -9,12 +9,14 @@ Pure functions of the registry state. Two measurements meet here:
 - the mean compute time of each stage's recent frames while serving (``step_ms``,
   from heartbeats, frames of the current term only).
 
-Serving frames are not the probe's step (more rows, prompt chunks), so the two are
-tied by one *scale*: the median over the stages after stage 0 of measured step time
-over probe estimate. What stage 0 measures beyond its scaled estimate is its
-frontend's overhead (the HTTP server, tokenizer, drafter and engine core share its
-process); it is handed to the planner, in the probe's milliseconds, as fixed load on
-stage 0.
+Serving frames are not the probe's step (more rows, prompt chunks, neighbours on
+the same cores), so once every stage has measured its frames, each stage after
+stage 0 gets a *scale*: its measured step time over its probe estimate. Its layers
+and head are then planned at the probe's figures times its scale, in serving
+milliseconds. Stage 0 takes the median scale of the others; what it measures beyond
+its scaled estimate is its frontend's overhead (the HTTP server, tokenizer, drafter
+and engine core share its process), planned as fixed load on stage 0. A node that
+holds no stage now is scaled by the median too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from coordinator.registry import State, frontend_idle, planner_nodes
 REBALANCE_SPREAD = 0.15
 # Frames each stage must have measured in the current term before its figure counts.
 MIN_STEP_FRAMES = 32
+# A new plan is loaded only when its slowest stage is estimated at least this much
+# faster than the slowest stage measured now (measurements are noisy; a reload is
+# not free).
+REBALANCE_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -45,52 +51,74 @@ class StageStep:
 
 @dataclass(frozen=True)
 class Calibration:
-    """``scale``: serving ms per probe ms; ``overhead_ms``: stage 0's frontend
-    overhead in probe ms, charged to ``frontend_node``."""
+    """Serving ms per probe ms of each measured node (``scales``; ``default_scale``
+    for the others) and stage 0's frontend overhead in serving ms, charged to
+    ``frontend_node``."""
 
-    scale: float = 1.0
+    scales: tuple[tuple[str, float], ...] = ()
+    default_scale: float = 1.0
     overhead_ms: float = 0.0
     frontend_node: str = ""
+
+    def scale_of(self, node_id: str) -> float:
+        return dict(self.scales).get(node_id, self.default_scale)
 
 
 def calibrate(
     state: State, footprint: ModelFootprint, min_frames: int = MIN_STEP_FRAMES
 ) -> Calibration:
-    """The scale and stage 0's overhead from the current topology's measurements
-    (the neutral calibration when they are missing)."""
+    """Scales and stage 0's overhead from the current topology's measurements (the
+    neutral calibration, probe milliseconds, when they are missing)."""
     stages = _measured_stages(state, footprint, min_frames)
-    if stages is None or len(stages) < 2:
+    if stages is None or len(stages[0]) < 2:
         return Calibration()
     estimates, measured = stages
-    ratios = [m / e for e, m in zip(estimates[1:], measured[1:], strict=True) if e > 0]
-    if not ratios:
+    topology = state.topology.stages  # type: ignore[union-attr]
+    scales = [
+        (stage.node_id, m / e)
+        for stage, e, m in zip(topology[1:], estimates[1:], measured[1:], strict=True)
+        if e > 0
+    ]
+    if not scales:
         return Calibration()
-    scale = statistics.median(ratios)
-    overhead = max(0.0, measured[0] / scale - estimates[0])
-    return Calibration(scale, overhead, state.topology.stages[0].node_id)  # type: ignore[union-attr]
+    default = statistics.median(scale for _, scale in scales)
+    head = topology[0].node_id
+    overhead = max(0.0, measured[0] - default * estimates[0])
+    return Calibration(tuple(scales) + ((head, default),), default, overhead, head)
 
 
 def planning_nodes(state: State, footprint: ModelFootprint) -> list[NodeCapacity]:
-    """``planner_nodes`` with stage 0's measured frontend overhead added."""
-    calibration = calibrate(state, footprint)
-    return [
-        replace(n, overhead_ms=calibration.overhead_ms)
-        if n.node_id == calibration.frontend_node
-        else n
-        for n in planner_nodes(state)
-    ]
+    """``planner_nodes`` in serving milliseconds: each node's probe figures times its
+    scale, and stage 0's measured frontend overhead."""
+    return _scaled(planner_nodes(state), calibrate(state, footprint))
+
+
+def _scaled(nodes: list[NodeCapacity], calibration: Calibration) -> list[NodeCapacity]:
+    result = []
+    for node in nodes:
+        scale = calibration.scale_of(node.node_id)
+        overhead = calibration.overhead_ms if node.node_id == calibration.frontend_node else 0.0
+        result.append(
+            replace(
+                node,
+                layer_ms=node.layer_ms * scale,
+                head_ms=node.head_ms * scale,
+                overhead_ms=overhead,
+            )
+        )
+    return result
 
 
 def stage_steps(state: State, footprint: ModelFootprint) -> list[StageStep]:
-    """Planned (the probe's estimate, in serving ms once calibrated) and measured step
-    time of every stage of the current topology; empty without a topology."""
+    """Planned (the probe's estimate; in serving ms once calibrated, when it equals
+    the measured time for the layout serving now) and measured step time of every
+    stage of the current topology; empty without a topology."""
     if state.topology is None:
         return []
     chain = _chain(state)
     if chain is None:
         return []
-    calibration = calibrate(state, footprint)
-    chain[0] = replace(chain[0], overhead_ms=calibration.overhead_ms)
+    chain = _scaled(chain, calibrate(state, footprint))
     counts = [len(s.layer_range) for s in state.topology.stages]
     planned = step_estimates(chain, counts, footprint)
     result = []
@@ -101,7 +129,7 @@ def stage_steps(state: State, footprint: ModelFootprint) -> list[StageStep]:
                 node_id=stage.node_id,
                 stage_index=stage.stage_index,
                 layers=len(stage.layer_range),
-                planned_ms=estimate * calibration.scale,
+                planned_ms=estimate,
                 measured_ms=node.step_ms if node is not None else 0.0,
             )
         )

@@ -93,6 +93,10 @@ class MeshProcesses:
             str(max_sessions),
             "--max-queued",
             str(max_queued),
+            # A rebalance reloads the pipeline when the stages' step times drift
+            # apart: tests and benchmarks that want one ask for it.
+            "--rebalance-spread",
+            "0",
             *coordinator_args,
         ]
         self.coordinator_address = ""

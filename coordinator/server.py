@@ -292,15 +292,21 @@ class CoordinatorService:
         if current is None or _ranges(plan) == _ranges(current):
             logger.debug("measured step times differ, but the plan is already the balanced one")
             return
-        scale = balance.calibrate(state, footprint).scale
-        before = max(s.planned_ms for s in steps)
-        after = max(s.planned_step_ms for s in plan.stages) * scale
-        if after >= before:
-            logger.debug("no better balance: %.2f ms now, %.2f ms planned", before, after)
+        before = max(s.measured_ms for s in steps)
+        after = max(s.planned_step_ms for s in plan.stages)
+        if after > before * (1.0 - balance.REBALANCE_GAIN):
+            logger.info(
+                "measured step times %s differ by more than %.0f%%, but no plan is "
+                "estimated %.0f%% faster (%.2f ms)",
+                ", ".join(f"{s.measured_ms:.2f} ms" for s in steps),
+                self.settings.rebalance_spread * 100,
+                balance.REBALANCE_GAIN * 100,
+                after,
+            )
             return
         logger.info(
             "measured step times %s differ by more than %.0f%%: planning again "
-            "(slowest stage %.2f ms now, %.2f ms estimated)",
+            "(slowest stage %.2f ms measured, %.2f ms estimated)",
             ", ".join(f"{s.measured_ms:.2f} ms" for s in steps),
             self.settings.rebalance_spread * 100,
             before,

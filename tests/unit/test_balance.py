@@ -112,20 +112,33 @@ def test_step_times_of_an_old_term_or_a_loading_stage_do_not_count() -> None:
 
 def test_calibration_finds_the_frontend_overhead() -> None:
     # Probe: 10 ms of layers on a and b, 10 + 4 on c. Serving takes twice the probe's
-    # time on b and c, and stage 0 measures 26 ms: 3 ms (probe) of frontend overhead.
+    # time on b and c, and stage 0 measures 26 ms: 6 ms of frontend overhead.
     state = beat(serving(), {"a": 26.0, "b": 20.0, "c": 28.0})
     calibration = balance.calibrate(state, FOOTPRINT)
-    assert calibration.scale == pytest.approx(2.0)
-    assert calibration.overhead_ms == pytest.approx(3.0)
+    assert [calibration.scale_of(n) for n in NODES] == [2.0, 2.0, 2.0]
+    assert calibration.overhead_ms == pytest.approx(6.0)
     assert calibration.frontend_node == "a"
     steps = balance.stage_steps(state, FOOTPRINT)
     assert [s.planned_ms for s in steps] == pytest.approx([26.0, 20.0, 28.0])
     assert [s.measured_ms for s in steps] == [26.0, 20.0, 28.0]
     # The next plan balances with the overhead and the head: stage 0 and the last
-    # stage give layers to stage 1.
+    # stage give layers to stage 1, and its slowest stage is estimated faster.
     plan = plan_layers(balance.planning_nodes(state, FOOTPRINT), FOOTPRINT)
     assert [len(s.layer_range) for s in plan.stages] == [10, 12, 8]
-    assert max(s.planned_step_ms for s in plan.stages) * 2 < 28.0
+    assert max(s.planned_step_ms for s in plan.stages) == pytest.approx(26.0)
+
+
+def test_a_stage_slower_than_its_probe_gets_fewer_layers() -> None:
+    # b serves at 3x its probe (its cores are busier), c at 2x: b's layers cost 3 ms.
+    state = beat(serving(), {"a": 26.0, "b": 30.0, "c": 28.0})
+    calibration = balance.calibrate(state, FOOTPRINT)
+    assert calibration.scale_of("b") == pytest.approx(3.0)
+    assert calibration.default_scale == pytest.approx(2.5)
+    assert calibration.overhead_ms == pytest.approx(1.0)
+    plan = plan_layers(balance.planning_nodes(state, FOOTPRINT), FOOTPRINT)
+    layers = [len(s.layer_range) for s in plan.stages]
+    assert layers[1] < 10 and sum(layers) == 30
+    assert max(s.planned_step_ms for s in plan.stages) < 30.0
 
 
 def test_before_serving_measurements_planned_is_the_probe_estimate() -> None:
