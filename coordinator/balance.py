@@ -10,13 +10,13 @@ Pure functions of the registry state. Two measurements meet here:
   from heartbeats, frames of the current term only).
 
 Serving frames are not the probe's step (more rows, prompt chunks, neighbours on
-the same cores), so once every stage has measured its frames, each stage after
-stage 0 gets a *scale*: its measured step time over its probe estimate. Its layers
-and head are then planned at the probe's figures times its scale, in serving
-milliseconds. Stage 0 takes the median scale of the others; what it measures beyond
-its scaled estimate is its frontend's overhead (the HTTP server, tokenizer, drafter
-and engine core share its process), planned as fixed load on stage 0. A node that
-holds no stage now is scaled by the median too.
+the same cores), so once every stage has measured its frames, the probe's figures
+are scaled to serving milliseconds by one *scale*: the median, over the stages
+after stage 0, of measured step time over probe estimate. The relative speed of
+the nodes stays the probe's (a controlled measurement; the serving figures of one
+stage swing with whatever else runs on its cores). What stage 0 measures beyond its
+scaled estimate is its frontend's overhead (the HTTP server, tokenizer, drafter and
+engine core share its process), planned as fixed load on stage 0.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from coordinator.registry import State, frontend_idle, planner_nodes
 # fastest one's (and stage 0 is idle).
 REBALANCE_SPREAD = 0.15
 # Frames each stage must have measured in the current term before its figure counts.
-MIN_STEP_FRAMES = 32
+MIN_STEP_FRAMES = 64
 # A new plan is loaded only when its slowest stage is estimated at least this much
 # faster than the slowest stage measured now (measurements are noisy; a reload is
 # not free).
@@ -51,17 +51,12 @@ class StageStep:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Serving ms per probe ms of each measured node (``scales``; ``default_scale``
-    for the others) and stage 0's frontend overhead in serving ms, charged to
-    ``frontend_node``."""
+    """Serving ms per probe ms (``scale``) and stage 0's frontend overhead in serving
+    ms, charged to ``frontend_node``."""
 
-    scales: tuple[tuple[str, float], ...] = ()
-    default_scale: float = 1.0
+    scale: float = 1.0
     overhead_ms: float = 0.0
     frontend_node: str = ""
-
-    def scale_of(self, node_id: str) -> float:
-        return dict(self.scales).get(node_id, self.default_scale)
 
 
 def calibrate(
@@ -74,17 +69,12 @@ def calibrate(
         return Calibration()
     estimates, measured = stages
     topology = state.topology.stages  # type: ignore[union-attr]
-    scales = [
-        (stage.node_id, m / e)
-        for stage, e, m in zip(topology[1:], estimates[1:], measured[1:], strict=True)
-        if e > 0
-    ]
-    if not scales:
+    ratios = [m / e for e, m in zip(estimates[1:], measured[1:], strict=True) if e > 0]
+    if not ratios:
         return Calibration()
-    default = statistics.median(scale for _, scale in scales)
-    head = topology[0].node_id
-    overhead = max(0.0, measured[0] - default * estimates[0])
-    return Calibration(tuple(scales) + ((head, default),), default, overhead, head)
+    scale = statistics.median(ratios)
+    overhead = max(0.0, measured[0] - scale * estimates[0])
+    return Calibration(scale, overhead, topology[0].node_id)
 
 
 def planning_nodes(state: State, footprint: ModelFootprint) -> list[NodeCapacity]:
@@ -95,8 +85,8 @@ def planning_nodes(state: State, footprint: ModelFootprint) -> list[NodeCapacity
 
 def _scaled(nodes: list[NodeCapacity], calibration: Calibration) -> list[NodeCapacity]:
     result = []
+    scale = calibration.scale
     for node in nodes:
-        scale = calibration.scale_of(node.node_id)
         overhead = calibration.overhead_ms if node.node_id == calibration.frontend_node else 0.0
         result.append(
             replace(

@@ -348,10 +348,9 @@ def apply(state: State, event: Event) -> State:
             if event.term is not None and event.term != state.term:
                 return state
             changes: dict[str, object] = {"param_bytes": event.param_bytes, "stage_state": "loaded"}
-            if event.layer_ms > 0:
-                changes["layer_ms"] = event.layer_ms
-                changes["head_ms"] = event.head_ms
             node = state.node(event.node_id)
+            if event.layer_ms > 0 and node is not None:
+                changes.update(_probe_figures(node, event.layer_ms, event.head_ms))
             if event.now is not None and node is not None:
                 # A Ready reply is proof of life: a stage busy loading its layers may
                 # have been too busy to heartbeat meanwhile.
@@ -506,6 +505,16 @@ def _load_started(state: State, event: LoadStarted) -> State:
         degraded=False,
         membership_changed=False,
     )
+
+
+def _probe_figures(node: NodeRecord, layer_ms: float, head_ms: float) -> dict[str, float]:
+    """A node's step probe, averaged with its earlier ones (one probe on a busy
+    machine is noisy); a head figure stays from the load that measured one."""
+    layer = (node.layer_ms + layer_ms) / 2 if node.layer_ms > 0 else layer_ms
+    head = node.head_ms
+    if head_ms > 0:
+        head = (node.head_ms + head_ms) / 2 if node.head_ms > 0 else head_ms
+    return {"layer_ms": layer, "head_ms": head}
 
 
 def _update_node(state: State, node_id: str, **changes: object) -> State:

@@ -103,6 +103,10 @@ class CoordinatorService:
         self._changed = threading.Event()
         self._last_attempt = 0.0
         self._last_rebalance_check = 0.0
+        # The slowest measured stage before the last rebalance; rebalancing stops (until
+        # the next plan for another reason) once one did not make it faster.
+        self._rebalanced_from: float | None = None
+        self._rebalance_stopped = False
         self._served_once = False
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
@@ -266,7 +270,7 @@ class CoordinatorService:
         return registry.frontend_idle(state) or busy_s >= self.settings.regrow_busy_after_s
 
     def _should_rebalance(self, state: registry.State) -> bool:
-        if self.settings.rebalance_spread <= 0:
+        if self.settings.rebalance_spread <= 0 or self._rebalance_stopped:
             return False
         now = time.monotonic()
         if now - self._last_rebalance_check < self.settings.rebalance_check_s:
@@ -293,8 +297,18 @@ class CoordinatorService:
             logger.debug("measured step times differ, but the plan is already the balanced one")
             return
         before = max(s.measured_ms for s in steps)
+        gain = 1.0 - balance.REBALANCE_GAIN
+        if self._rebalanced_from is not None and before > self._rebalanced_from * gain:
+            logger.info(
+                "the last rebalance did not make the slowest stage faster (%.2f ms before, "
+                "%.2f ms now): no more rebalancing until the mesh is planned again",
+                self._rebalanced_from,
+                before,
+            )
+            self._rebalance_stopped = True
+            return
         after = max(s.planned_step_ms for s in plan.stages)
-        if after > before * (1.0 - balance.REBALANCE_GAIN):
+        if after > before * gain:
             logger.info(
                 "measured step times %s differ by more than %.0f%%, but no plan is "
                 "estimated %.0f%% faster (%.2f ms)",
@@ -312,6 +326,7 @@ class CoordinatorService:
             before,
             after,
         )
+        self._rebalanced_from = before
         self._load_once(plan=plan)
 
     def _backoff_s(self) -> float:
@@ -362,6 +377,9 @@ class CoordinatorService:
         load only when the plan uses more stages than that; ``plan``: load this one."""
         self._last_attempt = time.monotonic()
         load = self.settings.load
+        if plan is None:  # planned for another reason than a rebalance
+            self._rebalanced_from = None
+            self._rebalance_stopped = False
         with self._lock:
             state = self.state
         try:

@@ -13,7 +13,7 @@ from mesh.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
-STEP_WINDOW_FRAMES = 64
+STEP_WINDOW_FRAMES = 128
 GIB = float(1 << 30)
 
 
