@@ -32,7 +32,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,34 @@ class SpecConfig:
     stage0_args: tuple[str, ...]
     # Send each code-edit request's original code as its ``prediction``.
     prediction: bool = False
+    # Coordinator flags (the [frontend] settings it sends stage 0 with its Load).
+    coordinator_args: tuple[str, ...] = ()
+
+
+def with_depths(configs: Sequence[SpecConfig], depths: Sequence[str]) -> list[SpecConfig]:
+    """Each speculating configuration once per depth: ``1`` (serial windows: each
+    waits for the verdict before it), ``auto`` (the cost rule picks up to the
+    default ``max_windows_in_flight``) or a number (the cost rule picks up to it).
+    With one depth the names stay as they are."""
+    if len(depths) <= 1 and (not depths or depths[0] == "auto"):
+        return list(configs)
+    out: list[SpecConfig] = []
+    for config in configs:
+        if config.name == BASELINE:
+            out.append(config)
+            continue
+        for depth in depths:
+            flags = () if depth == "auto" else ("--max-windows-in-flight", depth)
+            label = "serial windows" if depth == "1" else f"depth {depth}"
+            out.append(
+                replace(
+                    config,
+                    name=f"{config.name}@d{depth}",
+                    label=f"{config.label}; {label}",
+                    coordinator_args=(*config.coordinator_args, *flags),
+                )
+            )
+    return out
 
 
 def build_configs(
@@ -269,6 +297,7 @@ def run_latency(
                 max_sessions=4,
                 max_queued=4,
                 stage0_args=config.stage0_args,
+                coordinator_args=config.coordinator_args,
                 stage_args=("--inject-delay-ms", f"{latency_ms:g}"),
             )
             stack.callback(mesh.close)
@@ -365,16 +394,36 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "text_differs": compared.count(False) if compared else None,
             }
         )
+    serial_of(rows, groups)
     order = {name: i for i, name in enumerate(dict.fromkeys(r["config"] for r in records))}
     loads = {name: i for i, name in enumerate(dict.fromkeys(r["workload"] for r in records))}
     rows.sort(key=lambda r: (r["latency_ms"], loads[r["workload"]], order[r["config"]]))
     return rows
 
 
+def serial_of(rows: list[dict[str, Any]], groups: dict[tuple, list[dict[str, Any]]]) -> None:
+    """Add ``vs_serial`` (ratio of median tok/s) and ``vs_serial_paired`` (median of
+    per-repeat ratios) to every ``X@dN`` row that has an ``X@d1`` row beside it."""
+    for row in rows:
+        name = row["config"]
+        row["vs_serial"] = row["vs_serial_paired"] = None
+        if "@d" not in name or name.endswith("@d1"):
+            continue
+        serial = (row["latency_ms"], row["workload"], name.rsplit("@d", 1)[0] + "@d1")
+        if serial not in groups:
+            continue
+        mine = _per_repeat(groups[(row["latency_ms"], row["workload"], name)])
+        base = _per_repeat(groups[serial])
+        row["vs_serial"] = row["tok_s"] / median([_rate(r) for r in base.values()])
+        row["vs_serial_paired"] = median(
+            [_rate(r) / _rate(base[n]) for n, r in mine.items() if n in base]
+        )
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     headers = [
         "latency", "workload", "config", "tok/s", "(min-max)", "wall s",
-        "accept", "tok/round", "speedup", "paired", "text != base",
+        "accept", "tok/round", "speedup", "paired", "vs serial", "paired", "text != base",
     ]  # fmt: skip
     body = [
         [
@@ -388,6 +437,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             fmt(r["tokens_per_round"]),
             f"{fmt(r['speedup'])}x" if r["speedup"] is not None else "-",
             f"{fmt(r['speedup_paired'])}x" if r["speedup_paired"] is not None else "-",
+            f"{fmt(r['vs_serial'])}x" if r.get("vs_serial") is not None else "-",
+            f"{fmt(r['vs_serial_paired'])}x" if r.get("vs_serial_paired") is not None else "-",
             "-" if r["text_differs"] is None else f"{r['text_differs']}",
         ]
         for r in rows
@@ -444,6 +495,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="configurations besides the baseline (which always runs)",
     )
     parser.add_argument("--fixed-window", type=int, default=8, help="window of the fixed configs")
+    parser.add_argument(
+        "--depths",
+        nargs="+",
+        default=["auto"],
+        help="verify windows in flight per request, per configuration: 1 (serial), auto "
+        "(the cost rule, up to the default limit) or a limit N; each depth is one mesh",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="override the file's")
     parser.add_argument("--draft-model", default=None, help="draft model for draft-* configs")
     parser.add_argument("--draft-label", default="draft model", help="how tables name the draft")
@@ -475,7 +533,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"no workload {', '.join(missing)}; the file has {', '.join(workloads)}"
             )
         requests = [r for n in names for r in workloads[n]]
-        configs = build_configs(args.configs, args.fixed_window, args.draft_model, args.draft_label)
+        configs = with_depths(
+            build_configs(args.configs, args.fixed_window, args.draft_model, args.draft_label),
+            args.depths,
+        )
         machine = machine_info(args.threads)
         started = time.time()
         records: list[dict[str, Any]] = []
@@ -492,7 +553,12 @@ def main(argv: list[str] | None = None) -> int:
             "elapsed_s": round(time.time() - started, 1),
             "package": str(package),
             "configs": {
-                c.name: {"label": c.label, "stage0_args": list(c.stage0_args)} for c in configs
+                c.name: {
+                    "label": c.label,
+                    "stage0_args": list(c.stage0_args),
+                    "coordinator_args": list(c.coordinator_args),
+                }
+                for c in configs
             },
             "meshes": meshes,
             "max_tokens": args.max_tokens or "from the workload file",

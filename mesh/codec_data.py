@@ -120,6 +120,7 @@ def segment_to_proto(segment: Segment) -> data_pb2.Segment:
         prefix_from=segment.prefix_from,
         keep_prefix=segment.keep_prefix,
         forget_prefix=segment.forget_prefix,
+        ahead=segment.ahead,
     )
     if segment.sampling is not None:
         pb.sampling.CopyFrom(sampling_to_proto(segment.sampling))
@@ -140,6 +141,7 @@ def segment_from_proto(pb: data_pb2.Segment) -> Segment:
         prefix_from=pb.prefix_from,
         keep_prefix=pb.keep_prefix,
         forget_prefix=pb.forget_prefix,
+        ahead=pb.ahead,
     )
 
 
@@ -215,6 +217,7 @@ def segment_result_to_proto(result: SegmentResult) -> data_pb2.SegmentResult:
         token_ids=result.token_ids,
         accepted_count=result.accepted_count,
         epoch=result.epoch,
+        dropped=result.dropped,
         logprobs=[
             data_pb2.TokenLogprob(
                 logprob=entry.logprob,
@@ -238,6 +241,7 @@ def segment_result_from_proto(pb: data_pb2.SegmentResult) -> SegmentResult:
         accepted_count=pb.accepted_count,
         error=_optional_error(pb),
         epoch=pb.epoch,
+        dropped=pb.dropped,
         logprobs=tuple(
             TokenLogprob(
                 entry.logprob,

@@ -84,6 +84,10 @@ class Segment:
     prefix_from: str = ""
     keep_prefix: bool = False
     forget_prefix: bool = False
+    # A verify window drafted ahead (docs/protocol.md): its first token guesses the
+    # last token the session's previous window emits; the last stage runs it only
+    # when the session's latest verdict ends at pos_start with that token.
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):
@@ -196,6 +200,8 @@ class SegmentResult:
     epoch: int = 0
     # One per emitted token when the session asked for log-probabilities.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The last stage dropped the segment unrun (a refuted ``ahead`` window).
+    dropped: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):

@@ -64,6 +64,8 @@ class StageEngine:
         # of each session that has a grammar (derived from its output tokens).
         self.grammars = grammars
         self._constraints: dict[str, OutputConstraint] = {}
+        # Windows drafted ahead that this (last) stage dropped unrun.
+        self.dropped_segments = 0
 
     @property
     def is_first(self) -> bool:
@@ -106,10 +108,16 @@ class StageEngine:
             elif not segment.forget_prefix:
                 self.end_session(segment.session_id)
         failures: list[SegmentResult] = []
+        refuted = self._refuted(computing) if self.is_last else set()
+        hidden = frame.hidden
+        if refuted:
+            hidden = _without_rows(frame, refuted)
+            computing = [s for s in computing if id(s) not in refuted]
+            self.dropped_segments += len(refuted)
         out = BatchOutput(None)
         if computing:
             out = self.runtime.forward_batch(
-                [self._span(s) for s in computing], self._inputs(frame, computing)
+                [self._span(s) for s in computing], self._inputs(frame, computing, hidden)
             )
             for index, error in out.errors.items():
                 failures.append(SegmentResult.failure(computing[index], error, self.stage_index))
@@ -151,8 +159,12 @@ class StageEngine:
                 failed[id(s)] = SegmentResult.failure(s, error, self.stage_index)
                 failures.append(failed[id(s)])
         self._forget_constraints()
+        for answer in emitted.values():
+            position = answer.pos_start + len(answer.token_ids) - 1
+            self.runtime.set_verdict(answer.session_id, position, answer.token_ids[-1])
         answers = tuple(
-            emitted.get(id(s)) or failed.get(id(s)) or _acknowledged(s) for s in frame.segments
+            emitted.get(id(s)) or failed.get(id(s)) or _acknowledged(s, dropped=id(s) in refuted)
+            for s in frame.segments
         )
         result = FrameResult(frame.term, frame.frame_id, answers, timings)
         return EngineOutput(result=result, failures=tuple(failures))
@@ -178,15 +190,29 @@ class StageEngine:
             prefix_from=segment.prefix_from,
         )
 
-    def _inputs(self, frame: Frame, computing: list[Segment]) -> torch.Tensor:
+    def _refuted(self, computing: list[Segment]) -> set[int]:
+        """The windows drafted ahead whose assumption a verdict has refuted: the
+        session's last emitted token is not at their ``pos_start``, or is not their
+        first token (``id`` of each such segment)."""
+        refuted: set[int] = set()
+        for segment in computing:
+            if segment.ahead:
+                verdict = self.runtime.verdict(segment.session_id)
+                if verdict != (segment.pos_start, segment.token_ids[0]):
+                    refuted.add(id(segment))
+        return refuted
+
+    def _inputs(
+        self, frame: Frame, computing: list[Segment], hidden: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.is_first:
             return torch.tensor([t for s in computing for t in s.token_ids], dtype=torch.long)
-        if frame.hidden is None:
+        if hidden is None:
             raise InvalidRequest(
                 f"frame {frame.frame_id} carries no activations; stage {self.stage_index} "
                 "takes hidden states from its upstream stage"
             )
-        return frame.hidden
+        return hidden
 
     def _emit(self, segment: Segment, logits: torch.Tensor, before: list[int]) -> SegmentResult:
         """The segment's tokens; ``before`` is the session's token ids before it (kept
@@ -255,10 +281,23 @@ class StageEngine:
                 del self._constraints[session_id]
 
 
-def _acknowledged(segment: Segment) -> SegmentResult:
+def _acknowledged(segment: Segment, dropped: bool = False) -> SegmentResult:
     return SegmentResult(
         request_id=segment.request_id,
         session_id=segment.session_id,
-        pos_start=segment.pos_end,
+        pos_start=segment.pos_start if dropped else segment.pos_end,
         epoch=segment.epoch,
+        dropped=dropped,
     )
+
+
+def _without_rows(frame: Frame, left_out: set[int]) -> torch.Tensor | None:
+    """The frame's activations without the rows of the segments in ``left_out``."""
+    if frame.hidden is None:
+        return None
+    kept = [
+        frame.hidden[first : first + count]
+        for segment, first, count in frame.spans()
+        if count and id(segment) not in left_out
+    ]
+    return torch.cat(kept) if kept else frame.hidden[:0]

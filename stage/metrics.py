@@ -157,7 +157,7 @@ class _NodeCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = self._families()
-        term, loaded_flag, index, layers, sessions, limit, kv, prefix, info = families
+        term, loaded_flag, index, layers, sessions, limit, kv, prefix, info, dropped = families
         node = self._node
         settings = node.settings
         info.add_metric([settings.node_id, settings.device], 1)
@@ -175,6 +175,7 @@ class _NodeCollector(Collector):
         limit.add_metric([], runtime.max_sessions if runtime is not None else 0)
         kv.add_metric([], runtime.kv_bytes() if runtime is not None else 0)
         prefix.add_metric([], runtime.prefix_nbytes() if runtime is not None else 0)
+        dropped.add_metric([], loaded.engine.dropped_segments if loaded is not None else 0)
         return iter(families)
 
     @staticmethod
@@ -199,5 +200,10 @@ class _NodeCollector(Collector):
             ),
             GaugeMetricFamily(
                 "mesh_stage_info", "This stage's node id and device.", labels=("node_id", "device")
+            ),
+            GaugeMetricFamily(
+                "mesh_stage_dropped_ahead_segments",
+                "Windows drafted ahead that this (last) stage dropped unrun since its load: "
+                "a verdict had refuted them.",
             ),
         ]

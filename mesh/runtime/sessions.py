@@ -53,6 +53,7 @@ class SessionCache:
         "request_id",
         "sampling",
         "history",
+        "verdict",
         "layout",
         "length",
         "capacity",
@@ -67,6 +68,9 @@ class SessionCache:
         self.request_id = ""
         self.sampling = SamplingParams()
         self.history: list[int] = []
+        # (position, token) of the last token the last stage emitted for the
+        # session: where its next window must start (windows drafted ahead).
+        self.verdict: tuple[int, int] | None = None
         self.layout = layout
         self.length = 0
         self.capacity = 0

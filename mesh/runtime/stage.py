@@ -179,6 +179,18 @@ class StageRuntime:
             history.extend(int(t) for t in token_ids)
             return before
 
+    def verdict(self, session_id: str) -> tuple[int, int] | None:
+        """(position, token) of the last token emitted for the session, or None."""
+        with self._lock:
+            cache = self._sessions.get(session_id)
+            return cache.verdict if cache is not None else None
+
+    def set_verdict(self, session_id: str, position: int, token: int) -> None:
+        with self._lock:
+            cache = self._sessions.get(session_id)
+            if cache is not None:
+                cache.verdict = (position, token)
+
     def session_requests(self) -> list[tuple[str, str]]:
         """(session_id, request_id) of every session this stage holds."""
         with self._lock:

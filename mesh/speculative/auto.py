@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 from itertools import islice
 
 from mesh.speculative.drafter import Drafter
@@ -106,7 +107,7 @@ class AutoNgramDrafter(Drafter):
         self._trials: deque[bool] = deque(maxlen=recent_trials)
         self._shadow: list[int] = []
         self._shadow_matched = 0
-        self._accepted: int | None = None
+        self._accepted: tuple[int, list[int]] | None = None
         self._rounds = 0
         self._proposed_sum = 0.0
         self._accepted_sum = 0.0
@@ -135,10 +136,14 @@ class AutoNgramDrafter(Drafter):
     def _propose(self, k: int) -> list[int]:
         return self.inner.propose(k) if self.warm else []
 
+    def propose_ahead(self, assumed: Sequence[int], k: int) -> list[int]:
+        # Cold, nothing is proposed; the assumed tokens must not feed the shadow trials.
+        return super().propose_ahead(assumed, k) if self.warm else []
+
     def _on_accept(self, accepted_count: int, proposal: list[int]) -> None:
         if not proposal:
             return
-        self._accepted = accepted_count
+        self._accepted = (accepted_count, proposal)
         self._rounds += 1
         self._proposed_sum = self.rate_decay * self._proposed_sum + len(proposal)
         self._accepted_sum = self.rate_decay * self._accepted_sum + accepted_count
@@ -152,7 +157,7 @@ class AutoNgramDrafter(Drafter):
         tokens = self._tokens[start:]
         accepted, self._accepted = self._accepted, None
         if accepted is not None:
-            self.inner.accept(accepted, tokens[-1])
+            self.inner.accept(accepted[0], tokens[-1], accepted[1])
         else:
             self.inner.extend(tokens)
         if self.warm:

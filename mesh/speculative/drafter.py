@@ -38,6 +38,10 @@ class Drafter(ABC):
         self._pending: list[int] = []
         self._cost_time_s = 0.0
         self._cost_tokens = 0.0
+        # A drafter that delegates (composite, auto, prediction): which inner drafter
+        # made each proposal still awaiting its verdict (several windows of a request
+        # may be in flight at once).
+        self._sources: dict[tuple[int, ...], Drafter] = {}
 
     # ---- public interface -------------------------------------------------------------
 
@@ -45,6 +49,7 @@ class Drafter(ABC):
         """Start a request. ``prompt_text`` feeds text detectors (auto gating) only."""
         self._tokens = [int(t) for t in prompt_tokens]
         self._pending = []
+        self._sources.clear()
         self._on_begin(prompt_text)
 
     def propose(self, k: int) -> list[int]:
@@ -61,10 +66,35 @@ class Drafter(ABC):
         self._pending = proposal
         return list(proposal)
 
-    def accept(self, accepted_count: int, next_token: int) -> None:
-        """Commit the first ``accepted_count`` tokens of the last proposal and then
-        ``next_token`` (the target's token after them)."""
-        proposal = self._pending
+    def propose_ahead(self, assumed: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens continuing the committed sequence followed by
+        ``assumed`` (draft tokens still being verified), for a window sent before
+        their verdict. The committed sequence is left as it was (the hooks see the
+        assumed tokens come and go), and so is the last proposal."""
+        if k <= 0:
+            return []
+        length, pending = len(self._tokens), self._pending
+        self._extend([int(t) for t in assumed])
+        try:
+            started = time.perf_counter()
+            proposal = [int(t) for t in self._propose(k)][:k]
+            elapsed = time.perf_counter() - started
+        finally:
+            self.rollback(length)
+            self._pending = pending
+        if proposal:
+            self._cost_time_s = self.cost_decay * self._cost_time_s + elapsed
+            self._cost_tokens = self.cost_decay * self._cost_tokens + len(proposal)
+        return proposal
+
+    def accept(
+        self, accepted_count: int, next_token: int, proposal: Sequence[int] | None = None
+    ) -> None:
+        """Commit the first ``accepted_count`` tokens of the last proposal (or of
+        ``proposal``, the drafts of the window this verdict answers, when several
+        windows were in flight) and then ``next_token`` (the target's token after
+        them)."""
+        proposal = self._pending if proposal is None else [int(t) for t in proposal]
         if not 0 <= accepted_count <= len(proposal):
             raise Fatal(
                 f"{self.name}: accepted_count {accepted_count} is outside [0, {len(proposal)}] "
@@ -118,6 +148,17 @@ class Drafter(ABC):
             return self.prior_cost_per_token_s
         return self._cost_time_s / self._cost_tokens
 
+    def _note_source(self, proposal: Sequence[int], source: Drafter | None) -> None:
+        """Remember that ``source`` made ``proposal`` (for ``_source_of``)."""
+        if proposal and source is not None:
+            if len(self._sources) > 64:  # proposals that never got a verdict
+                self._sources.clear()
+            self._sources[tuple(proposal)] = source
+
+    def _source_of(self, proposal: Sequence[int]) -> Drafter | None:
+        """The inner drafter that made ``proposal`` (None: not one of them)."""
+        return self._sources.pop(tuple(proposal), None) if proposal else None
+
     # ---- subclass hooks ---------------------------------------------------------------
 
     @abstractmethod
@@ -162,7 +203,7 @@ class CompositeDrafter(Drafter):
         self.ngram = ngram
         self.draft = draft
         self.last_source: Drafter | None = None
-        self._accepted: int | None = None
+        self._accepted: tuple[int, list[int], Drafter | None] | None = None
 
     def _on_begin(self, prompt_text: str | None) -> None:
         self.ngram.begin(self._tokens, prompt_text)
@@ -175,18 +216,20 @@ class CompositeDrafter(Drafter):
         if not proposal:
             proposal = self.draft.propose(k)
             self.last_source = self.draft if proposal else None
+        self._note_source(proposal, self.last_source)
         return proposal
 
     def _on_accept(self, accepted_count: int, proposal: list[int]) -> None:
-        self._accepted = accepted_count if proposal else None
+        source = self._source_of(proposal)
+        self._accepted = (accepted_count, proposal, source) if proposal else None
 
     def _on_commit(self, start: int) -> None:
         # The drafter that proposed learns through accept(); the other sees plain commits.
         tokens = self._tokens[start:]
         accepted, self._accepted = self._accepted, None
         for child in (self.ngram, self.draft):
-            if accepted is not None and child is self.last_source:
-                child.accept(accepted, tokens[-1])
+            if accepted is not None and child is accepted[2]:
+                child.accept(accepted[0], tokens[-1], accepted[1])
             else:
                 child.extend(tokens)
 

@@ -58,7 +58,7 @@ class PredictionDrafter(Drafter):
         self.accepted_tokens = 0
         self._history: list[tuple[int, int | None, int, int]] = []
         self._source: Drafter | None = None
-        self._fallback_accepted: int | None = None
+        self._fallback_accepted: tuple[int, list[int]] | None = None
 
     @property
     def rejected_tokens(self) -> int:
@@ -87,13 +87,14 @@ class PredictionDrafter(Drafter):
         if self.fallback is not None:
             proposal = self.fallback.propose(k)
             self._source = self.fallback if proposal else None
+            self._note_source(proposal, self._source)
             return proposal
         self._source = None
         return []
 
     def _on_accept(self, accepted_count: int, proposal: list[int]) -> None:
-        from_fallback = proposal and self._source is self.fallback and self.fallback is not None
-        self._fallback_accepted = accepted_count if from_fallback else None
+        from_fallback = self.fallback is not None and self._source_of(proposal) is self.fallback
+        self._fallback_accepted = (accepted_count, proposal) if from_fallback else None
 
     def _on_commit(self, start: int) -> None:
         new = self._tokens[start:]
@@ -102,7 +103,7 @@ class PredictionDrafter(Drafter):
         if self.fallback is not None:
             accepted, self._fallback_accepted = self._fallback_accepted, None
             if accepted is not None:
-                self.fallback.accept(accepted, new[-1])
+                self.fallback.accept(accepted[0], new[-1], accepted[1])
             else:
                 self.fallback.extend(new)
 

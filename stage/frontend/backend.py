@@ -41,7 +41,17 @@ from mesh.types import SamplingParams
 FINISH_REASONS = frozenset({"stop", "length"})
 
 # Keys the HTTP layer copies from GenerationStats.speculation into `timings`.
-SPECULATION_KEYS = ("drafted", "accepted", "accept_rate", "windows", "tokens_per_round")
+SPECULATION_KEYS = (
+    "drafted",
+    "accepted",
+    "accept_rate",
+    "windows",
+    "tokens_per_round",
+    # With windows drafted ahead of their verdicts (docs/speculation.md).
+    "windows_ahead",
+    "windows_dropped",
+    "depth",
+)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from mesh.errors import (
 )
 from mesh.frames import Frame, FrameResult, Segment, SegmentKind, SegmentResult
 from mesh.speculative import RoundContext, plan_window
+from stage.frontend import ahead
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.engine_types import (
     EngineLimits,
@@ -67,6 +68,10 @@ class EngineCore:
         self.step_cost = StepCostFit()
         self.stale: list[str] = []
         self.recoveries = 0
+        # Windows drafted ahead (stage/frontend/ahead.py), and the slowest stage's
+        # time per decode or verify frame (seconds, averaged) the depth rule uses.
+        self.ahead = ahead.AheadCounters()
+        self.step_s = 0.0
         # The prefix cache (stage/frontend/prefix_index.py); None when off.
         self.prefixes = (
             PrefixIndex(limits.prefix_cache_tokens) if limits.prefix_cache_tokens > 0 else None
@@ -181,6 +186,7 @@ class EngineCore:
         tracked.lost = tracked.in_flight or tracked.lost
         tracked.resumed = tracked.resumed or not tracked.prefilling
         tracked.in_flight = None
+        tracked.ahead.clear()
         tracked.recover_by = self.clock() + self.limits.recovery_timeout_s
         tracked.failed_term = term
         logger.warning(
@@ -232,7 +238,7 @@ class EngineCore:
         """Pack the next step, or None when there is nothing to send (or the pipe is
         full)."""
         info = self.info
-        if info is None or len(self.frames) >= max(1, info.stage_count):
+        if info is None or len(self.frames) >= self._frame_cap(info):
             return None
         segments: list[Segment] = list(self._ends)
         self._ends.clear()
@@ -258,13 +264,17 @@ class EngineCore:
                 segment = self._prefill_segment(tracked, info.term, room, now)
                 segments.append(segment)
                 rows += segment.token_count
+        for segment in self._ahead_segments(info, budget - rows, budget, now):
+            segments.append(segment)
+            rows += segment.token_count
         if not segments:
             return None
         frame_id = self._next_frame_id
         self._next_frame_id += 1
         for tracked in self.running.values():
-            if tracked.in_flight is not None and tracked.in_flight.frame_id == 0:
-                tracked.in_flight.frame_id = frame_id
+            for flight in ahead.windows(tracked):
+                if flight.frame_id == 0:
+                    flight.frame_id = frame_id
         self.frames[frame_id] = SentFrame(
             frame_id=frame_id,
             term=info.term,
@@ -274,6 +284,43 @@ class EngineCore:
             kinds={s.session_id: s.kind for s in segments},
         )
         return Frame(info.term, frame_id, tuple(segments))
+
+    def _frame_cap(self, info: PipelineInfo) -> int:
+        """Frames in the pipe at once: one per stage, or as many as the deepest
+        request's windows in flight."""
+        deepest = max((t.depth for t in self.running.values()), default=1)
+        return max(1, info.stage_count, deepest)
+
+    def _ahead_segments(
+        self, info: PipelineInfo, room: int, budget: int, now: float
+    ) -> list[Segment]:
+        """Windows drafted ahead for requests whose windows in flight are fewer than
+        their chosen depth. Only while the batch leaves the pipe idle: with as many
+        requests decoding as there are stages, every stage already has work."""
+        decoding = [t for t in self.running.values() if not t.prefilling]
+        if self.limits.max_depth <= 1 or len(decoding) >= max(1, info.stage_count):
+            for tracked in decoding:
+                tracked.depth = 1
+            return []
+        segments: list[Segment] = []
+        share = self._draft_share(len(decoding), budget)
+        for tracked in decoding:
+            if room <= 0 or not ahead.may_draft_ahead(tracked):
+                continue
+            window = self._window(tracked.run, share)
+            tracked.depth = ahead.pick_depth(tracked, window, self.step_s, self.limits.max_depth)
+            if 1 + len(tracked.ahead) >= tracked.depth:
+                continue
+            segment = ahead.ahead_segment(tracked, info.term, min(window, room - 1), now)
+            if segment is None:
+                continue
+            segments.append(segment)
+            room -= segment.token_count
+            self.ahead.sent += 1
+            run = tracked.run
+            run.ahead_sent += 1
+            run.deepest = max(run.deepest, 1 + len(tracked.ahead))
+        return segments
 
     @staticmethod
     def _decodes(tracked: Tracked) -> bool:
@@ -308,9 +355,10 @@ class EngineCore:
         tracked.in_flight.drafts, tracked.in_flight.draft_s = drafts, draft_s
         return segment
 
-    def _propose(self, run: RequestRun, share: int) -> tuple[list[int], float]:
+    def _window(self, run: RequestRun, share: int) -> int:
+        """Drafts the request's policy wants in its next window, within ``share``."""
         if run.drafter is None or share <= 0:
-            return [], 0.0
+            return 0
         context = RoundContext(
             tokens_left=run.tokens_left(),
             draft_share=share,
@@ -319,6 +367,10 @@ class EngineCore:
         window = plan_window(run.policy, context)
         if run.request.max_window:
             window = min(window, run.request.max_window)
+        return window
+
+    def _propose(self, run: RequestRun, share: int) -> tuple[list[int], float]:
+        window = self._window(run, share)
         if window <= 0:
             return [], 0.0
         started = self.clock()
@@ -423,6 +475,7 @@ class EngineCore:
         tracked.prompt_frame = 0
         tracked.prefilling = True
         tracked.in_flight = None
+        tracked.ahead.clear()
         tracked.prefix_from = ""
         tracked.no_prefix = True
         tracked.run.cached_tokens = 0
@@ -436,7 +489,14 @@ class EngineCore:
             # The last stage's answer: the cost of a frame of decode and verify rows on
             # its slowest stage (prompt chunks run in another regime of the kernels).
             if all(k in (SegmentKind.DECODE, SegmentKind.VERIFY) for k in sent.kinds.values()):
-                self.step_cost.observe(sent.rows, max(t.compute_ms for t in result.timings))
+                slowest_ms = max(t.compute_ms for t in result.timings)
+                self.step_cost.observe(sent.rows, slowest_ms)
+                step_s = slowest_ms / 1000.0
+                self.step_s = (
+                    step_s
+                    if self.step_s <= 0.0
+                    else ((1.0 - ahead.EWMA) * self.step_s + ahead.EWMA * step_s)
+                )
         outcomes: list[Outcome] = []
         for answer in result.results:
             if sent is not None:
@@ -454,6 +514,8 @@ class EngineCore:
             if answer.error is not None or answer.token_ids:
                 self.stale.append("unclaimed")
             return None
+        if answer.dropped:
+            self.ahead.dropped_by_last_stage += 1
         if answer.epoch != tracked.epoch:
             if answer.error is not None or answer.token_ids:
                 self.stale.append("epoch")
@@ -481,6 +543,12 @@ class EngineCore:
             return None
         if answer.error is not None:
             return self._error(tracked, answer, term)
+        if answer.dropped:
+            # The last stage refuted a window this core took as live: start again
+            # from the committed tokens (never seen when both sides agree).
+            tracked.in_flight = None
+            ahead.drop_ahead(tracked, self.ahead)
+            return None
         return self._commit(tracked, flight, answer)
 
     def _term(self) -> int:
@@ -523,10 +591,14 @@ class EngineCore:
                 run.recovered = False
         else:
             accepted = answer.accepted_count
+            ahead.observe_round(tracked, now - flight.sent_at)
             run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
+            ahead.drop_ahead(tracked, self.ahead)
             self.cancel(run.request.request_id)
+        elif flight.segment.kind is not SegmentKind.PREFILL:
+            ahead.settle(tracked, flight, answer.accepted_count, self.ahead)
         return Outcome(run.request.request_id, event=event)
 
     def in_flight_sessions(self) -> Iterator[str]:

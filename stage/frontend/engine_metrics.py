@@ -29,6 +29,7 @@ from mesh.metrics import (
     TOKEN_BUCKETS,
 )
 from mesh.speculative import CompositeDrafter, Telemetry
+from stage.frontend import ahead
 from stage.frontend.engine_types import SentFrame
 from stage.frontend.request_run import RequestRun
 
@@ -215,7 +216,8 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families = self._families()
         running, queued, recoveries, lookups, hits, lost, cached, held, cost = families[:9]
-        corpus_docs, corpus_tokens, corpus_evictions, corpus_lookups, corpus_hits = families[9:]
+        corpus_docs, corpus_tokens, corpus_evictions, corpus_lookups, corpus_hits = families[9:14]
+        in_flight, depth, windows_ahead, wasted, dropped = families[14:]
         scheduler = self._scheduler
         core = scheduler.core
         running.add_metric([], len(core.running))
@@ -240,6 +242,16 @@ class _EngineCollector(Collector):
         corpus_evictions.add_metric([], stats.evictions if stats else 0)
         corpus_lookups.add_metric([], stats.lookups if stats else 0)
         corpus_hits.add_metric([], stats.hits if stats else 0)
+        speculating = [t for t in list(core.running.values()) if t.run.drafter is not None]
+        in_flight.add_metric([], sum(len(ahead.windows(t)) for t in speculating))
+        depth.add_metric([], max((t.depth for t in speculating), default=1))
+        counters = core.ahead
+        windows_ahead.add_metric(["sent"], counters.sent)
+        windows_ahead.add_metric(["kept"], counters.kept)
+        windows_ahead.add_metric(["dropped"], counters.dropped)
+        wasted.add_metric([], counters.wasted_tokens)
+        dropped.add_metric(["last_stage"], counters.dropped_by_last_stage)
+        dropped.add_metric(["stage0"], counters.dropped)
         return iter(families)
 
     @staticmethod
@@ -293,5 +305,33 @@ class _EngineCollector(Collector):
             CounterMetricFamily(
                 "mesh_speculation_corpus_hits",
                 "Proposals that found a match in the shared corpus.",
+            ),
+            GaugeMetricFamily(
+                "mesh_verify_windows_in_flight",
+                "Verify and decode windows of speculating requests in the pipe now (the "
+                "windows drafted ahead included).",
+            ),
+            GaugeMetricFamily(
+                "mesh_verify_depth",
+                "The deepest depth (windows one request may have in flight) the cost rule "
+                "chose for a running request.",
+            ),
+            CounterMetricFamily(
+                "mesh_verify_windows_ahead",
+                "Windows drafted ahead of their predecessor's verdict: sent, kept (the "
+                "verdict confirmed them) and dropped (a verdict refuted them).",
+                labels=("outcome",),
+            ),
+            CounterMetricFamily(
+                "mesh_verify_wasted_tokens",
+                "Token rows of dropped windows drafted ahead (computed for nothing on "
+                "the stages before the last).",
+            ),
+            CounterMetricFamily(
+                "mesh_verify_dropped_segments",
+                "Windows drafted ahead found stale, by where: stage0 (voided on a verdict "
+                "that refuted them) and last_stage (answered unrun by the last stage, "
+                "which checks each against the session's latest verdict).",
+                labels=("where",),
             ),
         ]

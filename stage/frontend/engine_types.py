@@ -19,7 +19,9 @@ class EngineLimits:
     chunks in what is left); ``draft_tokens``: draft rows one step may hold, shared
     among the requests that speculate in it; ``prefill_chunk_tokens``: the longest
     prompt chunk of one request in one step; ``prefix_cache_tokens``: positions of
-    finished requests kept on the stages for later prompts (0: none)."""
+    finished requests kept on the stages for later prompts (0: none);
+    ``max_depth``: verify windows one request may have in flight (1: one window,
+    then its verdict)."""
 
     max_sessions: int = FrontendConfig.max_concurrent_requests
     max_queued: int = FrontendConfig.max_queued
@@ -29,6 +31,7 @@ class EngineLimits:
     round_timeout_s: float = 120.0
     recovery_timeout_s: float = 60.0
     prefix_cache_tokens: int = FrontendConfig.prefix_cache_tokens
+    max_depth: int = FrontendConfig.max_windows_in_flight
 
     @classmethod
     def of(cls, serving: FrontendConfig) -> EngineLimits:
@@ -38,6 +41,7 @@ class EngineLimits:
             max_queued=serving.max_queued,
             step_tokens=serving.max_batch_tokens,
             prefix_cache_tokens=serving.prefix_cache_tokens,
+            max_depth=serving.max_windows_in_flight,
         )
 
 
@@ -75,6 +79,12 @@ class Tracked:
     # Reading its prompt (or re-reading everything after a recovery).
     prefilling: bool = True
     in_flight: InFlight | None = None
+    # Verify windows sent after ``in_flight`` before its verdict, oldest first
+    # (stage/frontend/ahead.py), the depth chosen for them, and the request's
+    # measured send-to-verdict time of a window (seconds, averaged).
+    ahead: list[InFlight] = field(default_factory=list)
+    depth: int = 1
+    round_s: float = 0.0
     # Set while waiting for a pipeline newer than ``failed_term``.
     recover_by: float | None = None
     failed_term: int = 0

@@ -29,6 +29,11 @@ class RequestRun:
         self.drafter = self.policy = None
         self.strategy = ""
         self.telemetry: Telemetry | None = None
+        # Verify windows drafted ahead of a verdict: sent, dropped (a verdict refuted
+        # them), and the deepest the request went.
+        self.ahead_sent = 0
+        self.ahead_dropped = 0
+        self.deepest = 1
         if speculation is not None:
             self.drafter, self.policy, self.strategy = speculation
             self.telemetry = Telemetry()
@@ -74,7 +79,7 @@ class RequestRun:
         if self.drafter is None or not emitted:
             return
         if drafts:
-            self.drafter.accept(accepted, emitted[-1])
+            self.drafter.accept(accepted, emitted[-1], drafts)
         else:
             self.drafter.extend(emitted)
         if not self.recovered:
@@ -92,6 +97,12 @@ class RequestRun:
                 "windows": t.windows,
                 "tokens_per_round": round(t.mean_tokens_per_round, 4),
             }
+            if self.ahead_sent:
+                speculation.update(
+                    windows_ahead=self.ahead_sent,
+                    windows_dropped=self.ahead_dropped,
+                    depth=self.deepest,
+                )
         return GenerationStats(
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=self.produced,

@@ -128,9 +128,17 @@ class Served:
 
 
 @contextmanager
-def serving(package: Path, workdir: Path, *stage0_args: str) -> Iterator[Served]:
+def serving(
+    package: Path, workdir: Path, *stage0_args: str, stage_args: tuple[str, ...] = ()
+) -> Iterator[Served]:
     processes = MeshProcesses(
-        package, workdir, 2, max_sessions=4, max_queued=4, stage0_args=stage0_args
+        package,
+        workdir,
+        2,
+        max_sessions=4,
+        max_queued=4,
+        stage0_args=stage0_args,
+        stage_args=stage_args,
     )
     try:
         processes.start().wait_serving()
@@ -327,6 +335,51 @@ class TestRandomDraft:
         # Each 24-token reply takes about 22 windows (the last ones shrink to fit).
         assert drafted >= 3 * 60
         assert accepted <= 0.1 * drafted
+
+
+class TestPipelinedWindows:
+    """Draft model == target, 15 ms on every hop: the depth rule keeps several windows
+    in flight; at temperature 0.8 the greedy drafts are often refuted, so windows
+    drafted ahead are dropped by the last stage. Text identical either way."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def mesh(cls, package, target_dir, tmp_path_factory) -> Iterator[Served]:
+        args = ("--spec-type", "draft-model", "--draft-model", str(target_dir), *fixed(3))
+        delay = ("--inject-delay-ms", "15")
+        with serving(package, tmp_path_factory.mktemp("ahead"), *args, stage_args=delay) as mesh:
+            yield mesh
+
+    def test_windows_drafted_ahead_change_nothing(self, mesh, baseline):
+        greedy = assert_equivalent(mesh, baseline)
+        ahead = [timings_of(r).get("windows_ahead", 0) for r in greedy]
+        assert max(ahead) > 0, "no window was drafted ahead"
+        assert max(timings_of(r).get("depth", 1) for r in greedy) > 1
+        for reply in greedy:
+            assert timings_of(reply).get("windows_dropped", 0) == 0  # sure drafts
+        for prompt in PROMPTS:
+            for seed in (7, 8):
+                params = {"temperature": 0.8, "seed": seed}
+                same_reply(mesh.complete(prompt, **params), baseline.cached(prompt, **params))
+        text = httpx.get(mesh.url + "/metrics", timeout=30).text
+        values = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        sent = values[("mesh_verify_windows_ahead_total", (("outcome", "sent"),))]
+        assert sent > 0
+
+    def test_stops_inside_windows_in_flight(self, mesh, baseline):
+        for max_tokens in (1, 2, 5):
+            same_reply(
+                mesh.complete(PROMPTS[0], max_tokens=max_tokens),
+                baseline.cached(PROMPTS[0], max_tokens=max_tokens),
+            )
+        params = {"stop": [baseline.cached(PROMPTS[2])["choices"][0]["text"][6:9]]}
+        same_reply(mesh.complete(PROMPTS[2], **params), baseline.cached(PROMPTS[2], **params))
+        reply = mesh.complete(EOS_PROMPT)
+        same_reply(reply, baseline.cached(EOS_PROMPT))
 
 
 class TestNgram:

@@ -9,146 +9,21 @@ verification rule as the real stages; it answers every segment of a frame.
 from __future__ import annotations
 
 import pytest
+from engine_support import (
+    Clock,
+    FakePipeline,
+    core_with,
+    greedy,
+    next_token,
+    request,
+    run_pipelined,
+    run_to_end,
+)
 
 from mesh.errors import CapacityExceeded, Unavailable
-from mesh.frames import ErrorInfo, Frame, FrameResult, SegmentKind, SegmentResult
-from mesh.types import SamplingParams
-from stage.frontend.backend import GenerationRequest
+from mesh.frames import ErrorInfo, FrameResult, SegmentKind, SegmentResult
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_types import EngineLimits, PipelineInfo
-
-VOCAB = 97
-
-
-def next_token(tokens: list[int]) -> int:
-    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 31 + len(tokens)) % VOCAB
-
-
-def greedy(prompt: tuple[int, ...], count: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(count):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt) :]
-
-
-class FakePipeline:
-    """Answers frames like a whole pipeline would: every segment, in order. Keeps
-    prefixes as the stages do; a name in ``lost`` is one some stage no longer holds."""
-
-    def __init__(self) -> None:
-        self.sessions: dict[str, list[int]] = {}
-        self.kept: dict[str, list[int]] = {}
-        self.lost: set[str] = set()
-        self.frames: list[Frame] = []
-
-    def answer(self, frame: Frame) -> FrameResult:
-        self.frames.append(frame)
-        results = []
-        for segment in frame.segments:
-            sid = segment.session_id
-            if segment.kind is SegmentKind.END:
-                held = self.sessions.pop(sid, None)
-                if segment.keep_prefix and held is not None:
-                    self.kept[sid] = held[: segment.pos_start]
-                if segment.forget_prefix:
-                    self.kept.pop(sid, None)
-                results.append(SegmentResult(segment.request_id, sid, 0, epoch=segment.epoch))
-                continue
-            if sid not in self.sessions and segment.pos_start > 0:
-                source = segment.prefix_from
-                # A kept prefix, or a live session (a forked choice of n > 1).
-                held = self.kept.get(source) or self.sessions.get(source)
-                if source and held is not None and source not in self.lost:
-                    self.sessions[sid] = held[: segment.pos_start]
-                else:
-                    code = "ABORTED" if source else "NOT_FOUND"
-                    error = ErrorInfo(code, f"no session or prefix for {sid}", 1)
-                    results.append(
-                        SegmentResult(
-                            segment.request_id,
-                            sid,
-                            segment.pos_start,
-                            error=error,
-                            epoch=segment.epoch,
-                        )
-                    )
-                    continue
-            held = self.sessions.setdefault(sid, [])
-            del held[segment.pos_start :]
-            held.extend(segment.token_ids)
-            if segment.kind is SegmentKind.PREFILL and not segment.sample:
-                results.append(
-                    SegmentResult(segment.request_id, sid, segment.pos_end, epoch=segment.epoch)
-                )
-                continue
-            if segment.kind is SegmentKind.VERIFY:
-                emitted, accepted = [], 0
-                for i in range(1, segment.token_count + 1):
-                    draw = next_token(held[: segment.pos_start + i])
-                    emitted.append(draw)
-                    if i < segment.token_count and segment.token_ids[i] == draw:
-                        accepted += 1
-                        continue
-                    break
-                results.append(
-                    SegmentResult(
-                        segment.request_id,
-                        sid,
-                        segment.pos_start + 1,
-                        emitted,
-                        accepted,
-                        epoch=segment.epoch,
-                    )
-                )
-            else:
-                results.append(
-                    SegmentResult(
-                        segment.request_id,
-                        sid,
-                        segment.pos_end,
-                        [next_token(held)],
-                        epoch=segment.epoch,
-                    )
-                )
-        return FrameResult(frame.term, frame.frame_id, tuple(results))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def request(
-    rid: str, prompt: tuple[int, ...], max_new: int = 6, stop=(), fork_of: str = ""
-) -> GenerationRequest:
-    return GenerationRequest(rid, prompt, max_new, SamplingParams(), frozenset(stop), fork_of)
-
-
-def core_with(stage_count: int = 1, **limits) -> tuple[EngineCore, Clock]:
-    clock = Clock()
-    core = EngineCore(EngineLimits(**limits), clock)
-    core.set_pipeline(PipelineInfo(term=1, stage_count=stage_count))
-    return core, clock
-
-
-def run_to_end(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
-    """Step until nothing is left to send; every request's committed tokens and finish."""
-    out: dict[str, list] = {}
-    for _ in range(limit):
-        frame = core.next_frame()
-        if frame is None:
-            return out
-        for outcome in core.on_result(pipe.answer(frame)):
-            entry = out.setdefault(outcome.request_id, [[], None, None])
-            if outcome.error is not None:
-                entry[2] = outcome.error
-            else:
-                entry[0].extend(outcome.event.token_ids)
-                entry[1] = outcome.event.finish_reason
-    raise AssertionError("the core never ran out of work")
 
 
 def test_requests_in_one_step_get_the_tokens_they_get_alone() -> None:
@@ -201,8 +76,8 @@ def test_speculation_windows_share_the_step_draft_budget() -> None:
         def extend(self, tokens):
             self.tokens.extend(tokens)
 
-        def accept(self, accepted, token):
-            self.tokens.append(token)
+        def accept(self, accepted, token, proposal):
+            self.tokens.extend([*proposal[:accepted], token])
 
         def propose(self, k):  # the true continuation: every draft is accepted
             tokens = list(self.tokens)
@@ -402,26 +277,6 @@ def test_cached_tokens_are_reported_in_the_stats() -> None:
     run = core.add(request("b", (*prompt[:35], 90, 91), max_new=3))
     run_to_end(core, pipe)
     assert run.stats().cached_tokens == 35
-
-
-def run_pipelined(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
-    """Like run_to_end, with as many frames in flight as the core sends."""
-    out: dict[str, list] = {}
-    for _ in range(limit):
-        frames = []
-        while (frame := core.next_frame()) is not None:
-            frames.append(frame)
-        if not frames:
-            return out
-        for frame in frames:
-            for outcome in core.on_result(pipe.answer(frame)):
-                entry = out.setdefault(outcome.request_id, [[], None, None])
-                if outcome.error is not None:
-                    entry[2] = outcome.error
-                else:
-                    entry[0].extend(outcome.event.token_ids)
-                    entry[1] = outcome.event.finish_reason
-    raise AssertionError("the core never ran out of work")
 
 
 def test_a_prefix_a_stage_lost_is_read_again_from_position_0() -> None:

@@ -87,6 +87,27 @@ def test_summary_medians_rates_and_speedup():
     assert "| 5 ms " in table and "2.00x" in table
 
 
+def test_depths_make_one_config_per_depth_and_compare_with_serial():
+    bench = spec_bench()
+    configs = bench.with_depths(bench.build_configs(["cost"], 6, None, "draft"), ["1", "auto"])
+    assert [c.name for c in configs] == ["baseline", "cost@d1", "cost@dauto"]
+    assert configs[1].coordinator_args == ("--max-windows-in-flight", "1")
+    assert configs[2].coordinator_args == () and "depth auto" in configs[2].label
+    assert bench.with_depths(configs[:2], ["auto"]) == configs[:2]
+    records = []
+    for repeat, (serial_wall, deep_wall) in enumerate(((2.0, 1.0), (2.0, 0.5), (1.0, 1.0))):
+        records.append(record("baseline", "a", repeat, wall_s=4.0))
+        records.append(record("cost@d1", "a", repeat, wall_s=serial_wall))
+        records.append(record("cost@dauto", "a", repeat, wall_s=deep_wall))
+    rows = {r["config"]: r for r in bench.summarize(records)}
+    deep = rows["cost@dauto"]
+    # Serial rates 5, 5, 10 (median 5); deep 10, 20, 10 (median 10); per repeat 2, 4, 1.
+    assert deep["vs_serial"] == pytest.approx(2.0)
+    assert deep["vs_serial_paired"] == pytest.approx(2.0)
+    assert rows["cost@d1"]["vs_serial"] is None and rows["baseline"]["vs_serial"] is None
+    assert "2.00x" in bench.table(list(rows.values()))
+
+
 def test_chart_is_written(tmp_path: Path):
     pytest.importorskip("matplotlib")
     bench = spec_bench()

@@ -22,7 +22,7 @@ SEGMENT_KIND_VERIFY: SegmentKind
 SEGMENT_KIND_END: SegmentKind
 
 class Segment(_message.Message):
-    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix")
+    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class Segment(_message.Message):
     PREFIX_FROM_FIELD_NUMBER: _ClassVar[int]
     KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     FORGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     kind: SegmentKind
@@ -47,7 +48,8 @@ class Segment(_message.Message):
     prefix_from: str
     keep_prefix: bool
     forget_prefix: bool
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("term", "frame_id", "segments", "hidden", "timings")
@@ -72,7 +74,7 @@ class FrameAck(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class SegmentResult(_message.Message):
-    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs")
+    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs", "dropped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class SegmentResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     pos_start: int
@@ -89,7 +92,8 @@ class SegmentResult(_message.Message):
     error: _common_pb2.ErrorInfo
     epoch: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    dropped: bool
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_tokens", "top_logprobs")

@@ -1,0 +1,238 @@
+"""Test support for stage 0's engine core: a fake pipeline, a clock, and loops that
+step the core until it runs out of work.
+
+The fake pipeline is a deterministic "model" over each session's tokens (the next
+token is a hash of the tokens so far), applying the same crop rule, the same
+verification rule and the same check of windows drafted ahead as the real stages;
+it answers every segment of a frame.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mesh.frames import (
+    ErrorInfo,
+    Frame,
+    FrameResult,
+    Segment,
+    SegmentKind,
+    SegmentResult,
+    StageTiming,
+)
+from mesh.types import SamplingParams
+from stage.frontend.backend import GenerationRequest
+from stage.frontend.engine_core import EngineCore
+from stage.frontend.engine_types import EngineLimits, PipelineInfo
+
+VOCAB = 97
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 31 + len(tokens)) % VOCAB
+
+
+def greedy(prompt: tuple[int, ...], count: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakePipeline:
+    """Answers frames like a whole pipeline would: every segment, in order. Keeps
+    prefixes as the stages do; a name in ``lost`` is one some stage no longer holds."""
+
+    def __init__(self, step_ms: float = 0.0) -> None:
+        # The compute time each answer reports for the pipeline's slowest stage.
+        self.step_ms = step_ms
+        self.sessions: dict[str, list[int]] = {}
+        self.kept: dict[str, list[int]] = {}
+        self.lost: set[str] = set()
+        self.frames: list[Frame] = []
+        # The last stage's verdicts: (position, token) of each session's last emitted
+        # token; windows drafted ahead that do not start there are dropped unrun.
+        self.verdicts: dict[str, tuple[int, int]] = {}
+        self.dropped: list[Segment] = []
+
+    def answer(self, frame: Frame) -> FrameResult:
+        self.frames.append(frame)
+        results = []
+        for segment in frame.segments:
+            sid = segment.session_id
+            if segment.kind is SegmentKind.END:
+                held = self.sessions.pop(sid, None)
+                if segment.keep_prefix and held is not None:
+                    self.kept[sid] = held[: segment.pos_start]
+                if segment.forget_prefix:
+                    self.kept.pop(sid, None)
+                results.append(SegmentResult(segment.request_id, sid, 0, epoch=segment.epoch))
+                continue
+            if sid not in self.sessions and segment.pos_start > 0:
+                source = segment.prefix_from
+                # A kept prefix, or a live session (a forked choice of n > 1).
+                held = self.kept.get(source) or self.sessions.get(source)
+                if source and held is not None and source not in self.lost:
+                    self.sessions[sid] = held[: segment.pos_start]
+                else:
+                    code = "ABORTED" if source else "NOT_FOUND"
+                    error = ErrorInfo(code, f"no session or prefix for {sid}", 1)
+                    results.append(
+                        SegmentResult(
+                            segment.request_id,
+                            sid,
+                            segment.pos_start,
+                            error=error,
+                            epoch=segment.epoch,
+                        )
+                    )
+                    continue
+            if segment.ahead and self.verdicts.get(sid) != (
+                segment.pos_start,
+                segment.token_ids[0],
+            ):
+                self.dropped.append(segment)
+                results.append(
+                    SegmentResult(
+                        segment.request_id,
+                        sid,
+                        segment.pos_start,
+                        epoch=segment.epoch,
+                        dropped=True,
+                    )
+                )
+                continue
+            held = self.sessions.setdefault(sid, [])
+            del held[segment.pos_start :]
+            held.extend(segment.token_ids)
+            if segment.kind is SegmentKind.PREFILL and not segment.sample:
+                results.append(
+                    SegmentResult(segment.request_id, sid, segment.pos_end, epoch=segment.epoch)
+                )
+                continue
+            if segment.kind is SegmentKind.VERIFY:
+                emitted, accepted = [], 0
+                for i in range(1, segment.token_count + 1):
+                    draw = next_token(held[: segment.pos_start + i])
+                    emitted.append(draw)
+                    if i < segment.token_count and segment.token_ids[i] == draw:
+                        accepted += 1
+                        continue
+                    break
+                results.append(
+                    SegmentResult(
+                        segment.request_id,
+                        sid,
+                        segment.pos_start + 1,
+                        emitted,
+                        accepted,
+                        epoch=segment.epoch,
+                    )
+                )
+            else:
+                results.append(
+                    SegmentResult(
+                        segment.request_id,
+                        sid,
+                        segment.pos_end,
+                        [next_token(held)],
+                        epoch=segment.epoch,
+                    )
+                )
+        for result in results:
+            if result.token_ids:
+                last = result.pos_start + len(result.token_ids) - 1
+                self.verdicts[result.session_id] = (last, result.token_ids[-1])
+        timings = (StageTiming(0, self.step_ms),) if self.step_ms else ()
+        return FrameResult(frame.term, frame.frame_id, tuple(results), timings)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(
+    rid: str, prompt: tuple[int, ...], max_new: int = 6, stop=(), fork_of: str = ""
+) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_new, SamplingParams(), frozenset(stop), fork_of)
+
+
+def core_with(stage_count: int = 1, **limits) -> tuple[EngineCore, Clock]:
+    clock = Clock()
+    core = EngineCore(EngineLimits(**limits), clock)
+    core.set_pipeline(PipelineInfo(term=1, stage_count=stage_count))
+    return core, clock
+
+
+def run_to_end(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
+    """Step until nothing is left to send; every request's committed tokens and finish."""
+    out: dict[str, list] = {}
+    for _ in range(limit):
+        frame = core.next_frame()
+        if frame is None:
+            return out
+        for outcome in core.on_result(pipe.answer(frame)):
+            entry = out.setdefault(outcome.request_id, [[], None, None])
+            if outcome.error is not None:
+                entry[2] = outcome.error
+            else:
+                entry[0].extend(outcome.event.token_ids)
+                entry[1] = outcome.event.finish_reason
+    raise AssertionError("the core never ran out of work")
+
+
+def run_pipelined(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
+    """Like run_to_end, with as many frames in flight as the core sends."""
+    out: dict[str, list] = {}
+    for _ in range(limit):
+        frames = []
+        while (frame := core.next_frame()) is not None:
+            frames.append(frame)
+        if not frames:
+            return out
+        for frame in frames:
+            for outcome in core.on_result(pipe.answer(frame)):
+                entry = out.setdefault(outcome.request_id, [[], None, None])
+                if outcome.error is not None:
+                    entry[2] = outcome.error
+                else:
+                    entry[0].extend(outcome.event.token_ids)
+                    entry[1] = outcome.event.finish_reason
+    raise AssertionError("the core never ran out of work")
+
+
+def run_with_latency(
+    core: EngineCore,
+    pipe: FakePipeline,
+    clock: Clock,
+    round_s: float,
+    limit: int = 20000,
+) -> dict[str, list]:
+    """Like run_pipelined, on a pipeline whose answers come ``round_s`` after a frame
+    was sent and no sooner than ``pipe.step_ms`` after the previous answer (the
+    slowest stage takes that long per frame); the clock moves to each answer."""
+    out: dict[str, list] = {}
+    pending: deque[tuple[float, Frame]] = deque()
+    step_s = pipe.step_ms / 1000.0
+    for _ in range(limit):
+        while (frame := core.next_frame()) is not None:
+            due = clock.now + round_s
+            if pending:
+                due = max(due, pending[-1][0] + step_s)
+            pending.append((due, frame))
+        if not pending:
+            return out
+        due, frame = pending.popleft()
+        clock.now = max(clock.now, due)
+        for outcome in core.on_result(pipe.answer(frame)):
+            entry = out.setdefault(outcome.request_id, [[], None, None])
+            if outcome.error is not None:
+                entry[2] = outcome.error
+            else:
+                entry[0].extend(outcome.event.token_ids)
+                entry[1] = outcome.event.finish_reason
+    raise AssertionError("the core never ran out of work")
