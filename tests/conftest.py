@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 
 def smollm2_gguf_path() -> Path:
@@ -27,8 +27,16 @@ def smollm2_gguf_path() -> Path:
 
 
 def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
-    """A tiny random config of a supported family (hidden 64, 4 heads, 2 KV heads)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A tiny random config of a supported family (hidden 64, 4 heads, 2 KV heads;
+    the mixture-of-experts families with 4 experts, 2 per token)."""
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -50,6 +58,24 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    if family == "qwen3_moe":
+        # Layer 2 keeps a dense MLP (mlp_only_layers), as some Qwen3-MoE models do.
+        return Qwen3MoeConfig(
+            **common,
+            **experts,
+            head_dim=16,
+            num_experts=4,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2] if layers > 2 else [],
+            tie_word_embeddings=True,
+        )
+    if family == "mixtral":
+        return MixtralConfig(
+            **common, **experts, num_local_experts=4, sliding_window=None, tie_word_embeddings=False
+        )
     raise ValueError(f"unknown family {family}")
 
 

@@ -9,7 +9,10 @@ layer under ``layers/``. Tensor names inside the files:
   embeddings, ``lm_head.weight`` is a copy of the embedding, so the last stage never
   needs the embed file)
 - ``layers/NNNNN.safetensors``: the HF decoder layer's own names with the
-  ``model.layers.N.`` prefix removed (``self_attn.q_proj.weight``, ...)
+  ``model.layers.N.`` prefix removed (``self_attn.q_proj.weight``, ...); a
+  mixture-of-experts layer holds its router ``mlp.gate.weight`` and each expert's
+  ``mlp.experts.E.{gate,up,down}_proj.weight`` (Mixtral's ``block_sparse_moe`` and
+  ``w1``/``w3``/``w2`` names are stored under these)
 
 A quantised package (``quantization`` set in the manifest) stores every linear
 weight and the LM head as the parts mesh/quant.py describes
@@ -41,6 +44,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -4,7 +4,10 @@ Checkpoint names are those of ``*ForCausalLM`` (``model.layers.3.mlp.up_proj.wei
 or of the bare decoder (``layers.3.mlp.up_proj.weight``). Package names are fixed
 by mesh/package/manifest.py: ``embed_tokens.weight`` in the embed file,
 ``norm.weight`` and ``lm_head.weight`` in the head file, and per-layer names with
-the ``model.layers.N.`` prefix removed.
+the ``model.layers.N.`` prefix removed. Mixture-of-experts layers are stored under
+one naming for every family: Mixtral's ``block_sparse_moe.experts.E.w1`` (gate),
+``w3`` (up) and ``w2`` (down) become ``mlp.experts.E.gate_proj`` and so on, as
+Qwen3-MoE names them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,21 @@ _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 _EMBED = re.compile(r"^(?:model\.)?embed_tokens\.weight$")
 _NORM = re.compile(r"^(?:model\.)?norm\.weight$")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.(.+)$")
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_STACKED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def package_layer_name(name: str) -> str:
+    """The package name of a layer tensor given by its checkpoint name (without the
+    ``model.layers.N.`` prefix)."""
+    match = _MIXTRAL_EXPERT.match(name)
+    if match:
+        expert, projection, rest = match.groups()
+        return f"mlp.experts.{expert}.{_MIXTRAL_PROJECTIONS[projection]}.{rest}"
+    if name.startswith("block_sparse_moe."):
+        return "mlp." + name[len("block_sparse_moe.") :]
+    return name
 
 
 @dataclass(frozen=True)
@@ -53,7 +71,14 @@ def classify(names: Iterable[str], layer_count: int) -> CheckpointLayout:
             continue
         match = _LAYER.match(name)
         if match:
-            per_layer.setdefault(int(match.group(1)), []).append((match.group(2), name))
+            if _STACKED_EXPERTS.match(match.group(2)):
+                raise PackageError(
+                    f"checkpoint tensor {name!r} holds every expert of a layer stacked in one "
+                    "tensor; mesh-package reads one tensor per expert, as transformers' "
+                    "save_pretrained writes them: load the model and save it again"
+                )
+            package_name = package_layer_name(match.group(2))
+            per_layer.setdefault(int(match.group(1)), []).append((package_name, name))
         elif _EMBED.match(name):
             embed = name
         elif _NORM.match(name):

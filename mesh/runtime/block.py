@@ -1,13 +1,14 @@
 """A lean forward pass over the tensors of one HF decoder layer.
 
-The supported families (Llama, Mistral, Qwen2, Qwen3) share one layer shape:
-RMSNorm, attention with rotary embeddings (optional q/k/v biases, optional per-head
-q/k RMSNorm), RMSNorm, gated MLP. ``DecoderBlock`` holds one layer's weights (dense
-or quantised) and runs the same arithmetic in the same order as transformers does,
-without the module call machinery, writing keys and values into the session's
-preallocated cache. The HF layer module is built on the meta device only to check
-its structure and read its shape; a layer with any other structure is refused at
-load time.
+The supported families (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
+Qwen3-MoE and Mixtral) share one layer shape: RMSNorm, attention with rotary
+embeddings (optional q/k/v biases, optional per-head q/k RMSNorm), RMSNorm, gated
+MLP or routed experts of gated MLPs (mesh/runtime/moe.py). ``DecoderBlock`` holds
+one layer's weights (dense or quantised) and runs the same arithmetic in the same
+order as transformers does, without the module call machinery, writing keys and
+values into the session's preallocated cache. The HF layer module is built on the
+meta device only to check its structure and read its shape; a layer with any other
+structure is refused at load time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from mesh.errors import UnsupportedArchitecture
 from mesh.runtime import invariant
 from mesh.runtime.linear import Linear, packed, unpacked
+from mesh.runtime.moe import SparseExperts, is_sparse, structure_problems
 from mesh.runtime.sessions import SessionCache
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -110,6 +112,7 @@ class DecoderBlock:
     q/k/v run as one fused linear and gate/up as another (see ``fuse``); every
     linear is dense or quantised (mesh/runtime/linear.py). Queries and keys are
     normed (Qwen3) and rotated together, as one ``[T, heads + kv_heads, D]`` tensor.
+    A sparse layer has ``experts`` instead of ``gate_up`` and ``down``.
     """
 
     __slots__ = (
@@ -129,6 +132,7 @@ class DecoderBlock:
         "o",
         "gate_up",
         "down",
+        "experts",
         "act",
         "row_invariant",
     )
@@ -141,9 +145,10 @@ class DecoderBlock:
         norms: dict[str, torch.Tensor],
         qkv: Linear,
         o: Linear,
-        gate_up: Linear,
-        down: Linear,
+        gate_up: Linear | None,
+        down: Linear | None,
         row_invariant: bool = False,
+        experts: SparseExperts | None = None,
     ) -> None:
         self.layer_index = layer_index
         self.sliding = sliding
@@ -167,22 +172,31 @@ class DecoderBlock:
         self.o = o
         self.gate_up = gate_up
         self.down = down
+        self.experts = experts
         self.act: Callable[[torch.Tensor], torch.Tensor] = shape.act
         # Attention as one entry per query row (mesh/runtime/invariant.py).
         self.row_invariant = row_invariant
 
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, self.gate_up, self.down]
+        if self.experts is not None:
+            return [self.qkv, self.o, *self.experts.linears()]
+        return [self.qkv, self.o, self.gate_up, self.down]  # type: ignore[list-item]
 
     def unpack(self) -> None:
         """Plain weights instead of oneDNN-packed ones (the compiler cannot lower those)."""
         self.qkv, self.o = unpacked(self.qkv), unpacked(self.o)
-        self.gate_up, self.down = unpacked(self.gate_up), unpacked(self.down)
+        if self.experts is not None:
+            self.experts.unpack()
+            return
+        self.gate_up, self.down = unpacked(self.gate_up), unpacked(self.down)  # type: ignore[arg-type]
 
     def pack(self) -> None:
         """Back to oneDNN-packed weights where the device has oneDNN (``unpack`` undone)."""
         self.qkv, self.o = packed(self.qkv), packed(self.o)
-        self.gate_up, self.down = packed(self.gate_up), packed(self.down)
+        if self.experts is not None:
+            self.experts.pack()
+            return
+        self.gate_up, self.down = packed(self.gate_up), packed(self.down)  # type: ignore[arg-type]
 
     def forward(
         self,
@@ -297,11 +311,14 @@ def _project(
 
 
 def _finish(block: DecoderBlock, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """Output projection, residual, and the gated MLP with its residual."""
+    """Output projection, residual, and the gated MLP (or routed experts) with its
+    residual."""
     hidden = hidden + block.o(attended)
     states = rms_norm(hidden, block.post_norm, block.norm_eps)
-    gate, up = block.gate_up(states).chunk(2, dim=-1)
-    return hidden + block.down(block.act(gate) * up)
+    if block.experts is not None:
+        return hidden + block.experts(states)
+    gate, up = block.gate_up(states).chunk(2, dim=-1)  # type: ignore[misc]
+    return hidden + block.down(block.act(gate) * up)  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -335,7 +352,7 @@ def block_shape(layer: nn.Module) -> BlockShape:
         head_dim=head_dim,
         scaling=float(attn.scaling),
         norm_eps=eps,
-        act=layer.mlp.act_fn,
+        act=layer.mlp.experts.act_fn if is_sparse(layer) else layer.mlp.act_fn,
     )
 
 
@@ -350,17 +367,20 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
         if attn_parts not in (_ATTENTION_PARTS, _ATTENTION_PARTS | _QK_NORMS):
             problems.append(f"attention parts {sorted(attn_parts)}")
         mlp_parts = {name for name, _ in layer.mlp.named_children()}
-        if mlp_parts - {"act_fn"} != _MLP_PARTS - {"act_fn"}:
+        if is_sparse(layer):
+            problems += structure_problems(layer)
+        elif mlp_parts - {"act_fn"} != _MLP_PARTS - {"act_fn"}:
             problems.append(f"MLP parts {sorted(mlp_parts)}")
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [getattr(layer.self_attn, name) for name in _QK_NORMS & attn_parts]
         for norm in norms:
             if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
                 problems.append(f"norm {type(norm).__name__}")
-        if not callable(getattr(layer.mlp, "act_fn", None)):
+        if not is_sparse(layer) and not callable(getattr(layer.mlp, "act_fn", None)):
             problems.append("MLP without act_fn")
     if problems:
         raise UnsupportedArchitecture(
             f"decoder layer {layer_index} ({type(layer).__name__}) has an unexpected structure "
-            f"({'; '.join(problems)}); the runtime runs Llama, Mistral, Qwen2 and Qwen3 layers"
+            f"({'; '.join(problems)}); the runtime runs Llama, Mistral, Qwen2, Qwen3, "
+            "Qwen3-MoE and Mixtral layers"
         )

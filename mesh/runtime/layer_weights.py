@@ -34,12 +34,17 @@ class ModuleTensors:
         what: str,
         quant_kind: str | None,
         group_size: int = 0,
+        expected: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
+        """``expected`` replaces names and shapes of the module's state dict (a sparse
+        layer's stacked experts are stored one expert at a time: mesh/runtime/moe.py)."""
         self.what = what
         self.quant_kind = quant_kind
         self.group_size = group_size
         self._tensors = dict(tensors)
         self._expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        if expected is not None:
+            self._expected = dict(expected)
         self._check_names()
 
     def _check_names(self) -> None:

@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from mesh.errors import InvalidRequest, PackageError, UnsupportedArchitecture
 from mesh.package.manifest import SUPPORTED_ARCHITECTURES
 from mesh.quant import EMBED_GROUP, QuantScheme
-from mesh.runtime import invariant
-from mesh.runtime.block import DecoderBlock, block_shape, check_structure
+from mesh.runtime import invariant, moe
+from mesh.runtime.block import BlockShape, DecoderBlock, block_shape, check_structure
 from mesh.runtime.layer_weights import ModuleTensors
 from mesh.runtime.linear import (
     DenseLinear,
@@ -155,7 +155,9 @@ def build_stage_modules(
     for index in layer_range:
         layer = decoder.layers[index]
         check_structure(layer, index)
-        tensors = ModuleTensors(layer, weights.layer(index), f"decoder layer {index}", kind, group)
+        tensors = ModuleTensors(
+            layer, weights.layer(index), f"decoder layer {index}", kind, group, _shapes(layer)
+        )
         sliding = index in sliding_layers
         blocks.append(_build_block(layer, tensors, index, sliding, device, dtype, row_invariant))
 
@@ -228,18 +230,63 @@ def _build_block(
         norm_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     norms = {name: tensors.plain(name).to(device=device, dtype=dtype) for name in norm_names}
     attn = [tensors.linear(f"self_attn.{name}_proj") for name in ("q", "k", "v")]
-    mlp = [tensors.linear(f"mlp.{name}_proj") for name in ("gate", "up")]
+    shape = block_shape(layer)
+    gate_up = down = experts = None
+    if moe.is_sparse(layer):
+        experts = _build_experts(layer, tensors, shape, device, dtype, row_invariant)
+    else:
+        mlp = [tensors.linear(f"mlp.{name}_proj") for name in ("gate", "up")]
+        gate_up = build_linear(fuse(mlp), device, dtype, row_invariant)
+        down = build_linear(tensors.linear("mlp.down_proj"), device, dtype, row_invariant)
     return DecoderBlock(
-        block_shape(layer),
+        shape,
         index,
         sliding,
         norms,
         qkv=build_linear(fuse(attn), device, dtype, row_invariant),
         o=build_linear(tensors.linear("self_attn.o_proj"), device, dtype, row_invariant),
-        gate_up=build_linear(fuse(mlp), device, dtype, row_invariant),
-        down=build_linear(tensors.linear("mlp.down_proj"), device, dtype, row_invariant),
+        gate_up=gate_up,
+        down=down,
         row_invariant=row_invariant,
+        experts=experts,
     )
+
+
+def _shapes(layer: nn.Module) -> dict[str, tuple[int, ...]] | None:
+    """A sparse layer's package tensor names and shapes (its experts one by one);
+    None for a dense layer, whose names are its state dict's."""
+    if not moe.is_sparse(layer):
+        return None
+    shapes = {
+        name: tuple(tensor.shape)
+        for name, tensor in layer.state_dict().items()
+        if not name.startswith("mlp.")
+    }
+    shapes.update(moe.expert_shapes(layer))
+    return shapes
+
+
+def _build_experts(
+    layer: nn.Module,
+    tensors: ModuleTensors,
+    shape: BlockShape,
+    device: torch.device,
+    dtype: torch.dtype,
+    row_invariant: bool,
+) -> moe.SparseExperts:
+    """The router (kept in floats, as the package stores it) and every expert."""
+    routing = moe.routing_of(layer)
+    assert routing is not None  # check_structure refused any other router
+    router_name = moe.ROUTER_WEIGHT.removesuffix(".weight")
+    router = build_linear(tensors.linear(router_name), device, dtype, row_invariant)
+    gate_up: list[Linear] = []
+    down: list[Linear] = []
+    for expert in range(routing.experts):
+        gate, up, out = moe.expert_names(expert)
+        fused = fuse([tensors.linear(gate), tensors.linear(up)])
+        gate_up.append(build_linear(fused, device, dtype, row_invariant))
+        down.append(build_linear(tensors.linear(out), device, dtype, row_invariant))
+    return moe.SparseExperts(routing, router, gate_up, down, shape.act)
 
 
 def _renamed(

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from mesh.errors import PackageError
 from mesh.package.manifest import PackageFile, PackageManifest
+from mesh.runtime.moe import per_expert
 
 EMBED_WEIGHT = "embed_tokens.weight"
 NORM_WEIGHT = "norm.weight"
@@ -81,7 +82,8 @@ class PackageWeights:
 
 
 class StateDictWeights:
-    """Serves an HF ``*ForCausalLM`` state dict under the package's tensor names.
+    """Serves an HF ``*ForCausalLM`` state dict under the package's tensor names
+    (stacked experts split into one weight per expert, as packages store them).
 
     With ``tied=True`` the head's ``lm_head.weight`` is the embedding matrix, as in a
     package built from a model with tied embeddings.
@@ -107,7 +109,7 @@ class StateDictWeights:
         }
         if not found:
             raise PackageError(f"the state dict holds no tensors for decoder layer {layer_index}")
-        return found
+        return per_expert(found)
 
     def _get(self, name: str) -> torch.Tensor:
         try:

@@ -47,6 +47,8 @@ def tokens(count: int, seed: int) -> torch.Tensor:
         ("llama", {}),
         ("qwen3", {}),
         ("mistral", {"sliding_window": 6, "layer_types": None}),
+        ("qwen3_moe", {}),
+        ("mixtral", {}),
     ],
 )
 def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dict) -> None:

@@ -1,0 +1,201 @@
+"""Routed experts: the sparse feed-forward of Qwen3-MoE and Mixtral decoder layers.
+
+A router (a ``[experts, hidden]`` linear) scores every row; each row goes to its
+``top_k`` experts, each a gated MLP like a dense layer's, and their outputs are
+summed with the routing weights. The routing rule is the model's own, as
+transformers computes it (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``): softmax
+over every expert in float32, the ``top_k`` largest, then
+
+- Qwen3-MoE: renormalised to sum to one when ``norm_topk_prob``, and cast to the
+  activations' dtype before they scale the expert outputs;
+- Mixtral: always renormalised (the same as a softmax over the chosen logits), and
+  kept in float32 while they scale the outputs.
+
+A frame's rows are routed together: the rows sent to one expert are gathered, run
+through that expert once, scaled, and added back to their rows (experts in
+ascending order, as transformers adds them). That reads the routing on the host
+once per layer, so a CUDA graph cannot capture a sparse layer: ``--cuda-graphs``
+then logs why and runs decode steps eagerly. Each expert's linears are dense or
+quantised like any other (mesh/runtime/linear.py), so a row's result depends only
+on the row where those linears are row-invariant.
+
+Packages store each expert as its own linears, under the names HF checkpoints use
+(``mlp.experts.3.gate_proj.weight``) next to the router's ``mlp.gate.weight``;
+``per_expert`` splits transformers' stacked in-memory form into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mesh.runtime.linear import Linear, packed, unpacked
+
+# The router classes whose rule ``SparseExperts`` computes, and that rule.
+_ROUTERS = {"Qwen3MoeTopKRouter": "qwen3_moe", "MixtralTopKRouter": "mixtral"}
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ROUTER_WEIGHT = "mlp.gate.weight"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a layer picks and weighs its experts."""
+
+    experts: int
+    top_k: int
+    renormalise: bool
+    # Routing weights scale expert outputs in float32 (Mixtral) or in the
+    # activations' dtype (Qwen3-MoE).
+    float_weights: bool
+
+
+def is_sparse(layer: nn.Module) -> bool:
+    """Whether a (meta-device) HF decoder layer's feed-forward is routed experts."""
+    return hasattr(layer.mlp, "experts")
+
+
+def routing_of(layer: nn.Module) -> Routing | None:
+    """The routing of a sparse layer, or None if its router is not one computed here."""
+    router = getattr(layer.mlp, "gate", None)
+    family = _ROUTERS.get(type(router).__name__)
+    if family is None:
+        return None
+    return Routing(
+        experts=int(router.num_experts),
+        top_k=int(router.top_k),
+        renormalise=family == "mixtral" or bool(router.norm_topk_prob),
+        float_weights=family == "mixtral",
+    )
+
+
+def structure_problems(layer: nn.Module) -> list[str]:
+    """What keeps ``SparseExperts`` from computing this layer's feed-forward."""
+    mlp = layer.mlp
+    problems = []
+    parts = {name for name, _ in mlp.named_children()}
+    if parts != {"gate", "experts"}:
+        problems.append(f"sparse MLP parts {sorted(parts)}")
+        return problems
+    if routing_of(layer) is None:
+        problems.append(f"router {type(mlp.gate).__name__}")
+    experts = mlp.experts
+    params = {name for name, _ in experts.named_parameters()}
+    if params != {"gate_up_proj", "down_proj"}:
+        problems.append(f"expert parameters {sorted(params)}")
+    elif experts.gate_up_proj.dim() != 3 or experts.down_proj.dim() != 3:
+        problems.append("expert weights that are not stacked [experts, out, in]")
+    if not callable(getattr(experts, "act_fn", None)):
+        problems.append("experts without act_fn")
+    return problems
+
+
+def expert_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Package tensor names and shapes of a sparse layer's router and experts."""
+    experts = layer.mlp.experts
+    count, double_inner, hidden = experts.gate_up_proj.shape
+    inner = double_inner // 2
+    shapes: dict[str, tuple[int, ...]] = {ROUTER_WEIGHT: tuple(layer.mlp.gate.weight.shape)}
+    for expert in range(count):
+        prefix = f"mlp.experts.{expert}."
+        shapes[prefix + "gate_proj.weight"] = (inner, hidden)
+        shapes[prefix + "up_proj.weight"] = (inner, hidden)
+        shapes[prefix + "down_proj.weight"] = (hidden, inner)
+    return shapes
+
+
+def per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's tensors with transformers' stacked experts (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``, gate rows first, and ``mlp.experts.down_proj`` ``[E, H, I]``)
+    split into one ``gate_proj``/``up_proj``/``down_proj`` weight per expert."""
+    out = dict(tensors)
+    gate_up = out.pop("mlp.experts.gate_up_proj", None)
+    down = out.pop("mlp.experts.down_proj", None)
+    if gate_up is None or down is None:
+        return dict(tensors)
+    for expert in range(gate_up.shape[0]):
+        gate, up = gate_up[expert].chunk(2, dim=0)
+        prefix = f"mlp.experts.{expert}."
+        out[prefix + "gate_proj.weight"] = gate
+        out[prefix + "up_proj.weight"] = up
+        out[prefix + "down_proj.weight"] = down[expert]
+    return out
+
+
+class SparseExperts:
+    """A router and its experts (a fused gate/up linear and a down linear each)."""
+
+    __slots__ = ("routing", "router", "gate_up", "down", "act")
+
+    def __init__(
+        self,
+        routing: Routing,
+        router: Linear,
+        gate_up: list[Linear],
+        down: list[Linear],
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.routing = routing
+        self.router = router
+        self.gate_up = gate_up
+        self.down = down
+        self.act = act
+
+    def linears(self) -> list[Linear]:
+        return [self.router, *self.gate_up, *self.down]
+
+    def unpack(self) -> None:
+        self.router = unpacked(self.router)
+        self.gate_up = [unpacked(linear) for linear in self.gate_up]
+        self.down = [unpacked(linear) for linear in self.down]
+
+    def pack(self) -> None:
+        self.router = packed(self.router)
+        self.gate_up = [packed(linear) for linear in self.gate_up]
+        self.down = [packed(linear) for linear in self.down]
+
+    def route(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and chosen experts, both ``[T, top_k]``."""
+        logits = self.router(states)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.routing.top_k, dim=-1)
+        if self.routing.renormalise:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not self.routing.float_weights:
+            weights = weights.to(logits.dtype)
+        return weights, chosen
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """``states`` ``[T, hidden]`` (normed) -> the experts' weighted sum ``[T, hidden]``."""
+        if states.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Refused before the host reads the routing, which a capture cannot survive.
+            raise RuntimeError(
+                "routed experts pick their rows from the data; a CUDA graph cannot capture them"
+            )
+        weights, chosen = self.route(states)
+        top_k = self.routing.top_k
+        slots = chosen.reshape(-1)  # row-major: row r's choices at r * top_k ..
+        # Slots grouped by expert, each group in row order.
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.routing.experts).tolist()
+        rows_of = order // top_k
+        slot_weights = weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(states)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = rows_of[start : start + count]
+            gate, up = self.gate_up[expert](states[rows]).chunk(2, dim=-1)
+            result = self.down[expert](self.act(gate) * up)
+            result = result * slot_weights[start : start + count]
+            out.index_add_(0, rows, result.to(out.dtype))
+            start += count
+        return out
+
+
+def expert_names(expert: int) -> tuple[str, str, str]:
+    """The package names of one expert's gate, up and down projections (no ``.weight``)."""
+    return tuple(f"mlp.experts.{expert}.{name}" for name in _PROJECTIONS)  # type: ignore[return-value]

@@ -1,0 +1,162 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): the model's own routing rule, dense
+and sparse layers mixed, per-expert package tensors, quantised experts, and layers
+the runtime refuses. Split chains and batched frames of both families are covered
+with every other family in test_runtime_equivalence.py and test_runtime_batch.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from runtime_support import full_logits, max_diff, run_chain
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+from mesh.errors import PackageError, UnsupportedArchitecture
+from mesh.package.builder import build_package
+from mesh.package.manifest import PackageManifest, layer_path
+from mesh.runtime import StateDictWeights, build_stage_runtime, load_stage_runtime
+from mesh.runtime.block import check_structure
+from mesh.runtime.skeleton import build_stage_modules
+from mesh.types import LayerRange
+
+CPU = torch.device("cpu")
+PROMPT = torch.tensor([5, 17, 300, 4000, 12, 99, 7, 1024, 3, 41])
+SMALL_VOCAB_PROMPT = PROMPT % 512
+
+
+def tiny_moe(family: str, layers: int = 2, seed: int = 0, **overrides: object):
+    """A tiny random HF model of ``family`` (eval mode, float32)."""
+    config = tiny_config(family, layers=layers, vocab_size=512)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+@pytest.mark.parametrize(
+    ("family", "norm_topk_prob"), [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", None)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_follow_the_models_own_routing(
+    family: str, norm_topk_prob: bool | None, dtype: torch.dtype
+) -> None:
+    overrides = {} if norm_topk_prob is None else {"norm_topk_prob": norm_topk_prob}
+    model = tiny_moe(family, **overrides).to(dtype)
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    modules = build_stage_modules(model.config, weights, LayerRange(0, 2), CPU, dtype)
+    experts = modules.blocks[0].experts
+    assert experts is not None and experts.routing.top_k == 2
+    states = torch.randn(24, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        want = model.model.layers[0].mlp(states.unsqueeze(0))[0]
+        got = experts(states)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    assert max_diff(got.float(), want.float()) <= tolerance
+    if family == "qwen3_moe":
+        # The rule matters: the other normalisation gives other outputs.
+        model.model.layers[0].mlp.gate.norm_topk_prob = not norm_topk_prob
+        with torch.inference_mode():
+            other = model.model.layers[0].mlp(states.unsqueeze(0))[0]
+        assert max_diff(got.float(), other.float()) > 10 * tolerance
+
+
+def test_dense_and_sparse_layers_mix_as_the_config_says() -> None:
+    """Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``: layers 1 and 5 are
+    sparse, 3 is listed as MLP-only, the even ones are off the step."""
+    model = tiny_moe(
+        "qwen3_moe", layers=6, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
+    )
+    model = AutoModelForCausalLM.from_config(model.config).eval()  # rebuilt with those layers
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    ranges = (LayerRange(0, 2), LayerRange(2, 6))
+    stages = [build_stage_runtime(model.config, weights, r) for r in ranges]
+    modules = build_stage_modules(model.config, weights, LayerRange(0, 6), CPU, torch.float32)
+    assert [b.experts is not None for b in modules.blocks] == [False, True] + [False] * 3 + [True]
+    prompt = SMALL_VOCAB_PROMPT
+    want = full_logits(model, prompt)
+    got = [run_chain(stages, "s", 0, prompt[:6])]
+    got += [run_chain(stages, "s", pos, prompt[pos : pos + 1]) for pos in range(6, 10)]
+    assert max_diff(torch.cat(got), want) <= 1e-4
+
+
+def test_mixtral_checkpoint_names_become_the_package_names(
+    tiny_model_factory: Callable[..., Path], tiny_package_factory: Callable[..., Path]
+) -> None:
+    source = load_file(str(tiny_model_factory("mixtral", layers=6) / "model.safetensors"))
+    stored = load_file(str(tiny_package_factory("mixtral", layers=6) / layer_path(4)))
+    prefix = "model.layers.4.block_sparse_moe."
+    assert torch.equal(stored["mlp.gate.weight"], source[prefix + "gate.weight"])
+    for expert in range(4):
+        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            name = f"mlp.experts.{expert}.{ours}.weight"
+            assert torch.equal(stored[name], source[f"{prefix}experts.{expert}.{theirs}.weight"])
+    assert not [name for name in stored if "block_sparse_moe" in name or ".w1." in name]
+
+
+def test_a_checkpoint_of_stacked_experts_is_refused_by_name(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = tiny_model_factory("qwen3_moe", layers=6)
+    model = tmp_path / "stacked"
+    model.mkdir()
+    for path in source.iterdir():
+        if path.suffix != ".safetensors":
+            (model / path.name).write_bytes(path.read_bytes())
+    state = AutoModelForCausalLM.from_pretrained(source).state_dict()
+    state.pop("lm_head.weight")  # tied to the embedding
+    save_file({k: v.contiguous() for k, v in state.items()}, str(model / "model.safetensors"))
+    with pytest.raises(PackageError, match=r"model\.layers\.0\.mlp\.experts\.down_proj.*stacked"):
+        build_package(str(model), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_int4_moe_package_builds_splits_and_follows_the_dense_one(
+    tiny_package_factory: Callable[..., Path], family: str
+) -> None:
+    package = tiny_package_factory(family, layers=4, quant="int4")
+    manifest = PackageManifest.load(package)
+    assert manifest.quantization is not None and manifest.quantization["linear"] == "int4"
+    stored = load_file(str(package / layer_path(1)))
+    assert {"mlp.experts.3.down_proj.weight.qweight", "mlp.gate.weight"} <= set(stored)
+    assert stored["mlp.gate.weight"].dtype == torch.float32  # the router stays in floats
+    whole = load_stage_runtime(package, LayerRange(0, 4))
+    parts = [load_stage_runtime(package, r) for r in (LayerRange(0, 1), LayerRange(1, 4))]
+    assert whole.dtype == "bfloat16"
+    logits = whole.forward("s", 0, PROMPT)
+    assert torch.equal(run_chain(parts, "s", 0, PROMPT), logits)
+    assert torch.equal(run_chain(parts, "s", 10, PROMPT[:1]), whole.forward("s", 10, PROMPT[:1]))
+    dense = load_stage_runtime(
+        tiny_package_factory(family, layers=4), LayerRange(0, 4), dtype="bfloat16"
+    )
+    cosine = torch.nn.functional.cosine_similarity(dense.forward("s", 0, PROMPT), logits, dim=-1)
+    assert float(cosine.min()) > 0.9
+    middle = LayerRange(1, 3)  # decoder layers only: the experts are most of their bytes
+    dense_layers = load_stage_runtime(tiny_package_factory(family, layers=4), middle)
+    assert load_stage_runtime(package, middle).param_bytes < dense_layers.param_bytes * 0.4
+
+
+def test_a_sparse_layer_of_another_shape_is_refused() -> None:
+    """Qwen2-MoE adds a shared expert next to the routed ones: not computed here."""
+    config = Qwen2MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedArchitecture, match=r"decoder layer 0 .*sparse MLP parts"):
+        check_structure(model.model.layers[0], 0)
