@@ -190,6 +190,24 @@ def round_breakdown(http_url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+_AHEAD = re.compile(
+    r'^mesh_verify_(windows_ahead_total\{outcome="(\w+)"\}|wasted_tokens_total) (\S+)$'
+)
+
+
+def ahead_counters(text: str) -> dict[str, float]:
+    """Windows drafted ahead (sent, kept, dropped) and the rows dropped ones wasted,
+    from a /metrics body; with the rows of every frame stage 0 sent, for scale."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _AHEAD.match(line)
+        if match:
+            out[match.group(2) or "wasted_tokens"] = float(match.group(3))
+    rows = parse_histogram_totals(text, "mesh_step_tokens", 1.0)
+    out["rows_sent"] = sum(total for total, _ in rows.values())
+    return out
+
+
 def scrape_counters(http_url: str) -> dict[str, float]:
     """Stage 0's speculation counters (drafted, accepted, windows, rounds, emitted)."""
     return speculation_counters(metrics_text(http_url))
@@ -326,7 +344,8 @@ def run_latency(
                         record["completion_tokens"], record["wall_s"],
                     )  # fmt: skip
         rounds = {name: round_breakdown(url) for name, (url, _, _) in served.items()}
-    return records, {"speculation": resolved, "round_ms": rounds}
+        ahead = {name: ahead_counters(metrics_text(url)) for name, (url, _, _) in served.items()}
+    return records, {"speculation": resolved, "round_ms": rounds, "ahead": ahead}
 
 
 # ---- summary, table, chart ------------------------------------------------------------

@@ -5,7 +5,11 @@ A window of ``k`` drafts emits on average ``E = (1 - a^(k+1)) / (1 - a)`` tokens
 (``a``: the request's acceptance per draft token). A window drafted ahead assumes
 that the window before it is accepted whole *and* that its first token guesses the
 token the window before emits last, so it survives with probability about
-``q = a^(k+1)``. Windows are verified one round trip ``R`` after they are sent; with
+``q = a^(k+1)`` when tokens are accepted independently. Edits are not like that:
+long runs of copied text are accepted whole and the misses come together, so stage
+0 measures ``q`` per request instead (the recent share of windows accepted whole,
+times the recent share of guessed bonus tokens) and uses ``a^(k+1)`` only before it
+has seen any. Windows are verified one round trip ``R`` after they are sent; with
 ``D`` windows in flight they leave stage 0 every ``max(T, R / D)`` (``T``: the time
 the slowest stage spends on one frame, which bounds how fast frames can follow
 each other). A chain of windows runs until the first one that does not survive;
@@ -31,12 +35,15 @@ from mesh.speculative.policy import expected_tokens
 @dataclass(frozen=True)
 class DepthInputs:
     """``acceptance``: per draft token; ``window``: drafts per window; ``round_s``:
-    send to verdict of one window; ``step_s``: the slowest stage's time per frame."""
+    send to verdict of one window; ``step_s``: the slowest stage's time per frame;
+    ``survival``: the measured chance that a window drafted ahead survives (None:
+    derive it from ``acceptance`` as if tokens were accepted independently)."""
 
     acceptance: float
     window: int
     round_s: float
     step_s: float
+    survival: float | None = None
 
 
 def survival(acceptance: float, window: int) -> float:
@@ -50,7 +57,9 @@ def pipelined_rate(inputs: DepthInputs, depth: int) -> float:
     rate_tokens = expected_tokens(min(max(inputs.acceptance, 0.0), 1.0), inputs.window)
     if depth <= 1 or inputs.round_s <= 0.0:
         return rate_tokens / inputs.round_s if inputs.round_s > 0.0 else 0.0
-    q = survival(inputs.acceptance, inputs.window)
+    q = inputs.survival
+    if q is None:
+        q = survival(inputs.acceptance, inputs.window)
     spacing = max(inputs.step_s, inputs.round_s / depth)
     return rate_tokens / (inputs.round_s * (1.0 - q) + spacing * q)
 

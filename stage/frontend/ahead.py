@@ -109,6 +109,8 @@ def settle(tracked: Tracked, answered: InFlight, accepted: int, counters: AheadC
     following = tracked.ahead[0]
     whole = accepted == len(answered.drafts)
     guessed = following.segment.token_ids[0] == run.tokens[-1]
+    if whole:
+        tracked.p_guess = _average(tracked.p_guess, 1.0 if guessed else 0.0)
     if whole and guessed and following.segment.pos_start == run.position:
         tracked.in_flight = tracked.ahead.pop(0)
         counters.kept += 1
@@ -129,24 +131,35 @@ def drop_ahead(tracked: Tracked, counters: AheadCounters) -> None:
 
 def pick_depth(tracked: Tracked, window: int, step_s: float, max_depth: int) -> int:
     """The depth for the request's next window (docs: the cost rule in
-    mesh/speculative/depth.py) from its measured round trip and acceptance."""
+    mesh/speculative/depth.py) from its measured round trip, acceptance and the
+    measured survival of windows drafted ahead."""
     telemetry = tracked.run.telemetry
     if telemetry is None or max_depth <= 1 or tracked.round_s <= 0.0:
         return 1
+    alpha = acceptance(telemetry.drafted, telemetry.accepted)
+    survival = None
+    if tracked.p_whole >= 0.0:
+        guess = tracked.p_guess if tracked.p_guess >= 0.0 else alpha
+        survival = tracked.p_whole * guess
     inputs = DepthInputs(
-        acceptance=acceptance(telemetry.drafted, telemetry.accepted),
+        acceptance=alpha,
         window=window,
         round_s=tracked.round_s,
         step_s=step_s,
+        survival=survival,
     )
     return choose_depth(inputs, max_depth)
 
 
-def observe_round(tracked: Tracked, round_s: float) -> None:
-    """Fold a decode or verify window's send-to-verdict time into the average."""
-    if round_s <= 0.0:
-        return
-    if tracked.round_s <= 0.0:
-        tracked.round_s = round_s
-    else:
-        tracked.round_s = (1.0 - EWMA) * tracked.round_s + EWMA * round_s
+def observe_round(tracked: Tracked, round_s: float, drafts: int, accepted: int) -> None:
+    """Fold a decode or verify window's send-to-verdict time, and whether it was
+    accepted whole, into the request's averages."""
+    if round_s > 0.0:
+        tracked.round_s = _average(tracked.round_s, round_s)
+    if drafts:
+        tracked.p_whole = _average(tracked.p_whole, 1.0 if accepted == drafts else 0.0)
+
+
+def _average(current: float, value: float) -> float:
+    """Exponentially weighted average; a negative ``current`` means none yet."""
+    return value if current < 0.0 else (1.0 - EWMA) * current + EWMA * value

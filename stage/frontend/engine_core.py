@@ -591,7 +591,7 @@ class EngineCore:
                 run.recovered = False
         else:
             accepted = answer.accepted_count
-            ahead.observe_round(tracked, now - flight.sent_at)
+            ahead.observe_round(tracked, now - flight.sent_at, len(flight.drafts), accepted)
             run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:

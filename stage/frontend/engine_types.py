@@ -84,7 +84,11 @@ class Tracked:
     # measured send-to-verdict time of a window (seconds, averaged).
     ahead: list[InFlight] = field(default_factory=list)
     depth: int = 1
-    round_s: float = 0.0
+    round_s: float = -1.0
+    # Recent share of its verify windows accepted whole, and of the bonus tokens a
+    # window drafted ahead guessed right (-1: none seen yet).
+    p_whole: float = -1.0
+    p_guess: float = -1.0
     # Set while waiting for a pipeline newer than ``failed_term``.
     recover_by: float | None = None
     failed_term: int = 0

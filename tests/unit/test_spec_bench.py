@@ -120,3 +120,25 @@ def test_chart_is_written(tmp_path: Path):
     out = tmp_path / "chart.png"
     bench.write_chart(bench.summarize(records), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ahead_counters_read_the_metrics_text():
+    bench = spec_bench()
+    text = "\n".join(
+        [
+            'mesh_verify_windows_ahead_total{outcome="sent"} 12.0',
+            'mesh_verify_windows_ahead_total{outcome="kept"} 9.0',
+            'mesh_verify_windows_ahead_total{outcome="dropped"} 3.0',
+            "mesh_verify_wasted_tokens_total 14.0",
+            "mesh_step_tokens_sum 300.0",
+            "mesh_step_tokens_count 40.0",
+        ]
+    )
+    got = bench.ahead_counters(text)
+    assert got == {
+        "sent": 12.0,
+        "kept": 9.0,
+        "dropped": 3.0,
+        "wasted_tokens": 14.0,
+        "rows_sent": 300.0,
+    }
