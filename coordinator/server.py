@@ -107,6 +107,7 @@ class CoordinatorService:
         # the next plan for another reason) once one did not make it faster.
         self._rebalanced_from: float | None = None
         self._rebalance_stopped = False
+        self._rebalance_declined_term = 0
         self._served_once = False
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
@@ -309,7 +310,10 @@ class CoordinatorService:
             return
         after = max(s.planned_step_ms for s in plan.stages)
         if after > before * gain:
-            logger.info(
+            # Said once per term; the check repeats every rebalance_check_s.
+            declined, self._rebalance_declined_term = self._rebalance_declined_term, state.term
+            logger.log(
+                logging.DEBUG if declined == state.term else logging.INFO,
                 "measured step times %s differ by more than %.0f%%, but no plan is "
                 "estimated %.0f%% faster (%.2f ms)",
                 ", ".join(f"{s.measured_ms:.2f} ms" for s in steps),
