@@ -270,11 +270,16 @@ def _choose_nodes(
             return chain
         # Drop the smallest misfit first: removing one can change which node is last.
         drop = max(too_small, key=lambda n: rank[n.node_id])
-        logger.info(
-            "node %s (%.2f GiB) cannot hold one layer at stage %d; leaving it out",
+        index = chain.index(drop)
+        need = footprint.fixed_bytes(first=False, last=index == len(chain) - 1)
+        logger.warning(
+            "node %s offers %.2f GiB (%s), less than one layer at stage %d needs "
+            "(%.3f GiB); leaving it out: give it more memory (--memory) to use it",
             drop.node_id,
             drop.memory_bytes / GIB,
-            chain.index(drop),
+            "measured" if drop.memory_measured else "stated",
+            index,
+            (need + footprint.bytes_per_layer) / GIB,
         )
         chain.remove(drop)
 

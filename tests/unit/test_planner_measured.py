@@ -147,3 +147,14 @@ def test_memory_is_measured_unless_stated() -> None:
     assert 0 < offered.bytes_total <= host_memory().total_bytes - MIB
     with pytest.raises(InvalidRequest, match="lower --memory-margin or state the memory"):
         offered_memory("cpu", 0, 1 << 60)
+
+
+def test_a_node_below_one_layer_is_left_out_with_a_warning(caplog) -> None:
+    fp = footprint(8)  # layers of 1/4 GiB
+    with caplog.at_level("WARNING", logger="coordinator.planner"):
+        plan = plan_layers([node("a", 8), node("small", 0.1), node("b", 8)], fp)
+    assert [s.node_id for s in plan.stages] == ["a", "b"]
+    assert "node small offers 0.10 GiB (stated), less than one layer at stage 1 needs" in (
+        caplog.text
+    )
+    assert "give it more memory (--memory)" in caplog.text
