@@ -87,6 +87,8 @@ class GgufModel:
         self.tensors: dict[str, GgufTensor] = {}
         self.architecture = ""
         self.has_tokenizer = False
+        # ``<architecture>.expert_*`` integer metadata (mixture-of-experts models).
+        self.experts: dict[str, int] = {}
         for index, part in enumerate(self.parts):
             try:
                 reader = GGUFReader(str(part))
@@ -99,6 +101,7 @@ class GgufModel:
             if index == 0:
                 self.architecture = _string_field(reader, "general.architecture")
                 self.has_tokenizer = "tokenizer.ggml.model" in reader.fields
+                self.experts = _int_fields(reader, self.architecture, _EXPERT_KEYS)
             self._index(reader, part)
             del reader  # drops its memory map of the file
         if not self.tensors:
@@ -173,6 +176,19 @@ class GgufModel:
         values = dequantize(self.raw_rows(name, first, count), tensor.qtype)
         cols = tensor.shape[-1]
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(count, cols))
+
+
+_EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+
+
+def _int_fields(reader: Any, architecture: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """The integer fields ``<architecture>.<key>`` present, by key."""
+    found = {}
+    for key in keys:
+        field = reader.fields.get(f"{architecture}.{key}")
+        if field is not None and field.data:
+            found[key] = int(field.parts[field.data[0]][0])
+    return found
 
 
 def _string_field(reader: Any, key: str) -> str:

@@ -17,6 +17,7 @@ builder quantises the dequantised tensor itself and the manifest records how far
 the result is from the file's own dequantisation. GGUF files of the ``llama`` architecture
 store q and k projections with their rows permuted for llama.cpp's rotary layout;
 the permutation is undone on the codes and scales alike (it moves whole rows).
+Stacked expert tensors are read one expert at a time (mesh/package/gguf_experts.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from mesh.errors import PackageError
+from mesh.package.gguf_experts import expert_names
 from mesh.package.gguf_file import GgufModel, GgufTensor
 from mesh.quant import pack_int4
 
@@ -69,15 +71,23 @@ def hf_name(gguf_name: str) -> str | None:
 
 class GgufQuantReader:
     """The tensors of a GGUF model looked up by HF name: raw codes where they convert
-    exactly, float rows otherwise, with llama.cpp's q/k row order undone."""
+    exactly, float rows otherwise, with llama.cpp's q/k row order undone. One expert
+    of a stacked expert tensor is a tensor of its own here."""
 
     def __init__(self, model: GgufModel, heads: int, kv_heads: int) -> None:
         self.model = model
         self._names: dict[str, str] = {}
-        for gguf_name in model.tensors:
+        # HF name -> the expert it is in a stacked tensor.
+        self._experts: dict[str, int] = {}
+        for gguf_name, tensor in model.tensors.items():
             name = hf_name(gguf_name)
             if name is not None:
                 self._names[name] = gguf_name
+                continue
+            for name, expert in expert_names(gguf_name, tensor.shape):
+                self._names[name] = gguf_name
+                if expert is not None:
+                    self._experts[name] = expert
         self._permute = model.architecture == "llama"
         self._heads = heads
         self._kv_heads = kv_heads
@@ -92,15 +102,22 @@ class GgufQuantReader:
     def _tensor(self, name: str) -> GgufTensor:
         return self.model.tensors[self._names[name]]
 
+    def _first_row(self, name: str) -> int:
+        """Where ``name``'s rows start in its GGUF tensor (an expert's in the stack)."""
+        expert = self._experts.get(name)
+        return 0 if expert is None else expert * self._tensor(name).shape[1]
+
     def type_name(self, name: str) -> str | None:
         gguf_name = self._names.get(name)
         return None if gguf_name is None else self.model.tensors[gguf_name].type_name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._tensor(name).shape
+        shape = self._tensor(name).shape
+        return shape[1:] if name in self._experts else shape
 
     def nbytes(self, name: str) -> int:
-        return self._tensor(name).nbytes
+        tensor = self._tensor(name)
+        return tensor.nbytes // tensor.shape[0] if name in self._experts else tensor.nbytes
 
     def row_unit(self, name: str) -> int:
         """Rows are read in multiples of this: a permuted tensor's rows move within a
@@ -110,15 +127,16 @@ class GgufQuantReader:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor as float32 (for small ones: norms, biases)."""
-        tensor = self._tensor(name)
-        if len(tensor.shape) == 1:
+        shape = self.shape(name)
+        if len(shape) == 1:
             values = self.model.float_rows(self._names[name], 0, 1).reshape(-1, 1)
             return self._unpermute(name, values).reshape(-1)
-        return self.float_rows(name, 0, tensor.rows).reshape(tensor.shape)
+        return self.float_rows(name, 0, int(np.prod(shape[:-1]))).reshape(shape)
 
     def float_rows(self, name: str, first: int, count: int) -> torch.Tensor:
         """Rows ``first .. first + count`` (HF order) as float32."""
-        values = self.model.float_rows(self._names[name], first, count)
+        start = self._first_row(name) + first
+        values = self.model.float_rows(self._names[name], start, count)
         return self._unpermute(name, values)
 
     def converts(self, name: str, kind: str, group: int) -> bool:
@@ -128,13 +146,13 @@ class GgufQuantReader:
         if gguf_name is None or group != QK:
             return False
         tensor = self.model.tensors[gguf_name]
-        return (tensor.type_name, kind) in _CONVERTERS and len(tensor.shape) == 2
+        return (tensor.type_name, kind) in _CONVERTERS and len(self.shape(name)) == 2
 
     def parts(self, name: str, kind: str, first: int, count: int) -> dict[str, torch.Tensor]:
         """Rows ``first .. first + count`` of ``name`` in form ``kind`` (``converts``)."""
         tensor = self._tensor(name)
         converter = _CONVERTERS[(tensor.type_name, kind)]
-        parts = converter(self.model.raw_rows(tensor.name, first, count))
+        parts = converter(self.model.raw_rows(tensor.name, self._first_row(name) + first, count))
         return {key: self._unpermute(name, value) for key, value in parts.items()}
 
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:

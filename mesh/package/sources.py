@@ -24,6 +24,7 @@ import torch
 from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package import hub
 from mesh.package.embedded import DEFAULT_MODEL_ID, default_gguf_path, default_source_info
+from mesh.package.gguf_experts import moe_config
 from mesh.package.gguf_file import GgufModel, split_stem
 from mesh.package.gguf_quant import GgufQuantReader
 from mesh.package.manifest import check_architecture
@@ -80,7 +81,8 @@ def architecture_of(raw_config: dict[str, Any]) -> str:
         if mapped is None:
             raise UnsupportedArchitecture(
                 f"config.json names no architecture and model_type {model_type!r} has no "
-                "causal-LM class; supported model types: llama, mistral, qwen2, qwen3"
+                "causal-LM class; supported model types: llama, mistral, qwen2, qwen3, "
+                "qwen3_moe, mixtral"
             )
         architecture = mapped
     check_architecture(architecture)
@@ -280,6 +282,7 @@ class GgufCheckpoint(Checkpoint):
             raise PackageError(
                 f"cannot read the model config of GGUF {self.path}: {error}"
             ) from error
+        config = moe_config(model.architecture, model.experts, model.tensors, config)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.model_type))
         if architecture is None:
             raise UnsupportedArchitecture(

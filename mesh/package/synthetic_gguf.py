@@ -1,5 +1,10 @@
 """Write Llama-shaped GGUF files of random weights, of any size, one tensor at a time.
 
+A shape with ``experts`` writes a mixture-of-experts model as llama.cpp lays one
+out: the router ``blk.N.ffn_gate_inp`` and the experts stacked in
+``blk.N.ffn_{gate,up,down}_exps`` (``arch="llama"`` for Mixtral, ``"qwen3moe"`` for
+Qwen3-MoE, whose attention also has per-head q/k norms).
+
 For tests and benchmarks of package builds (``benchmarks/build_bench.py``): the
 file is written as llama.cpp lays it out (its metadata keys, tensor names, q/k rows
 in llama.cpp's rotary order, each block type's bytes), with random codes and sane
@@ -45,12 +50,25 @@ class LlamaShape:
     context: int = 4096
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Mixture of experts (0: a dense model): experts per layer, used per token, and
+    # each expert's inner size; ``dense_layers`` keep a dense FFN.
+    experts: int = 0
+    experts_used: int = 0
+    expert_intermediate: int = 0
+    dense_layers: tuple[int, ...] = ()
+    # Per-head q/k RMSNorms (Qwen3) and their head size (0: hidden / heads).
+    qk_norm: bool = False
+    head_dim: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 # llama.cpp's Q4_K_M recipe, roughly: Q6_K for the output, and for attn_v and
 # ffn_down in half the layers; Q4_K elsewhere; norms in float32.
 def q4_k_m(name: str, layer: int | None, shape: LlamaShape) -> str:
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".ffn_gate_inp." in name:
         return "F32"
     if name == "output.weight":
         return "Q6_K"
@@ -67,19 +85,35 @@ class TensorSpec:
 
 
 def llama_tensors(shape: LlamaShape, types: Callable[..., str] = q4_k_m) -> list[TensorSpec]:
-    """Every tensor of a llama.cpp ``llama`` GGUF of ``shape``, in file order."""
-    head_dim = shape.hidden // shape.heads
-    kv = shape.kv_heads * head_dim
+    """Every tensor of a llama.cpp GGUF of ``shape``, in file order."""
+    head_dim = shape.head_size
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     specs = [("token_embd.weight", (shape.vocab, shape.hidden), None)]
     for layer in range(shape.layers):
         prefix = f"blk.{layer}."
         specs += [
             (prefix + "attn_norm.weight", (shape.hidden,), layer),
-            (prefix + "attn_q.weight", (shape.hidden, shape.hidden), layer),
+            (prefix + "attn_q.weight", (q, shape.hidden), layer),
             (prefix + "attn_k.weight", (kv, shape.hidden), layer),
             (prefix + "attn_v.weight", (kv, shape.hidden), layer),
-            (prefix + "attn_output.weight", (shape.hidden, shape.hidden), layer),
-            (prefix + "ffn_norm.weight", (shape.hidden,), layer),
+            (prefix + "attn_output.weight", (shape.hidden, q), layer),
+        ]
+        if shape.qk_norm:
+            specs += [
+                (prefix + "attn_q_norm.weight", (head_dim,), layer),
+                (prefix + "attn_k_norm.weight", (head_dim,), layer),
+            ]
+        specs.append((prefix + "ffn_norm.weight", (shape.hidden,), layer))
+        if shape.experts and layer not in shape.dense_layers:
+            count, inner = shape.experts, shape.expert_intermediate
+            specs += [
+                (prefix + "ffn_gate_inp.weight", (count, shape.hidden), layer),
+                (prefix + "ffn_gate_exps.weight", (count, inner, shape.hidden), layer),
+                (prefix + "ffn_up_exps.weight", (count, inner, shape.hidden), layer),
+                (prefix + "ffn_down_exps.weight", (count, shape.hidden, inner), layer),
+            ]
+            continue
+        specs += [
             (prefix + "ffn_gate.weight", (shape.intermediate, shape.hidden), layer),
             (prefix + "ffn_up.weight", (shape.intermediate, shape.hidden), layer),
             (prefix + "ffn_down.weight", (shape.hidden, shape.intermediate), layer),
@@ -147,10 +181,17 @@ def write_llama_gguf(
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_dimension_count(shape.hidden // shape.heads)
+    writer.add_rope_dimension_count(shape.head_size)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(shape.vocab)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate)
     if tokenizer_from is not None:
         for key, value, kind, sub in _tokenizer_fields(tokenizer_from):
             writer.add_key_value(key, value, kind, sub_type=sub)
