@@ -356,6 +356,12 @@ class StageRuntime:
             out_row += wanted
         return BatchOutput(self._head(torch.cat(pieces)), placed, errors)
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head over hidden rows ``[rows, hidden]`` of the last
+        stage: float32 logits (the step probe times it, mesh/runtime/probe.py)."""
+        with self._lock, torch.inference_mode():
+            return self._head(hidden.to(device=self._device, dtype=self._dtype))
+
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: float32 logits ``[rows, vocab]``."""
         modules = self._modules
