@@ -77,3 +77,72 @@ def choose_depth(inputs: DepthInputs, max_depth: int, margin: float = 0.05) -> i
             break
         depth, best = candidate, rate
     return depth
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Drafts per window and windows in flight for a request's next window."""
+
+    window: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What stage 0 measured of one request and of the pipeline, for ``choose_plan``.
+
+    ``acceptance``: per draft token; ``whole``: recent share of its windows accepted
+    whole (None: none seen), at ``measured_window`` drafts per window on average;
+    ``guess``: recent share of bonus tokens a window ahead guessed (negative: none
+    seen; the per-token acceptance stands in); ``round_s``: its
+    send-to-verdict time; ``step_s``: the slowest stage's time per frame;
+    ``step_model``: ``(fixed_s, per_row_s)``, the fitted cost of a frame on the
+    slowest stage by its rows (None until fitted); ``stages``: pipeline length."""
+
+    acceptance: float
+    whole: float | None
+    measured_window: float
+    guess: float
+    round_s: float
+    step_s: float
+    step_model: tuple[float, float] | None
+    stages: int
+
+
+def choose_plan(measured: Measured, window: int, max_depth: int, margin: float = 0.05) -> Plan:
+    """The window (at most the policy's ``window``) and depth with the best predicted
+    rate. Depth 1 keeps the policy's window (serial windows, as without this rule),
+    and anything deeper must beat it by ``margin``. Smaller windows survive more
+    often and leave the stages sooner, so with a fitted step cost every window up to
+    the policy's is weighed at every depth; without one only the depth is chosen.
+
+    Acceptance is taken per token from the measured share of whole windows
+    (``whole ** (1 / measured_window)``) when there is one, else ``acceptance``."""
+    per_token = measured.acceptance
+    if measured.whole is not None and measured.measured_window > 0.0:
+        per_token = max(measured.whole, 1e-6) ** (1.0 / measured.measured_window)
+
+    guess = measured.guess if measured.guess >= 0.0 else per_token
+
+    def inputs_for(k: int, round_s: float, step_s: float) -> DepthInputs:
+        return DepthInputs(per_token, k, round_s, step_s, per_token**k * guess)
+
+    serial = inputs_for(window, measured.round_s, measured.step_s)
+    if max_depth <= 1 or measured.round_s <= 0.0 or window < 0:
+        return Plan(window, 1)
+    best_rate, plan = pipelined_rate(serial, 1) * (1.0 + margin), Plan(window, 1)
+    candidates = [(window, serial)]
+    model = measured.step_model
+    if model is not None and measured.measured_window > 0.0:
+        fixed_s, per_row_s = model
+        measured_step = fixed_s + per_row_s * (measured.measured_window + 1.0)
+        hops_s = max(0.0, measured.round_s - measured.stages * measured_step)
+        for k in range(0, window):
+            step_s = fixed_s + per_row_s * (k + 1)
+            candidates.append((k, inputs_for(k, hops_s + measured.stages * step_s, step_s)))
+    for k, inputs in candidates:
+        for depth in range(2, max_depth + 1):
+            rate = pipelined_rate(inputs, depth)
+            if rate > best_rate:
+                best_rate, plan = rate, Plan(k, depth)
+    return plan

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.frames import Segment, SegmentKind
-from mesh.speculative.depth import DepthInputs, choose_depth
+from mesh.speculative.depth import Measured, Plan, choose_plan
 from stage.frontend.engine_types import InFlight, Tracked
 from stage.frontend.expectation import Expected
 from stage.frontend.step_cost import acceptance
@@ -129,26 +129,32 @@ def drop_ahead(tracked: Tracked, counters: AheadCounters) -> None:
     tracked.epoch += 1
 
 
-def pick_depth(tracked: Tracked, window: int, step_s: float, max_depth: int) -> int:
-    """The depth for the request's next window (docs: the cost rule in
+def pick_plan(
+    tracked: Tracked,
+    window: int,
+    step_s: float,
+    step_model: tuple[float, float] | None,
+    stages: int,
+    max_depth: int,
+) -> Plan:
+    """The window and depth for the request's windows (the cost rule in
     mesh/speculative/depth.py) from its measured round trip, acceptance and the
-    measured survival of windows drafted ahead."""
+    measured survival of its windows; ``window`` is its policy's choice and
+    ``step_model`` the fitted frame cost on the slowest stage (ms)."""
     telemetry = tracked.run.telemetry
     if telemetry is None or max_depth <= 1 or tracked.round_s <= 0.0:
-        return 1
-    alpha = acceptance(telemetry.drafted, telemetry.accepted)
-    survival = None
-    if tracked.p_whole >= 0.0:
-        guess = tracked.p_guess if tracked.p_guess >= 0.0 else alpha
-        survival = tracked.p_whole * guess
-    inputs = DepthInputs(
-        acceptance=alpha,
-        window=window,
+        return Plan(window, 1)
+    measured = Measured(
+        acceptance=acceptance(telemetry.drafted, telemetry.accepted),
+        whole=tracked.p_whole if tracked.p_whole >= 0.0 else None,
+        measured_window=max(tracked.recent_window, 0.0),
+        guess=tracked.p_guess,
         round_s=tracked.round_s,
         step_s=step_s,
-        survival=survival,
+        step_model=(step_model[0] / 1000.0, step_model[1] / 1000.0) if step_model else None,
+        stages=stages,
     )
-    return choose_depth(inputs, max_depth)
+    return choose_plan(measured, window, max_depth)
 
 
 def observe_round(tracked: Tracked, round_s: float, drafts: int, accepted: int) -> None:
@@ -158,6 +164,7 @@ def observe_round(tracked: Tracked, round_s: float, drafts: int, accepted: int) 
         tracked.round_s = _average(tracked.round_s, round_s)
     if drafts:
         tracked.p_whole = _average(tracked.p_whole, 1.0 if accepted == drafts else 0.0)
+        tracked.recent_window = _average(tracked.recent_window, float(drafts))
 
 
 def _average(current: float, value: float) -> float:
