@@ -17,6 +17,7 @@ from coordinator.driver import LoadDriver, LoadError, LoadSettings, release_node
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.model import ModelInfo
 from coordinator.planner import ModelFootprint, Plan, footprint_from_manifest, plan_layers
+from coordinator.rebalance import Rebalancer
 from coordinator.topology_view import status_from_state
 from mesh.codec import (
     HeartbeatReply,
@@ -102,12 +103,9 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._last_attempt = 0.0
-        self._last_rebalance_check = 0.0
-        # The slowest measured stage before the last rebalance; rebalancing stops (until
-        # the next plan for another reason) once one did not make it faster.
-        self._rebalanced_from: float | None = None
-        self._rebalance_stopped = False
-        self._rebalance_declined_term = 0
+        self.rebalancer = Rebalancer(
+            settings.rebalance_spread, settings.rebalance_min_frames, settings.rebalance_check_s
+        )
         self._served_once = False
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
@@ -271,67 +269,16 @@ class CoordinatorService:
         return registry.frontend_idle(state) or busy_s >= self.settings.regrow_busy_after_s
 
     def _should_rebalance(self, state: registry.State) -> bool:
-        if self.settings.rebalance_spread <= 0 or self._rebalance_stopped:
-            return False
         now = time.monotonic()
-        if now - self._last_rebalance_check < self.settings.rebalance_check_s:
-            return False
         if now - self._last_attempt < self._backoff_s():
             return False
-        return balance.should_rebalance(
-            state, self.settings.rebalance_spread, self.settings.rebalance_min_frames
-        )
+        return self.rebalancer.due(state, now)
 
     def _rebalance(self, state: registry.State) -> None:
-        """Plan again with the measured compute; load only a plan that changes the
-        split and whose slowest stage is estimated faster than today's."""
-        self._last_rebalance_check = time.monotonic()
-        footprint = self._footprint()
-        steps = balance.stage_steps(state, footprint)
-        try:
-            plan = self._plan(state, footprint)
-        except MeshError as error:
-            logger.info("cannot plan a better balance: %s", error.message)
-            return
-        current = state.topology
-        if current is None or _ranges(plan) == _ranges(current):
-            logger.debug("measured step times differ, but the plan is already the balanced one")
-            return
-        before = max(s.measured_ms for s in steps)
-        gain = 1.0 - balance.REBALANCE_GAIN
-        if self._rebalanced_from is not None and before > self._rebalanced_from * gain:
-            logger.info(
-                "the last rebalance did not make the slowest stage faster (%.2f ms before, "
-                "%.2f ms now): no more rebalancing until the mesh is planned again",
-                self._rebalanced_from,
-                before,
-            )
-            self._rebalance_stopped = True
-            return
-        after = max(s.planned_step_ms for s in plan.stages)
-        if after > before * gain:
-            # Said once per term; the check repeats every rebalance_check_s.
-            declined, self._rebalance_declined_term = self._rebalance_declined_term, state.term
-            logger.log(
-                logging.DEBUG if declined == state.term else logging.INFO,
-                "measured step times %s differ by more than %.0f%%, but no plan is "
-                "estimated %.0f%% faster (%.2f ms)",
-                ", ".join(f"{s.measured_ms:.2f} ms" for s in steps),
-                self.settings.rebalance_spread * 100,
-                balance.REBALANCE_GAIN * 100,
-                after,
-            )
-            return
-        logger.info(
-            "measured step times %s differ by more than %.0f%%: planning again "
-            "(slowest stage %.2f ms measured, %.2f ms estimated)",
-            ", ".join(f"{s.measured_ms:.2f} ms" for s in steps),
-            self.settings.rebalance_spread * 100,
-            before,
-            after,
-        )
-        self._rebalanced_from = before
-        self._load_once(plan=plan)
+        """Plan again with the measured compute (coordinator/rebalance.py decides)."""
+        plan = self.rebalancer.decide(state, self._footprint(), self._plan, time.monotonic())
+        if plan is not None:
+            self._load_once(plan=plan)
 
     def _backoff_s(self) -> float:
         if self._failures == 0:
@@ -382,8 +329,7 @@ class CoordinatorService:
         self._last_attempt = time.monotonic()
         load = self.settings.load
         if plan is None:  # planned for another reason than a rebalance
-            self._rebalanced_from = None
-            self._rebalance_stopped = False
+            self.rebalancer.reset()
         with self._lock:
             state = self.state
         try:
@@ -439,10 +385,6 @@ class CoordinatorService:
         self._failures = 0
         self._undersized_since: float | None = None
         logger.info("term %s: serving %s", term, self.model.manifest.model_id)
-
-
-def _ranges(plan: Plan) -> list[tuple[str, int, int]]:
-    return [(s.node_id, s.layer_range.start, s.layer_range.end) for s in plan.stages]
 
 
 def _stage_status(stage, step: balance.StageStep | None) -> StageStatus:

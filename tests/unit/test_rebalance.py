@@ -83,7 +83,7 @@ def measured(service: CoordinatorService, steps: dict[str, float]) -> registry.S
 def test_a_rebalance_that_pays_loads_a_new_term(service, caplog) -> None:
     state = measured(service, {"a": 10.0, "b": 10.0, "c": 40.0})
     assert service._should_rebalance(state)
-    with caplog.at_level(logging.INFO, logger="coordinator.server"):
+    with caplog.at_level(logging.INFO, logger="coordinator.rebalance"):
         service._rebalance(state)
     assert "planning again (slowest stage 40.00 ms measured" in caplog.text
     # The new term's load was tried (and failed at the stages' refused Claim).
@@ -94,7 +94,7 @@ def test_a_rebalance_that_pays_loads_a_new_term(service, caplog) -> None:
 def test_no_rebalance_when_no_plan_is_estimated_faster(service, caplog) -> None:
     state = measured(service, {"a": 10.0, "b": 10.0, "c": 20.0})
     assert service._should_rebalance(state)  # 100% apart
-    with caplog.at_level(logging.INFO, logger="coordinator.server"):
+    with caplog.at_level(logging.INFO, logger="coordinator.rebalance"):
         service._rebalance(state)
     assert "but no plan is estimated 5% faster" in caplog.text
     assert service.state.term == 1 and service.state.mesh_state == "serving"
@@ -111,8 +111,9 @@ def test_rebalancing_stops_after_one_that_did_not_help(service, caplog) -> None:
     service.apply(registry.LoadSucceeded(term=3))
     state = measured(service, {"a": 10.0, "b": 10.0, "c": 45.0})
     assert service._should_rebalance(state)
-    with caplog.at_level(logging.INFO, logger="coordinator.server"):
+    with caplog.at_level(logging.INFO, logger="coordinator.rebalance"):
         service._rebalance(state)
     assert "the last rebalance did not make the slowest stage faster" in caplog.text
     assert service.state.term == 3
+    assert service.rebalancer.stopped
     assert not service._should_rebalance(service.state)
