@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 
+import httpx
 import pytest
 import torch
 from openai import OpenAI
@@ -197,3 +198,45 @@ def test_predicted_outputs_on_a_code_edit(tmp_path, smollm2_package):
         details,
         predicted.choices[0].message.content,
     )
+
+
+def test_windows_drafted_ahead_on_a_code_edit(tmp_path, smollm2_package):
+    """20 ms on every hop: the depth rule keeps windows of the code edit in flight
+    ahead of their verdicts; greedy and seeded answers equal plain decoding's."""
+    mesh = MeshProcesses(
+        smollm2_package, tmp_path / "mesh", 2, stage_args=("--inject-delay-ms", "20")
+    )
+    messages = [
+        {
+            "role": "user",
+            "content": "Repeat this function exactly, then rename `total` to `acc`:\n\n"
+            + EDIT_CODE,
+        }
+    ]
+    body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 96}
+    try:
+        mesh.start().wait_serving(deadline_s=300)
+
+        def ask(**extra) -> dict:
+            reply = httpx.post(
+                mesh.http_url + "/v1/chat/completions", json={**body, **extra}, timeout=300
+            )
+            assert reply.status_code == 200, reply.text
+            return reply.json()
+
+        replies = {}
+        for name, sampling in (
+            ("greedy", {"temperature": 0}),
+            ("seeded", {"temperature": 0.8, "seed": 5}),
+        ):
+            plain = ask(speculation=False, **sampling)
+            ahead = ask(prediction={"type": "content", "content": EDIT_CODE}, **sampling)
+            replies[name] = (plain, ahead)
+    finally:
+        mesh.close()
+    for plain, ahead in replies.values():
+        assert (
+            ahead["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        )
+    timings = replies["greedy"][1]["timings"]
+    assert timings.get("windows_ahead", 0) > 0 and timings.get("depth", 1) > 1, timings
