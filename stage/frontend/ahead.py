@@ -122,9 +122,11 @@ def drop_ahead(tracked: Tracked, counters: AheadCounters) -> None:
     """Void every window ahead: answers of the old epoch are ignored from now on."""
     if not tracked.ahead:
         return
+    wasted = sum(f.segment.token_count for f in tracked.ahead)
     counters.dropped += len(tracked.ahead)
-    counters.wasted_tokens += sum(f.segment.token_count for f in tracked.ahead)
+    counters.wasted_tokens += wasted
     tracked.run.ahead_dropped += len(tracked.ahead)
+    tracked.run.ahead_wasted += wasted
     tracked.ahead.clear()
     tracked.epoch += 1
 

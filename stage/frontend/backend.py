@@ -50,6 +50,7 @@ SPECULATION_KEYS = (
     # With windows drafted ahead of their verdicts (docs/speculation.md).
     "windows_ahead",
     "windows_dropped",
+    "wasted_tokens",
     "depth",
 )
 

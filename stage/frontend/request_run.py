@@ -30,9 +30,10 @@ class RequestRun:
         self.strategy = ""
         self.telemetry: Telemetry | None = None
         # Verify windows drafted ahead of a verdict: sent, dropped (a verdict refuted
-        # them), and the deepest the request went.
+        # them), their rows, and the deepest the request went.
         self.ahead_sent = 0
         self.ahead_dropped = 0
+        self.ahead_wasted = 0
         self.deepest = 1
         if speculation is not None:
             self.drafter, self.policy, self.strategy = speculation
@@ -101,6 +102,7 @@ class RequestRun:
                 speculation.update(
                     windows_ahead=self.ahead_sent,
                     windows_dropped=self.ahead_dropped,
+                    wasted_tokens=self.ahead_wasted,
                     depth=self.deepest,
                 )
         return GenerationStats(

@@ -231,3 +231,15 @@ def test_the_plan_shrinks_windows_to_go_deep_when_rows_cost() -> None:
     # Depth capped at 1, or nothing measured: the policy's window, serial.
     assert choose_plan(measured, 8, 1) == Plan(8, 1)
     assert choose_plan(Measured(0.9, None, 0.0, -1.0, 0.0, 0.0, None, 2), 8, 4) == Plan(8, 1)
+
+
+def test_a_request_reports_its_windows_ahead() -> None:
+    core, clock = make_core(0.03, 4, seed=5)
+    pipe = FakePipeline(step_ms=10.0)
+    run = core.add(request("t", PROMPTS["a"], max_new=120))
+    run_with_latency(core, pipe, clock, round_s=0.08)
+    stats = run.stats().speculation
+    assert stats["windows_ahead"] == run.ahead_sent == core.ahead.sent > 0
+    assert stats["windows_dropped"] == core.ahead.dropped
+    assert stats["wasted_tokens"] == core.ahead.wasted_tokens
+    assert stats["depth"] == run.deepest > 1
