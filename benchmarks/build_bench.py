@@ -13,7 +13,11 @@ gguf_file=...)``, how builds read a GGUF before they streamed) on the small file
 on the big one it would need the whole model in float32 (about 32 GB), so it is
 only estimated there (its peak on the small file scaled by parameter count).
 ``--split`` also builds the big model from a copy split into parts of
-``--part-gb``. Prints a table, writes JSON; nothing is asserted.
+``--part-gb``. A third row builds a tiny Qwen3-MoE GGUF (``--moe-experts`` experts
+of 2 layers, stacked per projection as llama.cpp writes them), whose experts the
+build splits one at a time; transformers' own GGUF load cannot read that file
+(it leaves the experts' inner size at its default), so the row has no baseline.
+Prints a table, writes JSON; nothing is asserted.
 
     .venv/bin/python benchmarks/build_bench.py [--layers 32] [--quant int4]
         [--workdir /tmp/build-bench] [--split] [--json bench-results/build.json]
@@ -38,6 +42,18 @@ from mesh.package.synthetic_gguf import LlamaShape, write_llama_gguf
 logger = logging.getLogger("build_bench")
 
 BIG = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=49152)
+# A tiny Qwen3-MoE: Qwen3-30B-A3B's routing (8 of N experts) at 1/4 of its widths.
+MOE = dict(
+    hidden=512,
+    intermediate=1536,
+    heads=8,
+    kv_heads=2,
+    vocab=49152,
+    experts_used=8,
+    expert_intermediate=256,
+    qk_norm=True,
+    head_dim=64,
+)
 
 
 def tokenizer_source() -> Path | None:
@@ -87,9 +103,14 @@ def transformers_load(gguf: Path, log: Path) -> dict[str, Any]:
 
 
 def parameters(shape: LlamaShape) -> int:
-    head_dim = shape.hidden // shape.heads
-    per_layer = 2 * shape.hidden * shape.hidden + 2 * shape.kv_heads * head_dim * shape.hidden
-    per_layer += 3 * shape.hidden * shape.intermediate
+    head_dim = shape.head_size
+    per_layer = 2 * shape.heads * head_dim * shape.hidden
+    per_layer += 2 * shape.kv_heads * head_dim * shape.hidden
+    if shape.experts:
+        ffn = shape.experts * (3 * shape.hidden * shape.expert_intermediate + shape.hidden)
+    else:
+        ffn = 3 * shape.hidden * shape.intermediate
+    per_layer += ffn
     return shape.layers * per_layer + (1 if shape.tied else 2) * shape.vocab * shape.hidden
 
 
@@ -102,6 +123,7 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="also build from split parts")
     parser.add_argument("--part-gb", type=float, default=2.0)
     parser.add_argument("--keep", action="store_true", help="keep the GGUF files")
+    parser.add_argument("--moe-experts", type=int, default=32, help="experts of the MoE row")
     parser.add_argument("--json", type=Path, default=Path("bench-results/build.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
@@ -109,11 +131,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer_source()
     rows: list[dict[str, Any]] = []
-    for label, layers in (("small", args.small_layers), ("big", args.layers)):
-        shape = LlamaShape(layers=layers, **BIG)
+    models = [
+        ("small", LlamaShape(layers=args.small_layers, **BIG), "llama"),
+        ("moe", LlamaShape(layers=2, experts=args.moe_experts, **MOE), "qwen3moe"),
+        ("big", LlamaShape(layers=args.layers, **BIG), "llama"),
+    ]
+    for label, shape, arch in models:
+        layers = shape.layers
         gguf = work / label / f"synthetic-{layers}L.Q4_K_M.gguf"
         started = time.perf_counter()
-        files = write_llama_gguf(gguf, shape, tokenizer_from=tokenizer, seed=layers)
+        files = write_llama_gguf(gguf, shape, tokenizer_from=tokenizer, seed=layers, arch=arch)
         size = sum(f.stat().st_size for f in files)
         logger.warning(
             "wrote %s (%.2f GB) in %.0f s", gguf, size / 1e9, time.perf_counter() - started
@@ -153,6 +180,9 @@ def main() -> None:
     for row in rows:
         load = row.get("transformers_load")
         estimate = small["transformers_load"]["peak_rss_mb"] * scale[row["model"]]
+        baseline = f"{load['peak_rss_mb']:.0f}" if load else f"~{estimate:.0f} (scaled)"
+        if row["model"] == "moe":
+            baseline = "- (unreadable)"
         parts = f", {row['parts']} parts" if row["parts"] > 1 else ""
         table.append(
             [
@@ -161,7 +191,7 @@ def main() -> None:
                 f"{row['gguf_bytes'] / 1e9:.2f}",
                 f"{row['build']['seconds']:.0f}",
                 f"{row['build']['peak_rss_mb']:.0f}",
-                f"{load['peak_rss_mb']:.0f}" if load else f"~{estimate:.0f} (scaled)",
+                baseline,
                 common.fmt(row["build"]["package_bytes"] / row["gguf_bytes"], 3),
             ]
         )
