@@ -19,7 +19,18 @@ logger = logging.getLogger("quant_quality")
 
 RECIPES = ("Q4_K_M", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")
 DEFAULT_RECIPES = ("Q4_K_M", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q4_1")
-PACKAGE_FORMS = ("int4", "int8")
+# "dense": the file's own dequantisation in bfloat16, what the file itself is worth.
+PACKAGE_FORMS = ("int4", "int8", "dense")
+DEFAULT_FORMS = ("int4", "int8")
+
+
+def variant(form: str) -> Any:
+    """The ``single_stage.PackageVariant`` that names a package ``form``."""
+    from single_stage import PackageVariant
+
+    if form == "dense":
+        return PackageVariant("bfloat16")
+    return PackageVariant("bfloat16", form, 32 if form == "int4" else None)
 
 
 def gguf_path(workdir: Path, recipe: str) -> Path:
@@ -49,8 +60,8 @@ def ensure_gguf(workdir: Path, recipe: str) -> dict[str, Any]:
 
 
 def ensure_package(workdir: Path, recipe: str, quant: str) -> Path:
-    """The ``quant`` package (int4 group 32 or int8, int8 head, bfloat16 plain
-    tensors) of the ``recipe`` file, built unless it is there."""
+    """The ``quant`` package (int4 group 32 or int8 with an int8 head, or dense,
+    all in bfloat16 otherwise) of the ``recipe`` file, built unless it is there."""
     from mesh.package.builder import build_package
     from mesh.package.manifest import MANIFEST_NAME
 
@@ -59,18 +70,24 @@ def ensure_package(workdir: Path, recipe: str, quant: str) -> Path:
         return out
     gguf = ensure_gguf(workdir, recipe)["path"]
     started = time.perf_counter()
-    group = 32 if quant == "int4" else None
-    build_package(gguf, out, dtype="bfloat16", quant=quant, group_size=group)
+    if quant == "dense":
+        build_package(gguf, out, dtype="bfloat16")
+    else:
+        group = 32 if quant == "int4" else None
+        build_package(gguf, out, dtype="bfloat16", quant=quant, group_size=group)
     logger.info("built %s in %.1fs", out.name, time.perf_counter() - started)
     return out
 
 
-def kept(package: Path) -> dict[str, Any]:
+def kept(package: Path) -> dict[str, Any] | None:
     """What the manifest says of the layer weights: tensors kept as the file's codes
-    and rounded, per block type, and each (type, form)'s deviation."""
+    and rounded, per block type, and each (type, form)'s deviation (None for a dense
+    package)."""
     from mesh.package.manifest import PackageManifest
 
-    body = PackageManifest.load(package).quantization or {}
+    body = PackageManifest.load(package).quantization
+    if body is None:
+        return None
     return {
         "from_source_codes": body.get("from_source_codes", {}),
         "rounded": body.get("rounded", {}),

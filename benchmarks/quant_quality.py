@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gguf-forms",
         nargs="+",
-        default=list(gguf_variants.PACKAGE_FORMS),
+        default=list(gguf_variants.DEFAULT_FORMS),
         choices=gguf_variants.PACKAGE_FORMS,
-        help="packages built from each GGUF file",
+        help="packages built from each GGUF file (dense: the file's own dequantisation)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     single_stage.add_output_arguments(parser, "quant_quality")
@@ -119,14 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
 def candidates(
     group_sizes: Sequence[int],
     gguf_types: Sequence[str] = (),
-    gguf_forms: Sequence[str] = gguf_variants.PACKAGE_FORMS,
+    gguf_forms: Sequence[str] = gguf_variants.DEFAULT_FORMS,
 ) -> list[Candidate]:
     """The dense float32 reference row, int8, then int4 at each group size; then each
     GGUF file in each package form."""
     from_files = [
-        Candidate(
-            PackageVariant("bfloat16", form, 32 if form == "int4" else None), "bfloat16", gguf
-        )
+        Candidate(gguf_variants.variant(form), "bfloat16", gguf)
         for gguf in gguf_types
         for form in gguf_forms
     ]
@@ -280,7 +278,7 @@ def prepare(workdir: Path, candidate: Candidate) -> Path | None:
     """The candidate's package, or None with ``candidate.error`` set."""
     try:
         if candidate.gguf is not None:
-            quant = candidate.variant.quant or "int4"
+            quant = candidate.variant.quant or "dense"
             package = gguf_variants.ensure_package(workdir, candidate.gguf, quant)
             candidate.kept = gguf_variants.kept(package)
         else:

@@ -81,6 +81,8 @@ def test_quant_quality_gguf_rows_and_prompt_spread():
     )
     rows = quant_quality.candidates([32], args.gguf_types, args.gguf_forms)[4:]
     assert [r.label for r in rows] == ["Q4_K_M file -> int4-g32", "Q6_K file -> int4-g32"]
+    (dense,) = quant_quality.candidates([32], ["Q8_0"], ["dense"])[4:]
+    assert dense.label == "Q8_0 file -> dense-bfloat16" and dense.variant.quant is None
     assert quant_quality.build_parser().parse_args(["--gguf-types"]).gguf_types == []
     with pytest.raises(SystemExit):
         quant_quality.build_parser().parse_args(["--gguf-types", "Q3_K"])
