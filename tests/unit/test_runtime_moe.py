@@ -160,3 +160,20 @@ def test_a_sparse_layer_of_another_shape_is_refused() -> None:
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedArchitecture, match=r"decoder layer 0 .*sparse MLP parts"):
         check_structure(model.model.layers[0], 0)
+
+
+def test_compiled_decode_steps_follow_eager(tiny_package_factory: Callable[..., Path]) -> None:
+    """``--compile``: the routing's host read splits the compiled layer function,
+    which still runs every decode step (no fall back to eager)."""
+    package = tiny_package_factory("qwen3_moe", layers=4, quant="int4")
+    eager = load_stage_runtime(package, LayerRange(0, 4))
+    compiled = load_stage_runtime(package, LayerRange(0, 4), compile=True)
+    want = [eager.forward("s", 0, PROMPT)[-1]]
+    got = [compiled.forward("s", 0, PROMPT)[-1]]
+    for pos, token in enumerate(PROMPT[:4].tolist(), start=PROMPT.shape[0]):
+        want.append(eager.forward("s", pos, torch.tensor([token]))[-1])
+        got.append(compiled.forward("s", pos, torch.tensor([token]))[-1])
+    assert compiled.compiled, "compilation fell back to eager"
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(want, got, strict=True):
+        assert float((a - b).abs().max()) <= 0.02 * scale
