@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.frames import Segment, SegmentKind
-from mesh.speculative.depth import Measured, Plan, choose_plan
+from mesh.speculative.depth import DepthInputs, choose_depth
 from stage.frontend.engine_types import InFlight, Tracked
 from stage.frontend.expectation import Expected
 from stage.frontend.step_cost import acceptance
@@ -131,32 +131,26 @@ def drop_ahead(tracked: Tracked, counters: AheadCounters) -> None:
     tracked.epoch += 1
 
 
-def pick_plan(
-    tracked: Tracked,
-    window: int,
-    step_s: float,
-    step_model: tuple[float, float] | None,
-    stages: int,
-    max_depth: int,
-) -> Plan:
-    """The window and depth for the request's windows (the cost rule in
+def pick_depth(tracked: Tracked, window: int, step_s: float, max_depth: int) -> int:
+    """The depth for the request's next window (docs: the cost rule in
     mesh/speculative/depth.py) from its measured round trip, acceptance and the
-    measured survival of its windows; ``window`` is its policy's choice and
-    ``step_model`` the fitted frame cost on the slowest stage (ms)."""
+    measured survival of windows drafted ahead."""
     telemetry = tracked.run.telemetry
     if telemetry is None or max_depth <= 1 or tracked.round_s <= 0.0:
-        return Plan(window, 1)
-    measured = Measured(
-        acceptance=acceptance(telemetry.drafted, telemetry.accepted),
-        whole=tracked.p_whole if tracked.p_whole >= 0.0 else None,
-        measured_window=max(tracked.recent_window, 0.0),
-        guess=tracked.p_guess,
+        return 1
+    alpha = acceptance(telemetry.drafted, telemetry.accepted)
+    survival = None
+    if tracked.p_whole >= 0.0:
+        guess = tracked.p_guess if tracked.p_guess >= 0.0 else alpha
+        survival = tracked.p_whole * guess
+    inputs = DepthInputs(
+        acceptance=alpha,
+        window=window,
         round_s=tracked.round_s,
         step_s=step_s,
-        step_model=(step_model[0] / 1000.0, step_model[1] / 1000.0) if step_model else None,
-        stages=stages,
+        survival=survival,
     )
-    return choose_plan(measured, window, max_depth)
+    return choose_depth(inputs, max_depth)
 
 
 def observe_round(tracked: Tracked, round_s: float, drafts: int, accepted: int) -> None:
@@ -166,7 +160,6 @@ def observe_round(tracked: Tracked, round_s: float, drafts: int, accepted: int) 
         tracked.round_s = _average(tracked.round_s, round_s)
     if drafts:
         tracked.p_whole = _average(tracked.p_whole, 1.0 if accepted == drafts else 0.0)
-        tracked.recent_window = _average(tracked.recent_window, float(drafts))
 
 
 def _average(current: float, value: float) -> float:

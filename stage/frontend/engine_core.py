@@ -300,26 +300,18 @@ class EngineCore:
         decoding = [t for t in self.running.values() if not t.prefilling]
         if self.limits.max_depth <= 1 or len(decoding) >= max(1, info.stage_count):
             for tracked in decoding:
-                tracked.depth, tracked.plan_window = 1, -1
+                tracked.depth = 1
             return []
         segments: list[Segment] = []
         share = self._draft_share(len(decoding), budget)
         for tracked in decoding:
             if room <= 0 or not ahead.may_draft_ahead(tracked):
                 continue
-            plan = ahead.pick_plan(
-                tracked,
-                self._window(tracked.run, share),
-                self.step_s,
-                self.step_cost.model(),
-                max(1, info.stage_count),
-                self.limits.max_depth,
-            )
-            tracked.depth = plan.depth
-            tracked.plan_window = plan.window if plan.depth > 1 else -1
+            window = self._window(tracked.run, share)
+            tracked.depth = ahead.pick_depth(tracked, window, self.step_s, self.limits.max_depth)
             if 1 + len(tracked.ahead) >= tracked.depth:
                 continue
-            segment = ahead.ahead_segment(tracked, info.term, min(plan.window, room - 1), now)
+            segment = ahead.ahead_segment(tracked, info.term, min(window, room - 1), now)
             if segment is None:
                 continue
             segments.append(segment)
@@ -349,9 +341,6 @@ class EngineCore:
         if run.telemetry is not None:
             alpha = acceptance(run.telemetry.drafted, run.telemetry.accepted)
             share = paying_window(alpha, threshold, share)
-        if tracked.plan_window >= 0:
-            # Windows kept several deep: the size the depth rule chose with the depth.
-            share = min(share, tracked.plan_window)
         drafts, draft_s = self._propose(run, share)
         session = run.request.request_id
         segment = Segment(

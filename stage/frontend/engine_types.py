@@ -89,10 +89,6 @@ class Tracked:
     # window drafted ahead guessed right (-1: none seen yet).
     p_whole: float = -1.0
     p_guess: float = -1.0
-    # Average drafts of its verify windows, and the window the cost rule chose for
-    # its windows while it keeps more than one in flight (-1: none).
-    recent_window: float = -1.0
-    plan_window: int = -1
     # Set while waiting for a pipeline newer than ``failed_term``.
     recover_by: float | None = None
     failed_term: int = 0

@@ -13,14 +13,7 @@ from engine_support import VOCAB, Clock, FakePipeline, greedy, next_token, reque
 
 from mesh.frames import SegmentKind
 from mesh.speculative import FixedWindow
-from mesh.speculative.depth import (
-    DepthInputs,
-    Measured,
-    Plan,
-    choose_depth,
-    choose_plan,
-    pipelined_rate,
-)
+from mesh.speculative.depth import DepthInputs, choose_depth, pipelined_rate
 from mesh.speculative.drafter import Drafter
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_types import EngineLimits, PipelineInfo
@@ -204,33 +197,6 @@ def test_a_window_ahead_is_only_sent_after_a_decode_or_verify_window() -> None:
     for index in prefill_frames:
         assert not any(s.ahead for s in pipe.frames[index].segments)
     assert any(s.ahead for s in segments)
-
-
-def test_the_plan_shrinks_windows_to_go_deep_when_rows_cost() -> None:
-    # A pipeline whose frames cost 2 ms + 3 ms per row on its slowest stage, 30 ms of
-    # hops per round, windows of 8 accepted whole 60% of the time.
-    measured = Measured(
-        acceptance=0.9,
-        whole=0.6,
-        measured_window=8.0,
-        guess=0.9,
-        round_s=0.03 + 2 * (0.002 + 0.003 * 9),
-        step_s=0.002 + 0.003 * 9,
-        step_model=(0.002, 0.003),
-        stages=2,
-    )
-    plan = choose_plan(measured, 8, 4)
-    assert plan.depth > 1 and plan.window < 8
-    # Rows that cost nothing: the policy's window stays, deep.
-    free = Measured(0.9, 0.6, 8.0, 0.9, 0.06, 0.002, (0.002, 0.0), 2)
-    assert choose_plan(free, 8, 4).window == 8
-    # Rarely whole, on a pipeline where a frame's cost hardly grows with its rows:
-    # serial windows of the policy's size.
-    poor = Measured(0.5, 0.05, 8.0, 0.5, 0.06, 0.03, (0.025, 0.0005), 2)
-    assert choose_plan(poor, 8, 4) == Plan(8, 1)
-    # Depth capped at 1, or nothing measured: the policy's window, serial.
-    assert choose_plan(measured, 8, 1) == Plan(8, 1)
-    assert choose_plan(Measured(0.9, None, 0.0, -1.0, 0.0, 0.0, None, 2), 8, 4) == Plan(8, 1)
 
 
 def test_a_request_reports_its_windows_ahead() -> None:
