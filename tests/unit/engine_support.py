@@ -168,6 +168,17 @@ def core_with(stage_count: int = 1, **limits) -> tuple[EngineCore, Clock]:
     return core, clock
 
 
+def collect(out: dict[str, list], outcomes: list) -> None:
+    """Add outcomes to ``out``: request id -> [tokens, finish reason, error]."""
+    for outcome in outcomes:
+        entry = out.setdefault(outcome.request_id, [[], None, None])
+        if outcome.error is not None:
+            entry[2] = outcome.error
+        else:
+            entry[0].extend(outcome.event.token_ids)
+            entry[1] = outcome.event.finish_reason
+
+
 def run_to_end(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
     """Step until nothing is left to send; every request's committed tokens and finish."""
     out: dict[str, list] = {}
@@ -175,13 +186,7 @@ def run_to_end(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[s
         frame = core.next_frame()
         if frame is None:
             return out
-        for outcome in core.on_result(pipe.answer(frame)):
-            entry = out.setdefault(outcome.request_id, [[], None, None])
-            if outcome.error is not None:
-                entry[2] = outcome.error
-            else:
-                entry[0].extend(outcome.event.token_ids)
-                entry[1] = outcome.event.finish_reason
+        collect(out, core.on_result(pipe.answer(frame)))
     raise AssertionError("the core never ran out of work")
 
 
@@ -195,13 +200,7 @@ def run_pipelined(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dic
         if not frames:
             return out
         for frame in frames:
-            for outcome in core.on_result(pipe.answer(frame)):
-                entry = out.setdefault(outcome.request_id, [[], None, None])
-                if outcome.error is not None:
-                    entry[2] = outcome.error
-                else:
-                    entry[0].extend(outcome.event.token_ids)
-                    entry[1] = outcome.event.finish_reason
+            collect(out, core.on_result(pipe.answer(frame)))
     raise AssertionError("the core never ran out of work")
 
 
@@ -228,11 +227,5 @@ def run_with_latency(
             return out
         due, frame = pending.popleft()
         clock.now = max(clock.now, due)
-        for outcome in core.on_result(pipe.answer(frame)):
-            entry = out.setdefault(outcome.request_id, [[], None, None])
-            if outcome.error is not None:
-                entry[2] = outcome.error
-            else:
-                entry[0].extend(outcome.event.token_ids)
-                entry[1] = outcome.event.finish_reason
+        collect(out, core.on_result(pipe.answer(frame)))
     raise AssertionError("the core never ran out of work")
