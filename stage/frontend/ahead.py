@@ -118,6 +118,13 @@ def settle(tracked: Tracked, answered: InFlight, accepted: int, counters: AheadC
     drop_ahead(tracked, counters)
 
 
+def end_ahead(tracked: Tracked, counters: AheadCounters) -> None:
+    """The request ended with windows ahead in flight: their rows were computed for
+    nothing (counted as wasted, not as refuted)."""
+    counters.wasted_tokens += sum(f.segment.token_count for f in tracked.ahead)
+    tracked.ahead.clear()
+
+
 def drop_ahead(tracked: Tracked, counters: AheadCounters) -> None:
     """Void every window ahead: answers of the old epoch are ignored from now on."""
     if not tracked.ahead:

@@ -595,7 +595,7 @@ class EngineCore:
             run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
-            ahead.drop_ahead(tracked, self.ahead)
+            ahead.end_ahead(tracked, self.ahead)
             self.cancel(run.request.request_id)
         elif flight.segment.kind is not SegmentKind.PREFILL:
             ahead.settle(tracked, flight, answer.accepted_count, self.ahead)

@@ -324,8 +324,9 @@ class _EngineCollector(Collector):
             ),
             CounterMetricFamily(
                 "mesh_verify_wasted_tokens",
-                "Token rows of dropped windows drafted ahead (computed for nothing on "
-                "the stages before the last).",
+                "Token rows of windows drafted ahead computed for nothing: refuted by a "
+                "verdict (on the stages before the last) or still in flight when their "
+                "request ended.",
             ),
             CounterMetricFamily(
                 "mesh_verify_dropped_segments",
