@@ -131,13 +131,20 @@ def spread(state: State, min_frames: int = MIN_STEP_FRAMES) -> float | None:
     of a 2+ stage topology has measured ``min_frames`` frames of the current term."""
     if state.topology is None or len(state.topology.stages) < 2:
         return None
+    times = _step_times(state, min_frames)
+    return max(times) / min(times) - 1.0 if times is not None else None
+
+
+def _step_times(state: State, min_frames: int) -> list[float] | None:
+    """Each current stage's measured step time (ms), in stage order; None unless
+    every one has measured ``min_frames`` frames."""
     times = []
-    for stage in state.topology.stages:
+    for stage in state.topology.stages:  # type: ignore[union-attr]
         node = state.node(stage.node_id)
         if node is None or node.step_frames < min_frames or node.step_ms <= 0:
             return None
         times.append(node.step_ms)
-    return max(times) / min(times) - 1.0
+    return times
 
 
 def should_rebalance(
@@ -172,11 +179,8 @@ def _measured_stages(
     chain = _chain(state)
     if chain is None or any(n.layer_ms <= 0 for n in chain):
         return None
-    measured = []
-    for stage in state.topology.stages:
-        node = state.node(stage.node_id)
-        if node is None or node.step_frames < min_frames or node.step_ms <= 0:
-            return None
-        measured.append(node.step_ms)
+    measured = _step_times(state, min_frames)
+    if measured is None:
+        return None
     counts = [len(s.layer_range) for s in state.topology.stages]
     return step_estimates(chain, counts, footprint), measured
