@@ -72,20 +72,6 @@ def mesh_tokens(client: OpenAI, model: str) -> str:
     return reply.choices[0].text
 
 
-@pytest.fixture
-def mesh_factory(tmp_path: Path):
-    meshes: list[MeshProcesses] = []
-
-    def make(package: Path, stages: int, **kwargs) -> MeshProcesses:
-        mesh = MeshProcesses(package, tmp_path / f"mesh{len(meshes)}", stages, **kwargs)
-        meshes.append(mesh)
-        return mesh.start()
-
-    yield make
-    for mesh in meshes:
-        mesh.close()
-
-
 def stage_ranges(mesh: MeshProcesses) -> list[LayerRange]:
     stages = sorted((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
     return [s.layer_range for s in stages]

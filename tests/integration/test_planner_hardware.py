@@ -5,26 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 from openai import OpenAI
 
-from coordinator.localmesh import MeshProcesses, wait_for
-
-
-@pytest.fixture
-def mesh_factory(tmp_path: Path):
-    meshes: list[MeshProcesses] = []
-
-    def make(package: Path, stages: int, **kwargs) -> MeshProcesses:
-        mesh = MeshProcesses(package, tmp_path / f"mesh{len(meshes)}", stages, **kwargs)
-        meshes.append(mesh)
-        return mesh.start()
-
-    yield make
-    for mesh in meshes:
-        mesh.close()
+from coordinator.localmesh import wait_for
 
 
 def test_stages_report_measured_memory_and_step_times(mesh_factory, tiny_package_factory):
