@@ -167,3 +167,21 @@ def smollm2_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mesh.package.default import build_default_package
 
     return build_default_package(tmp_path_factory.mktemp("packages") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture
+def mesh_factory(tmp_path: Path):
+    """Start meshes (``make(package, stages, **MeshProcesses options)``); every one
+    is closed when the test ends."""
+    from coordinator.localmesh import MeshProcesses
+
+    meshes: list[MeshProcesses] = []
+
+    def make(package: Path, stages: int, **kwargs) -> MeshProcesses:
+        mesh = MeshProcesses(package, tmp_path / f"mesh{len(meshes)}", stages, **kwargs)
+        meshes.append(mesh)
+        return mesh.start()
+
+    yield make
+    for mesh in meshes:
+        mesh.close()
