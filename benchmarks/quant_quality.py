@@ -33,7 +33,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ import gguf_variants
 import single_stage
 import torch
 from single_stage import PackageVariant
+
+from mesh.runtime import qkernels
 
 logger = logging.getLogger("quant_quality")
 
@@ -72,6 +74,7 @@ class Candidate:
     variant: PackageVariant
     dtype: str
     gguf: str | None = None  # a gguf_variants recipe: the package is built from that file
+    kernel: str = "auto"  # quantised CPU kernel (mesh-stage join --quantised-kernel)
     param_bytes: int | None = None
     error: str | None = None
     kept: dict[str, Any] | None = None
@@ -79,9 +82,10 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        kernel = "" if self.kernel == "auto" else f" [{self.kernel} kernel]"
         if self.gguf is not None:
-            return f"{self.gguf} file -> {self.variant.name}"
-        return self.variant.name
+            return f"{self.gguf} file -> {self.variant.name}{kernel}"
+        return f"{self.variant.name}{kernel}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=gguf_variants.PACKAGE_FORMS,
         help="packages built from each GGUF file (dense: the file's own dequantisation)",
     )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        choices=qkernels.MODES,
+        help="score every int4/int8 row with each quantised CPU kernel (native: the "
+        "stage's VNNI kernels, torch: torch's weight-only kernels)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     single_stage.add_output_arguments(parser, "quant_quality")
     return parser
@@ -120,15 +132,16 @@ def candidates(
     group_sizes: Sequence[int],
     gguf_types: Sequence[str] = (),
     gguf_forms: Sequence[str] = gguf_variants.DEFAULT_FORMS,
+    kernels: Sequence[str] = ("auto",),
 ) -> list[Candidate]:
     """The dense float32 reference row, int8, then int4 at each group size; then each
-    GGUF file in each package form."""
+    GGUF file in each package form; quantised rows once per kernel."""
     from_files = [
         Candidate(gguf_variants.variant(form), "bfloat16", gguf)
         for gguf in gguf_types
         for form in gguf_forms
     ]
-    return [
+    rows = [
         Candidate(PackageVariant("float32"), "float32"),
         Candidate(PackageVariant("bfloat16", "int8"), "bfloat16"),
         *(Candidate(PackageVariant("bfloat16", "int4", g), "bfloat16") for g in group_sizes),
@@ -137,6 +150,11 @@ def candidates(
             for g in group_sizes
         ),
         *from_files,
+    ]
+    return [
+        replace(row, kernel=kernel, per_prompt=[])
+        for row in rows
+        for kernel in (kernels if row.variant.quant else ("auto",))
     ]
 
 
@@ -209,9 +227,11 @@ def pooled(per_prompt: Sequence[dict[str, Any]]) -> dict[str, float]:
 # ---- running packages ----------------------------------------------------------------
 
 
-def load(package: Path, dtype: str) -> Any:
+def load(package: Path, dtype: str, kernel: str = "auto") -> Any:
     from mesh.runtime import load_config, load_stage_runtime
     from mesh.types import LayerRange
+
+    qkernels.MODE = kernel
 
     layers = LayerRange(0, load_config(package).num_hidden_layers)
     return load_stage_runtime(package, layers, device="cpu", dtype=dtype)
@@ -258,7 +278,7 @@ def score(
     prompts: Sequence[QualityPrompt],
     references: Sequence[tuple[list[int], slice, torch.Tensor]],
 ) -> None:
-    runtime = load(package, candidate.dtype)
+    runtime = load(package, candidate.dtype, candidate.kernel)
     candidate.param_bytes = runtime.param_bytes
     for prompt, (sequence, rows, reference) in zip(prompts, references, strict=True):
         logits = teacher_forced(runtime, sequence, rows)
@@ -322,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_start = common.load_average()
     workloads = common.load_workloads(args.workloads or common.default_workloads_path())
-    rows = candidates(args.group_sizes, args.gguf_types, args.gguf_forms)
+    rows = candidates(args.group_sizes, args.gguf_types, args.gguf_forms, args.kernels)
     files: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="quant-quality-") as scratch:
         workdir = (args.workdir or Path(scratch)).resolve()

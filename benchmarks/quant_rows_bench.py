@@ -15,7 +15,10 @@ a repeat; the figure is the median over repeats of the per-call time. Candidates
   and tiled as ``Int8Linear.gemm``); ``Int8Linear``; and two that quantise the
   activations too (they change numerics): per-row int8 activations with
   ``torch._int_mm``, and fbgemm's ``quantized::linear_dynamic`` (one activation
-  scale per call).
+  scale per call);
+- int4 and int8 on the stage's own kernels (``NativeInt4Linear``,
+  ``NativeInt8Linear``, mesh/runtime/qkernels.py; int8 activations per block of 32,
+  VNNI dot products), where this machine can build and run them.
 
 For every candidate the script also reports the largest error against the float32
 product of the same (bfloat16-rounded) activations and dequantised weight, relative
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh import quant
+from mesh.runtime import qkernels
 from mesh.runtime.linear import (
     Int4Linear,
     Int8Linear,
@@ -48,6 +52,7 @@ from mesh.runtime.linear import (
     PackedLinear,
     build_linear,
 )
+from mesh.runtime.qkernels import NativeInt4Linear, NativeInt8Linear
 
 logger = logging.getLogger("quant_rows_bench")
 
@@ -120,8 +125,33 @@ def dense_candidates(weight: torch.Tensor) -> list[Candidate]:
     ]
 
 
+def with_kernels(mode: str, spec: LinearSpec) -> object | None:
+    """``build_linear(spec)`` with ``--quantised-kernel mode``; None where that mode
+    does not give a kernel of its own here."""
+    saved = qkernels.MODE
+    qkernels.MODE = mode
+    try:
+        built = build_linear(spec, CPU, torch.bfloat16)
+    finally:
+        qkernels.MODE = saved
+    native = isinstance(built, (NativeInt4Linear, NativeInt8Linear))
+    return built if native == (mode == "native") else None
+
+
+def native_candidate(fmt: str, spec: LinearSpec) -> list[Candidate]:
+    try:
+        linear = with_kernels("native", spec)
+    except (RuntimeError, ValueError) as error:  # not buildable here: say so, go on
+        logger.warning("no native %s kernel: %s", fmt, error)
+        return []
+    if linear is None:
+        return []
+    return [Candidate(fmt, "native VNNI (int8 act.)", linear, torch.bfloat16, True)]
+
+
 def int4_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Candidate]:
-    linear = build_linear(LinearSpec(n, k, "int4", parts=parts), CPU, torch.bfloat16)
+    spec = LinearSpec(n, k, "int4", parts=parts)
+    linear = with_kernels("torch", spec)
     assert isinstance(linear, Int4Linear)
     group = linear.group
 
@@ -142,11 +172,12 @@ def int4_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Cand
             Candidate("int4", "deq-f32+gemm tiles", linear.gemm, torch.bfloat16),
         ]
     found.append(Candidate("int4", "Int4Linear (rule)", linear, torch.bfloat16))
-    return found
+    return found + native_candidate("int4", spec)
 
 
 def int8_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Candidate]:
-    linear = build_linear(LinearSpec(n, k, "int8", parts=parts), CPU, torch.bfloat16)
+    spec = LinearSpec(n, k, "int8", parts=parts)
+    linear = with_kernels("torch", spec)
     assert isinstance(linear, Int8Linear)
     qweight, scales = linear.qweight, linear.scales
     scales32 = parts["scales"].to(torch.float32)
@@ -185,7 +216,7 @@ def int8_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Cand
             return out.to(torch.bfloat16)
 
         found.append(Candidate("int8", "fbgemm linear_dynamic", fbgemm, torch.bfloat16, True))
-    return found
+    return found + native_candidate("int8", spec)
 
 
 def fbgemm_prepack(parts: dict[str, torch.Tensor]) -> object | None:

@@ -87,8 +87,12 @@ def run(args: argparse.Namespace) -> int:
         print_config([config.stage, config.frontend])
         return 0
     stage = config.stage.value
-    from mesh.runtime import invariant, linear
+    from mesh.runtime import invariant, linear, qkernels
 
+    qkernels.MODE = stage.quantised_kernel
+    if stage.quantised_gemm and stage.quantised_kernel == "auto":
+        # The GEMM path belongs to torch's kernels; asking for it picks them.
+        qkernels.MODE = "torch"
     if stage.quantised_gemm:
         linear.QUANTISED_GEMM = True
         if stage.row_invariant == "on":

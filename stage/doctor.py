@@ -2,10 +2,10 @@
 
 It takes `join`'s flags (and TOML, and environment), resolves them the way `join`
 does, and checks: the configuration, the join token and TLS files, the ports, the
-device, the cache directory, the coordinator (reachable within a short deadline,
-every call with a deadline), the package it serves (on this host, or the slice
-already cached here), the memory this stage offers, and with ``--frontend`` the
-draft model. Nothing is joined or loaded.
+device, the quantised CPU kernels, the cache directory, the coordinator (reachable
+within a short deadline, every call with a deadline), the package it serves (on
+this host, or the slice already cached here), the memory this stage offers, and
+with ``--frontend`` the draft model. Nothing is joined or loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ import grpc
 from mesh.codec import PackageManifestReply, PackageManifestRequest, StatusReply, StatusRequest
 from mesh.config import cli_speculation_args, resolve_speculation
 from mesh.doctor import CheckResult, configure_doctor_logging, failed, passed, report, run, warned
-from mesh.doctor.host import check_device, check_port, check_writable, device_memory
+from mesh.doctor.host import (
+    check_device,
+    check_port,
+    check_quantised_kernels,
+    check_writable,
+    device_memory,
+)
 from mesh.doctor.package import check_draft, check_package
 from mesh.doctor.tls import check_security
 from mesh.errors import InvalidRequest, MeshError, PackageError
@@ -71,7 +77,14 @@ def diagnose(args: argparse.Namespace) -> list[CheckResult]:
     else:
         results += run([("security", lambda: check_security(security, _dialled(config)))])
     results += run(
-        [("ports", lambda: _ports(config)), ("device", lambda: check_device(stage.device))]
+        [
+            ("ports", lambda: _ports(config)),
+            ("device", lambda: check_device(stage.device)),
+            (
+                "quantised kernels",
+                lambda: check_quantised_kernels(stage.device, stage.quantised_kernel),
+            ),
+        ]
     )
     view = CoordinatorView()
     try:

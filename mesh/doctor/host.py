@@ -218,6 +218,34 @@ def check_device(device: str, flag: str = "--device") -> CheckResult:
     )
 
 
+def check_quantised_kernels(device: str, mode: str) -> CheckResult:
+    """Whether int4/int8 linears will run on the stage's own CPU kernels
+    (``--quantised-kernel``), building them now if they are not cached."""
+    from mesh.runtime import native
+
+    name = "quantised kernels"
+    if mode == "torch" or not device.startswith("cpu"):
+        return passed(
+            name, f"torch's kernels ({'--quantised-kernel torch' if mode == 'torch' else device})"
+        )
+    try:
+        native.check_cpu()
+        path = native.build()
+    except native.KernelUnavailable as error:
+        fix = (
+            "install a C compiler (gcc or clang) on an AVX-512 VNNI CPU, or set "
+            "--quantised-kernel torch"
+        )
+        if mode == "native":
+            return failed(name, f"--quantised-kernel native: {error}", fix)
+        return warned(
+            name,
+            f"int4/int8 packages will run on torch's kernels (slower with many rows): {error}",
+            fix,
+        )
+    return passed(name, f"native VNNI kernels ({path})")
+
+
 # ---- directories ------------------------------------------------------------------------
 
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from mesh import quant
-from mesh.runtime import invariant
+from mesh.runtime import invariant, qkernels
+from mesh.runtime.qkernels import NativeInt4Linear, NativeInt8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +394,7 @@ def _tile_columns(in_features: int, block: int) -> int:
     return max(block, columns - columns % block)
 
 
-Linear = DenseLinear | PackedLinear | Int4Linear | Int8Linear
+Linear = DenseLinear | PackedLinear | Int4Linear | Int8Linear | NativeInt4Linear | NativeInt8Linear
 
 
 def dense_weight(weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -443,6 +444,13 @@ def build_linear(
             except ONEDNN_ERRORS as error:
                 logger.warning("oneDNN cannot take a %s weight (%s); using F.linear", dtype, error)
         return DenseLinear(dense_weight(spec.weight, device, dtype), bias, tiled)  # type: ignore[arg-type]
+    if spec.kind in ("int4", "int8") and device.type == "cpu":
+        group = None
+        if spec.kind == "int4":
+            group = spec.in_features // (spec.parts or {})["scales"].shape[1]
+        if qkernels.usable(spec.kind, spec.in_features, group):
+            native_type = NativeInt4Linear if spec.kind == "int4" else NativeInt8Linear
+            return native_type(spec, device, dtype)
     if spec.kind == "int8":
         return Int8Linear(spec, device, dtype)
     if spec.kind == "int4":

@@ -22,6 +22,7 @@ from mesh.types import DEFAULT_PREFIX_BYTES, DEFAULT_PREFIX_TOKENS
 from mesh.units import parse_bytes
 
 ROW_INVARIANT = ("auto", "on", "off")
+QUANTISED_KERNELS = ("auto", "native", "torch")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
 
@@ -131,11 +132,20 @@ class StageConfig:
         "run decode steps through torch.compile (compiles while loading; falls back to "
         "eager where it cannot compile)",
     )
+    quantised_kernel: str = setting(
+        "auto",
+        "CPU int4/int8 linears: native runs the stage's own kernels (int8 activations per "
+        "block of 32, AVX-512 VNNI dot products, a weight decoded once per call: cost grows "
+        "slowly with rows), built with the system C compiler on first use; torch runs "
+        "torch's weight-only kernels; auto: native where the CPU and a compiler allow it",
+        choices=QUANTISED_KERNELS,
+    )
     quantised_gemm: bool = setting(
         False,
-        "CPU int4/int8 linears of 64+ rows (long prefill chunks) dequantise and run a "
-        "float32 GEMM: 1.25-2x faster there, but a row's result then depends on the rows "
-        "beside it, so answers may change with load (turns row_invariant off)",
+        "with torch's kernels (quantised_kernel torch, or where native cannot run), CPU "
+        "int4/int8 linears of 64+ rows dequantise and run a float32 GEMM: 1.25-2x faster "
+        "there, but a row's result then depends on the rows beside it, so answers may "
+        "change with load (turns row_invariant off)",
     )
     row_invariant: str = setting(
         "auto",
@@ -207,6 +217,7 @@ class FrontendConfig:
 LOCAL_STAGE_FIELDS = (
     "device",
     "compile",
+    "quantised_kernel",
     "quantised_gemm",
     "row_invariant",
     "cuda_graphs",

@@ -404,3 +404,30 @@ def test_stage_bad_toml_key(tmp_path, capsys):
     code, checks = stage_doctor(["--config", str(config)], capsys)
     assert code == 1
     assert "unknown key(s) coordinater in [stage]" in checks["config"]["detail"]
+
+
+def test_stage_quantised_kernels(tmp_path, capsys, monkeypatch):
+    """PASS with where the kernels were built; with no compiler, auto warns and
+    native fails, each saying what to do."""
+    from mesh.runtime import native
+
+    monkeypatch.setenv("MESH_KERNEL_CACHE", str(tmp_path / "kernels"))
+    argv = ["--coordinator", f"127.0.0.1:{closed_port()}", "--listen", "127.0.0.1:0"]
+    argv += ["--cache-dir", str(tmp_path / "cache")]
+    _, checks = stage_doctor(argv, capsys)
+    kernels = checks["quantised kernels"]
+    if native.library() is None:
+        assert kernels["status"] == "WARN"
+    else:
+        assert kernels["status"] == "PASS" and str(tmp_path / "kernels") in kernels["detail"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("MESH_KERNEL_CACHE", str(tmp_path / "other"))
+    _, checks = stage_doctor(argv, capsys)
+    assert checks["quantised kernels"]["status"] == "WARN"
+    assert "torch's kernels" in checks["quantised kernels"]["detail"]
+    _, checks = stage_doctor([*argv, "--quantised-kernel", "native"], capsys)
+    kernels = checks["quantised kernels"]
+    assert kernels["status"] == "FAIL" and "install a C compiler" in kernels["fix"]
+    _, checks = stage_doctor([*argv, "--quantised-kernel", "torch"], capsys)
+    assert checks["quantised kernels"]["status"] == "PASS"

@@ -8,6 +8,7 @@ import torch
 
 from mesh import quant
 from mesh.runtime import linear as linear_module
+from mesh.runtime import qkernels
 from mesh.runtime.linear import (
     GEMM_ROWS,
     INT4_ACTIVATION_DTYPE,
@@ -28,8 +29,9 @@ EPS = torch.finfo(torch.bfloat16).eps
 @pytest.fixture(autouse=True)
 def quantised_gemm_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests exercise the many-row path, which serving turns on with
-    ``mesh-stage join --quantised-gemm``."""
+    ``mesh-stage join --quantised-gemm``, on torch's weight-only kernels."""
     monkeypatch.setattr(linear_module, "QUANTISED_GEMM", True)
+    monkeypatch.setattr(qkernels, "MODE", "torch")
 
 
 def weight(rows: int = OUT, cols: int = IN, seed: int = 0) -> torch.Tensor:

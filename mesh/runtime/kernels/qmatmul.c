@@ -1,0 +1,307 @@
+/*
+ * Quantised matrix products for CPU stages: int8 activations times int4 (group-wise,
+ * asymmetric) or int8 (per output channel) weights, with AVX-512 VNNI dot products.
+ * Built and loaded by mesh/runtime/native.py.
+ *
+ * Every row of the input is computed on its own, in one fixed order, so a row's
+ * result never depends on the rows beside it or on the thread count
+ * (mesh/runtime/invariant.py), and a weight tile is decoded once per call whatever
+ * the number of rows: the cost of a call grows slowly with rows, where torch's
+ * weight-only kernels decode the weight again for every four rows.
+ *
+ * Activations are quantised per row in blocks of 32 values, in two int8 parts:
+ * d = max|a| / 127, hi = round(a / d), lo = round((a / d - hi) * 254) (half to
+ * even), so a = d * (hi + lo / 254) to within d / 508: about 16 bits per value,
+ * finer than the bfloat16 activations torch's kernels take. A block of a row
+ * against 16 outputs is two exact int32 dot products per output; blocks are
+ * combined in float32 in order of k.
+ *
+ * int4 layout (mesh_pack_int4): outputs in blocks of 16, k in steps of 8; each step
+ * is 64 bytes, byte 4 j + t holding code q[16 b + j][8 s + t] in its low nibble and
+ * q[16 b + j][8 s + 4 + t] in its high nibble. W[n, k] = q * scale[g, n] + min[g, n]
+ * for group g = k / group, so sum_k a W = sum_g (scale * sum_k a q + min * sum_k a),
+ * the second sum taken over the float activations.
+ *
+ * int8 layout (mesh_pack_int8): outputs in blocks of 16, k in steps of 4; each step
+ * 64 bytes, byte 4 j + t = w[16 b + j][4 s + t] + 128. VNNI multiplies unsigned by
+ * signed bytes, so weights are offset by 128 and 128 * sum_k a_q is taken off per
+ * block of a row.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QBLOCK 32
+#define MAX_THREADS 64
+/* Calls with fewer multiply-adds than this run on the calling thread alone. */
+#define THREADED_MACS (1LL << 24)
+
+typedef struct {
+    int int4;
+    const uint8_t *packed;
+    const int32_t *block_sums;
+    const float *scales, *sums, *dscale;
+    const uint16_t *half_scales, *half_mins;
+    const int8_t *codes;
+    float *y, *acc;
+    int64_t rows, k, n, group, first, last;
+} Work;
+
+/* Quantise rows*cols float32 activations (cols % 32 == 0) to two int8 codes each
+   (hi in codes[0 .. rows*cols), lo after them), one scale per block of 32; with
+   non-null `sums`, the float32 sum of each group of `group` values in order of k
+   (for the int4 min term); with non-null `block_sums`, 128 times the sum of each
+   block's hi and of its lo codes (for the int8 offset, [rows, blocks, 2]). */
+static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t group,
+                          int8_t *codes, float *scales, float *sums, int32_t *block_sums) {
+    const int64_t blocks = cols / QBLOCK;
+    for (int64_t m = 0; m < rows; ++m) {
+        const float *row = x + m * cols;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float *v = row + b * QBLOCK;
+            __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+            float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+            scales[m * blocks + b] = mx / 127.0f;
+            __m512 vinv = _mm512_set1_ps(inv), fine = _mm512_set1_ps(254.0f);
+            /* First and second 16 values of the block: coarse codes, then the rest. */
+            __m512 s0 = _mm512_mul_ps(lo, vinv), s1 = _mm512_mul_ps(hi, vinv);
+            __m512i c0 = _mm512_cvtps_epi32(s0), c1 = _mm512_cvtps_epi32(s1);
+            __m512i f0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s0, _mm512_cvtepi32_ps(c0)), fine));
+            __m512i f1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s1, _mm512_cvtepi32_ps(c1)), fine));
+            int8_t *dst = codes + m * cols + b * QBLOCK;
+            int8_t *rest = dst + rows * cols;
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(c0));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(c1));
+            _mm_storeu_si128((__m128i *)rest, _mm512_cvtsepi32_epi8(f0));
+            _mm_storeu_si128((__m128i *)(rest + 16), _mm512_cvtsepi32_epi8(f1));
+            if (block_sums) {
+                block_sums[(m * blocks + b) * 2] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+                block_sums[(m * blocks + b) * 2 + 1] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(f0, f1));
+            }
+        }
+        if (sums) {
+            for (int64_t g = 0; g < cols / group; ++g) {
+                float s = 0.0f;
+                for (int64_t i = 0; i < group; ++i) s += row[g * group + i];
+                sums[m * (cols / group) + g] = s;
+            }
+        }
+    }
+}
+
+static void store_block(const Work *w, int64_t b, const float *yacc) {
+    const int64_t cols = w->n - b * 16 < 16 ? w->n - b * 16 : 16;
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+    for (int64_t m = 0; m < w->rows; ++m)
+        _mm512_mask_storeu_ps(w->y + m * w->n + b * 16, keep, _mm512_loadu_ps(yacc + m * 16));
+}
+
+static void int4_blocks(const Work *w) {
+    const int64_t rows = w->rows, k = w->k, steps = k / 8, groups = k / w->group;
+    const int64_t npad = (w->n + 15) / 16 * 16, qblocks = k / QBLOCK, per_group = w->group / QBLOCK;
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    float *yacc = w->acc, *gacc = w->acc + rows * 16;
+    for (int64_t b = w->first; b < w->last; ++b) {
+        const uint8_t *wb = w->packed + b * steps * 64;
+        for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
+        for (int64_t g = 0; g < groups; ++g) {
+            for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(gacc + m * 16, _mm512_setzero_ps());
+            for (int64_t qb = 0; qb < per_group; ++qb) {
+                const int64_t kb = g * per_group + qb; /* block of 32 along k */
+                const uint8_t *wp = wb + kb * 4 * 64;
+                __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+                __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+                __m512i l0 = _mm512_and_si512(w0, nib), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
+                __m512i l1 = _mm512_and_si512(w1, nib), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), nib);
+                __m512i l2 = _mm512_and_si512(w2, nib), h2 = _mm512_and_si512(_mm512_srli_epi16(w2, 4), nib);
+                __m512i l3 = _mm512_and_si512(w3, nib), h3 = _mm512_and_si512(_mm512_srli_epi16(w3, 4), nib);
+                for (int64_t m = 0; m < rows; ++m) {
+                    const int32_t *a = (const int32_t *)(w->codes + m * k + kb * QBLOCK);
+                    const int32_t *f = (const int32_t *)(w->codes + (rows + m) * k + kb * QBLOCK);
+                    __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
+                    s = _mm512_dpbusd_epi32(s, l0, _mm512_set1_epi32(a[0]));
+                    t = _mm512_dpbusd_epi32(t, l0, _mm512_set1_epi32(f[0]));
+                    s = _mm512_dpbusd_epi32(s, h0, _mm512_set1_epi32(a[1]));
+                    t = _mm512_dpbusd_epi32(t, h0, _mm512_set1_epi32(f[1]));
+                    s = _mm512_dpbusd_epi32(s, l1, _mm512_set1_epi32(a[2]));
+                    t = _mm512_dpbusd_epi32(t, l1, _mm512_set1_epi32(f[2]));
+                    s = _mm512_dpbusd_epi32(s, h1, _mm512_set1_epi32(a[3]));
+                    t = _mm512_dpbusd_epi32(t, h1, _mm512_set1_epi32(f[3]));
+                    s = _mm512_dpbusd_epi32(s, l2, _mm512_set1_epi32(a[4]));
+                    t = _mm512_dpbusd_epi32(t, l2, _mm512_set1_epi32(f[4]));
+                    s = _mm512_dpbusd_epi32(s, h2, _mm512_set1_epi32(a[5]));
+                    t = _mm512_dpbusd_epi32(t, h2, _mm512_set1_epi32(f[5]));
+                    s = _mm512_dpbusd_epi32(s, l3, _mm512_set1_epi32(a[6]));
+                    t = _mm512_dpbusd_epi32(t, l3, _mm512_set1_epi32(f[6]));
+                    s = _mm512_dpbusd_epi32(s, h3, _mm512_set1_epi32(a[7]));
+                    t = _mm512_dpbusd_epi32(t, h3, _mm512_set1_epi32(f[7]));
+                    const float dm = w->dscale[m * qblocks + kb];
+                    __m512 ga = _mm512_loadu_ps(gacc + m * 16);
+                    ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dm), ga);
+                    ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dm / 254.0f), ga);
+                    _mm512_storeu_ps(gacc + m * 16, ga);
+                }
+            }
+            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + g * npad + b * 16)));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + g * npad + b * 16)));
+            for (int64_t m = 0; m < rows; ++m) {
+                __m512 ya = _mm512_loadu_ps(yacc + m * 16);
+                ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
+                ya = _mm512_fmadd_ps(mn, _mm512_set1_ps(w->sums[m * groups + g]), ya);
+                _mm512_storeu_ps(yacc + m * 16, ya);
+            }
+        }
+        store_block(w, b, yacc);
+    }
+}
+
+static void int8_blocks(const Work *w) {
+    const int64_t rows = w->rows, k = w->k, steps = k / 4, qblocks = k / QBLOCK;
+    float *yacc = w->acc;
+    for (int64_t b = w->first; b < w->last; ++b) {
+        const uint8_t *wb = w->packed + b * steps * 64;
+        for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
+        for (int64_t kb = 0; kb < qblocks; ++kb) {
+            const uint8_t *wp = wb + kb * 8 * 64;
+            __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+            __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+            __m512i w4 = _mm512_loadu_si512(wp + 256), w5 = _mm512_loadu_si512(wp + 320);
+            __m512i w6 = _mm512_loadu_si512(wp + 384), w7 = _mm512_loadu_si512(wp + 448);
+            for (int64_t m = 0; m < rows; ++m) {
+                const int32_t *a = (const int32_t *)(w->codes + m * k + kb * QBLOCK);
+                const int32_t *f = (const int32_t *)(w->codes + (rows + m) * k + kb * QBLOCK);
+                __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
+                s = _mm512_dpbusd_epi32(s, w0, _mm512_set1_epi32(a[0]));
+                t = _mm512_dpbusd_epi32(t, w0, _mm512_set1_epi32(f[0]));
+                s = _mm512_dpbusd_epi32(s, w1, _mm512_set1_epi32(a[1]));
+                t = _mm512_dpbusd_epi32(t, w1, _mm512_set1_epi32(f[1]));
+                s = _mm512_dpbusd_epi32(s, w2, _mm512_set1_epi32(a[2]));
+                t = _mm512_dpbusd_epi32(t, w2, _mm512_set1_epi32(f[2]));
+                s = _mm512_dpbusd_epi32(s, w3, _mm512_set1_epi32(a[3]));
+                t = _mm512_dpbusd_epi32(t, w3, _mm512_set1_epi32(f[3]));
+                s = _mm512_dpbusd_epi32(s, w4, _mm512_set1_epi32(a[4]));
+                t = _mm512_dpbusd_epi32(t, w4, _mm512_set1_epi32(f[4]));
+                s = _mm512_dpbusd_epi32(s, w5, _mm512_set1_epi32(a[5]));
+                t = _mm512_dpbusd_epi32(t, w5, _mm512_set1_epi32(f[5]));
+                s = _mm512_dpbusd_epi32(s, w6, _mm512_set1_epi32(a[6]));
+                t = _mm512_dpbusd_epi32(t, w6, _mm512_set1_epi32(f[6]));
+                s = _mm512_dpbusd_epi32(s, w7, _mm512_set1_epi32(a[7]));
+                t = _mm512_dpbusd_epi32(t, w7, _mm512_set1_epi32(f[7]));
+                const int32_t *offset = w->block_sums + (m * qblocks + kb) * 2;
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset[0]));
+                t = _mm512_sub_epi32(t, _mm512_set1_epi32(offset[1]));
+                const float dm = w->dscale[m * qblocks + kb];
+                __m512 ya = _mm512_loadu_ps(yacc + m * 16);
+                ya = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dm), ya);
+                ya = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dm / 254.0f), ya);
+                _mm512_storeu_ps(yacc + m * 16, ya);
+            }
+        }
+        __m512 sc = _mm512_loadu_ps(w->scales + b * 16);
+        for (int64_t m = 0; m < rows; ++m)
+            _mm512_storeu_ps(yacc + m * 16, _mm512_mul_ps(sc, _mm512_loadu_ps(yacc + m * 16)));
+        store_block(w, b, yacc);
+    }
+}
+
+static void *run_work(void *arg) {
+    const Work *w = (const Work *)arg;
+    if (w->int4)
+        int4_blocks(w);
+    else
+        int8_blocks(w);
+    return NULL;
+}
+
+/* Output blocks split over up to `threads` threads (each with its own accumulators
+   in `acc`, 2 * rows * 16 floats per thread); small calls stay on this thread. */
+static void run_split(Work base, int threads) {
+    const int64_t nblocks = (base.n + 15) / 16;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > nblocks) threads = (int)nblocks;
+    if (threads < 2 || base.rows * base.n * base.k < THREADED_MACS) {
+        base.first = 0;
+        base.last = nblocks;
+        run_work(&base);
+        return;
+    }
+    Work parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; ++t) {
+        parts[t] = base;
+        parts[t].first = nblocks * t / threads;
+        parts[t].last = nblocks * (t + 1) / threads;
+        parts[t].acc = base.acc + (int64_t)t * 2 * base.rows * 16;
+    }
+    for (int t = 1; t < threads; ++t)
+        started[t] = pthread_create(&ids[t], NULL, run_work, &parts[t]) == 0;
+    run_work(&parts[0]);
+    for (int t = 1; t < threads; ++t) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            run_work(&parts[t]); /* no thread to be had: this one does that share */
+    }
+}
+
+/* Codes [n, k] (uint8 0..15, row-major) into the int4 layout above; outputs past
+   `n` up to a multiple of 16 are zero codes. */
+void mesh_pack_int4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t nblocks = (n + 15) / 16, steps = k / 8;
+    for (int64_t b = 0; b < nblocks; ++b)
+        for (int64_t s = 0; s < steps; ++s) {
+            uint8_t *dst = out + (b * steps + s) * 64;
+            for (int j = 0; j < 16; ++j)
+                for (int t = 0; t < 4; ++t) {
+                    const int64_t row = b * 16 + j;
+                    uint8_t lo = 0, hi = 0;
+                    if (row < n) {
+                        lo = codes[row * k + 8 * s + t] & 15;
+                        hi = codes[row * k + 8 * s + 4 + t] & 15;
+                    }
+                    dst[4 * j + t] = (uint8_t)(lo | (hi << 4));
+                }
+        }
+}
+
+/* y [rows, n] = x [rows, k] times the int4 weight; scales and mins float16
+   [k / group, n rounded up to 16] (as packages store them). Work buffers: codes int8 [2, rows, k], dscale
+   [rows, k / 32], sums [rows, k / group], acc [threads, 2, rows, 16] float32. */
+void mesh_int4_matmul(const float *x, int64_t rows, int64_t k, int64_t n, int64_t group,
+                      const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
+                      float *y, int8_t *codes, float *dscale, float *sums, float *acc,
+                      int threads) {
+    quantise_rows(x, rows, k, group, codes, dscale, sums, NULL);
+    Work w = {1, packed, NULL, NULL, sums, dscale, scales, mins, codes, y, acc, rows, k, n, group, 0, 0};
+    run_split(w, threads);
+}
+
+/* Weights [n, k] int8 into the int8 layout above (offset to unsigned); outputs past
+   `n` up to a multiple of 16 are zero weights. */
+void mesh_pack_int8(const int8_t *weight, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t nblocks = (n + 15) / 16, steps = k / 4;
+    for (int64_t b = 0; b < nblocks; ++b)
+        for (int64_t s = 0; s < steps; ++s) {
+            uint8_t *dst = out + (b * steps + s) * 64;
+            for (int j = 0; j < 16; ++j)
+                for (int t = 0; t < 4; ++t) {
+                    const int64_t row = b * 16 + j;
+                    const int value = row < n ? weight[row * k + 4 * s + t] : 0;
+                    dst[4 * j + t] = (uint8_t)(value + 128);
+                }
+        }
+}
+
+/* y [rows, n] = x [rows, k] times the int8 weight with float32 scales [n rounded up
+   to 16]. Work buffers as mesh_int4_matmul, with block_sums int32 [rows, k / 32, 2]
+   in place of sums. */
+void mesh_int8_matmul(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *packed,
+                      const float *scales, float *y, int8_t *codes, float *dscale,
+                      int32_t *block_sums, float *acc, int threads) {
+    quantise_rows(x, rows, k, k, codes, dscale, NULL, block_sums);
+    Work w = {0, packed, block_sums, scales, NULL, dscale, NULL, NULL, codes, y, acc, rows, k, n, k, 0, 0};
+    run_split(w, threads);
+}

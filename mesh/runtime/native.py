@@ -1,0 +1,146 @@
+"""The stage's own CPU kernels (``kernels/qmatmul.c``): built with the system's C
+compiler on first use, kept in a cache directory, loaded with ctypes.
+
+They need x86-64 with AVX-512 VNNI (Intel Ice Lake / Sapphire Rapids and later,
+AMD Zen 4 and later), and a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) the
+first time. Where either is missing, ``library()`` says why once and returns
+``None``, and the linears use torch's kernels (mesh/runtime/linear.py). The built
+file is named by a digest of the source and the flags, so an edited kernel builds
+anew and a built one needs no compiler (the container image builds it at image
+build time, ``MESH_KERNEL_CACHE``); concurrent stage processes build into temporary
+names and rename.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+COMPILE_FLAGS = (
+    "-O3",
+    "-std=c11",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512vnni",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+)
+BUILD_TIMEOUT_S = 120
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES = {
+    "mesh_pack_int4": [_P, _I, _I, _P],
+    "mesh_int4_matmul": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int],
+    "mesh_pack_int8": [_P, _I, _I, _P],
+    "mesh_int8_matmul": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int],
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """The stage's own kernels cannot run here (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$MESH_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/mesh/kernels`` (``~/.cache/mesh/kernels``)."""
+    explicit = os.environ.get("MESH_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mesh" / "kernels"
+
+
+def missing_cpu_flags(cpuinfo: str) -> list[str]:
+    """Of ``CPU_FLAGS``, those the first ``flags`` line of ``cpuinfo`` lacks."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            return [flag for flag in CPU_FLAGS if flag not in present]
+    return list(CPU_FLAGS)
+
+
+def check_cpu() -> None:
+    """Raise ``KernelUnavailable`` where this CPU cannot run the kernels."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        here = f"{platform.system()} {platform.machine()}"
+        raise KernelUnavailable(f"needs x86-64 Linux, this is {here}")
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError as error:
+        raise KernelUnavailable(f"cannot read /proc/cpuinfo ({error})") from error
+    missing = missing_cpu_flags(cpuinfo)
+    if missing:
+        raise KernelUnavailable(f"the CPU lacks {', '.join(missing)}")
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelUnavailable("no C compiler ($CC, cc, gcc or clang) on PATH")
+
+
+def build(directory: Path | None = None) -> Path:
+    """The shared library for this source and these flags, built if not cached
+    (this needs no AVX-512 on the building machine, only on the one that loads it)."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()).hexdigest()
+    directory = directory or cache_dir()
+    target = directory / f"qmatmul-{digest[:16]}.so"
+    if target.exists():
+        return target
+    compiler = _compiler()
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".qmatmul-", suffix=".so", dir=directory)
+    os.close(handle)
+    command = [compiler, *COMPILE_FLAGS, "-o", temporary, str(SOURCE)]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+        )
+        if done.returncode != 0:
+            raise KernelUnavailable(
+                f"{' '.join(command)} failed: {(done.stderr or done.stdout).strip()[:500]}"
+            )
+        os.replace(temporary, target)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise KernelUnavailable(f"building {SOURCE.name} failed: {error}") from error
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    logger.info("built the quantised CPU kernels into %s", target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or ``None`` (logged once with the reason) where they
+    cannot be built or loaded on this machine."""
+    try:
+        check_cpu()
+        path = build()
+        lib = ctypes.CDLL(str(path))
+    except (KernelUnavailable, OSError) as error:
+        logger.warning("quantised CPU kernels unavailable, using torch's: %s", error)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = None
+    return lib

@@ -1,0 +1,198 @@
+"""int4 and int8 linears on the stage's own CPU kernels (mesh/runtime/native.py,
+kernels/qmatmul.c): activations as two int8 parts per value with a scale per block
+of 32 (about 16 bits), exact VNNI integer dot products.
+
+Measured on a 2-core AVX-512 VM, 1 thread (benchmarks/quant_rows_bench.py): a
+1536x576 int4 weight takes about half the time of torch's int4 kernel at one row
+and a third at 8 to 16 rows, because the weight is decoded once per call rather
+than once per four rows; the int8 LM head likewise. Every row is computed alone in
+a fixed order, so results do not depend on the other rows of a call (row
+invariance holds) nor on the thread count. Activations are rounded to about 16
+bits (to within 1/508 of their block's step), finer than the bfloat16 torch's
+kernels round them to: a single int8 part, as llama.cpp uses, measured 6x the KL
+divergence of torch's kernel on SmolLM2 (docs/benchmarks.md, "Quantised kernels").
+
+``MODE`` (``mesh-stage join --quantised-kernel``): ``auto`` uses these kernels
+where they build and run, ``native`` requires them (loading fails otherwise),
+``torch`` keeps torch's weight-only kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mesh import quant
+from mesh.runtime import native
+
+if TYPE_CHECKING:
+    from mesh.runtime.linear import LinearSpec
+
+MODES = ("auto", "native", "torch")
+MODE = "auto"
+# Activations are quantised in blocks of this many values (the kernel's QBLOCK).
+BLOCK = 32
+# Work buffers are cut at this alignment (bytes).
+_ALIGN = 64
+
+
+def usable(kind: str, in_features: int, group: int | None = None) -> bool:
+    """Whether a ``kind`` weight with ``in_features`` inputs (and int4 ``group``) runs
+    on these kernels under ``MODE`` on this machine; with ``MODE`` ``native`` a
+    machine without them is an error."""
+    if MODE == "torch" or kind not in ("int4", "int8"):
+        return False
+    shaped = in_features % BLOCK == 0 and (group is None or group % BLOCK == 0)
+    if MODE == "native":
+        if native.library() is None:
+            raise native.KernelUnavailable(
+                "--quantised-kernel native: the kernels cannot be built or loaded here "
+                "(the log says why); use auto or torch"
+            )
+        if not shaped:
+            raise ValueError(
+                f"--quantised-kernel native needs inputs and int4 groups in multiples of "
+                f"{BLOCK} (got {in_features} inputs, group {group})"
+            )
+        return True
+    return shaped and native.library() is not None
+
+
+def _padded(count: int) -> int:
+    return -(-count // 16) * 16
+
+
+def _aligned(count: int) -> int:
+    return -(-count // _ALIGN) * _ALIGN
+
+
+class _Workspace:
+    """One call's buffers, cut out of one allocation."""
+
+    __slots__ = ("buffer", "codes", "dscale", "sums", "acc")
+
+    def __init__(self, rows: int, k: int, sum_count: int, threads: int) -> None:
+        sizes = (
+            2 * rows * k,
+            rows * (k // BLOCK) * 4,
+            rows * sum_count * 4,
+            threads * 2 * rows * 64,
+        )
+        self.buffer = torch.empty(sum(_aligned(size) for size in sizes) + _ALIGN, dtype=torch.uint8)
+        base = self.buffer.data_ptr()
+        offset = (-base) % _ALIGN
+        pointers = []
+        for size in sizes:
+            pointers.append(base + offset)
+            offset += _aligned(size)
+        self.codes, self.dscale, self.sums, self.acc = pointers
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+class NativeInt4Linear:
+    """A group-wise int4 weight ``[N, K]`` in the kernel's layout (no other copy)."""
+
+    __slots__ = ("packed", "scales", "mins", "group", "in_features", "out_features", "bias")
+
+    def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
+        parts = spec.parts or {}
+        n, k = spec.out_features, spec.in_features
+        codes = quant.unpack_int4(parts["qweight"]).to(torch.uint8).contiguous()
+        groups = parts["scales"].shape[1]
+        self.group = k // groups
+        self.in_features, self.out_features = k, n
+        self.packed = torch.empty(_padded(n) * k // 2, dtype=torch.uint8)
+        native.library().mesh_pack_int4(codes.data_ptr(), n, k, self.packed.data_ptr())
+        # float16, as packages store them (the kernel widens them exactly).
+        self.scales = torch.zeros(groups, _padded(n), dtype=torch.float16)
+        self.scales[:, :n] = parts["scales"].to(torch.float16).t()
+        self.mins = torch.zeros(groups, _padded(n), dtype=torch.float16)
+        self.mins[:, :n] = parts["mins"].to(torch.float16).t()
+        self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
+        x = flat.to(torch.float32).contiguous()
+        rows, k = x.shape
+        out = torch.empty(rows, self.out_features)
+        if rows:
+            threads = _threads()
+            work = _Workspace(rows, k, k // self.group, threads)
+            native.library().mesh_int4_matmul(
+                x.data_ptr(),
+                rows,
+                k,
+                self.out_features,
+                self.group,
+                self.packed.data_ptr(),
+                self.scales.data_ptr(),
+                self.mins.data_ptr(),
+                out.data_ptr(),
+                work.codes,
+                work.dscale,
+                work.sums,
+                work.acc,
+                threads,
+            )
+        return _finish(out, inputs, self.out_features, self.bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales, self.mins, self.bias) if t is not None]
+
+
+class NativeInt8Linear:
+    """A per-output-channel int8 weight ``[N, K]`` in the kernel's layout."""
+
+    __slots__ = ("packed", "scales", "in_features", "out_features", "bias")
+
+    def __init__(self, spec: LinearSpec, device: torch.device, dtype: torch.dtype) -> None:
+        parts = spec.parts or {}
+        n, k = spec.out_features, spec.in_features
+        weight = parts["qweight"].to(torch.int8).contiguous()
+        self.in_features, self.out_features = k, n
+        self.packed = torch.empty(_padded(n) * k, dtype=torch.uint8)
+        native.library().mesh_pack_int8(weight.data_ptr(), n, k, self.packed.data_ptr())
+        self.scales = torch.zeros(_padded(n))
+        self.scales[:n] = parts["scales"].to(torch.float32).reshape(-1)
+        self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
+        x = flat.to(torch.float32).contiguous()
+        rows, k = x.shape
+        out = torch.empty(rows, self.out_features)
+        if rows:
+            threads = _threads()
+            work = _Workspace(rows, k, 2 * (k // BLOCK), threads)
+            native.library().mesh_int8_matmul(
+                x.data_ptr(),
+                rows,
+                k,
+                self.out_features,
+                self.packed.data_ptr(),
+                self.scales.data_ptr(),
+                out.data_ptr(),
+                work.codes,
+                work.dscale,
+                work.sums,  # block sums: two int32 per block of 32
+                work.acc,
+                threads,
+            )
+        return _finish(out, inputs, self.out_features, self.bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales, self.bias) if t is not None]
+
+
+def _finish(
+    out: torch.Tensor, inputs: torch.Tensor, features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if out.dtype != inputs.dtype:
+        out = out.to(inputs.dtype)
+    if inputs.dim() != 2:
+        out = out.reshape(*inputs.shape[:-1], features)
+    return out if bias is None else out + bias
