@@ -107,6 +107,7 @@ class MeshConfig:
     wire_dtype: str = "f32"
     speculation: str = "none"
     row_invariant: str = "auto"  # mesh-stage join --row-invariant
+    quantised_kernel: str = "auto"  # mesh-stage join --quantised-kernel
     # mesh-stage join --prefix-cache-tokens of stage 0 (None: its default).
     prefix_cache_tokens: int | None = None
 
@@ -114,14 +115,26 @@ class MeshConfig:
     def label(self) -> str:
         spec = "" if self.speculation == "none" else f" spec={self.speculation}"
         arithmetic = "" if self.row_invariant == "auto" else f" row-invariant={self.row_invariant}"
+        if self.quantised_kernel != "auto":
+            arithmetic += f" kernel={self.quantised_kernel}"
         cache = ""
         if self.prefix_cache_tokens is not None:
             cache = f" prefix-cache={self.prefix_cache_tokens or 'off'}"
         plural = "s" if self.stages > 1 else ""
         return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}{cache}"
 
+    @property
+    def setting(self) -> str:
+        """The arithmetic settings a benchmark compares: ``row-invariant/kernel``."""
+        return f"{self.row_invariant}/{self.quantised_kernel}"
+
     def stage_args(self) -> tuple[str, ...]:
-        return ("--row-invariant", self.row_invariant)
+        return (
+            "--row-invariant",
+            self.row_invariant,
+            "--quantised-kernel",
+            self.quantised_kernel,
+        )
 
     def stage0_args(self) -> tuple[str, ...]:
         """``none`` turns speculation off; ``package`` keeps the served default."""
@@ -215,7 +228,11 @@ def running_meshes(
         for index, config in enumerate(configs):
             mesh = MeshProcesses(
                 package,
-                root / f"mesh{index}-{config.stages}st-{config.wire_dtype}-{config.row_invariant}",
+                root
+                / (
+                    f"mesh{index}-{config.stages}st-{config.wire_dtype}-"
+                    f"{config.row_invariant}-{config.quantised_kernel}"
+                ),
                 config.stages,
                 wire_dtype=config.wire_dtype,
                 threads=threads,

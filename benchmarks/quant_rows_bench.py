@@ -146,7 +146,7 @@ def native_candidate(fmt: str, spec: LinearSpec) -> list[Candidate]:
         return []
     if linear is None:
         return []
-    return [Candidate(fmt, "native VNNI (int8 act.)", linear, torch.bfloat16, True)]
+    return [Candidate(fmt, "native VNNI (2x int8 act.)", linear, torch.bfloat16, True)]
 
 
 def int4_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Candidate]:

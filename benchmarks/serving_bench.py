@@ -228,12 +228,12 @@ def alternate(
     max_tokens: int | None,
 ) -> list[dict[str, Any]]:
     """One repeat of every pass on each mesh in turn (the order shifting by repeat),
-    each pass tagged with its mesh's ``row_invariant`` setting."""
+    each pass tagged with its mesh's setting (``row-invariant/kernel``)."""
     passes = []
     for repeat in range(repeats):
         for mesh in rotated(meshes, repeat):
             for result in measure(mesh, workloads, concurrencies, 1, max_tokens):
-                result.update(repeat=repeat, row_invariant=mesh.config.row_invariant)
+                result.update(repeat=repeat, setting=mesh.config.setting)
                 passes.append(result)
     return passes
 
@@ -425,10 +425,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the stages' --row-invariant; several, comma-separated (e.g. off,on), start "
         "one mesh each and measure them in alternating repeats (the price in one run)",
     )
+    parser.add_argument(
+        "--quantised-kernel",
+        default="auto",
+        help="the stages' --quantised-kernel; several, comma-separated (e.g. torch,native), "
+        "as --row-invariant: one mesh each, alternating repeats",
+    )
     args = parser.parse_args(argv)
     args.arithmetic = [m for m in args.row_invariant.split(",") if m]
     if not args.arithmetic or set(args.arithmetic) - {"auto", "on", "off"}:
         parser.error("--row-invariant takes auto, on, off (comma-separated)")
+    args.kernels = [k for k in args.quantised_kernel.split(",") if k]
+    if not args.kernels or set(args.kernels) - {"auto", "native", "torch"}:
+        parser.error("--quantised-kernel takes auto, native, torch (comma-separated)")
     args.concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     if 1 not in args.concurrencies:
         parser.error("--concurrency must include 1: it is the baseline")
@@ -447,8 +456,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown workload(s) {missing}; the file has {sorted(workloads)}")
         workloads = {k: v for k, v in workloads.items() if k in args.workload}
     configs = [
-        MeshConfig(args.stages, args.wire_dtype, args.speculation, mode) for mode in args.arithmetic
+        MeshConfig(args.stages, args.wire_dtype, args.speculation, mode, quantised_kernel=kernel)
+        for mode in args.arithmetic
+        for kernel in args.kernels
     ]
+    settings = [c.setting for c in configs]
     config = configs[0]
     machine = machine_info(args.threads)
     started = time.time()
@@ -467,10 +479,10 @@ def main(argv: list[str] | None = None) -> int:
             passes = alternate(meshes, *plan)
         interruptions = [i for mesh in meshes for i in mesh.interruptions]
     by_mode = {
-        mode: summarize([p for p in passes if p.get("row_invariant", mode) == mode])
-        for mode in args.arithmetic
+        setting: summarize([p for p in passes if p.get("setting", setting) == setting])
+        for setting in settings
     }
-    rows = by_mode[args.arithmetic[0]]
+    rows = by_mode[settings[0]]
     machine["load_average_at_end"] = load_average()
     payload = {
         "benchmark": "serving",
@@ -488,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": round(time.time() - started, 1),
         },
         "summary": rows,
-        "summary_by_row_invariant": by_mode,
+        "summary_by_setting": by_mode,
         "interruptions": interruptions,
         "passes": passes,
     }
@@ -499,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for mode, mode_rows in by_mode.items():
         if len(by_mode) > 1:
-            emit(f"\nrow-invariant {mode}")
+            emit(f"\nrow-invariant/kernel {mode}")
         emit(table(mode_rows))
         emit("")
         emit(resource_table(mode_rows))

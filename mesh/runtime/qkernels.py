@@ -73,8 +73,10 @@ class _Workspace:
     __slots__ = ("buffer", "codes", "dscale", "sums", "acc")
 
     def __init__(self, rows: int, k: int, sum_count: int, threads: int) -> None:
+        # Codes: two parts, each padded to whole 16-row AMX tiles.
+        tiles = -(-rows // 16) * 16
         sizes = (
-            2 * rows * k,
+            2 * tiles * k,
             rows * (k // BLOCK) * 4,
             rows * sum_count * 4,
             threads * 2 * rows * 64,

@@ -170,3 +170,22 @@ def test_cpu_flags_are_read_from_cpuinfo() -> None:
         "avx512_vnni",
     ]
     assert native.missing_cpu_flags("") == list(native.CPU_FLAGS)
+
+
+@pytest.mark.skipif(not native.amx(), reason="AMX tiles are not granted on this CPU")
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_amx_tiles_give_the_vnni_loops_results_bit_for_bit(kind: str) -> None:
+    """Calls switch between AMX and VNNI by row count, so both must agree exactly."""
+    w = weight(200, 128)
+    parts = quant.quantize_int4(w, 64) if kind == "int4" else quant.quantize_int8(w)
+    linear = build_linear(LinearSpec(200, 128, kind, parts=parts), CPU, torch.float32)
+    lib = native.library()
+    try:
+        for rows in (1, 5, 16, 21, 40):
+            x = activations(rows, 128, seed=rows)
+            lib.mesh_set_amx_rows(0)
+            vnni = linear(x)
+            lib.mesh_set_amx_rows(1)
+            assert torch.equal(linear(x), vnni), rows
+    finally:
+        lib.mesh_set_amx_rows(native.AMX_ROWS)

@@ -27,6 +27,7 @@
  * signed bytes, so weights are offset by 128 and 128 * sum_k a_q is taken off per
  * block of a row.
  */
+#define _GNU_SOURCE
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -48,8 +49,11 @@ typedef struct {
     int64_t rows, k, n, group, first, last;
 } Work;
 
+/* Rows of the codes buffer per part: a multiple of the AMX tile's 16 rows. */
+static inline int64_t padded_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
+
 /* Quantise rows*cols float32 activations (cols % 32 == 0) to two int8 codes each
-   (hi in codes[0 .. rows*cols), lo after them), one scale per block of 32; with
+   (hi in the first padded_rows(rows) * cols bytes, lo after them), one scale per block of 32; with
    non-null `sums`, the float32 sum of each group of `group` values in order of k
    (for the int4 min term); with non-null `block_sums`, 128 times the sum of each
    block's hi and of its lo codes (for the int8 offset, [rows, blocks, 2]). */
@@ -71,7 +75,7 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t gr
             __m512i f0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s0, _mm512_cvtepi32_ps(c0)), fine));
             __m512i f1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s1, _mm512_cvtepi32_ps(c1)), fine));
             int8_t *dst = codes + m * cols + b * QBLOCK;
-            int8_t *rest = dst + rows * cols;
+            int8_t *rest = dst + padded_rows(rows) * cols;
             _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(c0));
             _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(c1));
             _mm_storeu_si128((__m128i *)rest, _mm512_cvtsepi32_epi8(f0));
@@ -100,6 +104,7 @@ static void store_block(const Work *w, int64_t b, const float *yacc) {
 
 static void int4_blocks(const Work *w) {
     const int64_t rows = w->rows, k = w->k, steps = k / 8, groups = k / w->group;
+    const int64_t lo_rows = padded_rows(rows);
     const int64_t npad = (w->n + 15) / 16 * 16, qblocks = k / QBLOCK, per_group = w->group / QBLOCK;
     const __m512i nib = _mm512_set1_epi8(0x0F);
     float *yacc = w->acc, *gacc = w->acc + rows * 16;
@@ -119,7 +124,7 @@ static void int4_blocks(const Work *w) {
                 __m512i l3 = _mm512_and_si512(w3, nib), h3 = _mm512_and_si512(_mm512_srli_epi16(w3, 4), nib);
                 for (int64_t m = 0; m < rows; ++m) {
                     const int32_t *a = (const int32_t *)(w->codes + m * k + kb * QBLOCK);
-                    const int32_t *f = (const int32_t *)(w->codes + (rows + m) * k + kb * QBLOCK);
+                    const int32_t *f = (const int32_t *)(w->codes + (lo_rows + m) * k + kb * QBLOCK);
                     __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
                     s = _mm512_dpbusd_epi32(s, l0, _mm512_set1_epi32(a[0]));
                     t = _mm512_dpbusd_epi32(t, l0, _mm512_set1_epi32(f[0]));
@@ -159,6 +164,7 @@ static void int4_blocks(const Work *w) {
 
 static void int8_blocks(const Work *w) {
     const int64_t rows = w->rows, k = w->k, steps = k / 4, qblocks = k / QBLOCK;
+    const int64_t lo_rows = padded_rows(rows);
     float *yacc = w->acc;
     for (int64_t b = w->first; b < w->last; ++b) {
         const uint8_t *wb = w->packed + b * steps * 64;
@@ -171,7 +177,7 @@ static void int8_blocks(const Work *w) {
             __m512i w6 = _mm512_loadu_si512(wp + 384), w7 = _mm512_loadu_si512(wp + 448);
             for (int64_t m = 0; m < rows; ++m) {
                 const int32_t *a = (const int32_t *)(w->codes + m * k + kb * QBLOCK);
-                const int32_t *f = (const int32_t *)(w->codes + (rows + m) * k + kb * QBLOCK);
+                const int32_t *f = (const int32_t *)(w->codes + (lo_rows + m) * k + kb * QBLOCK);
                 __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
                 s = _mm512_dpbusd_epi32(s, w0, _mm512_set1_epi32(a[0]));
                 t = _mm512_dpbusd_epi32(t, w0, _mm512_set1_epi32(f[0]));
@@ -206,8 +212,159 @@ static void int8_blocks(const Work *w) {
     }
 }
 
+#ifdef MESH_AMX
+/* AMX: the same exact integer block sums, 16 rows x 16 outputs x 32 k per
+   instruction, then the same float32 combination in the same order, so a row's
+   result is bit for bit the one the VNNI loops give (calls switch by row count). */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static int amx_state = 0; /* 0 unknown, 1 usable, -1 not */
+
+/* Whether the kernel grants this process AMX tile data (asked once). */
+int mesh_amx_available(void) {
+    if (amx_state == 0)
+        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return amx_state == 1;
+}
+
+/* Tiles: 0, 1 int32 results (hi, lo); 2 weights (8 rows of 4 k x 16 outputs);
+   3, 4 activation codes (hi, lo: 16 rows x 32 k). */
+static void amx_configure(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 2; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    config.rows[2] = 8;
+    config.colsb[2] = 64;
+    for (int t = 3; t < 5; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 32;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* For block kb of one output block, with the weight tile loaded in tile 2: every
+   row tile's two int32 sums, offset (int8) and folded into gacc in order. */
+static void amx_rows(const Work *w, int64_t kb, float *gacc, int offset) {
+    const int64_t rows = w->rows, k = w->k, qblocks = k / QBLOCK, lo_rows = padded_rows(rows);
+    int32_t hi[16][16] __attribute__((aligned(64)));
+    int32_t lo[16][16] __attribute__((aligned(64)));
+    for (int64_t first = 0; first < rows; first += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(3, w->codes + first * k + kb * QBLOCK, k);
+        _tile_loadd(4, w->codes + (lo_rows + first) * k + kb * QBLOCK, k);
+        _tile_dpbsud(0, 3, 2);
+        _tile_dpbsud(1, 4, 2);
+        _tile_stored(0, hi, 64);
+        _tile_stored(1, lo, 64);
+        const int64_t count = rows - first < 16 ? rows - first : 16;
+        for (int64_t r = 0; r < count; ++r) {
+            const int64_t m = first + r;
+            __m512i s = _mm512_load_si512(hi[r]), t = _mm512_load_si512(lo[r]);
+            if (offset) {
+                const int32_t *sums = w->block_sums + (m * qblocks + kb) * 2;
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(sums[0]));
+                t = _mm512_sub_epi32(t, _mm512_set1_epi32(sums[1]));
+            }
+            const float dm = w->dscale[m * qblocks + kb];
+            __m512 ga = _mm512_loadu_ps(gacc + m * 16);
+            ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dm), ga);
+            ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dm / 254.0f), ga);
+            _mm512_storeu_ps(gacc + m * 16, ga);
+        }
+    }
+}
+
+static void int4_blocks_amx(const Work *w) {
+    const int64_t rows = w->rows, k = w->k, steps = k / 8, groups = k / w->group;
+    const int64_t npad = (w->n + 15) / 16 * 16, per_group = w->group / QBLOCK;
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    uint8_t tile[8][64] __attribute__((aligned(64)));
+    float *yacc = w->acc, *gacc = w->acc + rows * 16;
+    amx_configure();
+    for (int64_t b = w->first; b < w->last; ++b) {
+        const uint8_t *wb = w->packed + b * steps * 64;
+        for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
+        for (int64_t g = 0; g < groups; ++g) {
+            for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(gacc + m * 16, _mm512_setzero_ps());
+            for (int64_t qb = 0; qb < per_group; ++qb) {
+                const int64_t kb = g * per_group + qb;
+                const uint8_t *wp = wb + kb * 4 * 64;
+                for (int i = 0; i < 4; ++i) {
+                    __m512i v = _mm512_loadu_si512(wp + 64 * i);
+                    _mm512_store_si512(tile[2 * i], _mm512_and_si512(v, nib));
+                    _mm512_store_si512(tile[2 * i + 1], _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+                }
+                _tile_loadd(2, tile, 64);
+                amx_rows(w, kb, gacc, 0);
+            }
+            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + g * npad + b * 16)));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + g * npad + b * 16)));
+            for (int64_t m = 0; m < rows; ++m) {
+                __m512 ya = _mm512_loadu_ps(yacc + m * 16);
+                ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
+                ya = _mm512_fmadd_ps(mn, _mm512_set1_ps(w->sums[m * groups + g]), ya);
+                _mm512_storeu_ps(yacc + m * 16, ya);
+            }
+        }
+        store_block(w, b, yacc);
+    }
+    _tile_release();
+}
+
+static void int8_blocks_amx(const Work *w) {
+    const int64_t rows = w->rows, k = w->k, steps = k / 4, qblocks = k / QBLOCK;
+    float *yacc = w->acc;
+    amx_configure();
+    for (int64_t b = w->first; b < w->last; ++b) {
+        const uint8_t *wb = w->packed + b * steps * 64;
+        for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
+        for (int64_t kb = 0; kb < qblocks; ++kb) {
+            _tile_loadd(2, wb + kb * 8 * 64, 64);
+            amx_rows(w, kb, yacc, 1);
+        }
+        __m512 sc = _mm512_loadu_ps(w->scales + b * 16);
+        for (int64_t m = 0; m < rows; ++m)
+            _mm512_storeu_ps(yacc + m * 16, _mm512_mul_ps(sc, _mm512_loadu_ps(yacc + m * 16)));
+        store_block(w, b, yacc);
+    }
+    _tile_release();
+}
+#else
+int mesh_amx_available(void) { return 0; }
+#endif
+
+/* Calls of at least this many rows use AMX where it is available (set by the
+   caller, mesh_set_amx_rows; 0 turns AMX off). */
+static int64_t amx_rows_from = 0;
+
+void mesh_set_amx_rows(int64_t rows) { amx_rows_from = rows; }
+
 static void *run_work(void *arg) {
     const Work *w = (const Work *)arg;
+#ifdef MESH_AMX
+    if (amx_rows_from > 0 && w->rows >= amx_rows_from && amx_state == 1) {
+        if (w->int4)
+            int4_blocks_amx(w);
+        else
+            int8_blocks_amx(w);
+        return NULL;
+    }
+#endif
     if (w->int4)
         int4_blocks(w);
     else
@@ -268,7 +425,7 @@ void mesh_pack_int4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *out) {
 }
 
 /* y [rows, n] = x [rows, k] times the int4 weight; scales and mins float16
-   [k / group, n rounded up to 16] (as packages store them). Work buffers: codes int8 [2, rows, k], dscale
+   [k / group, n rounded up to 16] (as packages store them). Work buffers: codes int8 [2, rows rounded up to 16, k], dscale
    [rows, k / 32], sums [rows, k / group], acc [threads, 2, rows, 16] float32. */
 void mesh_int4_matmul(const float *x, int64_t rows, int64_t k, int64_t n, int64_t group,
                       const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
