@@ -81,11 +81,14 @@ WIRE_DTYPES = ("f32", "f16", "bf16", "int8")
 FRAME_TIMING_ITERATIONS = 2000
 
 
-def build_configs(stage_counts: list[int], wire_sweep: bool) -> list[MeshConfig]:
-    """f32 meshes for each stage count, plus 2-stage meshes for the other wire dtypes."""
-    configs = [MeshConfig(stages=n, wire_dtype="f32") for n in stage_counts]
+def build_configs(
+    stage_counts: list[int], wire_sweep: bool, kernel: str = "auto"
+) -> list[MeshConfig]:
+    """f32 meshes for each stage count, plus 2-stage meshes for the other wire dtypes;
+    every stage with ``--quantised-kernel kernel``."""
+    configs = [MeshConfig(n, "f32", quantised_kernel=kernel) for n in stage_counts]
     if wire_sweep:
-        configs += [MeshConfig(stages=2, wire_dtype=w) for w in WIRE_DTYPES if w != "f32"]
+        configs += [MeshConfig(2, w, quantised_kernel=kernel) for w in WIRE_DTYPES if w != "f32"]
     return configs
 
 
@@ -415,6 +418,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--wire-sweep", action="store_true", help="also 2 stages with f16, bf16 and int8"
     )
+    parser.add_argument(
+        "--quantised-kernel",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="the stages' --quantised-kernel (int4/int8 packages)",
+    )
     args = parser.parse_args(argv)
     args.stage_counts = sorted({int(s) for s in args.stages.split(",") if s.strip()})
     if 1 not in args.stage_counts:
@@ -429,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = PackageManifest.load(package)
     workloads = load_workloads(args.workloads or default_workloads_path())
     prompt = pick_prompt(workloads, args.prompt_id)
-    configs = build_configs(args.stage_counts, args.wire_sweep)
+    configs = build_configs(args.stage_counts, args.wire_sweep, args.quantised_kernel)
     machine = machine_info(args.threads)
     started = time.time()
     with running_meshes(

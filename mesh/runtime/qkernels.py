@@ -169,7 +169,7 @@ class NativeInt8Linear:
         out = torch.empty(rows, self.out_features)
         if rows:
             threads = _threads()
-            work = _Workspace(rows, k, 2 * (k // BLOCK), threads)
+            work = _Workspace(rows, k, k // BLOCK, threads)
             native.library().mesh_int8_matmul(
                 x.data_ptr(),
                 rows,
@@ -180,7 +180,7 @@ class NativeInt8Linear:
                 out.data_ptr(),
                 work.codes,
                 work.dscale,
-                work.sums,  # block sums: two int32 per block of 32
+                work.sums,  # block sums: one int32 per block of 32
                 work.acc,
                 threads,
             )

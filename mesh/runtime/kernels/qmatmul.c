@@ -56,7 +56,7 @@ static inline int64_t padded_rows(int64_t rows) { return (rows + 15) / 16 * 16; 
    (hi in the first padded_rows(rows) * cols bytes, lo after them), one scale per block of 32; with
    non-null `sums`, the float32 sum of each group of `group` values in order of k
    (for the int4 min term); with non-null `block_sums`, 128 times the sum of each
-   block's hi and of its lo codes (for the int8 offset, [rows, blocks, 2]). */
+   block's codes, 254 * hi + lo (for the int8 offset, [rows, blocks]). */
 static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t group,
                           int8_t *codes, float *scales, float *sums, int32_t *block_sums) {
     const int64_t blocks = cols / QBLOCK;
@@ -67,7 +67,7 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t gr
             __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
             float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-            scales[m * blocks + b] = mx / 127.0f;
+            scales[m * blocks + b] = mx / 127.0f / 254.0f;
             __m512 vinv = _mm512_set1_ps(inv), fine = _mm512_set1_ps(254.0f);
             /* First and second 16 values of the block: coarse codes, then the rest. */
             __m512 s0 = _mm512_mul_ps(lo, vinv), s1 = _mm512_mul_ps(hi, vinv);
@@ -81,8 +81,9 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t gr
             _mm_storeu_si128((__m128i *)rest, _mm512_cvtsepi32_epi8(f0));
             _mm_storeu_si128((__m128i *)(rest + 16), _mm512_cvtsepi32_epi8(f1));
             if (block_sums) {
-                block_sums[(m * blocks + b) * 2] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
-                block_sums[(m * blocks + b) * 2 + 1] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(f0, f1));
+                const int32_t coarse = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+                const int32_t rest_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(f0, f1));
+                block_sums[m * blocks + b] = 128 * (254 * coarse + rest_sum);
             }
         }
         if (sums) {
@@ -93,6 +94,15 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t gr
             }
         }
     }
+}
+
+/* A block of 32 k against 16 outputs, from its two exact sums: 254 * hi + lo
+   (exact in int32), less the int8 weights' offset, times d / 254 (dscale), added to
+   acc. Every path folds a block this way, so they agree bit for bit. */
+static inline __m512 fold(__m512i hi, __m512i lo, int32_t offset, float scale, __m512 acc) {
+    __m512i value = _mm512_add_epi32(_mm512_mullo_epi32(hi, _mm512_set1_epi32(254)), lo);
+    value = _mm512_sub_epi32(value, _mm512_set1_epi32(offset));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(value), _mm512_set1_ps(scale), acc);
 }
 
 static void store_block(const Work *w, int64_t b, const float *yacc) {
@@ -142,10 +152,8 @@ static void int4_blocks(const Work *w) {
                     t = _mm512_dpbusd_epi32(t, l3, _mm512_set1_epi32(f[6]));
                     s = _mm512_dpbusd_epi32(s, h3, _mm512_set1_epi32(a[7]));
                     t = _mm512_dpbusd_epi32(t, h3, _mm512_set1_epi32(f[7]));
-                    const float dm = w->dscale[m * qblocks + kb];
                     __m512 ga = _mm512_loadu_ps(gacc + m * 16);
-                    ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dm), ga);
-                    ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dm / 254.0f), ga);
+                    ga = fold(s, t, 0, w->dscale[m * qblocks + kb], ga);
                     _mm512_storeu_ps(gacc + m * 16, ga);
                 }
             }
@@ -195,13 +203,9 @@ static void int8_blocks(const Work *w) {
                 t = _mm512_dpbusd_epi32(t, w6, _mm512_set1_epi32(f[6]));
                 s = _mm512_dpbusd_epi32(s, w7, _mm512_set1_epi32(a[7]));
                 t = _mm512_dpbusd_epi32(t, w7, _mm512_set1_epi32(f[7]));
-                const int32_t *offset = w->block_sums + (m * qblocks + kb) * 2;
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset[0]));
-                t = _mm512_sub_epi32(t, _mm512_set1_epi32(offset[1]));
-                const float dm = w->dscale[m * qblocks + kb];
+                const int64_t at = m * qblocks + kb;
                 __m512 ya = _mm512_loadu_ps(yacc + m * 16);
-                ya = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dm), ya);
-                ya = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dm / 254.0f), ya);
+                ya = fold(s, t, w->block_sums[at], w->dscale[at], ya);
                 _mm512_storeu_ps(yacc + m * 16, ya);
             }
         }
@@ -274,16 +278,10 @@ static void amx_rows(const Work *w, int64_t kb, float *gacc, int offset) {
         const int64_t count = rows - first < 16 ? rows - first : 16;
         for (int64_t r = 0; r < count; ++r) {
             const int64_t m = first + r;
-            __m512i s = _mm512_load_si512(hi[r]), t = _mm512_load_si512(lo[r]);
-            if (offset) {
-                const int32_t *sums = w->block_sums + (m * qblocks + kb) * 2;
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(sums[0]));
-                t = _mm512_sub_epi32(t, _mm512_set1_epi32(sums[1]));
-            }
-            const float dm = w->dscale[m * qblocks + kb];
+            const int64_t at = m * qblocks + kb;
             __m512 ga = _mm512_loadu_ps(gacc + m * 16);
-            ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dm), ga);
-            ga = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dm / 254.0f), ga);
+            ga = fold(_mm512_load_si512(hi[r]), _mm512_load_si512(lo[r]),
+                      offset ? w->block_sums[at] : 0, w->dscale[at], ga);
             _mm512_storeu_ps(gacc + m * 16, ga);
         }
     }
@@ -453,8 +451,8 @@ void mesh_pack_int8(const int8_t *weight, int64_t n, int64_t k, uint8_t *out) {
 }
 
 /* y [rows, n] = x [rows, k] times the int8 weight with float32 scales [n rounded up
-   to 16]. Work buffers as mesh_int4_matmul, with block_sums int32 [rows, k / 32, 2]
-   in place of sums. */
+   to 16]. Work buffers as mesh_int4_matmul, with block_sums int32 [rows, k / 32] in
+   place of sums. */
 void mesh_int8_matmul(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *packed,
                       const float *scales, float *y, int8_t *codes, float *dscale,
                       int32_t *block_sums, float *acc, int threads) {
