@@ -116,6 +116,8 @@ class NativeInt4Linear:
         self.mins[:, :n] = parts["mins"].to(torch.float16).t()
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
+    # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
+    @torch.compiler.disable
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         x = flat.to(torch.float32).contiguous()
@@ -162,6 +164,8 @@ class NativeInt8Linear:
         self.scales[:n] = parts["scales"].to(torch.float32).reshape(-1)
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
+    # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
+    @torch.compiler.disable
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
         x = flat.to(torch.float32).contiguous()

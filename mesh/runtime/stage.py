@@ -27,6 +27,7 @@ from mesh.runtime.block import (
     run_block_segments,
 )
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
+from mesh.runtime.qkernels import NativeInt4Linear, NativeInt8Linear
 from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import SessionCache, SessionTable, kv_layout, token_limit
 from mesh.runtime.skeleton import StageModules, resolve_dtype
@@ -34,6 +35,7 @@ from mesh.runtime.spans import BatchOutput, Span
 from mesh.types import LayerRange, SamplingParams
 
 logger = logging.getLogger(__name__)
+NATIVE_LINEARS = (NativeInt4Linear, NativeInt8Linear)
 
 
 class StageRuntime:
@@ -545,6 +547,21 @@ class StageRuntime:
         fails (no C++ compiler, an operator it cannot take, ...) the runtime logs why
         and goes on eagerly; no frame is lost to it.
         """
+        native = [
+            linear
+            for block in self._blocks
+            for linear in block.linears()
+            if isinstance(linear, NATIVE_LINEARS)
+        ]
+        if native:
+            # A compiled step would call the kernels between graphs, and torch.compile
+            # then wrote stale keys into the cache (tested): decode steps stay eager.
+            logger.warning(
+                "--compile is not used with the stage's own quantised kernels (%d "
+                "linears); decode steps run eagerly (--quantised-kernel torch compiles)",
+                len(native),
+            )
+            return
         for block in self._blocks:
             block.unpack()
         # A copy of the function's code: the compiler keeps its compiled versions (and

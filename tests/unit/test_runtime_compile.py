@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mesh.runtime import load_stage_runtime
+from mesh.runtime import load_stage_runtime, native, qkernels
 from mesh.runtime import stage as stage_module
 from mesh.types import LayerRange
 
@@ -31,9 +31,11 @@ def decode(runtime, session: str = "s") -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("quant", ["int4", None])
 def test_compiled_decode_follows_eager(
-    tiny_package_factory: Callable[..., Path], quant: str | None
+    tiny_package_factory: Callable[..., Path], quant: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int4 weights, and dense ones (held packed for oneDNN until compiling)."""
+    """int4 weights on torch's kernels, and dense ones (held packed for oneDNN until
+    compiling)."""
+    monkeypatch.setattr(qkernels, "MODE", "torch")
     package = tiny_package_factory("qwen2", layers=3, quant=quant)
     eager = load_stage_runtime(package, LayerRange(0, 3))
     compiled = load_stage_runtime(package, LayerRange(0, 3), compile=True)
@@ -75,7 +77,10 @@ def test_failed_compilation_falls_back_to_eager(
         assert torch.equal(a, b)
 
 
-def test_a_later_stage_compiles_while_loading(tiny_package_factory: Callable[..., Path]) -> None:
+def test_a_later_stage_compiles_while_loading(
+    tiny_package_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(qkernels, "MODE", "torch")
     package = tiny_package_factory("llama", layers=3, quant="int4")
     runtime = load_stage_runtime(package, LayerRange(1, 3), compile=True)
     assert runtime.compiled
@@ -83,3 +88,17 @@ def test_a_later_stage_compiles_while_loading(tiny_package_factory: Callable[...
     hidden = torch.randn(4, 64)
     eager = load_stage_runtime(package, LayerRange(1, 3))
     assert torch.equal(runtime.forward("a", 0, hidden), eager.forward("a", 0, hidden))
+
+
+@pytest.mark.skipif(native.library() is None, reason="no native quantised kernels here")
+def test_compile_leaves_the_native_kernels_eager(
+    tiny_package_factory: Callable[..., Path],
+) -> None:
+    """With the stage's own int4 kernels, --compile is declined (logged) and decode
+    steps give exactly the eager runtime's logits."""
+    package = tiny_package_factory("qwen2", layers=3, quant="int4")
+    eager = load_stage_runtime(package, LayerRange(0, 3))
+    compiled = load_stage_runtime(package, LayerRange(0, 3), compile=True)
+    assert not compiled.compiled
+    for a, b in zip(decode(eager), decode(compiled), strict=True):
+        assert torch.equal(a, b)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package.builder import build_package
 from mesh.package.manifest import PackageManifest, layer_path
-from mesh.runtime import StateDictWeights, build_stage_runtime, load_stage_runtime
+from mesh.runtime import StateDictWeights, build_stage_runtime, load_stage_runtime, qkernels
 from mesh.runtime.block import check_structure
 from mesh.runtime.skeleton import build_stage_modules
 from mesh.types import LayerRange
@@ -162,9 +162,13 @@ def test_a_sparse_layer_of_another_shape_is_refused() -> None:
         check_structure(model.model.layers[0], 0)
 
 
-def test_compiled_decode_steps_follow_eager(tiny_package_factory: Callable[..., Path]) -> None:
-    """``--compile``: the routing's host read splits the compiled layer function,
+def test_compiled_decode_steps_follow_eager(
+    tiny_package_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--compile`` (int4 experts on torch's kernels: the stage's own kernels are
+    not compiled): the routing's host read splits the compiled layer function,
     which still runs every decode step (no fall back to eager)."""
+    monkeypatch.setattr(qkernels, "MODE", "torch")
     package = tiny_package_factory("qwen3_moe", layers=4, quant="int4")
     eager = load_stage_runtime(package, LayerRange(0, 4))
     compiled = load_stage_runtime(package, LayerRange(0, 4), compile=True)
