@@ -80,7 +80,10 @@ def test_the_status_json_describes_the_mesh_after_requests(mesh: MeshProcesses, 
         # Each stage's figures come with its heartbeat, once a second.
         body = status(mesh).json()
         settled = all(
-            s["prefix_bytes"] > 0 and s["kv_bytes"] == 0 and s["sessions"] == 0
+            s["prefix_bytes"] > 0
+            and s["kv_bytes"] == 0
+            and s["sessions"] == 0
+            and s["state"] == "serving"  # a stage's own state also comes by heartbeat
             for s in body["stages"]
         )
         return body if settled else None
