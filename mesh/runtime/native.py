@@ -52,11 +52,12 @@ AMX_ROWS = 12
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_C = ctypes.c_int
 _SIGNATURES = {
     "mesh_pack_int4": [_P, _I, _I, _P],
-    "mesh_int4_matmul": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int],
+    "mesh_int4_matmul": [_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _C],
     "mesh_pack_int8": [_P, _I, _I, _P],
-    "mesh_int8_matmul": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int],
+    "mesh_int8_matmul": [_P, _C, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C],
     "mesh_set_amx_rows": [_I],
     "mesh_amx_available": [],
 }

@@ -19,6 +19,7 @@ where they build and run, ``native`` requires them (loading fails otherwise),
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,9 +69,12 @@ def _aligned(count: int) -> int:
 
 
 class _Workspace:
-    """One call's buffers, cut out of one allocation."""
+    """One call's buffers, cut out of one allocation kept per thread (and grown as
+    calls need), so a call allocates nothing but its output."""
 
-    __slots__ = ("buffer", "codes", "dscale", "sums", "acc")
+    __slots__ = ("codes", "dscale", "sums", "acc")
+
+    _held = threading.local()
 
     def __init__(self, rows: int, k: int, sum_count: int, threads: int) -> None:
         # Codes: two parts, each padded to whole 16-row AMX tiles.
@@ -81,14 +85,28 @@ class _Workspace:
             rows * sum_count * 4,
             threads * 2 * rows * 64,
         )
-        self.buffer = torch.empty(sum(_aligned(size) for size in sizes) + _ALIGN, dtype=torch.uint8)
-        base = self.buffer.data_ptr()
+        need = sum(_aligned(size) for size in sizes) + _ALIGN
+        buffer = getattr(self._held, "buffer", None)
+        if buffer is None or buffer.numel() < need:
+            buffer = torch.empty(need, dtype=torch.uint8)
+            self._held.buffer = buffer
+        base = buffer.data_ptr()
         offset = (-base) % _ALIGN
         pointers = []
         for size in sizes:
             pointers.append(base + offset)
             offset += _aligned(size)
         self.codes, self.dscale, self.sums, self.acc = pointers
+
+
+def _operands(inputs: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernel's input (float32 or bfloat16, rows contiguous), an output of the
+    same dtype, and whether that is bfloat16."""
+    flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
+    if flat.dtype not in (torch.float32, torch.bfloat16):
+        flat = flat.to(torch.float32)
+    x = flat.contiguous()
+    return x, torch.empty(x.shape[0], features, dtype=x.dtype), x.dtype == torch.bfloat16
 
 
 def _threads() -> int:
@@ -109,25 +127,23 @@ class NativeInt4Linear:
         self.in_features, self.out_features = k, n
         self.packed = torch.empty(_padded(n) * k // 2, dtype=torch.uint8)
         native.library().mesh_pack_int4(codes.data_ptr(), n, k, self.packed.data_ptr())
-        # float16, as packages store them (the kernel widens them exactly).
-        self.scales = torch.zeros(groups, _padded(n), dtype=torch.float16)
-        self.scales[:, :n] = parts["scales"].to(torch.float16).t()
-        self.mins = torch.zeros(groups, _padded(n), dtype=torch.float16)
-        self.mins[:, :n] = parts["mins"].to(torch.float16).t()
+        # float16, as packages store them (the kernel widens them exactly), each
+        # block of 16 outputs' groups together: [N / 16, groups, 16].
+        self.scales = _by_output_block(parts["scales"], n)
+        self.mins = _by_output_block(parts["mins"], n)
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
     # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
     @torch.compiler.disable
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
-        x = flat.to(torch.float32).contiguous()
+        x, out, bf16 = _operands(inputs, self.out_features)
         rows, k = x.shape
-        out = torch.empty(rows, self.out_features)
         if rows:
             threads = _threads()
             work = _Workspace(rows, k, k // self.group, threads)
             native.library().mesh_int4_matmul(
                 x.data_ptr(),
+                bf16,
                 rows,
                 k,
                 self.out_features,
@@ -167,15 +183,14 @@ class NativeInt8Linear:
     # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
     @torch.compiler.disable
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        flat = inputs if inputs.dim() == 2 else inputs.reshape(-1, inputs.shape[-1])
-        x = flat.to(torch.float32).contiguous()
+        x, out, bf16 = _operands(inputs, self.out_features)
         rows, k = x.shape
-        out = torch.empty(rows, self.out_features)
         if rows:
             threads = _threads()
             work = _Workspace(rows, k, k // BLOCK, threads)
             native.library().mesh_int8_matmul(
                 x.data_ptr(),
+                bf16,
                 rows,
                 k,
                 self.out_features,
@@ -192,6 +207,15 @@ class NativeInt8Linear:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales, self.bias) if t is not None]
+
+
+def _by_output_block(values: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-group values ``[N, groups]`` as float16 ``[N / 16, groups, 16]`` (outputs
+    padded to 16 with zeros)."""
+    groups = values.shape[1]
+    padded = torch.zeros(_padded(n), groups, dtype=torch.float16)
+    padded[:n] = values.to(torch.float16)
+    return padded.view(-1, 16, groups).transpose(1, 2).contiguous()
 
 
 def _finish(

@@ -189,3 +189,18 @@ def test_amx_tiles_give_the_vnni_loops_results_bit_for_bit(kind: str) -> None:
             assert torch.equal(linear(x), vnni), rows
     finally:
         lib.mesh_set_amx_rows(native.AMX_ROWS)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_bfloat16_in_and_out_equal_the_float32_call_rounded(kind: str) -> None:
+    """bfloat16 activations are read and results written by the kernel itself: the
+    same bits as a float32 call rounded to nearest even by torch."""
+    w = weight(80, 96)
+    parts = quant.quantize_int4(w, 32) if kind == "int4" else quant.quantize_int8(w)
+    linear = build_linear(LinearSpec(80, 96, kind, parts=parts), CPU, torch.bfloat16)
+    x = activations(11, 96).to(torch.bfloat16)
+    got = linear(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, linear(x.to(torch.float32)).to(torch.bfloat16))
+    half = linear(x.to(torch.float16))  # other dtypes go through float32
+    assert half.dtype == torch.float16

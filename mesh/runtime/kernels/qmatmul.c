@@ -45,9 +45,36 @@ typedef struct {
     const float *scales, *sums, *dscale;
     const uint16_t *half_scales, *half_mins;
     const int8_t *codes;
-    float *y, *acc;
+    void *y; /* float32, or bfloat16 with bf16 set */
+    float *acc;
     int64_t rows, k, n, group, first, last;
+    int bf16;
 } Work;
+
+/* 16 activations as float32, from float32 or bfloat16 (exact). */
+static inline __m512 load16(const void *x, int bf16, int64_t index) {
+    if (!bf16) return _mm512_loadu_ps((const float *)x + index);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + index));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+static inline float load1(const void *x, int bf16, int64_t index) {
+    if (!bf16) return ((const float *)x)[index];
+    uint32_t bits = (uint32_t)((const uint16_t *)x)[index] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* float32 to bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
+static inline __m256i to_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
 
 /* Rows of the codes buffer per part: a multiple of the AMX tile's 16 rows. */
 static inline int64_t padded_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
@@ -57,14 +84,13 @@ static inline int64_t padded_rows(int64_t rows) { return (rows + 15) / 16 * 16; 
    non-null `sums`, the float32 sum of each group of `group` values in order of k
    (for the int4 min term); with non-null `block_sums`, 128 times the sum of each
    block's codes, 254 * hi + lo (for the int8 offset, [rows, blocks]). */
-static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t group,
+static void quantise_rows(const void *x, int bf16, int64_t rows, int64_t cols, int64_t group,
                           int8_t *codes, float *scales, float *sums, int32_t *block_sums) {
     const int64_t blocks = cols / QBLOCK;
     for (int64_t m = 0; m < rows; ++m) {
-        const float *row = x + m * cols;
+        const int64_t row = m * cols;
         for (int64_t b = 0; b < blocks; ++b) {
-            const float *v = row + b * QBLOCK;
-            __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+            __m512 lo = load16(x, bf16, row + b * QBLOCK), hi = load16(x, bf16, row + b * QBLOCK + 16);
             float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
             scales[m * blocks + b] = mx / 127.0f / 254.0f;
@@ -89,7 +115,7 @@ static void quantise_rows(const float *x, int64_t rows, int64_t cols, int64_t gr
         if (sums) {
             for (int64_t g = 0; g < cols / group; ++g) {
                 float s = 0.0f;
-                for (int64_t i = 0; i < group; ++i) s += row[g * group + i];
+                for (int64_t i = 0; i < group; ++i) s += load1(x, bf16, row + g * group + i);
                 sums[m * (cols / group) + g] = s;
             }
         }
@@ -108,14 +134,20 @@ static inline __m512 fold(__m512i hi, __m512i lo, int32_t offset, float scale, _
 static void store_block(const Work *w, int64_t b, const float *yacc) {
     const int64_t cols = w->n - b * 16 < 16 ? w->n - b * 16 : 16;
     const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
-    for (int64_t m = 0; m < w->rows; ++m)
-        _mm512_mask_storeu_ps(w->y + m * w->n + b * 16, keep, _mm512_loadu_ps(yacc + m * 16));
+    for (int64_t m = 0; m < w->rows; ++m) {
+        const int64_t at = m * w->n + b * 16;
+        __m512 v = _mm512_loadu_ps(yacc + m * 16);
+        if (w->bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)w->y + at, keep, to_bf16(v));
+        else
+            _mm512_mask_storeu_ps((float *)w->y + at, keep, v);
+    }
 }
 
 static void int4_blocks(const Work *w) {
     const int64_t rows = w->rows, k = w->k, steps = k / 8, groups = k / w->group;
     const int64_t lo_rows = padded_rows(rows);
-    const int64_t npad = (w->n + 15) / 16 * 16, qblocks = k / QBLOCK, per_group = w->group / QBLOCK;
+    const int64_t qblocks = k / QBLOCK, per_group = w->group / QBLOCK;
     const __m512i nib = _mm512_set1_epi8(0x0F);
     float *yacc = w->acc, *gacc = w->acc + rows * 16;
     for (int64_t b = w->first; b < w->last; ++b) {
@@ -157,8 +189,8 @@ static void int4_blocks(const Work *w) {
                     _mm512_storeu_ps(gacc + m * 16, ga);
                 }
             }
-            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + g * npad + b * 16)));
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + g * npad + b * 16)));
+            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + (b * groups + g) * 16)));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + (b * groups + g) * 16)));
             for (int64_t m = 0; m < rows; ++m) {
                 __m512 ya = _mm512_loadu_ps(yacc + m * 16);
                 ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
@@ -289,7 +321,7 @@ static void amx_rows(const Work *w, int64_t kb, float *gacc, int offset) {
 
 static void int4_blocks_amx(const Work *w) {
     const int64_t rows = w->rows, k = w->k, steps = k / 8, groups = k / w->group;
-    const int64_t npad = (w->n + 15) / 16 * 16, per_group = w->group / QBLOCK;
+    const int64_t per_group = w->group / QBLOCK;
     const __m512i nib = _mm512_set1_epi8(0x0F);
     uint8_t tile[8][64] __attribute__((aligned(64)));
     float *yacc = w->acc, *gacc = w->acc + rows * 16;
@@ -310,8 +342,8 @@ static void int4_blocks_amx(const Work *w) {
                 _tile_loadd(2, tile, 64);
                 amx_rows(w, kb, gacc, 0);
             }
-            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + g * npad + b * 16)));
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + g * npad + b * 16)));
+            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + (b * groups + g) * 16)));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + (b * groups + g) * 16)));
             for (int64_t m = 0; m < rows; ++m) {
                 __m512 ya = _mm512_loadu_ps(yacc + m * 16);
                 ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
@@ -422,15 +454,19 @@ void mesh_pack_int4(const uint8_t *codes, int64_t n, int64_t k, uint8_t *out) {
         }
 }
 
-/* y [rows, n] = x [rows, k] times the int4 weight; scales and mins float16
-   [k / group, n rounded up to 16] (as packages store them). Work buffers: codes int8 [2, rows rounded up to 16, k], dscale
-   [rows, k / 32], sums [rows, k / group], acc [threads, 2, rows, 16] float32. */
-void mesh_int4_matmul(const float *x, int64_t rows, int64_t k, int64_t n, int64_t group,
+/* y [rows, n] = x [rows, k] times the int4 weight; scales and mins float16 (as
+   packages store them) [n rounded up to 16 / 16, k / group, 16]: an output block's
+   scales together, read in order (a [groups, n] layout strided them by n). x and y
+   are float32, or bfloat16 with bf16 set (y rounded to nearest even). Work buffers:
+   codes int8 [2, rows rounded up to 16, k], dscale [rows, k / 32], sums [rows, k /
+   group], acc [threads, 2, rows, 16] float32. */
+void mesh_int4_matmul(const void *x, int bf16, int64_t rows, int64_t k, int64_t n, int64_t group,
                       const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
-                      float *y, int8_t *codes, float *dscale, float *sums, float *acc,
+                      void *y, int8_t *codes, float *dscale, float *sums, float *acc,
                       int threads) {
-    quantise_rows(x, rows, k, group, codes, dscale, sums, NULL);
-    Work w = {1, packed, NULL, NULL, sums, dscale, scales, mins, codes, y, acc, rows, k, n, group, 0, 0};
+    quantise_rows(x, bf16, rows, k, group, codes, dscale, sums, NULL);
+    Work w = {1, packed, NULL, NULL, sums, dscale, scales, mins, codes, y, acc,
+              rows, k, n, group, 0, 0, bf16};
     run_split(w, threads);
 }
 
@@ -453,10 +489,11 @@ void mesh_pack_int8(const int8_t *weight, int64_t n, int64_t k, uint8_t *out) {
 /* y [rows, n] = x [rows, k] times the int8 weight with float32 scales [n rounded up
    to 16]. Work buffers as mesh_int4_matmul, with block_sums int32 [rows, k / 32] in
    place of sums. */
-void mesh_int8_matmul(const float *x, int64_t rows, int64_t k, int64_t n, const uint8_t *packed,
-                      const float *scales, float *y, int8_t *codes, float *dscale,
-                      int32_t *block_sums, float *acc, int threads) {
-    quantise_rows(x, rows, k, k, codes, dscale, NULL, block_sums);
-    Work w = {0, packed, block_sums, scales, NULL, dscale, NULL, NULL, codes, y, acc, rows, k, n, k, 0, 0};
+void mesh_int8_matmul(const void *x, int bf16, int64_t rows, int64_t k, int64_t n,
+                      const uint8_t *packed, const float *scales, void *y, int8_t *codes,
+                      float *dscale, int32_t *block_sums, float *acc, int threads) {
+    quantise_rows(x, bf16, rows, k, k, codes, dscale, NULL, block_sums);
+    Work w = {0, packed, block_sums, scales, NULL, dscale, NULL, NULL, codes, y, acc,
+              rows, k, n, k, 0, 0, bf16};
     run_split(w, threads);
 }
