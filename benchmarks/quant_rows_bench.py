@@ -17,8 +17,9 @@ a repeat; the figure is the median over repeats of the per-call time. Candidates
   ``torch._int_mm``, and fbgemm's ``quantized::linear_dynamic`` (one activation
   scale per call);
 - int4 and int8 on the stage's own kernels (``NativeInt4Linear``,
-  ``NativeInt8Linear``, mesh/runtime/qkernels.py; int8 activations per block of 32,
-  VNNI dot products), where this machine can build and run them.
+  ``NativeInt8Linear``, mesh/runtime/qkernels.py; activations in two int8 parts per
+  block of 32, VNNI dot products, AMX tiles from ``native.AMX_ROWS`` rows), and the
+  same with AMX off, where this machine can build and run them.
 
 For every candidate the script also reports the largest error against the float32
 product of the same (bfloat16-rounded) activations and dequantised weight, relative
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh import quant
-from mesh.runtime import qkernels
+from mesh.runtime import native, qkernels
 from mesh.runtime.linear import (
     Int4Linear,
     Int8Linear,
@@ -146,7 +147,19 @@ def native_candidate(fmt: str, spec: LinearSpec) -> list[Candidate]:
         return []
     if linear is None:
         return []
-    return [Candidate(fmt, "native VNNI (2x int8 act.)", linear, torch.bfloat16, True)]
+    found = [Candidate(fmt, "native (2x int8 act.)", linear, torch.bfloat16, True)]
+    if native.amx():
+
+        def vnni_only(x: torch.Tensor) -> torch.Tensor:
+            lib = native.library()
+            lib.mesh_set_amx_rows(0)
+            try:
+                return linear(x)
+            finally:
+                lib.mesh_set_amx_rows(native.AMX_ROWS)
+
+        found.append(Candidate(fmt, "native, VNNI only", vnni_only, torch.bfloat16, True))
+    return found
 
 
 def int4_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Candidate]:
