@@ -125,8 +125,8 @@ class MeshConfig:
 
     @property
     def setting(self) -> str:
-        """The arithmetic settings a benchmark compares: ``row-invariant/kernel``."""
-        return f"{self.row_invariant}/{self.quantised_kernel}"
+        """The settings a benchmark compares: ``speculation/row-invariant/kernel``."""
+        return f"{self.speculation}/{self.row_invariant}/{self.quantised_kernel}"
 
     def stage_args(self) -> tuple[str, ...]:
         return (

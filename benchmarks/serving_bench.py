@@ -228,7 +228,7 @@ def alternate(
     max_tokens: int | None,
 ) -> list[dict[str, Any]]:
     """One repeat of every pass on each mesh in turn (the order shifting by repeat),
-    each pass tagged with its mesh's setting (``row-invariant/kernel``)."""
+    each pass tagged with its mesh's setting (``MeshConfig.setting``)."""
     passes = []
     for repeat in range(repeats):
         for mesh in rotated(meshes, repeat):
@@ -415,9 +415,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--speculation",
-        choices=("none", "package"),
         default="none",
-        help="none: plain decode; package: the speculation the package declares",
+        help="none: plain decode; package: the speculation the package declares; both "
+        "(none,package): one mesh each, alternating repeats",
     )
     parser.add_argument(
         "--row-invariant",
@@ -435,6 +435,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.arithmetic = [m for m in args.row_invariant.split(",") if m]
     if not args.arithmetic or set(args.arithmetic) - {"auto", "on", "off"}:
         parser.error("--row-invariant takes auto, on, off (comma-separated)")
+    args.speculations = [m for m in args.speculation.split(",") if m]
+    if not args.speculations or set(args.speculations) - {"none", "package"}:
+        parser.error("--speculation takes none, package (comma-separated)")
     args.kernels = [k for k in args.quantised_kernel.split(",") if k]
     if not args.kernels or set(args.kernels) - {"auto", "native", "torch"}:
         parser.error("--quantised-kernel takes auto, native, torch (comma-separated)")
@@ -456,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown workload(s) {missing}; the file has {sorted(workloads)}")
         workloads = {k: v for k, v in workloads.items() if k in args.workload}
     configs = [
-        MeshConfig(args.stages, args.wire_dtype, args.speculation, mode, quantised_kernel=kernel)
+        MeshConfig(args.stages, args.wire_dtype, spec, mode, quantised_kernel=kernel)
+        for spec in args.speculations
         for mode in args.arithmetic
         for kernel in args.kernels
     ]
@@ -511,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for mode, mode_rows in by_mode.items():
         if len(by_mode) > 1:
-            emit(f"\nrow-invariant/kernel {mode}")
+            emit(f"\nspeculation/row-invariant/kernel {mode}")
         emit(table(mode_rows))
         emit("")
         emit(resource_table(mode_rows))
