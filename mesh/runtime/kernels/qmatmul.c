@@ -131,6 +131,20 @@ static inline __m512 fold(__m512i hi, __m512i lo, int32_t offset, float scale, _
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(value), _mm512_set1_ps(scale), acc);
 }
 
+/* Group g of output block b into every row's outputs: scale * (the group's folded
+   blocks, gacc) + min * (the group's activation sum). */
+static void add_group(const Work *w, int64_t b, int64_t g, const float *gacc, float *yacc) {
+    const int64_t groups = w->k / w->group, at = (b * groups + g) * 16;
+    __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + at)));
+    __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + at)));
+    for (int64_t m = 0; m < w->rows; ++m) {
+        __m512 ya = _mm512_loadu_ps(yacc + m * 16);
+        ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
+        ya = _mm512_fmadd_ps(mn, _mm512_set1_ps(w->sums[m * groups + g]), ya);
+        _mm512_storeu_ps(yacc + m * 16, ya);
+    }
+}
+
 static void store_block(const Work *w, int64_t b, const float *yacc) {
     const int64_t cols = w->n - b * 16 < 16 ? w->n - b * 16 : 16;
     const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
@@ -189,14 +203,7 @@ static void int4_blocks(const Work *w) {
                     _mm512_storeu_ps(gacc + m * 16, ga);
                 }
             }
-            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + (b * groups + g) * 16)));
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + (b * groups + g) * 16)));
-            for (int64_t m = 0; m < rows; ++m) {
-                __m512 ya = _mm512_loadu_ps(yacc + m * 16);
-                ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
-                ya = _mm512_fmadd_ps(mn, _mm512_set1_ps(w->sums[m * groups + g]), ya);
-                _mm512_storeu_ps(yacc + m * 16, ya);
-            }
+            add_group(w, b, g, gacc, yacc);
         }
         store_block(w, b, yacc);
     }
@@ -342,14 +349,7 @@ static void int4_blocks_amx(const Work *w) {
                 _tile_loadd(2, tile, 64);
                 amx_rows(w, kb, gacc, 0);
             }
-            __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_scales + (b * groups + g) * 16)));
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->half_mins + (b * groups + g) * 16)));
-            for (int64_t m = 0; m < rows; ++m) {
-                __m512 ya = _mm512_loadu_ps(yacc + m * 16);
-                ya = _mm512_fmadd_ps(sc, _mm512_loadu_ps(gacc + m * 16), ya);
-                ya = _mm512_fmadd_ps(mn, _mm512_set1_ps(w->sums[m * groups + g]), ya);
-                _mm512_storeu_ps(yacc + m * 16, ya);
-            }
+            add_group(w, b, g, gacc, yacc);
         }
         store_block(w, b, yacc);
     }
