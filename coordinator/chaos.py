@@ -204,7 +204,9 @@ class ChaosRun:
                 record.errors.append(outcome.error)
             if verdict == "corrupted":
                 self.mismatches.append((self.specs[index], self.expected[index], outcome))
-        record.failover, record.recovery_s = watcher.result()
+        # A killed stage always ends its term, but the streams may all end before the
+        # coordinator misses its heartbeats: wait for that failover.
+        record.failover, record.recovery_s = watcher.result(expected=fault.kind == "kill")
         self._restore(fault)
         self.records.append(record)
         return record
@@ -273,11 +275,12 @@ class _RecoveryWatch:
                     return
             time.sleep(0.1)
 
-    def result(self, settle_s: float = 180.0) -> tuple[bool, float | None]:
-        """(failover, seconds to serving again); waits for a failover in progress."""
+    def result(self, settle_s: float = 180.0, expected: bool = False) -> tuple[bool, float | None]:
+        """(failover, seconds to serving again); waits for a failover in progress, or
+        for one that is ``expected`` (a killed stage)."""
         status = _try_status(self.mesh)
         in_progress = status is None or status.state != "serving"
-        if in_progress:
+        if in_progress or expected:
             self._thread.join(settle_s)
         self._done.set()
         self._thread.join(5)
