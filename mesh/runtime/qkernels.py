@@ -21,6 +21,7 @@ where they build and run, ``native`` requires them (loading fails otherwise),
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,7 +115,28 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-class NativeInt4Linear:
+class _NativeLinear(ABC):
+    """What both native linears share: a call converts the activations, runs the
+    kernel (``_multiply``) into a new output, and adds the bias."""
+
+    __slots__ = ()
+    out_features: int
+    bias: torch.Tensor | None
+
+    # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
+    @torch.compiler.disable
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        x, out, bf16 = _operands(inputs, self.out_features)
+        if x.shape[0]:
+            self._multiply(x, out, bf16, _threads())
+        return _finish(out, inputs, self.out_features, self.bias)
+
+    @abstractmethod
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor, bf16: bool, threads: int) -> None:
+        """``out`` = ``x`` times the weight, on this linear's kernel."""
+
+
+class NativeInt4Linear(_NativeLinear):
     """A group-wise int4 weight ``[N, K]`` in the kernel's layout (no other copy)."""
 
     __slots__ = ("packed", "scales", "mins", "group", "in_features", "out_features", "bias")
@@ -134,38 +156,32 @@ class NativeInt4Linear:
         self.mins = _by_output_block(parts["mins"], n)
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
-    # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
-    @torch.compiler.disable
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        x, out, bf16 = _operands(inputs, self.out_features)
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor, bf16: bool, threads: int) -> None:
         rows, k = x.shape
-        if rows:
-            threads = _threads()
-            work = _Workspace(rows, k, k // self.group, threads)
-            native.library().mesh_int4_matmul(
-                x.data_ptr(),
-                bf16,
-                rows,
-                k,
-                self.out_features,
-                self.group,
-                self.packed.data_ptr(),
-                self.scales.data_ptr(),
-                self.mins.data_ptr(),
-                out.data_ptr(),
-                work.codes,
-                work.dscale,
-                work.sums,
-                work.acc,
-                threads,
-            )
-        return _finish(out, inputs, self.out_features, self.bias)
+        work = _Workspace(rows, k, k // self.group, threads)
+        native.library().mesh_int4_matmul(
+            x.data_ptr(),
+            bf16,
+            rows,
+            k,
+            self.out_features,
+            self.group,
+            self.packed.data_ptr(),
+            self.scales.data_ptr(),
+            self.mins.data_ptr(),
+            out.data_ptr(),
+            work.codes,
+            work.dscale,
+            work.sums,
+            work.acc,
+            threads,
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales, self.mins, self.bias) if t is not None]
 
 
-class NativeInt8Linear:
+class NativeInt8Linear(_NativeLinear):
     """A per-output-channel int8 weight ``[N, K]`` in the kernel's layout."""
 
     __slots__ = ("packed", "scales", "in_features", "out_features", "bias")
@@ -181,30 +197,24 @@ class NativeInt8Linear:
         self.scales[:n] = parts["scales"].to(torch.float32).reshape(-1)
         self.bias = None if spec.bias is None else spec.bias.to(device=device, dtype=dtype)
 
-    # torch.compile runs the kernel call as it is (it cannot trace a foreign call).
-    @torch.compiler.disable
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        x, out, bf16 = _operands(inputs, self.out_features)
+    def _multiply(self, x: torch.Tensor, out: torch.Tensor, bf16: bool, threads: int) -> None:
         rows, k = x.shape
-        if rows:
-            threads = _threads()
-            work = _Workspace(rows, k, k // BLOCK, threads)
-            native.library().mesh_int8_matmul(
-                x.data_ptr(),
-                bf16,
-                rows,
-                k,
-                self.out_features,
-                self.packed.data_ptr(),
-                self.scales.data_ptr(),
-                out.data_ptr(),
-                work.codes,
-                work.dscale,
-                work.sums,  # block sums: one int32 per block of 32
-                work.acc,
-                threads,
-            )
-        return _finish(out, inputs, self.out_features, self.bias)
+        work = _Workspace(rows, k, k // BLOCK, threads)
+        native.library().mesh_int8_matmul(
+            x.data_ptr(),
+            bf16,
+            rows,
+            k,
+            self.out_features,
+            self.packed.data_ptr(),
+            self.scales.data_ptr(),
+            out.data_ptr(),
+            work.codes,
+            work.dscale,
+            work.sums,  # block sums: one int32 per block of 32
+            work.acc,
+            threads,
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales, self.bias) if t is not None]
