@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh.errors import UnsupportedArchitecture
-from mesh.runtime import invariant
+from mesh.runtime import invariant, native_attention
 from mesh.runtime.linear import Linear, packed, unpacked
 from mesh.runtime.moe import SparseExperts, is_sparse, structure_problems
 from mesh.runtime.sessions import SessionCache
@@ -272,6 +272,13 @@ def run_block_segments(
     qkv, query_key = _project(block, hidden, cos, sin)
     dim = block.head_dim
     fixed_order = block.row_invariant
+    if fixed_order and native_attention.usable(qkv, dim, block.groups):
+        attended_rows = native_attention.attend(
+            qkv, segments, block.layer_index, block.heads, block.heads // block.groups,
+            dim, block.scaling, block.sliding,
+        )  # fmt: skip
+        if attended_rows is not None:
+            return _finish(block, hidden, attended_rows)
     attended = []
     for part in segments:
         rows = slice(part.row, part.row + part.count)

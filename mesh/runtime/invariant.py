@@ -28,7 +28,10 @@ below is checked by ``tests/unit/test_row_invariance.py``, 1 and 2 threads):
   threads by entry, not inside one, so a row's result is the decode step's. In
   float32 the same entries go through two batched matmuls and a softmax instead of
   SDPA, whose float32 CPU kernel gave an entry other results in a batch than alone
-  with 2 threads on one VM measured.
+  with 2 threads on one VM measured. Where the stage's own CPU kernels load
+  (mesh/runtime/native_attention.py), every row of a frame goes through one kernel
+  call per layer instead, each (row, head) over exactly its own keys in one fixed
+  order of operations: invariant by construction, without padding or masks.
 - Norms, rotary, activations and residuals are per row already; the embedding is a
   lookup.
 

@@ -1,5 +1,5 @@
-"""The stage's own CPU kernels (``kernels/qmatmul.c``): built with the system's C
-compiler on first use, kept in a cache directory, loaded with ctypes.
+"""The stage's own CPU kernels (``kernels/qmatmul.c``, ``kernels/attend.c``): built
+with the system's C compiler on first use, kept in a cache directory, loaded with ctypes.
 
 They need x86-64 with AVX-512 VNNI (Intel Ice Lake / Sapphire Rapids and later,
 AMD Zen 4 and later), and a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) the
@@ -26,7 +26,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = (KERNELS / "qmatmul.c", KERNELS / "attend.c")
+# Included by the sources: part of what names a build.
+HEADERS = (KERNELS / "simd.h",)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 COMPILE_FLAGS = (
     "-O3",
@@ -60,8 +63,9 @@ _SIGNATURES = {
     "mesh_int8_matmul": [_P, _C, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C],
     "mesh_set_amx_rows": [_I],
     "mesh_amx_available": [],
+    "mesh_attend": [_P, _I, _C, _I, _I, _I, ctypes.c_float, _P, _I, _P, _C],
 }
-_RESULTS = {"mesh_amx_available": ctypes.c_int}
+_RESULTS = {"mesh_amx_available": ctypes.c_int, "mesh_attend": ctypes.c_int}
 
 
 class KernelUnavailable(RuntimeError):
@@ -130,7 +134,8 @@ def build(directory: Path | None = None) -> Path:
 
 
 def _target(directory: Path, flags: tuple[str, ...]) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+    content = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(content + " ".join(flags).encode()).hexdigest()
     return directory / f"qmatmul-{digest[:16]}.so"
 
 
@@ -140,7 +145,7 @@ def _compile(directory: Path, flags: tuple[str, ...]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=".qmatmul-", suffix=".so", dir=directory)
     os.close(handle)
-    command = [compiler, *flags, "-o", temporary, str(SOURCE)]
+    command = [compiler, *flags, "-o", temporary, *(str(path) for path in SOURCES)]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
@@ -151,7 +156,7 @@ def _compile(directory: Path, flags: tuple[str, ...]) -> Path:
             )
         os.replace(temporary, target)
     except (OSError, subprocess.SubprocessError) as error:
-        raise KernelUnavailable(f"building {SOURCE.name} failed: {error}") from error
+        raise KernelUnavailable(f"building the kernels failed: {error}") from error
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)

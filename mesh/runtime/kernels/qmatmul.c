@@ -33,6 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define QBLOCK 32
 #define MAX_THREADS 64
 /* Calls with fewer multiply-adds than this run on the calling thread alone. */
@@ -64,16 +66,6 @@ static inline float load1(const void *x, int bf16, int64_t index) {
     float value;
     memcpy(&value, &bits, sizeof value);
     return value;
-}
-
-/* float32 to bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 /* Rows of the codes buffer per part: a multiple of the AMX tile's 16 rows. */
