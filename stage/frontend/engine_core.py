@@ -245,7 +245,7 @@ class EngineCore:
         rows = 0
         now = self.clock()
         budget = info.step_tokens or self.limits.step_tokens
-        ready = [t for t in self.running.values() if self._decodes(t)]
+        ready = self._spread([t for t in self.running.values() if self._decodes(t)], info)
         share = self._draft_share(len(ready), budget)
         # Alone, a request's own window policy weighs its drafts against its round
         # time; the step rule is about what its drafts cost the others in the step.
@@ -284,6 +284,28 @@ class EngineCore:
             kinds={s.session_id: s.kind for s in segments},
         )
         return Frame(info.term, frame_id, tuple(segments))
+
+    def _spread(self, ready: list[Tracked], info: PipelineInfo) -> list[Tracked]:
+        """The decoding requests this frame takes: with S stages, at most 1/S of the
+        requests decoding (rounded up), so that the S frames in the pipe are about
+        the same size and every stage's step costs about the same. Taking every
+        ready request made groups that never mix (8 streams over 2 stages ran as a
+        frame of 1 and a frame of 7, the small frame's stage waiting on the large
+        one's). Requests left for the next frame go first next time."""
+        if info.stage_count < 2 or len(ready) <= 1:
+            return ready
+        decoding = sum(1 for t in self.running.values() if not t.prefilling)
+        per_frame = -(-decoding // info.stage_count)
+        if len(ready) <= per_frame:
+            for tracked in ready:
+                tracked.passed_over = 0
+            return ready
+        ordered = sorted(ready, key=lambda t: -t.passed_over)
+        for tracked in ordered[per_frame:]:
+            tracked.passed_over += 1
+        for tracked in ordered[:per_frame]:
+            tracked.passed_over = 0
+        return ordered[:per_frame]
 
     def _frame_cap(self, info: PipelineInfo) -> int:
         """Frames in the pipe at once: one per stage, or as many as the deepest

@@ -105,6 +105,9 @@ class Tracked:
     # The frame that carried the last chunk of its prompt (0: not sent yet): the
     # choices forked from it may start in a later frame.
     prompt_frame: int = 0
+    # Times in a row a step left it out to keep the frames in the pipe even (it goes
+    # first in the next one).
+    passed_over: int = 0
 
 
 @dataclass

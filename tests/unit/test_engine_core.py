@@ -153,6 +153,30 @@ def test_frames_in_flight_stop_at_the_stage_count() -> None:
     assert second is not None
 
 
+@pytest.mark.parametrize("streams", [8, 5])
+def test_decoding_requests_split_evenly_over_the_frames_in_the_pipe(streams: int) -> None:
+    """With 2 stages, the decode segments of the running requests go out as 2 frames
+    of about half of them each, whatever order they became ready in, and every
+    request is in one of any 2 frames in a row (none is left out twice)."""
+    core, _ = core_with(stage_count=2)
+    pipe = FakePipeline()
+    prompts = {f"r{i}": (i + 1, i + 2, i + 3) for i in range(streams)}
+    for rid, prompt in prompts.items():
+        core.add(request(rid, prompt, max_new=12))
+    got = run_pipelined(core, pipe)
+    for rid, prompt in prompts.items():
+        assert got[rid][0] == greedy(prompt, 12)
+    decoding = [
+        frame
+        for frame in pipe.frames
+        if frame.segments and all(s.kind is SegmentKind.DECODE for s in frame.segments)
+    ]
+    assert len(decoding) >= 10
+    assert {len(f.segments) for f in decoding} <= {streams // 2, (streams + 1) // 2}
+    for first, second in zip(decoding, decoding[1:], strict=False):
+        assert {s.session_id for s in first.segments + second.segments} == set(prompts)
+
+
 def test_stale_answers_are_dropped() -> None:
     core, _ = core_with()
     pipe = FakePipeline()
