@@ -54,6 +54,9 @@ class WorkloadRequest:
     request_id: str
     messages: tuple[dict[str, str], ...]
     max_tokens: int
+    # A second turn (multi-turn workloads): this user message follows the model's
+    # answer to ``messages``; the benchmark sends both turns, in order, as one tenant.
+    follow_up: str | None = None
 
 
 def default_workloads_path() -> Path:
@@ -84,6 +87,7 @@ def load_workloads(path: Path) -> dict[str, list[WorkloadRequest]]:
                 request_id=str(body["id"]),
                 messages=tuple(dict(m) for m in body["messages"]),
                 max_tokens=int(body["max_tokens"]),
+                follow_up=str(body["follow_up"]) if body.get("follow_up") else None,
             )
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(

@@ -139,6 +139,11 @@ def build_configs(
             "suffix drafter (request + shared corpus), auto gating, cost-aware window",
             ("--spec-type", "suffix"),
         ),
+        "local": SpecConfig(
+            "local",
+            "suffix drafter, request-local (no shared corpus: --corpus-tokens 0)",
+            ("--spec-type", "suffix", "--corpus-tokens", "0"),
+        ),
         "prediction": SpecConfig(
             "prediction",
             "default + the original code as `prediction` (Predicted Outputs)",
@@ -249,6 +254,7 @@ def measure_one(
     max_tokens: int,
     prediction: bool = False,
     user: str = "warmup",
+    messages: Sequence[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """One greedy request. ``user`` scopes what the suffix drafter may learn from:
     each repeat is its own tenant, so a repeat never drafts from the same request's
@@ -261,7 +267,7 @@ def measure_one(
     started = time.perf_counter()
     reply = client.chat.completions.create(
         model=model_id,
-        messages=list(request.messages),
+        messages=list(messages if messages is not None else request.messages),
         max_tokens=max_tokens,
         temperature=0,
         **extra,
@@ -285,6 +291,7 @@ def measure_one(
         "rounds": int(delta.get("rounds", 0)),
         "emitted": int(delta.get("emitted", 0)),
         "text_sha1": hashlib.sha1(text.encode()).hexdigest(),
+        "text": text,
         "prediction_accepted": getattr(
             reply.usage.completion_tokens_details, "accepted_prediction_tokens", None
         ),
@@ -333,16 +340,31 @@ def run_latency(
                 tokens = args.max_tokens or request.max_tokens
                 for config in rotated(list(configs), repeat + index):
                     url, model_id, client = served[config.name]
-                    record = measure_one(
-                        client, url, model_id, request, tokens, config.prediction, f"r{repeat}"
-                    )
-                    record.update(latency_ms=latency_ms, config=config.name, repeat=repeat)
-                    records.append(record)
-                    logger.info(
-                        "%s ms %s %s r%s: %s tokens in %.2fs",
-                        latency_ms, config.name, request.request_id, repeat,
-                        record["completion_tokens"], record["wall_s"],
-                    )  # fmt: skip
+                    turns = [(request.workload, None)]
+                    for workload, messages in turns:
+                        record = measure_one(
+                            client, url, model_id, request, tokens, config.prediction,
+                            f"r{repeat}", messages,
+                        )  # fmt: skip
+                        text = record.pop("text")
+                        record.update(
+                            workload=workload, latency_ms=latency_ms, config=config.name,
+                            repeat=repeat,
+                        )  # fmt: skip
+                        records.append(record)
+                        logger.info(
+                            "%s ms %s %s %s r%s: %s tokens in %.2fs",
+                            latency_ms, config.name, workload, request.request_id, repeat,
+                            record["completion_tokens"], record["wall_s"],
+                        )  # fmt: skip
+                        if request.follow_up and messages is None:
+                            # The second turn: the model's answer, then the next edit.
+                            second = [
+                                *request.messages,
+                                {"role": "assistant", "content": text},
+                                {"role": "user", "content": request.follow_up},
+                            ]
+                            turns.append((f"{request.workload}-turn2", second))
         rounds = {name: round_breakdown(url) for name, (url, _, _) in served.items()}
         ahead = {name: ahead_counters(metrics_text(url)) for name, (url, _, _) in served.items()}
     return records, {"speculation": resolved, "round_ms": rounds, "ahead": ahead}
@@ -372,7 +394,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (record["latency_ms"], record["workload"], record["config"])
         groups.setdefault(key, []).append(record)
     texts = {
-        (r["latency_ms"], r["request_id"], r["repeat"]): r["text_sha1"]
+        (r["latency_ms"], r["workload"], r["request_id"], r["repeat"]): r["text_sha1"]
         for r in records
         if r["config"] == BASELINE
     }
@@ -386,7 +408,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         compared = [
             i["text_sha1"] == texts[key]
             for i in items
-            if (key := (latency, i["request_id"], i["repeat"])) in texts
+            if (key := (latency, workload, i["request_id"], i["repeat"])) in texts
         ]
         rows.append(
             {
