@@ -75,6 +75,8 @@ def attend(
         qkv.data_ptr(), qkv.stride(0), _DTYPES[qkv.dtype], heads, kv_heads, head_dim,
         scaling, table.data_ptr(), len(segments), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if status == -1:
+        raise MemoryError("the attention kernel could not allocate its score buffer")
     if status != 0:
-        raise MemoryError(f"the attention kernel failed (status {status})")
+        raise ValueError(f"the attention kernel refused the frame's shape (status {status})")
     return out

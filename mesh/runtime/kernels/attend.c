@@ -31,7 +31,6 @@
 
 #include "simd.h"
 
-#define MAX_THREADS 64
 /* Calls with fewer multiply-adds than this run on the calling thread alone. */
 #define THREADED_MACS (1LL << 22)
 /* Head dimensions up to this many lanes of 16 (D <= 256). */
@@ -286,23 +285,10 @@ int mesh_attend(const void *qkv, int64_t stride, int dtype, int64_t heads, int64
         return run_job(&base) == NULL ? 0 : -1;
     }
     Job parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int t = 0; t < threads; ++t) {
         parts[t] = base;
         parts[t].first = units * t / threads;
         parts[t].last = units * (t + 1) / threads;
     }
-    for (int t = 1; t < threads; ++t)
-        started[t] = pthread_create(&ids[t], NULL, run_job, &parts[t]) == 0;
-    int failed = run_job(&parts[0]) != NULL;
-    for (int t = 1; t < threads; ++t) {
-        void *result = NULL;
-        if (started[t])
-            pthread_join(ids[t], &result);
-        else
-            result = run_job(&parts[t]);
-        failed |= result != NULL;
-    }
-    return failed ? -1 : 0;
+    return run_on_threads(run_job, parts, sizeof parts[0], threads) ? -1 : 0;
 }

@@ -36,7 +36,6 @@
 #include "simd.h"
 
 #define QBLOCK 32
-#define MAX_THREADS 64
 /* Calls with fewer multiply-adds than this run on the calling thread alone. */
 #define THREADED_MACS (1LL << 24)
 
@@ -407,23 +406,13 @@ static void run_split(Work base, int threads) {
         return;
     }
     Work parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int t = 0; t < threads; ++t) {
         parts[t] = base;
         parts[t].first = nblocks * t / threads;
         parts[t].last = nblocks * (t + 1) / threads;
         parts[t].acc = base.acc + (int64_t)t * 2 * base.rows * 16;
     }
-    for (int t = 1; t < threads; ++t)
-        started[t] = pthread_create(&ids[t], NULL, run_work, &parts[t]) == 0;
-    run_work(&parts[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            run_work(&parts[t]); /* no thread to be had: this one does that share */
-    }
+    run_on_threads(run_work, parts, sizeof parts[0], threads);
 }
 
 /* Codes [n, k] (uint8 0..15, row-major) into the int4 layout above; outputs past

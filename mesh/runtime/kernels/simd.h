@@ -5,6 +5,8 @@
 #define MESH_SIMD_H
 
 #include <immintrin.h>
+#include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* float32 to bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
@@ -21,6 +23,31 @@ static inline __m256i to_bf16(__m512 v) {
 static inline __m512 from_bf16(const uint16_t *p, __mmask16 keep) {
     __m256i half = _mm256_maskz_loadu_epi16(keep, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* Threads a kernel call splits over, at most. */
+#define MAX_THREADS 64
+
+/* Run `work` on `count` items laid out `size` bytes apart from `items`: item 0 on
+   the calling thread, each other one on a thread of its own (or on the calling
+   thread where no thread can be had). Returns 1 where any call returned non-NULL. */
+static inline int run_on_threads(void *(*work)(void *), void *items, size_t size, int count) {
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (count > MAX_THREADS) count = MAX_THREADS;
+    char *base = (char *)items;
+    for (int t = 1; t < count; ++t)
+        started[t] = pthread_create(&ids[t], NULL, work, base + t * size) == 0;
+    int failed = work(base) != NULL;
+    for (int t = 1; t < count; ++t) {
+        void *result = NULL;
+        if (started[t])
+            pthread_join(ids[t], &result);
+        else
+            result = work(base + t * size);
+        failed |= result != NULL;
+    }
+    return failed;
 }
 
 #endif
