@@ -254,22 +254,16 @@ class EngineCore:
             segment = self._decode_segment(tracked, info.term, share, threshold, now)
             segments.append(segment)
             rows += segment.token_count
-        reading = [
-            t
-            for t in self.running.values()
-            if t.prefilling and t.in_flight is None and t.recover_by is None
-        ]
-        share, prefill_rows = self._prefill_share(reading, info), 0
-        for tracked in reading:
+        for tracked in self.running.values():
             room = budget - rows
-            if room <= 0 or (prefill_rows and prefill_rows + self._unread(tracked) > share):
+            if room <= 0:
                 break
-            if self._waits_for_fork(tracked):
-                continue
-            segment = self._prefill_segment(tracked, info.term, room, now)
-            segments.append(segment)
-            rows += segment.token_count
-            prefill_rows += segment.token_count
+            if tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None:
+                if self._waits_for_fork(tracked):
+                    continue
+                segment = self._prefill_segment(tracked, info.term, room, now)
+                segments.append(segment)
+                rows += segment.token_count
         for segment in self._ahead_segments(info, budget - rows, budget, now):
             segments.append(segment)
             rows += segment.token_count
@@ -312,22 +306,6 @@ class EngineCore:
         for tracked in ordered[:per_frame]:
             tracked.passed_over = 0
         return ordered[:per_frame]
-
-    def _prefill_share(self, reading: list[Tracked], info: PipelineInfo) -> int:
-        """Prompt rows this frame takes (whole prompts, at least one): where several
-        prompts wait and the pipe has room for more than one frame, about an equal
-        share for each free frame, so that a burst of arrivals is prefilled as
-        frames that follow each other through the stages (the first prompts' first
-        tokens come while the stages still read the others) instead of one frame
-        every prompt waits for."""
-        free = self._frame_cap(info) - len(self.frames)
-        if free < 2 or len(reading) < 2:
-            return 1 << 62
-        return -(-sum(self._unread(t) for t in reading) // free)
-
-    @staticmethod
-    def _unread(tracked: Tracked) -> int:
-        return len(tracked.run.tokens) - tracked.prefilled
 
     def _frame_cap(self, info: PipelineInfo) -> int:
         """Frames in the pipe at once: one per stage, or as many as the deepest
