@@ -5,8 +5,11 @@ Drives the live OpenAI endpoint of stage 0 with the ``openai`` client, streaming
 time to first token is measured by the client. The requests are the lines of
 ``workloads.jsonl``. One *pass* runs one workload at one concurrency: ``c`` client
 threads take requests from a shared queue holding every line of the workload,
-repeated until the count is a multiple of ``c`` (so all ``c`` streams stay busy);
-a pass ends when the queue is empty and every stream is done. Aggregate tokens/s of
+repeated until the count is a multiple of ``c`` (so all ``c`` streams stay busy)
+and, with ``--requests-per-stream N``, until each stream has at least N requests (a
+longer pass, closer to a sustained load: its start, where every stream's prompt
+arrives at once, and its end, where streams finish one by one, weigh less); a pass
+ends when the queue is empty and every stream is done. Aggregate tokens/s of
 a pass is its completion tokens over its wall time. Each repeat runs every
 (concurrency, workload) pass, visiting the concurrencies in a shifted order, after
 one warm-up request per workload. The baseline is 1 stream in the same run.
@@ -61,9 +64,12 @@ from mesh.package.manifest import PackageManifest
 logger = logging.getLogger("serving_bench")
 
 
-def pass_requests(requests: list[WorkloadRequest], concurrency: int) -> list[WorkloadRequest]:
-    """Every request of the workload, cycled up to the next multiple of ``concurrency``."""
-    count = math.ceil(len(requests) / concurrency) * concurrency
+def pass_requests(
+    requests: list[WorkloadRequest], concurrency: int, per_stream: int = 1
+) -> list[WorkloadRequest]:
+    """Every request of the workload, cycled up to the next multiple of ``concurrency``
+    and to at least ``per_stream`` requests per stream."""
+    count = max(math.ceil(len(requests) / concurrency), per_stream) * concurrency
     return [requests[i % len(requests)] for i in range(count)]
 
 
@@ -113,10 +119,11 @@ def run_pass(
     requests: list[WorkloadRequest],
     concurrency: int,
     max_tokens: int | None,
+    per_stream: int = 1,
 ) -> dict[str, Any]:
     """``concurrency`` streams over the pass's requests; aggregate and per-request figures."""
     work: queue.SimpleQueue = queue.SimpleQueue()
-    for request in pass_requests(requests, concurrency):
+    for request in pass_requests(requests, concurrency, per_stream):
         work.put(request)
     results: list[dict[str, Any]] = []
     errors: list[BaseException] = []
@@ -188,6 +195,7 @@ def measure(
     concurrencies: list[int],
     repeats: int,
     max_tokens: int | None,
+    per_stream: int = 1,
 ) -> list[dict[str, Any]]:
     client = openai_client(mesh.http_url)
     for name, requests in workloads.items():
@@ -204,7 +212,7 @@ def measure(
                 result = with_recovery(
                     mesh,
                     f"repeat {repeat} {name} x{concurrency}",
-                    lambda r=requests, c=concurrency: run_pass(mesh, r, c, max_tokens),
+                    lambda r=requests, c=concurrency: run_pass(mesh, r, c, max_tokens, per_stream),
                 )
                 result.update(repeat=repeat, workload=name)
                 logger.info(
@@ -226,13 +234,14 @@ def alternate(
     concurrencies: list[int],
     repeats: int,
     max_tokens: int | None,
+    per_stream: int = 1,
 ) -> list[dict[str, Any]]:
     """One repeat of every pass on each mesh in turn (the order shifting by repeat),
     each pass tagged with its mesh's setting (``MeshConfig.setting``)."""
     passes = []
     for repeat in range(repeats):
         for mesh in rotated(meshes, repeat):
-            for result in measure(mesh, workloads, concurrencies, 1, max_tokens):
+            for result in measure(mesh, workloads, concurrencies, 1, max_tokens, per_stream):
                 result.update(repeat=repeat, setting=mesh.config.setting)
                 passes.append(result)
     return passes
@@ -414,6 +423,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cap every request's max_tokens (default: each request's own value)",
     )
     parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=1,
+        help="at least this many requests per stream in a pass (the workload cycled)",
+    )
+    parser.add_argument(
         "--speculation",
         default="none",
         help="none: plain decode; package: the speculation the package declares; both "
@@ -476,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=max(16, max(args.concurrencies)),
         heartbeat_timeout_s=args.heartbeat_timeout,
     ) as meshes:
-        plan = (workloads, args.concurrencies, args.repeats, args.max_tokens)
+        plan = (
+            workloads, args.concurrencies, args.repeats, args.max_tokens,
+            args.requests_per_stream,
+        )  # fmt: skip
         if len(meshes) == 1:
             passes = measure(meshes[0], *plan)
         else:

@@ -192,6 +192,10 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
     assert [r.request_id for r in serving.pass_requests(requests, 1)] == ["r0", "r1", "r2", "r3"]
     assert len(serving.pass_requests(requests, 8)) == 8
     assert [r.request_id for r in serving.pass_requests(requests, 3)][4:] == ["r0", "r1"]
+    # At least 3 requests per stream: 2 streams take 6, the workload cycled.
+    longer = [r.request_id for r in serving.pass_requests(requests, 2, per_stream=3)]
+    assert longer == ["r0", "r1", "r2", "r3", "r0", "r1"]
+    assert len(serving.pass_requests(requests, 1, per_stream=3)) == 4
 
     def one_pass(concurrency: int, repeat: int, aggregate: float) -> dict:
         result = {"ttft_s": 0.2 * concurrency, "stream_tokens_per_s": aggregate / concurrency}
