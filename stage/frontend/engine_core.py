@@ -296,16 +296,14 @@ class EngineCore:
             return ready
         decoding = sum(1 for t in self.running.values() if not t.prefilling)
         per_frame = -(-decoding // info.stage_count)
-        if len(ready) <= per_frame:
-            for tracked in ready:
-                tracked.passed_over = 0
-            return ready
-        ordered = sorted(ready, key=lambda t: -t.passed_over)
-        for tracked in ordered[per_frame:]:
-            tracked.passed_over += 1
-        for tracked in ordered[:per_frame]:
+        if len(ready) > per_frame:
+            ready = sorted(ready, key=lambda t: -t.passed_over)
+        taken, left = ready[:per_frame], ready[per_frame:]
+        for tracked in taken:
             tracked.passed_over = 0
-        return ordered[:per_frame]
+        for tracked in left:
+            tracked.passed_over += 1
+        return taken
 
     def _frame_cap(self, info: PipelineInfo) -> int:
         """Frames in the pipe at once: one per stage, or as many as the deepest
