@@ -160,7 +160,7 @@ def _compile(directory: Path, flags: tuple[str, ...]) -> Path:
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    logger.info("built the quantised CPU kernels into %s", target)
+    logger.info("built the stage's CPU kernels (quantised linears, attention) into %s", target)
     return target
 
 
@@ -173,7 +173,7 @@ def library() -> ctypes.CDLL | None:
         path = build()
         lib = ctypes.CDLL(str(path))
     except (KernelUnavailable, OSError) as error:
-        logger.warning("quantised CPU kernels unavailable, using torch's: %s", error)
+        logger.warning("the stage's CPU kernels unavailable, using torch's: %s", error)
         return None
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
@@ -181,7 +181,7 @@ def library() -> ctypes.CDLL | None:
         function.restype = _RESULTS.get(name)
     lib.mesh_set_amx_rows(AMX_ROWS)
     amx = bool(lib.mesh_amx_available())
-    logger.info("quantised CPU kernels: %s (%s)", "VNNI + AMX" if amx else "VNNI", path)
+    logger.info("the stage's CPU kernels: %s (%s)", "VNNI + AMX" if amx else "VNNI", path)
     return lib
 
 
