@@ -136,12 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--native", action="store_true", help="py-spy --native")
+    parser.add_argument(
+        "--spec-type", default=None, help="stage 0's --spec-type (default: the package's)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/profile-stages.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     package = resolve_package(args.package)
     workdir = Path(tempfile.mkdtemp(prefix="mesh-profile-"))
-    mesh = MeshProcesses(package, workdir, args.stages, threads=args.threads)
+    stage0_args = ("--spec-type", args.spec_type) if args.spec_type else ()
+    mesh = MeshProcesses(
+        package, workdir, args.stages, threads=args.threads, stage0_args=stage0_args
+    )
     stop = threading.Event()
     try:
         mesh.start().wait_serving(deadline_s=300)

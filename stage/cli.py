@@ -31,6 +31,7 @@ from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
 from stage.package_client import CoordinatorPackageSource
 from stage.servicers import ControlServicer, DataServicer
+from stage.tcp_data import TcpDataServer
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,15 @@ def run(args: argparse.Namespace) -> int:
     metrics_host = split_host_port(stage.listen)[0]
     serve_metrics(node.metrics.registry, metrics_host, stage.metrics_port, who=f"stage {node_id}")
     stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
-    data_pb2_grpc.add_StageDataServicer_to_server(DataServicer(node, node.deliver_result), server)
+    data = DataServicer(node, node.deliver_result)
+    data_pb2_grpc.add_StageDataServicer_to_server(data, server)
+    tcp = None
+    if stage.data_transport == "tcp":
+        listen_host = split_host_port(stage.listen)[0]
+        tcp = TcpDataServer(listen_host, stage.data_port, data.frame_bytes, data.result_bytes)
+        data.tcp_endpoint, data.tcp_tls = f"{url_host(host)}:{tcp.port}", tcp.tls
+        tcp.start()
+        logger.info("stage %s takes frames over framed TCP at %s", node_id, data.tcp_endpoint)
     server.start()
     logger.info("stage %s serving gRPC at %s", node_id, address)
     http_url = ""
@@ -178,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     if frontend is not None:
         frontend.stop()
     node.stop()
+    if tcp is not None:
+        tcp.close()
     server.stop(grace=1.0).wait()
     return 0
 

@@ -119,6 +119,8 @@ def _ports(config: JoinConfig) -> list[CheckResult]:
     except ValueError as error:
         return [failed("port", f"--listen: {error}", "write it as HOST:PORT, e.g. 0.0.0.0:7071")]
     results = [check_port(host, port, "--listen")]
+    if stage.data_transport == "tcp":
+        results.append(check_port(host, stage.data_port, "--data-port"))
     if stage.frontend:
         results.append(check_port(serving.http_host, serving.http_port, "--http-port"))
     return results

@@ -1,6 +1,10 @@
-"""Outgoing data links of a stage: the Forward stream to the next stage and the
-Return stream to stage 0. Each link owns a channel, a send queue feeding the
-request stream, and a thread that watches the stream's end."""
+"""Outgoing data links of a stage: Forward to the next stage and Return to stage 0.
+
+A link first asks its peer's ``StageData.Endpoint`` how to reach it: over framed TCP
+(``stage/tcp_data.py``: one connection, the message written by the thread that
+produced it) when the peer listens for it, else over the ``Forward`` / ``Return``
+gRPC streams, where a link owns a channel, a send queue feeding the request stream,
+and a thread that watches the stream's end."""
 
 from __future__ import annotations
 
@@ -10,14 +14,15 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from mesh.codec import FrameAck, ack_from_proto
 from mesh.errors import Unavailable
 from mesh.grpc_util import channel
-from mesh.proto.v1 import data_pb2_grpc
+from mesh.proto.v1 import data_pb2, data_pb2_grpc
+from stage.tcp_data import KIND_FORWARD, KIND_RETURN, TcpLink
 
 if TYPE_CHECKING:
     from stage.metrics import LinkTraffic
@@ -26,6 +31,66 @@ logger = logging.getLogger(__name__)
 
 _CLOSE = object()
 CONNECT_TIMEOUT_S = 10.0
+
+
+class DataLink(Protocol):
+    """What the stage node needs of an outgoing link, whatever carries it."""
+
+    address: str
+    name: str
+
+    @property
+    def broken(self) -> bool: ...
+
+    def send(self, message: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tcp_endpoint(address: str) -> tuple[str, bool]:
+    """The peer's framed TCP endpoint and whether it speaks TLS, asked over gRPC at
+    ``address``; ("", False) when it has none (or predates the Endpoint call)."""
+    ch = channel(address)
+    try:
+        reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
+            data_pb2.EndpointRequest(), timeout=CONNECT_TIMEOUT_S, wait_for_ready=True
+        )
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return "", False
+        raise Unavailable(
+            f"cannot reach {address} within {CONNECT_TIMEOUT_S:.0f}s: {_describe(error)}"
+        ) from error
+    finally:
+        ch.close()
+    return reply.tcp, reply.tls
+
+
+def open_forward_link(
+    address: str,
+    on_broken: Callable[[Exception], None],
+    on_ack: Callable[[FrameAck], None],
+    delay_s: float = 0.0,
+    traffic: LinkTraffic | None = None,
+) -> DataLink:
+    """The link to the downstream stage at ``address`` (its gRPC address)."""
+    endpoint, tls = tcp_endpoint(address)
+    if endpoint:
+        return TcpLink(endpoint, KIND_FORWARD, on_broken, tls=tls, delay_s=delay_s, traffic=traffic)
+    return ForwardLink(address, on_broken, on_ack, delay_s, traffic)
+
+
+def open_return_link(
+    address: str,
+    on_broken: Callable[[Exception], None],
+    delay_s: float = 0.0,
+    traffic: LinkTraffic | None = None,
+) -> DataLink:
+    """The link to stage 0 at ``address`` (its gRPC address)."""
+    endpoint, tls = tcp_endpoint(address)
+    if endpoint:
+        return TcpLink(endpoint, KIND_RETURN, on_broken, tls=tls, delay_s=delay_s, traffic=traffic)
+    return ReturnLink(address, on_broken, delay_s, traffic)
 
 
 class _StreamLink(ABC):

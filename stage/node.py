@@ -35,7 +35,7 @@ from mesh.runtime.probe import probe_step
 from mesh.types import DEFAULT_PREFIX_BYTES
 from stage.engine import StageEngine
 from stage.hardware import RecentSteps
-from stage.links import ForwardLink, ReturnLink
+from stage.links import DataLink, open_forward_link, open_return_link
 from stage.metrics import StageMetrics
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class LoadedStage:
     request: StageLoadRequest
     engine: StageEngine
     package_dir: Path
-    forward: ForwardLink | None = None
-    returns: ReturnLink | None = None
+    forward: DataLink | None = None
+    returns: DataLink | None = None
     loaded_at: float = field(default_factory=time.monotonic)
 
 
@@ -201,7 +201,7 @@ class StageNode:
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
             try:
                 if request.downstream is not None:
-                    loaded.forward = ForwardLink(
+                    loaded.forward = open_forward_link(
                         request.downstream.address,
                         on_broken=self._downstream_broken,
                         on_ack=self._downstream_ack,
@@ -209,7 +209,7 @@ class StageNode:
                         traffic=self.metrics.sent["forward"],
                     )
                 if not request.is_first:
-                    loaded.returns = ReturnLink(
+                    loaded.returns = open_return_link(
                         request.return_endpoint,
                         on_broken=self._return_broken,
                         delay_s=self.settings.inject_delay_ms / 1000.0,
@@ -342,7 +342,7 @@ class StageNode:
 
     # ---- data ------------------------------------------------------------------------
 
-    def accept_frame(self, frame: Frame, ack: Callable[[FrameAck], None]) -> None:
+    def accept_frame(self, frame: Frame, ack: Callable[[FrameAck], None] | None) -> None:
         """A frame from the upstream stage (already validated by the servicer)."""
         self._work.put(_Work(frame, time.monotonic(), ack))
 

@@ -98,6 +98,28 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
     def __init__(self, node: StageNode, on_result: Callable[[FrameResult], None]) -> None:
         self.node = node
         self.on_result = on_result
+        # This stage's framed TCP listener (stage/tcp_data.py), once it listens.
+        self.tcp_endpoint = ""
+        self.tcp_tls = False
+
+    def Endpoint(self, request: data_pb2.EndpointRequest, context) -> data_pb2.EndpointReply:
+        return data_pb2.EndpointReply(tcp=self.tcp_endpoint, tls=self.tcp_tls)
+
+    def frame_bytes(self, body: bytes) -> None:
+        """A Forward frame that came over framed TCP (no ack channel: a refusal goes
+        to stage 0 over the Return link, as for every refused segment)."""
+        try:
+            pb = data_pb2.Frame.FromString(body)
+        except Exception as error:  # noqa: BLE001 - undecodable: the sender's fault
+            logger.warning("undecodable frame over framed TCP refused: %s", error)
+            return
+        self.accept(pb, None)
+
+    def result_bytes(self, body: bytes) -> None:
+        """A FrameResult that came over framed TCP (stage 0)."""
+        pb = data_pb2.FrameResult.FromString(body)
+        self.node.metrics.received["return"].count(len(body))
+        self.on_result(result_from_proto(pb))
 
     def Forward(self, request_iterator: Iterator[data_pb2.Frame], context) -> Iterator:
         acks: queue.SimpleQueue = queue.SimpleQueue()
@@ -114,7 +136,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
     def _read_frames(self, request_iterator: Iterator[data_pb2.Frame], acks) -> None:
         try:
             for pb in request_iterator:
-                self._accept(pb, acks.put)
+                self.accept(pb, acks.put)
         except grpc.RpcError as error:
             logger.info("upstream Forward stream ended: %s", rpc_status_name(error))
         except Exception:  # noqa: BLE001 - the stream ends, the stage stays up
@@ -122,7 +144,9 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         finally:
             acks.put(_END)
 
-    def _accept(self, pb: data_pb2.Frame, send_ack: Callable[[FrameAck], None]) -> None:
+    def accept(self, pb: data_pb2.Frame, send_ack: Callable[[FrameAck], None] | None) -> None:
+        """Validate, decode and queue a Forward frame; ``send_ack`` (None: none)
+        tells the upstream stage when the whole frame was refused."""
         self.node.metrics.received["forward"].count(pb.ByteSize())
         loaded = self.node.loaded
         try:

@@ -171,6 +171,19 @@ class StageConfig:
         "add this latency to every outgoing data hop (benchmarks; emulates a network)",
         minimum=0,
     )
+    data_transport: str = setting(
+        "tcp",
+        "how other stages send this one frames: tcp (framed TCP on data_port, the lean "
+        "hop) or grpc (the StageData streams on the gRPC port; one port to open)",
+        choices=("tcp", "grpc"),
+    )
+    data_port: int = setting(
+        0,
+        "port of the framed TCP data listener at the listen host (0: any free port; "
+        "neighbours learn it over gRPC)",
+        minimum=0,
+        maximum=65535,
+    )
     frontend: bool = setting(False, "host the OpenAI API: this stage becomes stage 0")
     metrics_port: int | None = setting(
         None,
@@ -223,6 +236,7 @@ LOCAL_STAGE_FIELDS = (
     "cuda_graphs",
     "prefix_cache_mb",
     "inject_delay_ms",
+    "data_transport",
     "cache_dir",
 )
 # Fields of [frontend] the coordinator sends stage 0 with its Load: the rest (where it

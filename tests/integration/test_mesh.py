@@ -105,6 +105,33 @@ def test_three_stage_mesh_matches_unsplit_model(
     )
 
 
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_frames_travel_over_the_transport_each_stage_offers(
+    mesh_factory, tiny_package_factory, transport
+):
+    """Framed TCP (the default) and the gRPC streams carry the same frames: the same
+    greedy text as the in-process chain, and each stage tells its senders which
+    one it takes."""
+    from transformers import AutoTokenizer
+
+    from mesh.proto.v1 import data_pb2
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = mesh_factory(package, 3, stage_args=("--data-transport", transport))
+    mesh.wait_serving()
+    for stage in mesh.status().stages:
+        with channel(stage.address) as ch:
+            reply = data_pb2_grpc.StageDataStub(ch).Endpoint(data_pb2.EndpointRequest(), timeout=10)
+        assert bool(reply.tcp) == (transport == "tcp") and not reply.tls
+        if reply.tcp:
+            assert reply.tcp.rsplit(":", 1)[0] == stage.address.rsplit(":", 1)[0]
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(package)
+    expected = tokenizer.decode(reference_tokens(package, stage_ranges(mesh), WireDType.F32))
+    for _ in range(3):
+        assert mesh_tokens(client, "tiny-llama") == expected
+
+
 def test_int4_mesh_serves_the_quantised_model_and_reports_its_memory(
     mesh_factory, tiny_package_factory
 ):

@@ -375,6 +375,21 @@ def test_stage_coordinator_nobody_listens_on(tmp_path, capsys):
     assert checks["cache dir"]["status"] == "PASS"
 
 
+def test_stage_data_port_in_use(tmp_path, capsys):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        argv = ["--coordinator", f"127.0.0.1:{closed_port()}", "--listen", "127.0.0.1:0"]
+        argv += ["--data-port", str(port), "--cache-dir", str(tmp_path / "cache")]
+        _, checks = stage_doctor(argv, capsys)
+        _, over_grpc = stage_doctor([*argv, "--data-transport", "grpc"], capsys)
+    ports = [c for c in checks if c["check"] == "port"]
+    assert [c["status"] for c in ports] == ["PASS", "FAIL"]
+    assert f"--data-port 127.0.0.1:{port} is in use" in ports[1]["detail"]
+    assert [c["status"] for c in over_grpc if c["check"] == "port"] == ["PASS"]
+
+
 def test_stage_console_script_memory_beyond_the_device(tmp_path):
     argv = ["--coordinator", f"127.0.0.1:{closed_port()}", "--listen", "127.0.0.1:0"]
     result = subprocess.run(

@@ -21,6 +21,18 @@ SEGMENT_KIND_DECODE: SegmentKind
 SEGMENT_KIND_VERIFY: SegmentKind
 SEGMENT_KIND_END: SegmentKind
 
+class EndpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EndpointReply(_message.Message):
+    __slots__ = ("tcp", "tls")
+    TCP_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    tcp: str
+    tls: bool
+    def __init__(self, tcp: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
+
 class Segment(_message.Message):
     __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class StageDataStub:
                 request_serializer=mesh_dot_v1_dot_data__pb2.FrameResult.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_data__pb2.ReturnAck.FromString,
                 _registered_method=True)
+        self.Endpoint = channel.unary_unary(
+                '/mesh.v1.StageData/Endpoint',
+                request_serializer=mesh_dot_v1_dot_data__pb2.EndpointRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_data__pb2.EndpointReply.FromString,
+                _registered_method=True)
 
 
 class StageDataServicer:
@@ -67,6 +72,15 @@ class StageDataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Endpoint(self, request, context):
+        """Where this stage takes Forward and Return frames over the framed TCP transport
+        (docs/protocol.md, "Framed TCP"). A sender asks once per link; an empty
+        `tcp` (or UNIMPLEMENTED) means: use the two streams above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +93,11 @@ def add_StageDataServicer_to_server(servicer, server):
                     servicer.Return,
                     request_deserializer=mesh_dot_v1_dot_data__pb2.FrameResult.FromString,
                     response_serializer=mesh_dot_v1_dot_data__pb2.ReturnAck.SerializeToString,
+            ),
+            'Endpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Endpoint,
+                    request_deserializer=mesh_dot_v1_dot_data__pb2.EndpointRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_data__pb2.EndpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +155,33 @@ class StageData:
             '/mesh.v1.StageData/Return',
             mesh_dot_v1_dot_data__pb2.FrameResult.SerializeToString,
             mesh_dot_v1_dot_data__pb2.ReturnAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Endpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.StageData/Endpoint',
+            mesh_dot_v1_dot_data__pb2.EndpointRequest.SerializeToString,
+            mesh_dot_v1_dot_data__pb2.EndpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,399 @@
+"""Framed TCP: the stages' lean data transport (docs/protocol.md, "Framed TCP").
+
+The gRPC streams of ``StageData`` cost a hop several thread hand-offs in each
+process (a request-iterator thread on the sender, the server's polling thread and a
+stream reader on the receiver) and about 1.5 ms of CPU per token per stage on the
+2-core machine of docs/benchmarks.md. Here a link is one TCP connection (TLS when
+the mesh has certificates) that carries the same protobuf messages, each behind a
+4-byte length:
+
+- the sender writes a message from the thread that produced it (the stage's frame
+  worker), under a lock, with no queue in between unless a delay is injected;
+- the receiver runs one reader thread per connection that decodes each message and
+  hands it to the same code the gRPC servicer calls.
+
+A connection opens with a hello (magic, kind, join token), which the listener
+answers with one status byte (and a reason when it refuses). After that the data
+flows one way only: the receiver never writes again, so a TLS connection is never
+read and written from two threads at once. The sender learns that the peer went
+away by watching its socket for readability (end of stream), and that it stopped
+reading by a send that times out.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mesh.errors import Unavailable
+from mesh.netaddr import split_host_port, url_host
+from mesh.security import REFUSED_MESSAGE, MeshSecurity, active, check_token
+
+if TYPE_CHECKING:
+    from stage.metrics import LinkTraffic
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MESHDAT1"
+KIND_FORWARD = 1
+KIND_RETURN = 2
+KIND_NAMES = {KIND_FORWARD: "forward", KIND_RETURN: "return"}
+ACCEPTED = 0
+REFUSED = 1
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # as the gRPC channels' limit
+CONNECT_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0
+# A peer that takes nothing from its socket for this long (stopped, hung) breaks the link.
+SEND_TIMEOUT_S = 30.0
+_LENGTH = struct.Struct("<I")
+_HELLO = struct.Struct("<8sBH")  # magic, kind, token length
+_WATCH = select.POLLIN | select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay; keepalive probes so that a silent dead host is noticed."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _read_exact(sock: socket.socket, size: int) -> memoryview:
+    buffer = memoryview(bytearray(size))
+    got = 0
+    while got < size:
+        count = sock.recv_into(buffer[got:])
+        if not count:
+            raise EOFError("the peer closed the connection")
+        got += count
+    return buffer
+
+
+def server_context(security: MeshSecurity) -> ssl.SSLContext | None:
+    """The listener's TLS context (the mesh's certificate; client certificates
+    required under mutual TLS), or None for plaintext."""
+    if security.tls_cert is None or security.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(security.tls_cert), str(security.tls_key))
+    if security.tls_mutual:
+        context.load_verify_locations(cafile=str(security.tls_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(security: MeshSecurity) -> ssl.SSLContext:
+    """A sender's TLS context: the peer's certificate checked against the mesh's CA
+    (or the system's) and its host name; this node's certificate presented."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if security.tls_ca is not None:
+        context.load_verify_locations(cafile=str(security.tls_ca))
+    else:
+        context.load_default_certs()
+    if security.tls_cert is not None and security.tls_key is not None:
+        context.load_cert_chain(str(security.tls_cert), str(security.tls_key))
+    return context
+
+
+class TcpDataServer:
+    """Accepts framed TCP links and hands their messages to ``on_frame`` (Forward)
+    and ``on_result`` (Return), each given the message's bytes."""
+
+    def __init__(
+        self,
+        listen_host: str,
+        port: int,
+        on_frame: Callable[[bytes], None],
+        on_result: Callable[[bytes], None],
+        security: MeshSecurity | None = None,
+    ) -> None:
+        self.security = active() if security is None else security
+        self._expected = (
+            check_token(self.security.join_token, "the join token").encode()
+            if self.security.join_token
+            else None
+        )
+        self._context = server_context(self.security)
+        self._handlers = {KIND_FORWARD: on_frame, KIND_RETURN: on_result}
+        family = socket.AF_INET6 if ":" in listen_host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((listen_host, port))
+        except OSError as error:
+            self._listener.close()
+            raise Unavailable(
+                f"cannot listen for data on {url_host(listen_host)}:{port}: {error}; "
+                "is the port in use? (--data-port)"
+            ) from error
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="data-accept", daemon=True)
+
+    @property
+    def tls(self) -> bool:
+        return self._context is not None
+
+    def start(self) -> TcpDataServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for sock in connections:
+            _shut(sock)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)
+                continue
+            threading.Thread(
+                target=self._serve, args=(sock, peer), name="data-reader", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket, peer: Any) -> None:
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        raw = sock
+        with self._lock:
+            self._connections.add(raw)
+        try:
+            _tune(sock)
+            sock.settimeout(HELLO_TIMEOUT_S)
+            if self._context is not None:
+                sock = self._context.wrap_socket(sock, server_side=True)
+                with self._lock:
+                    self._connections.add(sock)
+            kind = self._hello(sock, where)
+            if kind is None:
+                return
+            sock.settimeout(None)
+            handle = self._handlers[kind]
+            while not self._closed:
+                (size,) = _LENGTH.unpack(_read_exact(sock, _LENGTH.size))
+                if size > MAX_MESSAGE_BYTES:
+                    logger.warning(
+                        "%s link from %s sent a %d-byte message (limit %d); closing it",
+                        KIND_NAMES[kind],
+                        where,
+                        size,
+                        MAX_MESSAGE_BYTES,
+                    )
+                    return
+                handle(bytes(_read_exact(sock, size)))
+        except (EOFError, OSError, ssl.SSLError) as error:
+            if not self._closed:
+                logger.info("data link from %s ended: %s", where, error or type(error).__name__)
+        except Exception:  # noqa: BLE001 - the link ends, the stage stays up
+            logger.exception("data link from %s failed", where)
+        finally:
+            with self._lock:
+                self._connections.discard(sock)
+                self._connections.discard(raw)
+            _shut(sock)
+            if sock is not raw:
+                _shut(raw)
+
+    def _hello(self, sock: socket.socket, where: str) -> int | None:
+        """The kind of link ``sock`` opens, after answering its hello; None (and a
+        refusal sent) when it may not."""
+        magic, kind, token_size = _HELLO.unpack(_read_exact(sock, _HELLO.size))
+        if magic != MAGIC or kind not in self._handlers:
+            _refuse(sock, "not a mesh data link (wrong magic or kind); wrong port?")
+            logger.warning("refused a data link from %s: not a mesh data link", where)
+            return None
+        token = bytes(_read_exact(sock, token_size)) if token_size else b""
+        if self._expected is not None and not hmac.compare_digest(token, self._expected):
+            _refuse(sock, REFUSED_MESSAGE)
+            logger.warning(
+                "refused a %s link from %s: %s", KIND_NAMES[kind], where, REFUSED_MESSAGE
+            )
+            return None
+        sock.sendall(bytes([ACCEPTED]))
+        logger.info("%s link from %s open", KIND_NAMES[kind], where)
+        return kind
+
+
+def _refuse(sock: socket.socket, reason: str) -> None:
+    text = reason.encode()[:65535]
+    try:
+        sock.sendall(bytes([REFUSED]) + struct.pack("<H", len(text)) + text)
+    except OSError:
+        pass
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 hosts in brackets) as (host, port)."""
+    host, port = split_host_port(endpoint)
+    return host, port
+
+
+class TcpLink:
+    """One outgoing framed TCP link (Forward or Return): ``send`` writes a message
+    from the calling thread; ``on_broken`` runs once when the link fails."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        kind: int,
+        on_broken: Callable[[Exception], None],
+        *,
+        tls: bool = False,
+        delay_s: float = 0.0,
+        traffic: LinkTraffic | None = None,
+        security: MeshSecurity | None = None,
+    ) -> None:
+        self.address = endpoint
+        self.name = KIND_NAMES[kind]
+        self.delay_s = delay_s
+        self._on_broken = on_broken
+        self._traffic = traffic
+        self._broken: Exception | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # one writer at a time
+        self._state = threading.Lock()  # _broken and _closed
+        security = active() if security is None else security
+        self._sock = self._connect(endpoint, kind, tls, security)
+        self._delayed: queue.SimpleQueue | None = None
+        if delay_s > 0:
+            self._delayed = queue.SimpleQueue()
+            threading.Thread(
+                target=self._send_delayed, name=f"{self.name}-delay", daemon=True
+            ).start()
+        threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
+
+    def _connect(
+        self, endpoint: str, kind: int, tls: bool, security: MeshSecurity
+    ) -> socket.socket:
+        host, port = parse_endpoint(endpoint)
+        try:
+            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        except OSError as error:
+            raise Unavailable(
+                f"{self.name} link: cannot reach {endpoint} within {CONNECT_TIMEOUT_S:.0f}s: "
+                f"{error}"
+            ) from error
+        try:
+            _tune(sock)
+            if tls:
+                sock = client_context(security).wrap_socket(sock, server_hostname=host)
+            token = (security.join_token or "").encode()
+            sock.sendall(_HELLO.pack(MAGIC, kind, len(token)) + token)
+            status = _read_exact(sock, 1)[0]
+            if status != ACCEPTED:
+                (size,) = struct.unpack("<H", _read_exact(sock, 2))
+                reason = bytes(_read_exact(sock, size)).decode(errors="replace")
+                raise Unavailable(f"{self.name} link to {endpoint} refused: {reason}")
+            sock.settimeout(SEND_TIMEOUT_S)
+        except Unavailable:
+            _shut(sock)
+            raise
+        except (EOFError, OSError, ssl.SSLError) as error:
+            _shut(sock)
+            raise Unavailable(f"{self.name} link to {endpoint} failed to open: {error}") from error
+        return sock
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def send(self, message: Any) -> None:
+        """Send a protobuf message (raises Unavailable once the link is down)."""
+        if self._broken is not None:
+            raise Unavailable(f"{self.name} link to {self.address} is down: {self._broken}")
+        body = message.SerializeToString()
+        if self._traffic is not None:
+            self._traffic.count(len(body))
+        data = _LENGTH.pack(len(body)) + body
+        if self._delayed is not None:
+            self._delayed.put((time.monotonic() + self.delay_s, data))
+            return
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            with self._lock:
+                self._sock.sendall(data)
+        except (OSError, ssl.SSLError) as error:
+            if isinstance(error, TimeoutError):
+                error = Unavailable(
+                    f"{self.address} took nothing for {SEND_TIMEOUT_S:.0f}s (stopped or hung)"
+                )
+            self._fail(error)
+            raise Unavailable(f"{self.name} link to {self.address} is down: {error}") from error
+
+    def _send_delayed(self) -> None:
+        while True:
+            item = self._delayed.get()
+            if item is None:
+                return
+            due, data = item
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                self._write(data)
+            except Unavailable:
+                return
+
+    def _watch(self) -> None:
+        """The receiver never writes after the hello: readability means it went away."""
+        poller = select.poll()
+        poller.register(self._sock.fileno(), _WATCH)
+        while not self._closed:
+            try:
+                if poller.poll(1000):
+                    break
+            except OSError:
+                break
+        self._fail(Unavailable(f"{self.name} link to {self.address} ended"))
+
+    def _fail(self, error: Exception) -> None:
+        with self._state:
+            if self._closed or self._broken is not None:
+                return
+            self._broken = error
+        logger.warning("%s link to %s broke: %s", self.name, self.address, error)
+        self._on_broken(error)
+
+    def close(self) -> None:
+        with self._state:
+            self._closed = True
+        if self._delayed is not None:
+            self._delayed.put(None)
+        _shut(self._sock)
