@@ -114,6 +114,7 @@ class MeshConfig:
     quantised_kernel: str = "auto"  # mesh-stage join --quantised-kernel
     # mesh-stage join --prefix-cache-tokens of stage 0 (None: its default).
     prefix_cache_tokens: int | None = None
+    data_transport: str = "tcp"  # mesh-stage join --data-transport
 
     @property
     def label(self) -> str:
@@ -124,13 +125,17 @@ class MeshConfig:
         cache = ""
         if self.prefix_cache_tokens is not None:
             cache = f" prefix-cache={self.prefix_cache_tokens or 'off'}"
+        if self.data_transport != "tcp":
+            cache += f" over {self.data_transport}"
         plural = "s" if self.stages > 1 else ""
         return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}{cache}"
 
     @property
     def setting(self) -> str:
-        """The settings a benchmark compares: ``speculation/row-invariant/kernel``."""
-        return f"{self.speculation}/{self.row_invariant}/{self.quantised_kernel}"
+        """The settings a benchmark compares: ``speculation/row-invariant/kernel``, and
+        ``/grpc`` when frames travel over the gRPC streams."""
+        over = "" if self.data_transport == "tcp" else f"/{self.data_transport}"
+        return f"{self.speculation}/{self.row_invariant}/{self.quantised_kernel}{over}"
 
     def stage_args(self) -> tuple[str, ...]:
         return (
@@ -138,6 +143,8 @@ class MeshConfig:
             self.row_invariant,
             "--quantised-kernel",
             self.quantised_kernel,
+            "--data-transport",
+            self.data_transport,
         )
 
     def stage0_args(self) -> tuple[str, ...]:
@@ -235,7 +242,7 @@ def running_meshes(
                 root
                 / (
                     f"mesh{index}-{config.stages}st-{config.wire_dtype}-"
-                    f"{config.row_invariant}-{config.quantised_kernel}"
+                    f"{config.row_invariant}-{config.quantised_kernel}-{config.data_transport}"
                 ),
                 config.stages,
                 wire_dtype=config.wire_dtype,

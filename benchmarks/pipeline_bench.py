@@ -82,11 +82,21 @@ FRAME_TIMING_ITERATIONS = 2000
 
 
 def build_configs(
-    stage_counts: list[int], wire_sweep: bool, kernel: str = "auto"
+    stage_counts: list[int],
+    wire_sweep: bool,
+    kernel: str = "auto",
+    transports: tuple[str, ...] = ("tcp",),
 ) -> list[MeshConfig]:
-    """f32 meshes for each stage count, plus 2-stage meshes for the other wire dtypes;
-    every stage with ``--quantised-kernel kernel``."""
-    configs = [MeshConfig(n, "f32", quantised_kernel=kernel) for n in stage_counts]
+    """f32 meshes for each stage count (split meshes once per data transport), plus
+    2-stage meshes for the other wire dtypes; every stage with ``--quantised-kernel
+    kernel``."""
+    configs = [MeshConfig(1, "f32", quantised_kernel=kernel)] if 1 in stage_counts else []
+    configs += [
+        MeshConfig(n, "f32", quantised_kernel=kernel, data_transport=t)
+        for n in stage_counts
+        if n > 1
+        for t in transports
+    ]
     if wire_sweep:
         configs += [MeshConfig(2, w, quantised_kernel=kernel) for w in WIRE_DTYPES if w != "f32"]
     return configs
@@ -192,7 +202,12 @@ def measure(
                 f"repeat {repeat}",
                 lambda m=mesh: decode_once(m, prompt, max_tokens),
             )
-            run.update(repeat=repeat, stages=mesh.config.stages, wire=mesh.config.wire_dtype)
+            run.update(
+                repeat=repeat,
+                stages=mesh.config.stages,
+                wire=mesh.config.wire_dtype,
+                transport=mesh.config.data_transport,
+            )
             logger.info(
                 "repeat %s %s: %.2f tok/s", repeat, mesh.config.label, run["predicted_per_second"]
             )
@@ -204,7 +219,9 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
     """Per configuration: medians over repeats and the derived ratios and overheads."""
     rows = []
     for config in configs:
-        mine = [r for r in runs if r["stages"] == config.stages and r["wire"] == config.wire_dtype]
+        mine = [
+            r for r in runs if _key(r) == (config.stages, config.wire_dtype, config.data_transport)
+        ]
         tok_s = median([r["predicted_per_second"] for r in mine])
         compute = {
             stage: median([r["stage_compute_ms"].get(stage, float("nan")) for r in mine])
@@ -219,6 +236,8 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
             {
                 "stages": config.stages,
                 "wire": config.wire_dtype,
+                "transport": config.data_transport,
+                "label": config.label,
                 "decode_tokens_per_s": spread([r["predicted_per_second"] for r in mine]),
                 "ms_per_token": 1000.0 / tok_s if tok_s else float("nan"),
                 "wall_tokens_per_s": spread([r["wall_tokens_per_s"] for r in mine]),
@@ -238,7 +257,7 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
             }
         )
     base = next((r for r in rows if r["stages"] == 1 and r["wire"] == "f32"), None)
-    base_text = _texts(runs, 1, "f32")
+    base_text = _texts(runs, (1, "f32", "tcp"))
     for row in rows:
         if base is None:
             break
@@ -256,12 +275,17 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
             if hops
             else float("nan")
         )
-        row["same_text_as_1_stage"] = _texts(runs, row["stages"], row["wire"]) == base_text
+        row["same_text_as_1_stage"] = _texts(runs, _key(row)) == base_text
     return rows
 
 
-def _texts(runs: list[dict[str, Any]], stages: int, wire: str) -> set[str]:
-    return {r["text"] for r in runs if r["stages"] == stages and r["wire"] == wire}
+def _key(run: dict[str, Any]) -> tuple[int, str, str]:
+    """(stages, wire dtype, data transport) of a run or a row."""
+    return run["stages"], run["wire"], run.get("transport", "tcp")
+
+
+def _texts(runs: list[dict[str, Any]], key: tuple[int, str, str]) -> set[str]:
+    return {r["text"] for r in runs if _key(r) == key}
 
 
 def wire_sizes(
@@ -319,7 +343,8 @@ def _codec_time_us(frame: Frame, wire: WireDType, iterations: int) -> float:
 
 
 def _config_name(row: dict[str, Any]) -> str:
-    return f"{row['stages']} stage{'s' if row['stages'] > 1 else ''} {row['wire']}"
+    over = "" if row.get("transport", "tcp") == "tcp" else f" over {row['transport']}"
+    return f"{row['stages']} stage{'s' if row['stages'] > 1 else ''} {row['wire']}{over}"
 
 
 def stage_table(rows: list[dict[str, Any]]) -> str:
@@ -424,7 +449,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="the stages' --quantised-kernel (int4/int8 packages)",
     )
+    parser.add_argument(
+        "--transports",
+        default="tcp",
+        help="data transports of the split meshes, comma-separated: tcp, grpc",
+    )
     args = parser.parse_args(argv)
+    args.transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    if not args.transports or set(args.transports) - {"tcp", "grpc"}:
+        parser.error("--transports takes tcp and/or grpc")
     args.stage_counts = sorted({int(s) for s in args.stages.split(",") if s.strip()})
     if 1 not in args.stage_counts:
         parser.error("--stages must include 1: it is the baseline")
@@ -438,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = PackageManifest.load(package)
     workloads = load_workloads(args.workloads or default_workloads_path())
     prompt = pick_prompt(workloads, args.prompt_id)
-    configs = build_configs(args.stage_counts, args.wire_sweep, args.quantised_kernel)
+    configs = build_configs(
+        args.stage_counts, args.wire_sweep, args.quantised_kernel, args.transports
+    )
     machine = machine_info(args.threads)
     started = time.time()
     with running_meshes(

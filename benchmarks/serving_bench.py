@@ -446,7 +446,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the stages' --quantised-kernel; several, comma-separated (e.g. torch,native), "
         "as --row-invariant: one mesh each, alternating repeats",
     )
+    parser.add_argument(
+        "--transports",
+        default="tcp",
+        help="the stages' --data-transport; several, comma-separated (tcp,grpc), as "
+        "--row-invariant: one mesh each, alternating repeats",
+    )
     args = parser.parse_args(argv)
+    args.transports = [t for t in args.transports.split(",") if t]
+    if not args.transports or set(args.transports) - {"tcp", "grpc"}:
+        parser.error("--transports takes tcp, grpc (comma-separated)")
     args.arithmetic = [m for m in args.row_invariant.split(",") if m]
     if not args.arithmetic or set(args.arithmetic) - {"auto", "on", "off"}:
         parser.error("--row-invariant takes auto, on, off (comma-separated)")
@@ -474,10 +483,18 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown workload(s) {missing}; the file has {sorted(workloads)}")
         workloads = {k: v for k, v in workloads.items() if k in args.workload}
     configs = [
-        MeshConfig(args.stages, args.wire_dtype, spec, mode, quantised_kernel=kernel)
+        MeshConfig(
+            args.stages,
+            args.wire_dtype,
+            spec,
+            mode,
+            quantised_kernel=kernel,
+            data_transport=transport,
+        )
         for spec in args.speculations
         for mode in args.arithmetic
         for kernel in args.kernels
+        for transport in args.transports
     ]
     settings = [c.setting for c in configs]
     config = configs[0]
