@@ -60,10 +60,17 @@ _WATCH = select.POLLIN | select.POLLERR | select.POLLHUP | getattr(select, "POLL
 
 
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay; keepalive probes so that a silent dead host is noticed."""
+    """No Nagle delay; keepalive probes and a limit on unacknowledged data, so that
+    a silent dead host (or a cut link) is noticed."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2)):
+    for name, value in (
+        ("TCP_KEEPIDLE", 10),
+        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPCNT", 2),
+        # Data the peer's host has not acknowledged for this long ends the connection.
+        ("TCP_USER_TIMEOUT", int(SEND_TIMEOUT_S * 1000)),
+    ):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
