@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh.errors import UnsupportedArchitecture
-from mesh.runtime import invariant, native_attention
+from mesh.runtime import invariant, native_attention, native_norm
 from mesh.runtime.linear import Linear, packed, unpacked
 from mesh.runtime.moe import SparseExperts, is_sparse, structure_problems
 from mesh.runtime.sessions import SessionCache
@@ -32,8 +32,13 @@ _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
-def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: statistics in float32, scale applied in the input dtype."""
+def rms_norm(
+    hidden: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False
+) -> torch.Tensor:
+    """HF's RMSNorm: statistics in float32, scale applied in the input dtype. With
+    ``native`` (row-invariant stages) on the stage's kernel where it can run."""
+    if native and native_norm.usable(hidden, weight):
+        return native_norm.rms_norm(hidden, weight, eps)
     normed = F.rms_norm(hidden.to(torch.float32), hidden.shape[-1:], eps=eps)
     return weight * normed.to(hidden.dtype)
 
@@ -306,7 +311,7 @@ def _project(
     """Norm, the fused q/k/v linear, and rotary (plus Qwen3's q/k norms) on queries
     and keys in place. Returns the q/k/v rows and the rotated ``[T, heads +
     kv_heads, D]`` query/key view of them."""
-    states = rms_norm(hidden, block.input_norm, block.norm_eps)
+    states = rms_norm(hidden, block.input_norm, block.norm_eps, block.row_invariant)
     # [T, (heads + 2 * kv_heads) * D]: queries, keys, values; rotated in place.
     qkv = block.qkv(states)
     query_key = qkv[:, : block.qk_width].unflatten(-1, (-1, block.head_dim))
@@ -321,7 +326,7 @@ def _finish(block: DecoderBlock, hidden: torch.Tensor, attended: torch.Tensor) -
     """Output projection, residual, and the gated MLP (or routed experts) with its
     residual."""
     hidden = hidden + block.o(attended)
-    states = rms_norm(hidden, block.post_norm, block.norm_eps)
+    states = rms_norm(hidden, block.post_norm, block.norm_eps, block.row_invariant)
     if block.experts is not None:
         return hidden + block.experts(states)
     gate, up = block.gate_up(states).chunk(2, dim=-1)  # type: ignore[misc]

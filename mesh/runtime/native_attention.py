@@ -16,6 +16,7 @@ load and ``--quantised-kernel`` is not ``torch``.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,11 +70,11 @@ def attend(
             return None
         window = part.window if sliding and part.window else 0
         rows += [part.row, part.at, part.count, window, kv.shape[-2], kv.data_ptr()]
-    table = torch.tensor(rows, dtype=torch.int64)
+    table = array("q", rows)  # int64, as the kernel reads it; cheaper than a tensor
     out = torch.empty(qkv.shape[0], heads * head_dim, dtype=qkv.dtype)
     status = lib.mesh_attend(
         qkv.data_ptr(), qkv.stride(0), _DTYPES[qkv.dtype], heads, kv_heads, head_dim,
-        scaling, table.data_ptr(), len(segments), out.data_ptr(), torch.get_num_threads(),
+        scaling, table.buffer_info()[0], len(segments), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == -1:
         raise MemoryError("the attention kernel could not allocate its score buffer")

@@ -70,15 +70,26 @@ def _aligned(count: int) -> int:
     return -(-count // _ALIGN) * _ALIGN
 
 
+# Call shapes whose buffer pointers a thread remembers (decode steps repeat a few).
+_KNOWN_SHAPES = 64
+
+
 class _Workspace:
     """One call's buffers, cut out of one allocation kept per thread (and grown as
-    calls need), so a call allocates nothing but its output."""
+    calls need), so a call allocates nothing but its output; the pointers of recent
+    call shapes are remembered."""
 
     __slots__ = ("codes", "dscale", "sums", "acc")
 
     _held = threading.local()
 
     def __init__(self, rows: int, k: int, sum_count: int, threads: int) -> None:
+        held = self._held
+        key = (rows, k, sum_count, threads)
+        known = getattr(held, "known", None)
+        if known is not None and key in known:
+            self.codes, self.dscale, self.sums, self.acc = known[key]
+            return
         # Codes: two parts, each padded to whole 16-row AMX tiles.
         tiles = -(-rows // 16) * 16
         sizes = (
@@ -88,10 +99,11 @@ class _Workspace:
             threads * 2 * rows * 64,
         )
         need = sum(_aligned(size) for size in sizes) + _ALIGN
-        buffer = getattr(self._held, "buffer", None)
+        buffer = getattr(held, "buffer", None)
         if buffer is None or buffer.numel() < need:
             buffer = torch.empty(need, dtype=torch.uint8)
-            self._held.buffer = buffer
+            held.buffer = buffer
+            held.known = known = {}  # pointers into the buffer it replaces are void
         base = buffer.data_ptr()
         offset = (-base) % _ALIGN
         pointers = []
@@ -99,6 +111,11 @@ class _Workspace:
             pointers.append(base + offset)
             offset += _aligned(size)
         self.codes, self.dscale, self.sums, self.acc = pointers
+        if known is None:
+            held.known = known = {}
+        if len(known) >= _KNOWN_SHAPES:
+            known.clear()
+        known[key] = tuple(pointers)
 
 
 def _operands(inputs: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -369,7 +369,12 @@ class StageRuntime:
         modules = self._modules
         if hidden.shape[0] == 0:
             return torch.empty(0, self._vocab_size, device=hidden.device)
-        normed = rms_norm(hidden, modules.norm, modules.norm_eps)  # type: ignore[arg-type]
+        normed = rms_norm(
+            hidden,
+            modules.norm,  # type: ignore[arg-type]
+            modules.norm_eps,
+            modules.row_invariant,
+        )
         return modules.lm_head(normed).float()  # type: ignore[misc]
 
     def _prepare(self, inputs: torch.Tensor, check_ids: bool = True) -> torch.Tensor:
