@@ -1,6 +1,8 @@
-"""A stage's step by the rows it holds, with the stage's own attention kernel
-(mesh/runtime/native_attention.py) against torch's SDPA per segment, in one process
-and one runtime, alternating repeat by repeat.
+"""A stage's step by the rows it holds, with one of the stage's own kernels against
+torch, in one process and one runtime, alternating repeat by repeat: the attention
+kernel (mesh/runtime/native_attention.py) against torch's SDPA per segment
+(``--compare attention``, the default), or the RMSNorm kernel
+(mesh/runtime/native_norm.py) against torch's four operations (``--compare norm``).
 
 Frames: decode rows of 1-16 sessions (each at its own position around 300), verify
 windows of 8 and 16 rows, prefill chunks of 128 and 512 rows, through the layers
@@ -9,6 +11,7 @@ int8 packages run by default). Prints milliseconds per step (medians of the
 repeats), the ratio native / torch, and how each grows with rows; writes JSON.
 
     .venv/bin/python benchmarks/step_bench.py --package PKG [--threads 1] [--repeats 5]
+        [--compare attention|norm]
 """
 
 from __future__ import annotations
@@ -26,12 +29,21 @@ import torch
 from common import emit, machine_info, render_table, resolve_package, write_json
 
 from mesh.package.manifest import PackageManifest
-from mesh.runtime import Span, StageRuntime, invariant, load_stage_runtime, native_attention
+from mesh.runtime import (
+    Span,
+    StageRuntime,
+    invariant,
+    load_stage_runtime,
+    native_attention,
+    native_norm,
+)
 from mesh.types import LayerRange
 
 logger = logging.getLogger("step_bench")
 
 KERNELS = ("torch", "native")
+# What --compare switches: the module whose ``usable`` decides for that kernel.
+COMPARED = {"attention": native_attention, "norm": native_norm}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -40,6 +52,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-layer", type=int, default=0, help="the stage's first layer")
+    parser.add_argument(
+        "--compare",
+        choices=sorted(COMPARED),
+        default="attention",
+        help="which of the stage's kernels runs against torch",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/step_bench.json"))
     return parser.parse_args(argv)
 
@@ -99,14 +117,15 @@ class Steps:
         }
 
 
-def measure(steps: Steps, repeats: int) -> dict[str, dict[str, Any]]:
+def measure(steps: Steps, repeats: int, compare: str = "attention") -> dict[str, dict[str, Any]]:
     cases = steps.cases()
-    usable = native_attention.usable
+    module = COMPARED[compare]
+    usable = module.usable
     times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in KERNELS} for c in cases}
     try:
         for repeat in range(repeats):
             for kernel in KERNELS if repeat % 2 == 0 else KERNELS[::-1]:
-                native_attention.usable = usable if kernel == "native" else _never  # type: ignore[assignment]
+                module.usable = usable if kernel == "native" else _never  # type: ignore[assignment]
                 for name, (rows, step) in cases.items():
                     count = 2 if rows >= 128 else 12
                     step()  # warm
@@ -115,7 +134,7 @@ def measure(steps: Steps, repeats: int) -> dict[str, dict[str, Any]]:
                         step()
                     times[name][kernel].append((time.perf_counter() - started) / count)
     finally:
-        native_attention.usable = usable  # type: ignore[assignment]
+        module.usable = usable  # type: ignore[assignment]
     one = {k: statistics.median(times["decode x1"][k]) for k in KERNELS}
     return {
         name: {"rows": cases[name][0]}
@@ -130,8 +149,8 @@ def _never(*_: object) -> bool:
     return False
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
-    headers = ["frame", "rows", "torch SDPA ms", "native ms", "native / torch"]
+def table(results: dict[str, dict[str, Any]], compare: str = "attention") -> str:
+    headers = ["frame", "rows", f"torch {compare} ms", "native ms", "native / torch"]
     headers += ["torch vs 1 row", "native vs 1 row"]
     body = [
         [
@@ -160,12 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     layers = LayerRange(args.first_layer, manifest.layer_count)
     runtime = load_stage_runtime(package, layers, max_sessions=64)
     steps = Steps(runtime, args.first_layer == 0, manifest.hidden_size)
-    results = measure(steps, args.repeats)
-    emit(table(results))
+    results = measure(steps, args.repeats, args.compare)
+    emit(table(results, args.compare))
     write_json(
         args.out,
         {"machine": machine_info(args.threads), "package": str(package), "layers": str(layers)}
-        | {"results": results},
+        | {"compare": args.compare, "results": results},
     )
     return 0
 
