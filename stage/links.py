@@ -22,7 +22,7 @@ from mesh.codec import FrameAck, ack_from_proto
 from mesh.errors import Unavailable
 from mesh.grpc_util import channel
 from mesh.proto.v1 import data_pb2, data_pb2_grpc
-from stage.tcp_data import KIND_FORWARD, KIND_RETURN, TcpLink
+from stage.tcp_data import KIND_FORWARD, KIND_RETURN, TcpLink, sleep_until
 
 if TYPE_CHECKING:
     from stage.metrics import LinkTraffic
@@ -131,9 +131,7 @@ class _StreamLink(ABC):
             if item is _CLOSE:
                 return
             due, message = item
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
+            sleep_until(due)
             if self._traffic is not None:
                 self._traffic.count(message.ByteSize())
             yield message

@@ -264,10 +264,11 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 hosts in brackets) as (host, port)."""
-    host, port = split_host_port(endpoint)
-    return host, port
+def sleep_until(due: float) -> None:
+    """Wait until ``time.monotonic()`` reaches ``due`` (an injected hop delay)."""
+    wait = due - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
 
 
 class TcpLink:
@@ -307,7 +308,7 @@ class TcpLink:
     def _connect(
         self, endpoint: str, kind: int, tls: bool, security: MeshSecurity
     ) -> socket.socket:
-        host, port = parse_endpoint(endpoint)
+        host, port = split_host_port(endpoint)
         try:
             sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         except OSError as error:
@@ -370,9 +371,7 @@ class TcpLink:
             if item is None:
                 return
             due, data = item
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
+            sleep_until(due)
             try:
                 self._write(data)
             except Unavailable:
