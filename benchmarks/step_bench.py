@@ -1,8 +1,11 @@
 """A stage's step by the rows it holds, with one of the stage's own kernels against
 torch, in one process and one runtime, alternating repeat by repeat: the attention
 kernel (mesh/runtime/native_attention.py) against torch's SDPA per segment
-(``--compare attention``, the default), or the RMSNorm kernel
-(mesh/runtime/native_norm.py) against torch's four operations (``--compare norm``).
+(``--compare attention``, the default), the RMSNorm kernel
+(mesh/runtime/native_norm.py) against torch's four operations (``--compare norm``),
+or the quantised kernels with their weight prefetch hints against the same kernels
+without them (``--compare prefetch``: "torch" then stands for the kernels without
+hints).
 
 Frames: decode rows of 1-16 sessions (each at its own position around 300), verify
 windows of 8 and 16 rows, prefill chunks of 128 and 512 rows, through the layers
@@ -11,7 +14,7 @@ int8 packages run by default). Prints milliseconds per step (medians of the
 repeats), the ratio native / torch, and how each grows with rows; writes JSON.
 
     .venv/bin/python benchmarks/step_bench.py --package PKG [--threads 1] [--repeats 5]
-        [--compare attention|norm]
+        [--compare attention|norm|prefetch]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mesh.runtime import (
     StageRuntime,
     invariant,
     load_stage_runtime,
+    native,
     native_attention,
     native_norm,
 )
@@ -42,8 +46,30 @@ from mesh.types import LayerRange
 logger = logging.getLogger("step_bench")
 
 KERNELS = ("torch", "native")
-# What --compare switches: the module whose ``usable`` decides for that kernel.
-COMPARED = {"attention": native_attention, "norm": native_norm}
+
+
+def _switch_usable(module: Any) -> Callable[[bool], None]:
+    """Turn a kernel on or off through its module's ``usable`` check."""
+    usable = module.usable
+
+    def switch(on: bool) -> None:
+        module.usable = usable if on else _never
+
+    return switch
+
+
+def _switch_prefetch(on: bool) -> None:
+    lib = native.library()
+    assert lib is not None
+    lib.mesh_set_fetch_ahead(native.FETCH_AHEAD_BYTES if on else 0)
+
+
+# What --compare switches: on = the stage's kernel as it runs by default.
+COMPARED: dict[str, Callable[[], Callable[[bool], None]]] = {
+    "attention": lambda: _switch_usable(native_attention),
+    "norm": lambda: _switch_usable(native_norm),
+    "prefetch": lambda: _switch_prefetch,
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -119,13 +145,12 @@ class Steps:
 
 def measure(steps: Steps, repeats: int, compare: str = "attention") -> dict[str, dict[str, Any]]:
     cases = steps.cases()
-    module = COMPARED[compare]
-    usable = module.usable
+    switch = COMPARED[compare]()
     times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in KERNELS} for c in cases}
     try:
         for repeat in range(repeats):
             for kernel in KERNELS if repeat % 2 == 0 else KERNELS[::-1]:
-                module.usable = usable if kernel == "native" else _never  # type: ignore[assignment]
+                switch(kernel == "native")
                 for name, (rows, step) in cases.items():
                     count = 2 if rows >= 128 else 12
                     step()  # warm
@@ -134,7 +159,7 @@ def measure(steps: Steps, repeats: int, compare: str = "attention") -> dict[str,
                         step()
                     times[name][kernel].append((time.perf_counter() - started) / count)
     finally:
-        module.usable = usable  # type: ignore[assignment]
+        switch(True)
     one = {k: statistics.median(times["decode x1"][k]) for k in KERNELS}
     return {
         name: {"rows": cases[name][0]}
@@ -150,8 +175,9 @@ def _never(*_: object) -> bool:
 
 
 def table(results: dict[str, dict[str, Any]], compare: str = "attention") -> str:
-    headers = ["frame", "rows", f"torch {compare} ms", "native ms", "native / torch"]
-    headers += ["torch vs 1 row", "native vs 1 row"]
+    off, on = ("no hints", "hints") if compare == "prefetch" else (f"torch {compare}", "native")
+    headers = ["frame", "rows", f"{off} ms", f"{on} ms", f"{on} / {off.split()[0]}"]
+    headers += [f"{off.split()[0]} vs 1 row", f"{on} vs 1 row"]
     body = [
         [
             name,

@@ -52,6 +52,12 @@ BUILD_TIMEOUT_S = 120
 # thread, SmolLM2 shapes: AMX 0.75-0.9x the VNNI time at 16 rows and above, 1.0-1.05x
 # at 8, 2-4x at 1 (tile set-up and stores per block).
 AMX_ROWS = 12
+# How many bytes ahead of the block being multiplied the quantised kernels ask for a
+# weight's cache lines. Measured on the same VM, 1 thread, a stage step of the int4
+# package (benchmarks/step_bench.py --compare prefetch): 1024-8192 all helped, 2048
+# the most; without the hints a one-row step read the weights at about 2/3 of the
+# core's read bandwidth.
+FETCH_AHEAD_BYTES = 2048
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -62,6 +68,7 @@ _SIGNATURES = {
     "mesh_pack_int8": [_P, _I, _I, _P],
     "mesh_int8_matmul": [_P, _C, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C],
     "mesh_set_amx_rows": [_I],
+    "mesh_set_fetch_ahead": [_I],
     "mesh_amx_available": [],
     "mesh_attend": [_P, _I, _C, _I, _I, _I, ctypes.c_float, _P, _I, _P, _C],
     "mesh_rms_norm": [_P, _C, _I, _I, _P, ctypes.c_float, _P],
@@ -181,6 +188,7 @@ def library() -> ctypes.CDLL | None:
         function.argtypes = argtypes
         function.restype = _RESULTS.get(name)
     lib.mesh_set_amx_rows(AMX_ROWS)
+    lib.mesh_set_fetch_ahead(FETCH_AHEAD_BYTES)
     amx = bool(lib.mesh_amx_available())
     logger.info("the stage's CPU kernels: %s (%s)", "VNNI + AMX" if amx else "VNNI", path)
     return lib

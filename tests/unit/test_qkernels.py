@@ -192,6 +192,26 @@ def test_amx_tiles_give_the_vnni_loops_results_bit_for_bit(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_prefetch_hints_change_no_result(kind: str) -> None:
+    """The weight prefetch distance is a hint only: any distance, including none and
+    one far past the end of the weight, gives the same bits (VNNI and AMX calls)."""
+    w = weight(96, 256)
+    parts = quant.quantize_int4(w, 32) if kind == "int4" else quant.quantize_int8(w)
+    linear = build_linear(LinearSpec(96, 256, kind, parts=parts), CPU, torch.float32)
+    lib = native.library()
+    try:
+        for rows in (1, 3, 16):
+            x = activations(rows, 256, seed=rows)
+            lib.mesh_set_fetch_ahead(0)
+            plain = linear(x)
+            for distance in (64, native.FETCH_AHEAD_BYTES, 1 << 20):
+                lib.mesh_set_fetch_ahead(distance)
+                assert torch.equal(linear(x), plain), (rows, distance)
+    finally:
+        lib.mesh_set_fetch_ahead(native.FETCH_AHEAD_BYTES)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_bfloat16_in_and_out_equal_the_float32_call_rounded(kind: str) -> None:
     """bfloat16 activations are read and results written by the kernel itself: the
     same bits as a float32 call rounded to nearest even by torch."""

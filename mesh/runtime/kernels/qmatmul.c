@@ -36,6 +36,22 @@
 #include "simd.h"
 
 #define QBLOCK 32
+/* How far ahead of the block being multiplied the weight's cache lines are asked
+   for (bytes; 0: not at all). A weight is read once per call, mostly from memory:
+   without these hints a one-row call ran at about 2/3 of this machine's read
+   bandwidth and the integer work of more rows did not overlap the reads. Set by the
+   caller (mesh_set_fetch_ahead). */
+static int64_t fetch_distance = 2048;
+
+void mesh_set_fetch_ahead(int64_t bytes) { fetch_distance = bytes; }
+
+/* Ask for the cache lines fetch_distance bytes past the `bytes` bytes at `p` (a
+   hint: no fault past the end of the weight). */
+static inline void fetch_ahead(const uint8_t *p, int64_t bytes) {
+    if (fetch_distance <= 0) return;
+    for (int64_t at = 0; at < bytes; at += 64)
+        _mm_prefetch((const char *)p + fetch_distance + at, _MM_HINT_T0);
+}
 /* Calls with fewer multiply-adds than this run on the calling thread alone. */
 #define THREADED_MACS (1LL << 24)
 
@@ -163,6 +179,7 @@ static void int4_blocks(const Work *w) {
             for (int64_t qb = 0; qb < per_group; ++qb) {
                 const int64_t kb = g * per_group + qb; /* block of 32 along k */
                 const uint8_t *wp = wb + kb * 4 * 64;
+                fetch_ahead(wp, 256);
                 __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
                 __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
                 __m512i l0 = _mm512_and_si512(w0, nib), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), nib);
@@ -209,6 +226,7 @@ static void int8_blocks(const Work *w) {
         for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
         for (int64_t kb = 0; kb < qblocks; ++kb) {
             const uint8_t *wp = wb + kb * 8 * 64;
+            fetch_ahead(wp, 512);
             __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
             __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
             __m512i w4 = _mm512_loadu_si512(wp + 256), w5 = _mm512_loadu_si512(wp + 320);
@@ -332,6 +350,7 @@ static void int4_blocks_amx(const Work *w) {
             for (int64_t qb = 0; qb < per_group; ++qb) {
                 const int64_t kb = g * per_group + qb;
                 const uint8_t *wp = wb + kb * 4 * 64;
+                fetch_ahead(wp, 256);
                 for (int i = 0; i < 4; ++i) {
                     __m512i v = _mm512_loadu_si512(wp + 64 * i);
                     _mm512_store_si512(tile[2 * i], _mm512_and_si512(v, nib));
@@ -355,6 +374,7 @@ static void int8_blocks_amx(const Work *w) {
         const uint8_t *wb = w->packed + b * steps * 64;
         for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
         for (int64_t kb = 0; kb < qblocks; ++kb) {
+            fetch_ahead(wb + kb * 8 * 64, 512);
             _tile_loadd(2, wb + kb * 8 * 64, 64);
             amx_rows(w, kb, yacc, 1);
         }
