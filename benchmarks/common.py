@@ -115,6 +115,7 @@ class MeshConfig:
     # mesh-stage join --prefix-cache-tokens of stage 0 (None: its default).
     prefix_cache_tokens: int | None = None
     data_transport: str = "tcp"  # mesh-stage join --data-transport
+    prompts_ahead: bool = True  # stage 0's --prompts-ahead / --no-prompts-ahead
 
     @property
     def label(self) -> str:
@@ -127,14 +128,19 @@ class MeshConfig:
             cache = f" prefix-cache={self.prefix_cache_tokens or 'off'}"
         if self.data_transport != "tcp":
             cache += f" over {self.data_transport}"
+        if not self.prompts_ahead:
+            cache += " no-prompts-ahead"
         plural = "s" if self.stages > 1 else ""
         return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}{cache}"
 
     @property
     def setting(self) -> str:
-        """The settings a benchmark compares: ``speculation/row-invariant/kernel``, and
-        ``/grpc`` when frames travel over the gRPC streams."""
+        """The settings a benchmark compares: ``speculation/row-invariant/kernel``,
+        ``/grpc`` when frames travel over the gRPC streams, ``/no-prompts-ahead`` when
+        new prompts wait for a free frame."""
         over = "" if self.data_transport == "tcp" else f"/{self.data_transport}"
+        if not self.prompts_ahead:
+            over += "/no-prompts-ahead"
         return f"{self.speculation}/{self.row_invariant}/{self.quantised_kernel}{over}"
 
     def stage_args(self) -> tuple[str, ...]:
@@ -152,6 +158,8 @@ class MeshConfig:
         cache: tuple[str, ...] = ()
         if self.prefix_cache_tokens is not None:
             cache = ("--prefix-cache-tokens", str(self.prefix_cache_tokens))
+        if not self.prompts_ahead:
+            cache += ("--no-prompts-ahead",)
         if self.speculation == "package":
             return cache
         return ("--spec-type", self.speculation, *cache)

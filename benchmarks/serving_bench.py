@@ -452,7 +452,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the stages' --data-transport; several, comma-separated (tcp,grpc), as "
         "--row-invariant: one mesh each, alternating repeats",
     )
+    parser.add_argument(
+        "--prompts-ahead",
+        default="on",
+        help="stage 0's --prompts-ahead: on, off, or both (on,off), as --row-invariant: "
+        "one mesh each, alternating repeats",
+    )
     args = parser.parse_args(argv)
+    args.prompts_ahead = [m for m in args.prompts_ahead.split(",") if m]
+    if not args.prompts_ahead or set(args.prompts_ahead) - {"on", "off"}:
+        parser.error("--prompts-ahead takes on, off (comma-separated)")
     args.transports = [t for t in args.transports.split(",") if t]
     if not args.transports or set(args.transports) - {"tcp", "grpc"}:
         parser.error("--transports takes tcp, grpc (comma-separated)")
@@ -490,11 +499,13 @@ def main(argv: list[str] | None = None) -> int:
             mode,
             quantised_kernel=kernel,
             data_transport=transport,
+            prompts_ahead=ahead == "on",
         )
         for spec in args.speculations
         for mode in args.arithmetic
         for kernel in args.kernels
         for transport in args.transports
+        for ahead in args.prompts_ahead
     ]
     settings = [c.setting for c in configs]
     config = configs[0]

@@ -8,8 +8,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mesh.codec import (
@@ -105,6 +105,9 @@ class StageNode:
         self.loaded: LoadedStage | None = None
         self._lock = threading.RLock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
+        # Stage 0's own frames the worker has not started yet (``amend``).
+        self._queued: dict[int, _Work] = {}
+        self._queued_lock = threading.Lock()
         self._result_sink: Callable[[FrameResult], None] | None = None
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
@@ -134,7 +137,25 @@ class StageNode:
 
     def submit(self, frame: Frame) -> None:
         """Queue a frame from stage 0's own engine core."""
-        self._work.put(_Work(frame, time.monotonic()))
+        work = _Work(frame, time.monotonic())
+        with self._queued_lock:
+            self._queued[frame.frame_id] = work
+        self._work.put(work)
+
+    def amend(self, frame_id: int, more: Callable[[], Sequence[Segment]]) -> bool:
+        """Add the segments ``more()`` returns to frame ``frame_id`` of stage 0's engine
+        core while the worker has not started it; False (and ``more`` not called) once
+        it has. ``more`` runs under the lock the worker takes a frame with, so the
+        segments it commits to always travel."""
+        with self._queued_lock:
+            work = self._queued.get(frame_id)
+            if work is None:
+                return False
+            segments = tuple(more())
+            if segments:
+                frame = work.frame
+                work.frame = replace(frame, segments=frame.segments + segments)
+            return bool(segments)
 
     # ---- control -------------------------------------------------------------------
 
@@ -351,6 +372,8 @@ class StageNode:
             work = self._work.get()
             if work is None:
                 return
+            with self._queued_lock:
+                self._queued.pop(work.frame.frame_id, None)
             try:
                 self._process(work)
             except Exception:  # noqa: BLE001 - the worker must survive any frame

@@ -224,6 +224,12 @@ class FrontendConfig:
         minimum=1,
         maximum=16,
     )
+    prompts_ahead: bool = setting(
+        True,
+        "with the pipe full, send new requests' first prompt chunks at once in one extra "
+        "frame rather than in the next frame after an answer (time to first token under "
+        "load)",
+    )
 
 
 # Fields of [stage] that `up` takes for the stage processes it starts.
@@ -247,6 +253,7 @@ SERVING_FIELDS = (
     "prefix_cache_tokens",
     "max_batch_tokens",
     "max_windows_in_flight",
+    "prompts_ahead",
 )
 
 SECTIONS = {"coordinator": CoordinatorConfig, "stage": StageConfig, "frontend": FrontendConfig}

@@ -8,7 +8,9 @@ running request with nothing in flight (a decode token, or a verify window of
 budget); then prefill chunks of requests still reading their prompt, within what is
 left of the step's token budget (decode first: a long prompt never stalls the
 others' tokens). Up to ``frames_in_flight`` frames (the stage count: one per stage)
-are in the pipe at once. Results commit tokens through the request's one commit
+are in the pipe at once, and besides them one frame of the first prompt chunks of
+requests that arrived while the pipe was full (so a new prompt does not wait for a
+frame's answer first). Results commit tokens through the request's one commit
 rule (``RequestRun.commit``: stop tokens, the token budget); the request's state is
 the one copy of its tokens.
 
@@ -238,8 +240,10 @@ class EngineCore:
         """Pack the next step, or None when there is nothing to send (or the pipe is
         full)."""
         info = self.info
-        if info is None or len(self.frames) >= self._frame_cap(info):
+        if info is None:
             return None
+        if sum(1 for f in self.frames.values() if not f.prompts_ahead) >= self._frame_cap(info):
+            return self._prompts_ahead(info)
         segments: list[Segment] = list(self._ends)
         self._ends.clear()
         rows = 0
@@ -269,12 +273,83 @@ class EngineCore:
             rows += segment.token_count
         if not segments:
             return None
+        return self._pack(segments, info, now)
+
+    def _prompts_ahead(self, info: PipelineInfo) -> Frame | None:
+        """With the pipe full, a frame of the first prompt chunks of requests that
+        arrived since (``limits.prompts_ahead``; one such frame in the pipe at a
+        time, which later arrivals join while stage 0 has not started it:
+        ``open_prompts_frame``, ``join_prompts_frame``). Without it a new prompt waits
+        for a frame's answer and then rides in the next frame, behind the whole frame
+        ahead of it on every stage; sent now, it is queued on stage 0 right behind the
+        frames being computed there."""
+        if not self.limits.prompts_ahead or self._prompts_frame() is not None:
+            return None
+        now = self.clock()
+        segments = self._fresh_prompts(info.step_tokens or self.limits.step_tokens, info, now)
+        if not segments:
+            return None
+        return self._pack(segments, info, now, prompts_ahead=True)
+
+    def _prompts_frame(self) -> SentFrame | None:
+        return next((f for f in self.frames.values() if f.prompts_ahead), None)
+
+    def _fresh_prompts(self, room: int, info: PipelineInfo, now: float) -> list[Segment]:
+        """First prompt chunks of requests that have sent nothing yet, within ``room``
+        rows."""
+        segments: list[Segment] = []
+        for tracked in self.running.values():
+            if room <= 0:
+                break
+            fresh = tracked.prefilling and tracked.prefilled == 0 and tracked.in_flight is None
+            if not fresh or tracked.recover_by is not None or self._waits_for_fork(tracked):
+                continue
+            segment = self._prefill_segment(tracked, info.term, room, now)
+            segments.append(segment)
+            room -= segment.token_count
+        return segments
+
+    def open_prompts_frame(self) -> int:
+        """The id of the frame of new prompts in the pipe when more new prompts wait
+        and its step budget has room for them (0: none)."""
+        info, sent = self.info, self._prompts_frame()
+        if info is None or sent is None or sent.term != info.term:
+            return 0
+        if sent.rows >= (info.step_tokens or self.limits.step_tokens):
+            return 0
+        waiting = any(
+            t.prefilling and t.prefilled == 0 and t.in_flight is None and t.recover_by is None
+            for t in self.running.values()
+        )
+        return sent.frame_id if waiting else 0
+
+    def join_prompts_frame(self, frame_id: int) -> list[Segment]:
+        """First chunks of new prompts for frame ``frame_id`` (``open_prompts_frame``),
+        which stage 0 has not started: the caller adds them to it. The frame's
+        record counts them from now on."""
+        info, sent = self.info, self.frames.get(frame_id)
+        if info is None or sent is None or not sent.prompts_ahead:
+            return []
+        now = self.clock()
+        budget = info.step_tokens or self.limits.step_tokens
+        segments = self._fresh_prompts(budget - sent.rows, info, now)
+        self._claim_flights(frame_id)
+        sent.rows += sum(s.token_count for s in segments)
+        sent.outstanding.update(s.session_id for s in segments)
+        sent.kinds.update((s.session_id, s.kind) for s in segments)
+        for segment in segments:
+            tracked = self.running.get(segment.request_id)
+            if tracked is not None and tracked.prompt_frame == self._next_frame_id:
+                tracked.prompt_frame = frame_id  # its last chunk rides in this frame
+        return segments
+
+    def _pack(
+        self, segments: list[Segment], info: PipelineInfo, now: float, prompts_ahead: bool = False
+    ) -> Frame:
+        """Number the frame, remember it as sent, and return it."""
         frame_id = self._next_frame_id
         self._next_frame_id += 1
-        for tracked in self.running.values():
-            for flight in ahead.windows(tracked):
-                if flight.frame_id == 0:
-                    flight.frame_id = frame_id
+        self._claim_flights(frame_id)
         self.frames[frame_id] = SentFrame(
             frame_id=frame_id,
             term=info.term,
@@ -282,8 +357,16 @@ class EngineCore:
             rows=sum(s.token_count for s in segments),
             outstanding={s.session_id for s in segments},
             kinds={s.session_id: s.kind for s in segments},
+            prompts_ahead=prompts_ahead,
         )
         return Frame(info.term, frame_id, tuple(segments))
+
+    def _claim_flights(self, frame_id: int) -> None:
+        """Segments just made wait for frame ``frame_id``'s answer."""
+        for tracked in self.running.values():
+            for flight in ahead.windows(tracked):
+                if flight.frame_id == 0:
+                    flight.frame_id = frame_id
 
     def _spread(self, ready: list[Tracked], info: PipelineInfo) -> list[Tracked]:
         """The decoding requests this frame takes: with S stages, at most 1/S of the

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mesh.frames import Frame, FrameResult
+from mesh.frames import Frame, FrameResult, Segment
 from mesh.metrics import (
     LATENCY_BUCKETS_S,
     QUEUE_BUCKETS_S,
@@ -144,6 +144,12 @@ class EngineMetrics:
             self._segments.labels(kind=segment.kind.value).inc()
         self._step_segments.observe(len(frame.segments))
         self._step_tokens.observe(frame.row_count)
+
+    def segments_joined(self, segments: Sequence[Segment]) -> None:
+        """New prompts added to a frame already sent (not yet started by stage 0): the
+        segment counts include them; the step histograms keep the frame as sent."""
+        for segment in segments:
+            self._segments.labels(kind=segment.kind.value).inc()
 
     def result_received(self, sent: SentFrame | None, result: FrameResult) -> None:
         """The round time and each stage's timings of a result of the current term."""

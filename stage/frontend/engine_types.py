@@ -21,7 +21,8 @@ class EngineLimits:
     prompt chunk of one request in one step; ``prefix_cache_tokens``: positions of
     finished requests kept on the stages for later prompts (0: none);
     ``max_depth``: verify windows one request may have in flight (1: one window,
-    then its verdict)."""
+    then its verdict); ``prompts_ahead``: with the pipe full, new prompts' first
+    chunks may go at once in one frame beyond the frames-in-flight cap."""
 
     max_sessions: int = FrontendConfig.max_concurrent_requests
     max_queued: int = FrontendConfig.max_queued
@@ -32,6 +33,7 @@ class EngineLimits:
     recovery_timeout_s: float = 60.0
     prefix_cache_tokens: int = FrontendConfig.prefix_cache_tokens
     max_depth: int = FrontendConfig.max_windows_in_flight
+    prompts_ahead: bool = FrontendConfig.prompts_ahead
 
     @classmethod
     def of(cls, serving: FrontendConfig) -> EngineLimits:
@@ -42,6 +44,7 @@ class EngineLimits:
             step_tokens=serving.max_batch_tokens,
             prefix_cache_tokens=serving.prefix_cache_tokens,
             max_depth=serving.max_windows_in_flight,
+            prompts_ahead=serving.prompts_ahead,
         )
 
 
@@ -118,6 +121,8 @@ class SentFrame:
     rows: int
     outstanding: set[str]
     kinds: dict[str, SegmentKind]
+    # Sent beyond the frames-in-flight cap: new prompts' first chunks only.
+    prompts_ahead: bool = False
 
 
 @dataclass(frozen=True)

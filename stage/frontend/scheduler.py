@@ -21,7 +21,7 @@ from typing import Any
 
 from mesh.config import WindowPolicySpec
 from mesh.errors import MeshError, Unavailable
-from mesh.frames import Frame, FrameResult
+from mesh.frames import Frame, FrameResult, Segment
 from mesh.package.manifest import PackageManifest
 from mesh.speculative import DrafterFactory, Telemetry, make_policy
 from mesh.speculative.prediction import PredictionDrafter
@@ -126,9 +126,20 @@ class PipelineScheduler:
             self._pump()
 
     def _pump(self) -> None:
-        """Submit frames while the core has work and the pipe has room."""
+        """Submit frames while the core has work and the pipe has room; new prompts
+        join the frame of new prompts still waiting for stage 0's worker."""
         while (frame := self.core.next_frame()) is not None:
             self._send(frame)
+        frame_id = self.core.open_prompts_frame()
+        if frame_id:
+            joined: list[Segment] = []
+
+            def join() -> list[Segment]:
+                joined.extend(self.core.join_prompts_frame(frame_id))
+                return joined
+
+            if self.node.amend(frame_id, join):
+                self.metrics.segments_joined(joined)
 
     def _send(self, frame: Frame) -> None:
         self.metrics.frame_sent(frame)

@@ -8,10 +8,13 @@ verification rule as the real stages; it answers every segment of a frame.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from engine_support import (
     Clock,
     FakePipeline,
+    collect,
     core_with,
     greedy,
     next_token,
@@ -421,3 +424,63 @@ def test_a_choice_a_stage_cannot_fork_reads_its_prompt_again() -> None:
     segments = [s for _, s in prefills_of(pipe, "q-1")]
     assert segments[0].prefix_from == "q"
     assert segments[-1].pos_start == 0 and segments[-1].epoch == 1
+
+
+def _full_pipe(prompts_ahead: bool = True):
+    """Two stages, four requests decoding: both frames of the pipe in flight."""
+    core, _ = core_with(stage_count=2, prompts_ahead=prompts_ahead)
+    pipe = FakePipeline()
+    for rid in ("a", "b", "c", "d"):
+        core.add(request(rid, (1, 2, 3, ord(rid)), max_new=6))
+    got: dict[str, list] = {}
+    collect(got, core.on_result(pipe.answer(core.next_frame())))  # the four prompts
+    in_flight = [core.next_frame(), core.next_frame()]
+    assert all(f is not None for f in in_flight)
+    return core, pipe, got, in_flight
+
+
+def test_new_prompts_go_in_a_frame_of_their_own_when_the_pipe_is_full() -> None:
+    core, pipe, got, in_flight = _full_pipe()
+    core.add(request("n1", (7, 7, 7), max_new=6))
+    ahead = core.next_frame()
+    assert ahead is not None
+    assert [(s.session_id, s.kind) for s in ahead.segments] == [("n1", SegmentKind.PREFILL)]
+    # One such frame at a time; later prompts join it while stage 0 has not started it.
+    core.add(request("n2", (8, 9), max_new=6))
+    assert core.next_frame() is None
+    assert core.open_prompts_frame() == ahead.frame_id
+    joined = core.join_prompts_frame(ahead.frame_id)
+    assert [s.session_id for s in joined] == ["n2"]
+    assert core.open_prompts_frame() == 0  # nobody else waits
+    amended = replace(ahead, segments=ahead.segments + tuple(joined))
+    for frame in [*in_flight, amended]:
+        collect(got, core.on_result(pipe.answer(frame)))
+    rest = run_pipelined(core, pipe)
+    for rid, entry in rest.items():
+        got.setdefault(rid, [[], None, None])
+        got[rid][0].extend(entry[0])
+        got[rid][1] = entry[1]
+    expected = {rid: (1, 2, 3, ord(rid)) for rid in "abcd"} | {"n1": (7, 7, 7), "n2": (8, 9)}
+    for rid, prompt in expected.items():
+        assert got[rid][0] == greedy(prompt, 6) and got[rid][1] == "length", rid
+    assert not core.running and not core.frames
+
+
+def test_a_started_prompts_frame_takes_no_more_and_later_prompts_wait_their_turn() -> None:
+    core, pipe, got, in_flight = _full_pipe()
+    core.add(request("n1", (7, 7, 7), max_new=3))
+    ahead = core.next_frame()
+    core.add(request("n2", (8, 9), max_new=3))
+    # Stage 0 had started the frame: the caller does not join it, n2 goes later.
+    for frame in [*in_flight, ahead]:
+        collect(got, core.on_result(pipe.answer(frame)))
+    rest = run_pipelined(core, pipe)
+    assert rest["n2"][0] == greedy((8, 9), 3)
+    assert got["n1"][0] + rest["n1"][0] == greedy((7, 7, 7), 3)
+
+
+def test_prompts_wait_for_a_free_frame_when_prompts_ahead_is_off() -> None:
+    core, _, _, _ = _full_pipe(prompts_ahead=False)
+    core.add(request("n1", (7, 7, 7), max_new=6))
+    assert core.next_frame() is None
+    assert core.open_prompts_frame() == 0

@@ -5,6 +5,7 @@ term makes it ask the coordinator."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
@@ -142,3 +143,35 @@ def test_the_heartbeat_reports_sessions_and_the_kv_they_hold(node) -> None:
         time.sleep(0.05)
     kept = node.heartbeat()
     assert kept.kv_bytes == 0 and kept.prefix_bytes > 0
+
+
+def test_a_queued_frame_of_stage_0_takes_more_segments_until_the_worker_starts_it(
+    node,
+) -> None:
+    """``amend`` adds segments to a frame of stage 0's engine core while it waits in
+    the queue; once the worker has taken it, the frame is as it was and the callback is
+    not called."""
+    release = threading.Event()
+    answered: queue.SimpleQueue[FrameResult] = queue.SimpleQueue()
+
+    def slow_sink(result: FrameResult) -> None:
+        answered.put(result)
+        release.wait(timeout=30)  # the worker stays on the first frame until released
+
+    node.set_result_sink(slow_sink)
+    node.submit(prefill(3, "first"))
+    first = answered.get(timeout=30)  # the worker is inside the first frame now
+    assert first.results[0].error is None
+    node.submit(Frame(3, 2, prefill(3, "second").segments))
+    extra = prefill(3, "third").segments
+    assert node.amend(2, lambda: extra)
+    release.set()
+    second = answered.get(timeout=30)
+    assert second.frame_id == 2
+    assert [r.session_id for r in second.results] == ["second", "third"]
+    assert all(r.error is None and len(r.token_ids) == 1 for r in second.results)
+    # The same prompt in the same frame gives the same token.
+    assert second.results[0].token_ids == second.results[1].token_ids
+    called: list[bool] = []
+    assert not node.amend(2, lambda: called.append(True) or extra)
+    assert called == []
