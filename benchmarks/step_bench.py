@@ -3,9 +3,11 @@ torch, in one process and one runtime, alternating repeat by repeat: the attenti
 kernel (mesh/runtime/native_attention.py) against torch's SDPA per segment
 (``--compare attention``, the default), the RMSNorm kernel
 (mesh/runtime/native_norm.py) against torch's four operations (``--compare norm``),
-or the quantised kernels with their weight prefetch hints against the same kernels
+the quantised kernels with their weight prefetch hints against the same kernels
 without them (``--compare prefetch``: "torch" then stands for the kernels without
-hints).
+hints), or the stage's layers in one call of the C loop
+(mesh/runtime/native_layers.py) against layer by layer in Python (``--compare
+layers``).
 
 Frames: decode rows of 1-16 sessions (each at its own position around 300), verify
 windows of 8 and 16 rows, prefill chunks of 128 and 512 rows, through the layers
@@ -14,7 +16,7 @@ int8 packages run by default). Prints milliseconds per step (medians of the
 repeats), the ratio native / torch, and how each grows with rows; writes JSON.
 
     .venv/bin/python benchmarks/step_bench.py --package PKG [--threads 1] [--repeats 5]
-        [--compare attention|norm|prefetch]
+        [--compare attention|norm|prefetch|layers]
 """
 
 from __future__ import annotations
@@ -64,11 +66,22 @@ def _switch_prefetch(on: bool) -> None:
     lib.mesh_set_fetch_ahead(native.FETCH_AHEAD_BYTES if on else 0)
 
 
-# What --compare switches: on = the stage's kernel as it runs by default.
-COMPARED: dict[str, Callable[[], Callable[[bool], None]]] = {
-    "attention": lambda: _switch_usable(native_attention),
-    "norm": lambda: _switch_usable(native_norm),
-    "prefetch": lambda: _switch_prefetch,
+def _switch_layers(runtime: StageRuntime) -> Callable[[bool], None]:
+    if not runtime.native_layers:
+        raise SystemExit("this stage's layers do not run on the C loop (see native_layers)")
+
+    def switch(on: bool) -> None:
+        runtime.set_native_layers(on)
+
+    return switch
+
+
+# What --compare switches (given the runtime): on = the stage as it runs by default.
+COMPARED: dict[str, Callable[[StageRuntime], Callable[[bool], None]]] = {
+    "attention": lambda _: _switch_usable(native_attention),
+    "norm": lambda _: _switch_usable(native_norm),
+    "prefetch": lambda _: _switch_prefetch,
+    "layers": _switch_layers,
 }
 
 
@@ -145,7 +158,7 @@ class Steps:
 
 def measure(steps: Steps, repeats: int, compare: str = "attention") -> dict[str, dict[str, Any]]:
     cases = steps.cases()
-    switch = COMPARED[compare]()
+    switch = COMPARED[compare](steps.runtime)
     times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in KERNELS} for c in cases}
     try:
         for repeat in range(repeats):
@@ -175,7 +188,9 @@ def _never(*_: object) -> bool:
 
 
 def table(results: dict[str, dict[str, Any]], compare: str = "attention") -> str:
-    off, on = ("no hints", "hints") if compare == "prefetch" else (f"torch {compare}", "native")
+    off, on = {"prefetch": ("no hints", "hints"), "layers": ("python layers", "C loop")}.get(
+        compare, (f"torch {compare}", "native")
+    )
     headers = ["frame", "rows", f"{off} ms", f"{on} ms", f"{on} / {off.split()[0]}"]
     headers += [f"{off.split()[0]} vs 1 row", f"{on} vs 1 row"]
     body = [

@@ -27,7 +27,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "qmatmul.c", KERNELS / "attend.c", KERNELS / "norm.c")
+SOURCES = (
+    KERNELS / "qmatmul.c",
+    KERNELS / "attend.c",
+    KERNELS / "norm.c",
+    KERNELS / "layer.c",
+)
 # Included by the sources: part of what names a build.
 HEADERS = (KERNELS / "simd.h",)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
@@ -72,8 +77,15 @@ _SIGNATURES = {
     "mesh_amx_available": [],
     "mesh_attend": [_P, _I, _C, _I, _I, _I, ctypes.c_float, _P, _I, _P, _C],
     "mesh_rms_norm": [_P, _C, _I, _I, _P, ctypes.c_float, _P],
+    "mesh_layers": [_P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _C],
+    "mesh_layers_scratch": [_P, _I],
 }
-_RESULTS = {"mesh_amx_available": ctypes.c_int, "mesh_attend": ctypes.c_int}
+_RESULTS = {
+    "mesh_amx_available": ctypes.c_int,
+    "mesh_attend": ctypes.c_int,
+    "mesh_layers": ctypes.c_int,
+    "mesh_layers_scratch": _I,
+}
 
 
 class KernelUnavailable(RuntimeError):

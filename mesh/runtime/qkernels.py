@@ -118,6 +118,12 @@ class _Workspace:
         known[key] = tuple(pointers)
 
 
+def workspace(rows: int, k: int, sum_count: int, threads: int) -> _Workspace:
+    """Buffers for one call of the kernels on ``rows`` rows of width up to ``k``
+    (``sum_count`` sums per row), reused by the calling thread."""
+    return _Workspace(rows, k, sum_count, threads)
+
+
 def _operands(inputs: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The kernel's input (float32 or bfloat16, rows contiguous), an output of the
     same dtype, and whether that is bfloat16."""

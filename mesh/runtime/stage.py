@@ -27,6 +27,7 @@ from mesh.runtime.block import (
     run_block_segments,
 )
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
+from mesh.runtime.native_layers import native_layers
 from mesh.runtime.qkernels import NativeInt4Linear, NativeInt8Linear
 from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import SessionCache, SessionTable, kv_layout, token_limit
@@ -72,6 +73,9 @@ class StageRuntime:
         )
         self._sliding_window = sliding_window(config)
         self._blocks = modules.blocks
+        self._native_layers = (
+            native_layers(self._blocks, self._dtype) if device.type == "cpu" else None
+        )
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._angles = RotaryAngles(modules.rotary, self._dtype, device)
         # Single-token frames through a fixed-shape step (mesh/runtime/graphs.py):
@@ -340,8 +344,7 @@ class StageRuntime:
                 SegmentRows(cache, row, span.pos_start, span.count, masks, self._sliding_window)
             )
             row += span.count
-        for block in self._blocks:
-            hidden = run_block_segments(block, hidden, cos, sin, parts)
+        hidden = self._layers(hidden, cos, sin, parts)
         for part in parts:
             part.cache.commit(part.at + part.count)
         placed: dict[int, tuple[int, int]] = {}
@@ -601,6 +604,35 @@ class StageRuntime:
         """True while decode steps run through torch.compile."""
         return self._compiled is not None
 
+    @property
+    def native_layers(self) -> bool:
+        """Whether this stage's layers run in one call of the C loop."""
+        return self._native_layers is not None
+
+    def set_native_layers(self, on: bool) -> bool:
+        """Run the layers in the C loop (where they qualify) or layer by layer in
+        Python (benchmarks and tests compare the two); returns ``native_layers``."""
+        with self._lock:
+            if on and self._native_layers is None:
+                self._native_layers = native_layers(self._blocks, self._dtype)
+            elif not on:
+                self._native_layers = None
+        return self.native_layers
+
+    def _layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[SegmentRows]
+    ) -> torch.Tensor:
+        """The owned layers over a frame's segments: in one call of the stage's C loop
+        where the layers qualify (mesh/runtime/native_layers.py), else layer by layer."""
+        fused = self._native_layers
+        if fused is not None:
+            out = fused.run(hidden, cos, sin, parts)
+            if out is not None:
+                return out.to(hidden.dtype)
+        for block in self._blocks:
+            hidden = run_block_segments(block, hidden, cos, sin, parts)
+        return hidden
+
     def _run_layers(
         self,
         hidden: torch.Tensor,
@@ -612,9 +644,7 @@ class StageRuntime:
         """The owned layers over one session's rows: eagerly as a one-segment batch,
         or through ``step`` (a compiled ``run_block``)."""
         if step is None:
-            for block in self._blocks:
-                hidden = run_block_segments(block, hidden, cos, sin, [part])
-            return hidden
+            return self._layers(hidden, cos, sin, [part])
         full_mask, sliding_mask = part.masks
         for block in self._blocks:
             mask = sliding_mask if block.sliding else full_mask
