@@ -47,6 +47,7 @@ class _Linear(ctypes.Structure):
         ("n", _I),
         ("k", _I),
         ("group", _I),
+        ("bias", _P),
     ]
 
 
@@ -82,8 +83,25 @@ def _is_silu(act: object) -> bool:
     )
 
 
+def _bias(module: NativeInt4Linear | NativeInt8Linear) -> tuple[bool, int | None]:
+    """Whether the C loop can add the linear's bias, and its address (None: none)."""
+    bias = module.bias
+    if bias is None:
+        return True, None
+    usable = (
+        bias.dtype == torch.bfloat16
+        and bias.dim() == 1
+        and bias.shape[0] == module.out_features
+        and bias.is_contiguous()
+    )
+    return usable, bias.data_ptr()
+
+
 def _linear(module: object) -> _Linear | None:
-    if isinstance(module, NativeInt4Linear) and module.bias is None:
+    if isinstance(module, NativeInt4Linear):
+        usable, bias = _bias(module)
+        if not usable:
+            return None
         return _Linear(
             0,
             module.packed.data_ptr(),
@@ -92,8 +110,12 @@ def _linear(module: object) -> _Linear | None:
             module.out_features,
             module.in_features,
             module.group,
+            bias,
         )
-    if isinstance(module, NativeInt8Linear) and module.bias is None:
+    if isinstance(module, NativeInt8Linear):
+        usable, bias = _bias(module)
+        if not usable:
+            return None
         return _Linear(
             1,
             module.packed.data_ptr(),
@@ -102,6 +124,7 @@ def _linear(module: object) -> _Linear | None:
             module.out_features,
             module.in_features,
             module.in_features,
+            bias,
         )
     return None
 
@@ -189,7 +212,8 @@ class NativeLayers:
 
 def native_layers(blocks: Sequence[DecoderBlock], dtype: torch.dtype) -> NativeLayers | None:
     """The C loop for ``blocks`` where every layer qualifies (bfloat16, row-invariant,
-    quantised native linears without bias, SiLU, no q/k norms or experts), else None."""
+    quantised native linears (with or without bfloat16 biases), SiLU, no q/k norms or
+    experts), else None."""
     if not blocks or dtype != torch.bfloat16 or qkernels.MODE == "torch":
         return None
     lib = native.library()

@@ -67,16 +67,17 @@ def run_frames(stages: list[StageRuntime], seed: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("stage_count", [1, 2])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_c_loop_gives_the_python_path_logits(
-    tiny_package_factory: Callable[..., Path], fmt: str, stage_count: int
+    tiny_package_factory: Callable[..., Path], family: str, fmt: str, stage_count: int
 ) -> None:
-    package = tiny_package_factory("llama", **FORMATS[fmt])
+    package = tiny_package_factory(family, **FORMATS[fmt])
     fused = load_chain(package, SPLITS[stage_count])
     python = load_chain(package, SPLITS[stage_count])
     assert all(stage.native_layers for stage in fused)
     assert not any(stage.set_native_layers(False) for stage in python)
-    got = run_frames(fused, f"{fmt}-{stage_count}")
-    want = run_frames(python, f"{fmt}-{stage_count}")
+    got = run_frames(fused, f"{family}-{fmt}-{stage_count}")
+    want = run_frames(python, f"{family}-{fmt}-{stage_count}")
     for frame, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.shape == b.shape
         # The same rounding at every step; only SiLU's exp is the loop's own, so allow
@@ -93,8 +94,9 @@ def test_the_c_loop_gives_the_python_path_logits(
         ("llama", {"dtype": "bfloat16", "quant": "int8"}, True),
         ("llama", {"dtype": "float32"}, False),
         ("llama", {"dtype": "bfloat16"}, False),
-        # Linear biases (Qwen2's q/k/v), q/k norms and experts stay on the Python path.
-        ("qwen2", {"dtype": "bfloat16", "quant": "int8"}, False),
+        # Linear biases (Qwen2's q/k/v) are added in the loop.
+        ("qwen2", {"dtype": "bfloat16", "quant": "int8"}, True),
+        # q/k norms and experts stay on the Python path.
         ("qwen3", {"dtype": "bfloat16", "quant": "int4", "group_size": 32}, False),
         ("qwen3_moe", {"dtype": "bfloat16", "quant": "int4", "group_size": 32}, False),
     ],

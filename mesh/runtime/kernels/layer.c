@@ -47,6 +47,7 @@ typedef struct {
     const void *scales; /* int4: float16 [N / 16, groups, 16]; int8: float32 [N] */
     const uint16_t *mins;
     int64_t n, k, group;
+    const uint16_t *bias; /* bfloat16 [N], or NULL */
 } Linear;
 
 typedef struct {
@@ -67,6 +68,13 @@ typedef struct {
     float *dscale, *sums, *acc;
 } Work;
 
+static inline __mmask16 tail(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+static void add_into(uint16_t *hidden, const uint16_t *add, int64_t count);
+
+/* y = x W (+ bias, added in bfloat16 as torch adds it). */
 static void linear(const Linear *l, const void *x, int64_t rows, void *y, const Work *w,
                    int threads) {
     if (l->int8)
@@ -75,10 +83,8 @@ static void linear(const Linear *l, const void *x, int64_t rows, void *y, const 
     else
         mesh_int4_matmul(x, 1, rows, l->k, l->n, l->group, l->packed, (const uint16_t *)l->scales,
                          l->mins, y, w->codes, w->dscale, w->sums, w->acc, threads);
-}
-
-static inline __mmask16 tail(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+    if (l->bias != NULL)
+        for (int64_t t = 0; t < rows; ++t) add_into((uint16_t *)y + t * l->n, l->bias, l->n);
 }
 
 /* 16 bfloat16 values as float32 (those under keep; the others 0). */
