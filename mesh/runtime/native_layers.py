@@ -98,35 +98,22 @@ def _bias(module: NativeInt4Linear | NativeInt8Linear) -> tuple[bool, int | None
 
 
 def _linear(module: object) -> _Linear | None:
-    if isinstance(module, NativeInt4Linear):
-        usable, bias = _bias(module)
-        if not usable:
-            return None
-        return _Linear(
-            0,
-            module.packed.data_ptr(),
-            module.scales.data_ptr(),
-            module.mins.data_ptr(),
-            module.out_features,
-            module.in_features,
-            module.group,
-            bias,
-        )
-    if isinstance(module, NativeInt8Linear):
-        usable, bias = _bias(module)
-        if not usable:
-            return None
-        return _Linear(
-            1,
-            module.packed.data_ptr(),
-            module.scales.data_ptr(),
-            None,
-            module.out_features,
-            module.in_features,
-            module.in_features,
-            bias,
-        )
-    return None
+    if not isinstance(module, NativeInt4Linear | NativeInt8Linear):
+        return None
+    usable, bias = _bias(module)
+    if not usable:
+        return None
+    int8 = isinstance(module, NativeInt8Linear)
+    return _Linear(
+        int(int8),
+        module.packed.data_ptr(),
+        module.scales.data_ptr(),
+        None if int8 else module.mins.data_ptr(),
+        module.out_features,
+        module.in_features,
+        module.in_features if int8 else module.group,
+        bias,
+    )
 
 
 def _norm_ok(weight: torch.Tensor, hidden: int) -> bool:
