@@ -151,10 +151,12 @@ class _Frontend:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def check_ready(self) -> None:
-        if not self.backend.ready():
-            reason = self.backend.unavailable_reason() or "the pipeline is not ready"
-            raise Unavailable(f"the model is not ready to serve: {reason}; retry shortly")
+    async def check_ready(self) -> None:
+        """Serve now, or after the reload in progress; else 503 with the reason."""
+        if self.backend.ready() or await self.backend.wait_ready():
+            return
+        reason = self.backend.unavailable_reason() or "the pipeline is not ready"
+        raise Unavailable(f"the model is not ready to serve: {reason}; retry shortly")
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -184,7 +186,7 @@ class _Frontend:
                 body = CompletionBody.model_validate(payload)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
-        self.check_ready()
+        await self.check_ready()
         if kind == "chat":
             prepared = await prepare_chat(body, self.prompt_context())
         else:
@@ -236,7 +238,7 @@ class _Frontend:
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         body, chat = anthropic.parse_body(payload, self.model_id)
-        self.check_ready()
+        await self.check_ready()
         prepared = await prepare_chat(chat, self.prompt_context())
         tools = prepared.tools
         run = GenerationRun(

@@ -122,6 +122,12 @@ class GenerationBackend(Protocol):
         """Why the backend cannot serve now (shown by /health and 503s), or None."""
         ...
 
+    async def wait_ready(self) -> bool:
+        """Whether the backend can serve, after waiting a bounded time for a pipeline
+        that is being reloaded (a stage lost, a new plan); a backend that has never
+        served answers at once."""
+        ...
+
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """Start generating; see the module docstring for the full contract."""
         ...

@@ -157,7 +157,10 @@ class EngineCore:
         return Segment(name, name, SegmentKind.END, 0, forget_prefix=True)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.limits.max_sessions:
+        cap = self.limits.max_sessions
+        if self.info is not None and self.info.kv_sessions > 0:
+            cap = min(cap, self.info.kv_sessions)
+        while self.waiting and len(self.running) < cap:
             run = self.waiting.popleft()
             self.running[run.request.request_id] = Tracked(run)
 
@@ -180,6 +183,8 @@ class EngineCore:
             for tracked in self.running.values():
                 if tracked.in_flight is not None or tracked.prefilled:
                     self._lose(tracked, previous.term, "the pipeline was replaced")
+        if info is not None:
+            self._admit()
         return self.expire()
 
     def _lose(self, tracked: Tracked, term: int, reason: str) -> None:
@@ -244,8 +249,7 @@ class EngineCore:
             return None
         if sum(1 for f in self.frames.values() if not f.prompts_ahead) >= self._frame_cap(info):
             return self._prompts_ahead(info)
-        segments: list[Segment] = list(self._ends)
-        self._ends.clear()
+        segments = self._take_ends()
         rows = 0
         now = self.clock()
         budget = info.step_tokens or self.limits.step_tokens
@@ -289,7 +293,14 @@ class EngineCore:
         segments = self._fresh_prompts(info.step_tokens or self.limits.step_tokens, info, now)
         if not segments:
             return None
-        return self._pack(segments, info, now, prompts_ahead=True)
+        return self._pack(self._take_ends() + segments, info, now, prompts_ahead=True)
+
+    def _take_ends(self) -> list[Segment]:
+        """The END segments not sent yet: they go first in the next frame, ahead of
+        any new prompt (a stage frees, or keeps as a prefix, the sessions they end
+        before it opens the frame's new sessions)."""
+        ends, self._ends = self._ends, []
+        return ends
 
     def _prompts_frame(self) -> SentFrame | None:
         return next((f for f in self.frames.values() if f.prompts_ahead), None)
@@ -311,9 +322,13 @@ class EngineCore:
 
     def open_prompts_frame(self) -> int:
         """The id of the frame of new prompts in the pipe when more new prompts wait
-        and its step budget has room for them (0: none)."""
+        and its step budget has room for them (0: none). Only the last frame sent
+        takes more: a prompt joined to an earlier one would reach the stages before
+        the ENDs of a later frame, whose sessions it may replace or start from."""
         info, sent = self.info, self._prompts_frame()
         if info is None or sent is None or sent.term != info.term:
+            return 0
+        if sent.frame_id != self._next_frame_id - 1:
             return 0
         if sent.rows >= (info.step_tokens or self.limits.step_tokens):
             return 0
@@ -333,6 +348,9 @@ class EngineCore:
         now = self.clock()
         budget = info.step_tokens or self.limits.step_tokens
         segments = self._fresh_prompts(budget - sent.rows, info, now)
+        if not segments:
+            return []
+        segments = self._take_ends() + segments
         self._claim_flights(frame_id)
         sent.rows += sum(s.token_count for s in segments)
         sent.outstanding.update(s.session_id for s in segments)

@@ -58,6 +58,9 @@ class PipelineInfo:
     context_length: int = 0
     # The step token budget the coordinator set (0: the engine's own).
     step_tokens: int = 0
+    # Sessions every stage keeps KV for (0: not known): the engine never runs more
+    # requests at once, whatever its own limit.
+    kv_sessions: int = 0
 
 
 @dataclass

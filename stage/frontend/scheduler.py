@@ -36,6 +36,8 @@ from stage.node import LoadedStage, StageNode
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.1
+# How often a request that arrived during a reload looks for the new pipeline.
+READY_POLL_S = 0.05
 # The widest window a request with a prediction may be given.
 PREDICTION_MAX_WINDOW = 32
 
@@ -58,6 +60,8 @@ class PipelineScheduler:
         # What the status page shows of the pipeline's recent work.
         self.activity = PipelineActivity(time.perf_counter)
         self._loaded: LoadedStage | None = None
+        # Whether a pipeline was ever loaded: then a missing one is being reloaded.
+        self._served = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._runs: dict[str, RequestRun] = {}
@@ -79,6 +83,19 @@ class PipelineScheduler:
         if self._loaded is None:
             return "the pipeline is not loaded yet (or is reloading after a stage was lost)"
         return None
+
+    async def wait_ready(self) -> bool:
+        """Ready now, or (while a pipeline that served is reloaded) once the new one is
+        loaded, within the time a running request waits for it (``limits.
+        recovery_timeout_s``): a request that arrives during a reload is served
+        after it, as the requests it interrupted are."""
+        if self._loaded is not None or not self._served:
+            return self._loaded is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.recovery_timeout_s
+        while self._loaded is None and loop.time() < deadline:
+            await asyncio.sleep(READY_POLL_S)
+        return self._loaded is not None
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self._attach(asyncio.get_running_loop())
@@ -237,6 +254,7 @@ class PipelineScheduler:
 
     def _on_load_change(self, loaded: LoadedStage | None) -> None:
         self._loaded = loaded
+        self._served = self._served or loaded is not None
         info = None
         if loaded is not None:
             runtime = loaded.engine.runtime
@@ -248,6 +266,7 @@ class PipelineScheduler:
                 model_id=self.model_id,
                 context_length=self.context_length,
                 step_tokens=loaded.request.max_batch_tokens,
+                kv_sessions=runtime.max_sessions,
             )
         loop = self._loop
         if loop is None or loop.is_closed():

@@ -161,18 +161,47 @@ def test_killing_a_middle_stage_during_four_streams_loses_nothing(mesh: MeshProc
     assert recoveries and float(recoveries[0].split()[-1]) >= 1
 
 
+def ask_while_reloading(client: OpenAI, stop: threading.Event, answers: list, errors: list):
+    """Until ``stop``: whenever ``/health`` says the pipeline is not loaded (a reload
+    in progress), send a short request; each answer or error kept."""
+    health = str(client.base_url).removesuffix("/").removesuffix("/v1") + "/health"
+    while not stop.is_set():
+        if httpx.get(health).status_code != 503:
+            stop.wait(0.005)
+            continue
+        try:
+            answer = client.completions.create(
+                model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0
+            )
+            answers.append(answer.choices[0].text)
+        except Exception as error:  # noqa: BLE001 - the test reports every failure
+            errors.append(error)
+
+
 def test_a_replacement_stage_joins_and_the_mesh_serves(mesh: MeshProcesses):
     client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     expected = stream_text(client, PROMPTS[0])
+    short = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
     last = max((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
     term = mesh.status().term
-    mesh.kill_stage(last.node_id)
-    mesh.wait_serving(term=term + 1)
-    shrunk = sum(s.assigned for s in mesh.status().stages)
-    mesh.start_stage("replacement")
-    # The mesh serves on fewer stages than --min-stages 3, and a spare joined: the
-    # coordinator plans again (stage 0 is idle) and the replacement takes a stage.
-    mesh.wait_serving(term=term + 2)
+    # Requests that arrive while the pipeline reloads (twice below) are served once
+    # the new pipeline is up, not refused.
+    stop, answers, errors = threading.Event(), [], []
+    asker = threading.Thread(target=ask_while_reloading, args=(client, stop, answers, errors))
+    asker.start()
+    try:
+        mesh.kill_stage(last.node_id)
+        mesh.wait_serving(term=term + 1)
+        shrunk = sum(s.assigned for s in mesh.status().stages)
+        mesh.start_stage("replacement")
+        # The mesh serves on fewer stages than --min-stages 3, and a spare joined: the
+        # coordinator plans again (stage 0 is idle) and the replacement takes a stage.
+        mesh.wait_serving(term=term + 2)
+    finally:
+        stop.set()
+        asker.join(timeout=180)
+    assert not errors, errors
+    assert answers and set(answers) == {short.choices[0].text}
     status = mesh.status()
     assert status.state == "serving"
     assert any(s.node_id == "replacement" and s.assigned for s in status.stages)

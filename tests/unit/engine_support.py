@@ -43,9 +43,12 @@ class FakePipeline:
     """Answers frames like a whole pipeline would: every segment, in order. Keeps
     prefixes as the stages do; a name in ``lost`` is one some stage no longer holds."""
 
-    def __init__(self, step_ms: float = 0.0) -> None:
+    def __init__(self, step_ms: float = 0.0, capacity: int = 0) -> None:
         # The compute time each answer reports for the pipeline's slowest stage.
         self.step_ms = step_ms
+        # Sessions a stage holds KV for (0: no limit); a new session over it is
+        # refused as a stage refuses it.
+        self.capacity = capacity
         self.sessions: dict[str, list[int]] = {}
         self.kept: dict[str, list[int]] = {}
         self.lost: set[str] = set()
@@ -67,6 +70,14 @@ class FakePipeline:
                 if segment.forget_prefix:
                     self.kept.pop(sid, None)
                 results.append(SegmentResult(segment.request_id, sid, 0, epoch=segment.epoch))
+                continue
+            if sid not in self.sessions and 0 < self.capacity <= len(self.sessions):
+                error = ErrorInfo("RESOURCE_EXHAUSTED", f"{len(self.sessions)} sessions held", 1)
+                results.append(
+                    SegmentResult(
+                        segment.request_id, sid, segment.pos_start, error=error, epoch=segment.epoch
+                    )
+                )
                 continue
             if sid not in self.sessions and segment.pos_start > 0:
                 source = segment.prefix_from
@@ -201,6 +212,51 @@ def run_pipelined(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dic
             return out
         for frame in frames:
             collect(out, core.on_result(pipe.answer(frame)))
+    raise AssertionError("the core never ran out of work")
+
+
+def run_streaming(
+    core: EngineCore,
+    pipe: FakePipeline,
+    arrivals: dict[int, list],
+    cancels: dict[int, list[str]] | None = None,
+    limit: int = 5000,
+) -> dict[str, list]:
+    """As stage 0's scheduler drives the core: after every answer it sends what the
+    core packs (with the pipe full, frames of new prompts too) and joins new prompts
+    to a frame of prompts not yet answered; ``arrivals`` adds requests and
+    ``cancels`` cancels them (a client gone, a stop string) after the answer of that
+    many frames. Frames are answered in the order they were sent."""
+    cancels = dict(cancels or {})
+    out: dict[str, list] = {}
+    pending: deque[Frame] = deque()
+    answered = 0
+
+    def pump() -> None:
+        while (frame := core.next_frame()) is not None:
+            pending.append(frame)
+        frame_id = core.open_prompts_frame()
+        # Stage 0 computes the oldest frame; the frames behind it have not started.
+        for index in range(1, len(pending)):
+            frame = pending[index]
+            if frame.frame_id == frame_id:
+                joined = tuple(core.join_prompts_frame(frame_id))
+                pending[index] = Frame(frame.term, frame_id, frame.segments + joined)
+
+    for _ in range(limit):
+        for run in arrivals.pop(answered, []):
+            core.add(run)
+        for request_id in cancels.pop(answered, []):
+            core.cancel(request_id)
+            out.setdefault(request_id, [[], None, None])[1] = "cancelled"
+        pump()
+        if not pending:
+            if not arrivals:
+                return out
+            answered = min(arrivals)
+            continue
+        collect(out, core.on_result(pipe.answer(pending.popleft())))
+        answered += 1
     raise AssertionError("the core never ran out of work")
 
 

@@ -76,6 +76,8 @@ class TinyModelBackend:
         self.closed = ClosedLog()
         self._ready = True
         self._reason: str | None = None
+        # How long a request waits for a reload (the scheduler's recovery timeout).
+        self.reload_wait_s = 0.0
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
@@ -84,6 +86,13 @@ class TinyModelBackend:
         self._ready, self._reason = ready, reason
 
     def ready(self) -> bool:
+        return self._ready
+
+    async def wait_ready(self) -> bool:
+        """Waits up to ``reload_wait_s`` (0: answers at once) for ``set_ready(True)``."""
+        deadline = time.monotonic() + self.reload_wait_s
+        while not self._ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return self._ready
 
     def unavailable_reason(self) -> str | None:
@@ -193,6 +202,9 @@ class ScriptedBackend:
 
     def unavailable_reason(self) -> str | None:
         return None
+
+    async def wait_ready(self) -> bool:
+        return True
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self.requests.append(request)

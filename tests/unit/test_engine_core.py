@@ -20,6 +20,7 @@ from engine_support import (
     next_token,
     request,
     run_pipelined,
+    run_streaming,
     run_to_end,
 )
 
@@ -484,3 +485,120 @@ def test_prompts_wait_for_a_free_frame_when_prompts_ahead_is_off() -> None:
     core.add(request("n1", (7, 7, 7), max_new=6))
     assert core.next_frame() is None
     assert core.open_prompts_frame() == 0
+
+
+@pytest.mark.parametrize("step_tokens", [2, 3, 64])
+@pytest.mark.parametrize("prompts_ahead", [True, False])
+def test_requests_come_and_go_and_no_stage_holds_more_sessions_than_it_may(
+    prompts_ahead: bool, step_tokens: int
+) -> None:
+    """Requests arrive in waves and some are cancelled mid-way (clients gone, stop
+    strings) while the pipe is full and others wait for a slot: no stage is ever
+    asked to hold more sessions than the engine runs, every request that was not
+    cancelled gets its own tokens, and nothing is left on the stages."""
+    core, _ = core_with(
+        stage_count=2,
+        max_sessions=4,
+        max_queued=16,
+        prompts_ahead=prompts_ahead,
+        step_tokens=step_tokens,
+        prefix_cache_tokens=0,
+    )
+    pipe = FakePipeline(capacity=4)
+    prompts = {f"r{i}": (3, i, i + 1, 2 * i) for i in range(14)}
+    lengths = {rid: 4 + (i * 5) % 9 for i, rid in enumerate(prompts)}
+    arrivals: dict[int, list] = {0: [], 3: [], 7: [], 12: []}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        arrivals[(0, 3, 7, 12)[i % 4]].append(request(rid, prompt, max_new=lengths[rid]))
+    cancels = {5: ["r0"], 9: ["r4", "r1"], 16: ["r2"]}
+    got = run_streaming(core, pipe, arrivals, cancels)
+    for rid, prompt in prompts.items():
+        tokens, finish, error = got[rid]
+        assert error is None, (rid, error)
+        if finish != "cancelled":
+            assert tokens == greedy(prompt, lengths[rid]) and finish == "length", rid
+    assert sum(got[rid][1] == "cancelled" for rid in prompts) >= 3
+    assert not pipe.sessions and not core.running and not core.frames
+
+
+PROMPTS = {rid: (*range(1, 40), ord(rid)) for rid in "abcd"} | {"n": (*range(1, 40), 97, 5)}
+
+
+def _four_decoding_with_the_pipe_full(**limits):
+    """Two stages holding 4 sessions each, 4 requests decoding, both frames of the
+    pipe in flight, a fifth request queued."""
+    core, _ = core_with(stage_count=2, max_sessions=4, **limits)
+    pipe = FakePipeline(capacity=4)
+    got: dict[str, list] = {}
+    for rid in "abcd":
+        core.add(request(rid, PROMPTS[rid], max_new=8))
+    while any(t.prefilling for t in core.running.values()):
+        collect(got, core.on_result(pipe.answer(core.next_frame())))
+    in_flight = [core.next_frame(), core.next_frame()]
+    assert all(f is not None for f in in_flight)
+    core.add(request("n", PROMPTS["n"], max_new=6))
+    assert core.queued == 1
+    return core, pipe, got, in_flight
+
+
+@pytest.mark.parametrize("prefix_cache_tokens", [0, 4096])
+def test_a_request_cancelled_with_the_pipe_full_is_ended_before_its_slot_is_reused(
+    prefix_cache_tokens: int,
+) -> None:
+    """A client goes away (or a stop string ends a request) while both frames are in
+    flight: the queued request takes its slot, and the frame of new prompts that
+    carries its prompt carries the END first, so that no stage holds more sessions
+    than it may (and a prompt that starts from the ended request's kept prefix finds
+    it)."""
+    core, pipe, got, in_flight = _four_decoding_with_the_pipe_full(
+        prefix_cache_tokens=prefix_cache_tokens
+    )
+    core.cancel("a")
+    assert "n" in core.running
+    ahead = core.next_frame()
+    assert ahead is not None
+    kinds = [(s.session_id, s.kind) for s in ahead.segments]
+    assert kinds == [("a", SegmentKind.END), ("n", SegmentKind.PREFILL)]
+    if prefix_cache_tokens:
+        assert ahead.segments[0].keep_prefix and ahead.segments[1].prefix_from == "a"
+    for frame in [*in_flight, ahead]:
+        collect(got, core.on_result(pipe.answer(frame)))
+    got.pop("a")
+    rest = run_pipelined(core, pipe)
+    for rid, entry in rest.items():
+        got.setdefault(rid, [[], None, None])
+        got[rid][0].extend(entry[0])
+        got[rid][1], got[rid][2] = entry[1], entry[2]
+    assert got["n"][2] is None and got["n"][0] == greedy(PROMPTS["n"], 6)
+    for rid in "bcd":
+        assert got[rid][2] is None and got[rid][0] == greedy(PROMPTS[rid], 8), rid
+
+
+def test_new_prompts_join_only_the_last_frame_sent() -> None:
+    """A frame of new prompts that a later frame has overtaken in the sending order
+    takes no more prompts: they would reach the stages before that frame's ENDs."""
+    core, pipe, got, in_flight = _four_decoding_with_the_pipe_full(max_queued=4)
+    core.cancel("a")
+    ahead = core.next_frame()
+    collect(got, core.on_result(pipe.answer(in_flight[0])))
+    later = core.next_frame()  # a frame after the prompts frame
+    assert later is not None
+    core.add(request("m", (9, 9), max_new=3))
+    core.cancel("b")  # m takes b's slot; b's END is not sent yet
+    assert "m" in core.running
+    assert core.open_prompts_frame() == 0
+    for frame in [in_flight[1], ahead, later]:
+        collect(got, core.on_result(pipe.answer(frame)))
+    rest = run_pipelined(core, pipe)
+    assert rest["m"][2] is None and rest["m"][0] == greedy((9, 9), 3)
+
+
+def test_the_engine_runs_no_more_requests_than_the_stages_keep_sessions_for() -> None:
+    core, _ = core_with(stage_count=2, max_sessions=8)
+    core.set_pipeline(PipelineInfo(term=2, stage_count=2, kv_sessions=3))
+    for rid in "abcde":
+        core.add(request(rid, (1, ord(rid)), max_new=3))
+    assert sorted(core.running) == ["a", "b", "c"] and core.queued == 2
+    got = run_pipelined(core, FakePipeline(capacity=3))
+    assert all(got[rid][2] is None for rid in "abcde")
+    assert all(got[rid][0] == greedy((1, ord(rid)), 3) for rid in "abcde")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +64,7 @@ def http(base_url) -> Iterator[httpx.Client]:
 def reset_backend(backend) -> Iterator[None]:
     yield
     backend.set_ready(True)
+    backend.reload_wait_s = 0.0
     backend.max_sessions = 16
     backend.fail_with = None
     backend.step_delay_s = 0.0
@@ -304,6 +306,32 @@ def test_not_ready_is_503_with_reason(http, backend) -> None:
     response = http.post(COMPLETIONS, json=OK_COMPLETION)
     error = assert_openai_error(response, 503)
     assert "stage 1 is loading" in error["message"] and response.headers["retry-after"] == "1"
+
+
+def test_a_request_during_a_reload_is_served_once_the_pipeline_is_back(http, backend) -> None:
+    """While a pipeline that served is reloaded (a stage lost, a new plan), /health
+    says so, and a request waits for the new pipeline instead of failing."""
+    backend.set_ready(False, "reloading after a stage was lost")
+    backend.reload_wait_s = 20.0
+    assert http.get("/health").status_code == 503
+    timer = threading.Timer(0.5, backend.set_ready, (True,))
+    timer.start()
+    started = time.monotonic()
+    try:
+        response = http.post(COMPLETIONS, json=OK_COMPLETION)
+    finally:
+        timer.cancel()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"]
+    assert time.monotonic() - started >= 0.4
+
+
+def test_a_reload_that_outlasts_the_wait_is_503(http, backend) -> None:
+    backend.set_ready(False, "reloading after a stage was lost")
+    backend.reload_wait_s = 0.3
+    response = http.post(CHAT, json=with_(OK_CHAT, stream=True))
+    error = assert_openai_error(response, 503)
+    assert "reloading after a stage was lost" in error["message"]
 
 
 def test_backend_unavailable_is_503(http, backend) -> None:
