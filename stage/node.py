@@ -5,9 +5,9 @@ call into this class with decoded messages only."""
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -104,10 +104,12 @@ class StageNode:
         self.state = "idle"
         self.loaded: LoadedStage | None = None
         self._lock = threading.RLock()
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        # Stage 0's own frames the worker has not started yet (``amend``).
-        self._queued: dict[int, _Work] = {}
-        self._queued_lock = threading.Lock()
+        # Frames waiting to be processed, in arrival order, and whether one is being
+        # processed now (by the worker, or inline by the thread that received it):
+        # one frame at a time, in order.
+        self._frames = threading.Condition()
+        self._pending: deque[_Work | None] = deque()
+        self._busy = False
         self._result_sink: Callable[[FrameResult], None] | None = None
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
@@ -137,18 +139,18 @@ class StageNode:
 
     def submit(self, frame: Frame) -> None:
         """Queue a frame from stage 0's own engine core."""
-        work = _Work(frame, time.monotonic())
-        with self._queued_lock:
-            self._queued[frame.frame_id] = work
-        self._work.put(work)
+        self._enqueue(_Work(frame, time.monotonic()))
 
     def amend(self, frame_id: int, more: Callable[[], Sequence[Segment]]) -> bool:
         """Add the segments ``more()`` returns to frame ``frame_id`` of stage 0's engine
         core while the worker has not started it; False (and ``more`` not called) once
         it has. ``more`` runs under the lock the worker takes a frame with, so the
         segments it commits to always travel."""
-        with self._queued_lock:
-            work = self._queued.get(frame_id)
+        with self._frames:
+            work = next(
+                (w for w in self._pending if w is not None and w.frame.frame_id == frame_id),
+                None,
+            )
             if work is None:
                 return False
             segments = tuple(more())
@@ -334,7 +336,7 @@ class StageNode:
         self._stopping.set()
         with self._lock:
             self._release_locked("stopping")
-        self._work.put(None)
+        self._enqueue(None)
 
     def active_sessions(self) -> int:
         loaded = self.loaded
@@ -364,20 +366,54 @@ class StageNode:
     # ---- data ------------------------------------------------------------------------
 
     def accept_frame(self, frame: Frame, ack: Callable[[FrameAck], None] | None) -> None:
-        """A frame from the upstream stage (already validated by the servicer)."""
-        self._work.put(_Work(frame, time.monotonic(), ack))
+        """A frame from the upstream stage (already validated by the servicer). When no
+        frame is being processed or waiting, the receiving thread processes it at once
+        (and sends its output on): handing it to the worker thread cost a thread switch
+        and a hand-over of the GIL per hop. A stage busy with a frame queues the next
+        one for the worker. Stage 0's own frames (``submit``) always go to the worker:
+        its event loop must not compute."""
+        work = _Work(frame, time.monotonic(), ack)
+        with self._frames:
+            if self._busy or self._pending:
+                self._pending.append(work)
+                self._frames.notify()
+                return
+            self._busy = True
+        try:
+            self._run(work)
+        finally:
+            self._done()
+
+    def _enqueue(self, work: _Work | None) -> None:
+        with self._frames:
+            self._pending.append(work)
+            self._frames.notify()
+
+    def _done(self) -> None:
+        with self._frames:
+            self._busy = False
+            if self._pending:
+                self._frames.notify()
 
     def _work_loop(self) -> None:
         while True:
-            work = self._work.get()
-            if work is None:
-                return
-            with self._queued_lock:
-                self._queued.pop(work.frame.frame_id, None)
+            with self._frames:
+                while self._busy or not self._pending:
+                    self._frames.wait()
+                work = self._pending.popleft()
+                if work is None:
+                    return
+                self._busy = True
             try:
-                self._process(work)
-            except Exception:  # noqa: BLE001 - the worker must survive any frame
-                logger.exception("frame worker failed on frame %s", work.frame.frame_id)
+                self._run(work)
+            finally:
+                self._done()
+
+    def _run(self, work: _Work) -> None:
+        try:
+            self._process(work)
+        except Exception:  # noqa: BLE001 - the stage must survive any frame
+            logger.exception("frame worker failed on frame %s", work.frame.frame_id)
 
     def _process(self, work: _Work) -> None:
         frame = work.frame

@@ -1,0 +1,130 @@
+"""The order in which a stage node processes the frames it receives: a frame that
+arrives while the stage is idle is processed by the thread that received it (no hand-
+over to the worker thread), frames that arrive while it is busy wait for the worker,
+and every frame is processed once, one at a time, in arrival order."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mesh.codec import (
+    ClaimRequest,
+    Frame,
+    PrepareRequest,
+    Segment,
+    SegmentKind,
+    StageLoadRequest,
+    WireDType,
+)
+from mesh.codec_data import result_from_proto
+from mesh.types import LayerRange, SamplingParams
+from stage import node as node_module
+from stage.node import NodeSettings, StageNode
+
+
+class RecordingLink:
+    """The last stage's return link: keeps what is sent and the thread that sent it;
+    ``hold`` makes a send wait until it is set (the stage stays busy meanwhile)."""
+
+    def __init__(self) -> None:
+        self.address, self.name = "stage-0", "return"
+        self.sent: list[tuple[int, str]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.entered = threading.Event()
+
+    @property
+    def broken(self) -> bool:
+        return False
+
+    def send(self, message) -> None:
+        self.entered.set()
+        self.hold.wait(timeout=30)
+        result = result_from_proto(message)
+        self.sent.append((result.frame_id, threading.current_thread().name))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def last_stage(tmp_path, tiny_package_factory, monkeypatch):
+    package = tiny_package_factory("llama", layers=2)
+    link = RecordingLink()
+    monkeypatch.setattr(node_module, "open_return_link", lambda *args, **kwargs: link)
+    node = StageNode(NodeSettings(node_id="n1", cache_dir=tmp_path / "cache"), "127.0.0.1:1")
+    node.claim(ClaimRequest(3, "coord", "tiny-llama"))
+    node.prepare(PrepareRequest(3, str(package), LayerRange(1, 2)))
+    deadline = time.monotonic() + 60
+    while node.inventory(3).state != "ready":
+        assert time.monotonic() < deadline, node.inventory(3)
+        time.sleep(0.05)
+    node.load(
+        StageLoadRequest(
+            term=3,
+            stage_index=1,
+            stage_count=2,
+            layer_range=LayerRange(1, 2),
+            package_ref=str(package),
+            manifest_sha256="",
+            downstream=None,
+            return_endpoint="127.0.0.1:2",
+            wire_dtype=WireDType.F32,
+        )
+    )
+    yield node, link
+    link.hold.set()
+    node.stop()
+
+
+def frame(node: StageNode, frame_id: int) -> Frame:
+    hidden = node.loaded.engine.runtime.hidden_size
+    segment = Segment(
+        f"s{frame_id}",
+        f"s{frame_id}",
+        SegmentKind.PREFILL,
+        0,
+        token_ids=(1, 5, 9),
+        sampling=SamplingParams(),
+    )
+    generator = torch.Generator().manual_seed(frame_id)
+    return Frame(3, frame_id, (segment,), torch.randn(3, hidden, generator=generator))
+
+
+def test_a_frame_that_finds_the_stage_idle_is_processed_by_its_receiver(last_stage) -> None:
+    node, link = last_stage
+    node.accept_frame(frame(node, 1), None)
+    assert link.sent == [(1, threading.current_thread().name)]
+
+
+def test_frames_that_find_the_stage_busy_wait_and_keep_their_order(last_stage) -> None:
+    node, link = last_stage
+    link.hold.clear()
+    first = threading.Thread(target=node.accept_frame, args=(frame(node, 1), None), name="rx-1")
+    first.start()
+    assert link.entered.wait(timeout=30)  # frame 1 is being processed on rx-1
+    others = [
+        threading.Thread(target=node.accept_frame, args=(frame(node, i), None), name=f"rx-{i}")
+        for i in (2, 3, 4)
+    ]
+    for thread in others:
+        thread.start()
+        thread.join(timeout=30)  # queued: the receiver does not wait for the busy stage
+        assert not thread.is_alive()
+    assert link.sent == []
+    link.hold.set()
+    first.join(timeout=30)
+    deadline = time.monotonic() + 30
+    while len(link.sent) < 4:
+        assert time.monotonic() < deadline, link.sent
+        time.sleep(0.01)
+    assert [frame_id for frame_id, _ in link.sent] == [1, 2, 3, 4]
+    assert link.sent[0][1] == "rx-1"
+    assert all(thread == "stage-worker" for _, thread in link.sent[1:])
+    # The stage is idle again: the next frame is processed by its receiver.
+    node.accept_frame(frame(node, 5), None)
+    assert link.sent[-1] == (5, threading.current_thread().name)
