@@ -116,6 +116,7 @@ class MeshConfig:
     prefix_cache_tokens: int | None = None
     data_transport: str = "tcp"  # mesh-stage join --data-transport
     prompts_ahead: bool = True  # stage 0's --prompts-ahead / --no-prompts-ahead
+    inline_frames: bool = True  # mesh-stage join --inline-frames / --no-inline-frames
 
     @property
     def label(self) -> str:
@@ -130,6 +131,8 @@ class MeshConfig:
             cache += f" over {self.data_transport}"
         if not self.prompts_ahead:
             cache += " no-prompts-ahead"
+        if not self.inline_frames:
+            cache += " frames-on-worker"
         plural = "s" if self.stages > 1 else ""
         return f"{self.stages} stage{plural} {self.wire_dtype}{spec}{arithmetic}{cache}"
 
@@ -141,6 +144,8 @@ class MeshConfig:
         over = "" if self.data_transport == "tcp" else f"/{self.data_transport}"
         if not self.prompts_ahead:
             over += "/no-prompts-ahead"
+        if not self.inline_frames:
+            over += "/frames-on-worker"
         return f"{self.speculation}/{self.row_invariant}/{self.quantised_kernel}{over}"
 
     def stage_args(self) -> tuple[str, ...]:
@@ -151,6 +156,7 @@ class MeshConfig:
             self.quantised_kernel,
             "--data-transport",
             self.data_transport,
+            "--inline-frames" if self.inline_frames else "--no-inline-frames",
         )
 
     def stage0_args(self) -> tuple[str, ...]:
@@ -251,6 +257,7 @@ def running_meshes(
                 / (
                     f"mesh{index}-{config.stages}st-{config.wire_dtype}-"
                     f"{config.row_invariant}-{config.quantised_kernel}-{config.data_transport}"
+                    f"{'' if config.inline_frames else '-worker'}"
                 ),
                 config.stages,
                 wire_dtype=config.wire_dtype,

@@ -86,16 +86,18 @@ def build_configs(
     wire_sweep: bool,
     kernel: str = "auto",
     transports: tuple[str, ...] = ("tcp",),
+    inline: tuple[bool, ...] = (True,),
 ) -> list[MeshConfig]:
-    """f32 meshes for each stage count (split meshes once per data transport), plus
-    2-stage meshes for the other wire dtypes; every stage with ``--quantised-kernel
-    kernel``."""
+    """f32 meshes for each stage count (split meshes once per data transport and per
+    ``--inline-frames`` choice), plus 2-stage meshes for the other wire dtypes; every
+    stage with ``--quantised-kernel kernel``."""
     configs = [MeshConfig(1, "f32", quantised_kernel=kernel)] if 1 in stage_counts else []
     configs += [
-        MeshConfig(n, "f32", quantised_kernel=kernel, data_transport=t)
+        MeshConfig(n, "f32", quantised_kernel=kernel, data_transport=t, inline_frames=i)
         for n in stage_counts
         if n > 1
         for t in transports
+        for i in inline
     ]
     if wire_sweep:
         configs += [MeshConfig(2, w, quantised_kernel=kernel) for w in WIRE_DTYPES if w != "f32"]
@@ -207,6 +209,7 @@ def measure(
                 stages=mesh.config.stages,
                 wire=mesh.config.wire_dtype,
                 transport=mesh.config.data_transport,
+                inline=mesh.config.inline_frames,
             )
             logger.info(
                 "repeat %s %s: %.2f tok/s", repeat, mesh.config.label, run["predicted_per_second"]
@@ -220,7 +223,10 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
     rows = []
     for config in configs:
         mine = [
-            r for r in runs if _key(r) == (config.stages, config.wire_dtype, config.data_transport)
+            r
+            for r in runs
+            if _key(r)
+            == (config.stages, config.wire_dtype, config.data_transport, config.inline_frames)
         ]
         tok_s = median([r["predicted_per_second"] for r in mine])
         compute = {
@@ -237,6 +243,7 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
                 "stages": config.stages,
                 "wire": config.wire_dtype,
                 "transport": config.data_transport,
+                "inline": config.inline_frames,
                 "label": config.label,
                 "decode_tokens_per_s": spread([r["predicted_per_second"] for r in mine]),
                 "ms_per_token": 1000.0 / tok_s if tok_s else float("nan"),
@@ -257,7 +264,7 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
             }
         )
     base = next((r for r in rows if r["stages"] == 1 and r["wire"] == "f32"), None)
-    base_text = _texts(runs, (1, "f32", "tcp"))
+    base_text = _texts(runs, (1, "f32", "tcp", True))
     for row in rows:
         if base is None:
             break
@@ -279,12 +286,12 @@ def summarize(configs: list[MeshConfig], runs: list[dict[str, Any]]) -> list[dic
     return rows
 
 
-def _key(run: dict[str, Any]) -> tuple[int, str, str]:
-    """(stages, wire dtype, data transport) of a run or a row."""
-    return run["stages"], run["wire"], run.get("transport", "tcp")
+def _key(run: dict[str, Any]) -> tuple[int, str, str, bool]:
+    """(stages, wire dtype, data transport, frames inline) of a run or a row."""
+    return run["stages"], run["wire"], run.get("transport", "tcp"), run.get("inline", True)
 
 
-def _texts(runs: list[dict[str, Any]], key: tuple[int, str, str]) -> set[str]:
+def _texts(runs: list[dict[str, Any]], key: tuple[int, str, str, bool]) -> set[str]:
     return {r["text"] for r in runs if _key(r) == key}
 
 
@@ -344,6 +351,8 @@ def _codec_time_us(frame: Frame, wire: WireDType, iterations: int) -> float:
 
 def _config_name(row: dict[str, Any]) -> str:
     over = "" if row.get("transport", "tcp") == "tcp" else f" over {row['transport']}"
+    if not row.get("inline", True):
+        over += " frames on worker"
     return f"{row['stages']} stage{'s' if row['stages'] > 1 else ''} {row['wire']}{over}"
 
 
@@ -454,7 +463,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tcp",
         help="data transports of the split meshes, comma-separated: tcp, grpc",
     )
+    parser.add_argument(
+        "--inline-frames",
+        default="on",
+        help="the split meshes' --inline-frames, comma-separated: on, off (both: one mesh "
+        "each, same run)",
+    )
     args = parser.parse_args(argv)
+    choices = [c.strip() for c in args.inline_frames.split(",") if c.strip()]
+    if not choices or set(choices) - {"on", "off"}:
+        parser.error("--inline-frames takes on and/or off")
+    args.inline = tuple(c == "on" for c in dict.fromkeys(choices))
     args.transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
     if not args.transports or set(args.transports) - {"tcp", "grpc"}:
         parser.error("--transports takes tcp and/or grpc")
@@ -472,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = load_workloads(args.workloads or default_workloads_path())
     prompt = pick_prompt(workloads, args.prompt_id)
     configs = build_configs(
-        args.stage_counts, args.wire_sweep, args.quantised_kernel, args.transports
+        args.stage_counts, args.wire_sweep, args.quantised_kernel, args.transports, args.inline
     )
     machine = machine_info(args.threads)
     started = time.time()

@@ -458,7 +458,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stage 0's --prompts-ahead: on, off, or both (on,off), as --row-invariant: "
         "one mesh each, alternating repeats",
     )
+    parser.add_argument(
+        "--inline-frames",
+        default="on",
+        help="the stages' --inline-frames: on, off, or both (on,off), as --row-invariant: "
+        "one mesh each, alternating repeats",
+    )
     args = parser.parse_args(argv)
+    args.inline_frames = [m for m in args.inline_frames.split(",") if m]
+    if not args.inline_frames or set(args.inline_frames) - {"on", "off"}:
+        parser.error("--inline-frames takes on, off (comma-separated)")
     args.prompts_ahead = [m for m in args.prompts_ahead.split(",") if m]
     if not args.prompts_ahead or set(args.prompts_ahead) - {"on", "off"}:
         parser.error("--prompts-ahead takes on, off (comma-separated)")
@@ -500,12 +509,14 @@ def main(argv: list[str] | None = None) -> int:
             quantised_kernel=kernel,
             data_transport=transport,
             prompts_ahead=ahead == "on",
+            inline_frames=inline == "on",
         )
         for spec in args.speculations
         for mode in args.arithmetic
         for kernel in args.kernels
         for transport in args.transports
         for ahead in args.prompts_ahead
+        for inline in args.inline_frames
     ]
     settings = [c.setting for c in configs]
     config = configs[0]

@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             inject_delay_ms=stage.inject_delay_ms,
             compile=stage.compile,
             cuda_graphs=stage.cuda_graphs,
+            inline_frames=stage.inline_frames,
             prefix_cache_bytes=int(stage.prefix_cache_mb * 2**20),
         ),
         address,

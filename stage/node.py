@@ -59,6 +59,8 @@ class NodeSettings:
     compile: bool = False
     # Replay decode steps as CUDA graphs on a CUDA device (mesh-stage join --cuda-graphs).
     cuda_graphs: bool = False
+    # Process a frame that finds the stage idle on the thread that received it.
+    inline_frames: bool = True
     # Bytes of kept prefixes (the prefix cache) this stage holds at most
     # (mesh-stage join --prefix-cache-mb).
     prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES
@@ -374,7 +376,7 @@ class StageNode:
         its event loop must not compute."""
         work = _Work(frame, time.monotonic(), ack)
         with self._frames:
-            if self._busy or self._pending:
+            if self._busy or self._pending or not self.settings.inline_frames:
                 self._pending.append(work)
                 self._frames.notify()
                 return

@@ -155,6 +155,12 @@ class StageConfig:
         "(costs float32/bfloat16 10-30%%); off: the previous kernels",
         choices=ROW_INVARIANT,
     )
+    inline_frames: bool = setting(
+        True,
+        "process a frame that arrives while the stage is idle on the thread that received "
+        "it (off: every frame goes through the stage's frame worker thread, one more "
+        "thread hand-over per hop)",
+    )
     cuda_graphs: bool = setting(
         False,
         "on a CUDA device, replay decode steps as CUDA graphs (checked against eager steps "
@@ -240,6 +246,7 @@ LOCAL_STAGE_FIELDS = (
     "quantised_gemm",
     "row_invariant",
     "cuda_graphs",
+    "inline_frames",
     "prefix_cache_mb",
     "inject_delay_ms",
     "data_transport",

@@ -169,6 +169,24 @@ def test_pipeline_summary_ratios_and_per_hop_overhead():
     assert "86.0" in pipeline.breakdown_table(rows)
 
 
+def test_pipeline_compares_frames_inline_and_on_the_worker():
+    pipeline = bench("pipeline_bench")
+    configs = pipeline.build_configs([1, 2], wire_sweep=False, inline=(True, False))
+    assert [(c.stages, c.inline_frames) for c in configs] == [(1, True), (2, True), (2, False)]
+    assert "--no-inline-frames" in configs[2].stage_args()
+    assert "--inline-frames" in configs[1].stage_args()
+    runs = []
+    for repeat in range(3):
+        runs += [_run(1, "f32", 10.0, repeat), _run(2, "f32", 9.0, repeat)]
+        worker = _run(2, "f32", 8.0, repeat)
+        worker["inline"] = False
+        runs.append(worker)
+    rows = pipeline.summarize(configs, runs)
+    assert [r["ratio_vs_1_stage"] for r in rows] == pytest.approx([1.0, 0.9, 0.8])
+    assert "2 stages f32 frames on worker" in pipeline.stage_table(rows)
+    assert all(r["same_text_as_1_stage"] for r in rows)
+
+
 def test_wire_sizes_match_the_codec():
     pipeline = bench("pipeline_bench")
     rows = {
