@@ -229,11 +229,13 @@ class PipelineScheduler:
 
     def _deliver(self, result: FrameResult) -> None:
         sent = self.core.frames.get(result.frame_id)
-        self.metrics.result_received(sent, result)
         outcomes = self.core.on_result(result)
+        # The next frame first: stage 0's worker computes it while this thread does
+        # the bookkeeping and hands the tokens to their requests.
+        self._pump()
+        self.metrics.result_received(sent, result)
         self.activity.observe(result, sent, outcomes)
         self._dispatch(outcomes)
-        self._pump()
 
     def speculation_summary(self) -> dict[str, Any]:
         """The speculation stage 0 serves with, for ``/v1/models`` and status."""
