@@ -305,7 +305,9 @@ class EngineCore:
     def _prompts_frame(self) -> SentFrame | None:
         return next((f for f in self.frames.values() if f.prompts_ahead), None)
 
-    def _fresh_prompts(self, room: int, info: PipelineInfo, now: float) -> list[Segment]:
+    def _fresh_prompts(
+        self, room: int, info: PipelineInfo, now: float, frame_id: int = 0
+    ) -> list[Segment]:
         """First prompt chunks of requests that have sent nothing yet, within ``room``
         rows."""
         segments: list[Segment] = []
@@ -313,7 +315,11 @@ class EngineCore:
             if room <= 0:
                 break
             fresh = tracked.prefilling and tracked.prefilled == 0 and tracked.in_flight is None
-            if not fresh or tracked.recover_by is not None or self._waits_for_fork(tracked):
+            if (
+                not fresh
+                or tracked.recover_by is not None
+                or self._waits_for_fork(tracked, frame_id)
+            ):
                 continue
             segment = self._prefill_segment(tracked, info.term, room, now)
             segments.append(segment)
@@ -347,7 +353,7 @@ class EngineCore:
             return []
         now = self.clock()
         budget = info.step_tokens or self.limits.step_tokens
-        segments = self._fresh_prompts(budget - sent.rows, info, now)
+        segments = self._fresh_prompts(budget - sent.rows, info, now, frame_id)
         if not segments:
             return []
         segments = self._take_ends() + segments
@@ -538,13 +544,17 @@ class EngineCore:
             return None
         return parent
 
-    def _waits_for_fork(self, tracked: Tracked) -> bool:
-        """True while the first choice's prompt has not been sent in an earlier frame
-        (each stage must have read it before this choice copies it)."""
+    def _waits_for_fork(self, tracked: Tracked, frame_id: int = 0) -> bool:
+        """True while the first choice's prompt has not been sent in a frame before
+        ``frame_id`` (0: the next frame packed): each stage must have read it before
+        this choice copies it, and a frame's sessions copy what was held before it ran
+        (a choice joined to the frame of new prompts that holds its first choice's
+        prompt found too few positions)."""
         parent = self._fork_parent(tracked)
         if parent is None:
             return False
-        return not (parent.prompt_frame and parent.prompt_frame < self._next_frame_id)
+        target = frame_id or self._next_frame_id
+        return not (parent.prompt_frame and parent.prompt_frame < target)
 
     def _fork(self, tracked: Tracked) -> str:
         """Start a forked choice from its first choice's prompt positions: all but the

@@ -57,18 +57,32 @@ class FakePipeline:
         # token; windows drafted ahead that do not start there are dropped unrun.
         self.verdicts: dict[str, tuple[int, int]] = {}
         self.dropped: list[Segment] = []
+        # (session, error code) of every segment it refused.
+        self.refused: list[tuple[str, str]] = []
 
     def answer(self, frame: Frame) -> FrameResult:
+        """As a stage applies a frame: its ENDs first (wherever they sit in it), then
+        its segments, whose new sessions copy what the sessions and kept prefixes
+        held before the frame's rows ran, then its forget-prefix ENDs."""
         self.frames.append(frame)
-        results = []
-        for segment in frame.segments:
-            sid = segment.session_id
-            if segment.kind is SegmentKind.END:
-                held = self.sessions.pop(sid, None)
+        ended: dict[int, SegmentResult] = {}
+        for index, segment in enumerate(frame.segments):
+            if segment.kind is SegmentKind.END and not segment.forget_prefix:
+                held = self.sessions.pop(segment.session_id, None)
                 if segment.keep_prefix and held is not None:
-                    self.kept[sid] = held[: segment.pos_start]
-                if segment.forget_prefix:
-                    self.kept.pop(sid, None)
+                    self.kept[segment.session_id] = held[: segment.pos_start]
+                ended[index] = SegmentResult(
+                    segment.request_id, segment.session_id, 0, epoch=segment.epoch
+                )
+        before = {name: list(held) for name, held in self.kept.items()}
+        before_sessions = {name: list(held) for name, held in self.sessions.items()}
+        results = []
+        for index, segment in enumerate(frame.segments):
+            sid = segment.session_id
+            if index in ended:
+                results.append(ended[index])
+                continue
+            if segment.kind is SegmentKind.END:  # forget a kept prefix, after the rows
                 results.append(SegmentResult(segment.request_id, sid, 0, epoch=segment.epoch))
                 continue
             if sid not in self.sessions and 0 < self.capacity <= len(self.sessions):
@@ -82,7 +96,9 @@ class FakePipeline:
             if sid not in self.sessions and segment.pos_start > 0:
                 source = segment.prefix_from
                 # A kept prefix, or a live session (a forked choice of n > 1).
-                held = self.kept.get(source) or self.sessions.get(source)
+                held = before.get(source) or before_sessions.get(source)
+                if held is not None and len(held) < segment.pos_start:
+                    held = None  # the source does not hold the positions the segment skips
                 if source and held is not None and source not in self.lost:
                     self.sessions[sid] = held[: segment.pos_start]
                 else:
@@ -154,6 +170,10 @@ class FakePipeline:
             if result.token_ids:
                 last = result.pos_start + len(result.token_ids) - 1
                 self.verdicts[result.session_id] = (last, result.token_ids[-1])
+        for segment in frame.segments:
+            if segment.kind is SegmentKind.END and segment.forget_prefix:
+                self.kept.pop(segment.session_id, None)
+        self.refused += [(r.session_id, r.error.code) for r in results if r.error is not None]
         timings = (StageTiming(0, self.step_ms),) if self.step_ms else ()
         return FrameResult(frame.term, frame.frame_id, tuple(results), timings)
 

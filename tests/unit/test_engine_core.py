@@ -8,6 +8,7 @@ verification rule as the real stages; it answers every segment of a frame.
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -602,3 +603,43 @@ def test_the_engine_runs_no_more_requests_than_the_stages_keep_sessions_for() ->
     got = run_pipelined(core, FakePipeline(capacity=3))
     assert all(got[rid][2] is None for rid in "abcde")
     assert all(got[rid][0] == greedy((1, ord(rid)), 3) for rid in "abcde")
+
+
+@pytest.mark.parametrize("prompts_ahead", [True, False])
+@pytest.mark.parametrize("step_tokens", [3, 8, 64])
+@pytest.mark.parametrize("prefix_cache_tokens", [0, 4096])
+def test_second_choices_copy_their_first_choice_under_load(
+    prompts_ahead: bool, step_tokens: int, prefix_cache_tokens: int
+) -> None:
+    """Requests with two choices (n=2) arrive in waves, queue for slots and some are
+    cancelled: every second choice starts from a copy of its first choice's prompt
+    that a stage can make (never in the frame that holds the last chunk of that
+    prompt, whose rows have not run when the frame's new sessions copy), and gets
+    the tokens of its first choice."""
+    for seed in range(30):
+        rng = random.Random(seed)
+        core, _ = core_with(
+            stage_count=2,
+            max_sessions=4,
+            max_queued=40,
+            prompts_ahead=prompts_ahead,
+            step_tokens=step_tokens,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
+        pipe = FakePipeline(capacity=4)
+        arrivals: dict[int, list] = {}
+        cancels: dict[int, list[str]] = {}
+        expected = {}
+        for i in range(10):
+            prompt = (*[3, 4, 5, 6] * 5, i, i + 1)
+            count, at = rng.choice([2, 5, 9]), rng.choice([0, 0, 2, 5, 9])
+            arrivals.setdefault(at, []).append(request(f"p{i}", prompt, max_new=count))
+            arrivals[at].append(request(f"p{i}-1", prompt, max_new=count, fork_of=f"p{i}"))
+            expected[f"p{i}"] = expected[f"p{i}-1"] = greedy(prompt, count)
+            if rng.random() < 0.3:
+                cancels.setdefault(at + rng.choice([1, 3, 6]), []).append(f"p{i}")
+        got = run_streaming(core, pipe, arrivals, cancels)
+        assert not pipe.refused, (seed, pipe.refused)  # nobody had to read a prompt again
+        for rid, tokens in expected.items():
+            if got[rid][1] != "cancelled":
+                assert got[rid][2] is None and got[rid][0] == tokens, (seed, rid)
