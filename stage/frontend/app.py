@@ -153,7 +153,7 @@ class _Frontend:
 
     async def check_ready(self) -> None:
         """Serve now, or after the reload in progress; else 503 with the reason."""
-        if self.backend.ready() or await self.backend.wait_ready():
+        if await self.backend.wait_ready():
             return
         reason = self.backend.unavailable_reason() or "the pipeline is not ready"
         raise Unavailable(f"the model is not ready to serve: {reason}; retry shortly")

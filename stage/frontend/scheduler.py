@@ -88,14 +88,18 @@ class PipelineScheduler:
         """Ready now, or (while a pipeline that served is reloaded) once the new one is
         loaded, within the time a running request waits for it (``limits.
         recovery_timeout_s``): a request that arrives during a reload is served
-        after it, as the requests it interrupted are."""
-        if self._loaded is not None or not self._served:
-            return self._loaded is not None
+        after it, as the requests it interrupted are. Ready means the engine core on
+        this loop has the pipeline too (a Load's thread sets the node's first)."""
+        if self._serving() or not self._served:
+            return self._serving()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.recovery_timeout_s
-        while self._loaded is None and loop.time() < deadline:
+        while not self._serving() and loop.time() < deadline:
             await asyncio.sleep(READY_POLL_S)
-        return self._loaded is not None
+        return self._serving()
+
+    def _serving(self) -> bool:
+        return self._loaded is not None and self.core.info is not None
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self._attach(asyncio.get_running_loop())
