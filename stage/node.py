@@ -377,25 +377,15 @@ class StageNode:
         work = _Work(frame, time.monotonic(), ack)
         with self._frames:
             if self._busy or self._pending or not self.settings.inline_frames:
-                self._pending.append(work)
-                self._frames.notify()
+                self._enqueue(work)
                 return
             self._busy = True
-        try:
-            self._run(work)
-        finally:
-            self._done()
+        self._run(work)
 
     def _enqueue(self, work: _Work | None) -> None:
         with self._frames:
             self._pending.append(work)
             self._frames.notify()
-
-    def _done(self) -> None:
-        with self._frames:
-            self._busy = False
-            if self._pending:
-                self._frames.notify()
 
     def _work_loop(self) -> None:
         while True:
@@ -406,16 +396,19 @@ class StageNode:
                 if work is None:
                     return
                 self._busy = True
-            try:
-                self._run(work)
-            finally:
-                self._done()
+            self._run(work)
 
     def _run(self, work: _Work) -> None:
+        """Process ``work`` (the caller set ``_busy``), then let the next frame go."""
         try:
             self._process(work)
         except Exception:  # noqa: BLE001 - the stage must survive any frame
             logger.exception("frame worker failed on frame %s", work.frame.frame_id)
+        finally:
+            with self._frames:
+                self._busy = False
+                if self._pending:
+                    self._frames.notify()
 
     def _process(self, work: _Work) -> None:
         frame = work.frame
