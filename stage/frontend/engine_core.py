@@ -330,9 +330,11 @@ class EngineCore:
         """The id of the frame of new prompts in the pipe when more new prompts wait
         and its step budget has room for them (0: none). Only the last frame sent
         takes more: a prompt joined to an earlier one would reach the stages before
-        the ENDs of a later frame, whose sessions it may replace or start from."""
+        the ENDs of a later frame, whose sessions it may replace or start from. Nor
+        does a frame that holds a session with an END waiting, or a new session that
+        starts from one (see ``_joinable``)."""
         info, sent = self.info, self._prompts_frame()
-        if info is None or sent is None or sent.term != info.term:
+        if info is None or sent is None or not self._joinable(sent, info):
             return 0
         if sent.frame_id != self._next_frame_id - 1:
             return 0
@@ -344,12 +346,26 @@ class EngineCore:
         )
         return sent.frame_id if waiting else 0
 
+    def _joinable(self, sent: SentFrame, info: PipelineInfo) -> bool:
+        """Whether new prompts (and the ENDs waiting, which go first with them) may
+        join frame ``sent``. A stage applies a frame's ENDs before its rows, so an
+        END joined to a frame that holds a segment of its session would run before
+        that segment (a request cancelled while its prompt waits there: the prompt
+        then opens a session nothing ends), and one whose session a new session of
+        the frame copies (``prefix_from``) would take the positions away first.
+        Such ENDs go in a later frame, and the new prompts with them."""
+        if not sent.prompts_ahead or sent.term != info.term:
+            return False
+        return not any(
+            end.session_id in sent.kinds or end.session_id in sent.sources for end in self._ends
+        )
+
     def join_prompts_frame(self, frame_id: int) -> list[Segment]:
         """First chunks of new prompts for frame ``frame_id`` (``open_prompts_frame``),
         which stage 0 has not started: the caller adds them to it. The frame's
         record counts them from now on."""
         info, sent = self.info, self.frames.get(frame_id)
-        if info is None or sent is None or not sent.prompts_ahead:
+        if info is None or sent is None or not self._joinable(sent, info):
             return []
         now = self.clock()
         budget = info.step_tokens or self.limits.step_tokens
@@ -361,6 +377,7 @@ class EngineCore:
         sent.rows += sum(s.token_count for s in segments)
         sent.outstanding.update(s.session_id for s in segments)
         sent.kinds.update((s.session_id, s.kind) for s in segments)
+        sent.sources.update(s.prefix_from for s in segments if s.prefix_from)
         for segment in segments:
             tracked = self.running.get(segment.request_id)
             if tracked is not None and tracked.prompt_frame == self._next_frame_id:
@@ -381,6 +398,7 @@ class EngineCore:
             rows=sum(s.token_count for s in segments),
             outstanding={s.session_id for s in segments},
             kinds={s.session_id: s.kind for s in segments},
+            sources={s.prefix_from for s in segments if s.prefix_from},
             prompts_ahead=prompts_ahead,
         )
         return Frame(info.term, frame_id, tuple(segments))

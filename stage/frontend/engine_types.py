@@ -124,6 +124,8 @@ class SentFrame:
     rows: int
     outstanding: set[str]
     kinds: dict[str, SegmentKind]
+    # Sessions and kept prefixes the frame's new sessions copy (``prefix_from``).
+    sources: set[str] = field(default_factory=set)
     # Sent beyond the frames-in-flight cap: new prompts' first chunks only.
     prompts_ahead: bool = False
 

@@ -488,6 +488,62 @@ def test_prompts_wait_for_a_free_frame_when_prompts_ahead_is_off() -> None:
     assert core.open_prompts_frame() == 0
 
 
+def _finish(core, pipe, got, frames) -> dict[str, list]:
+    """Answer ``frames`` in order, then run the core to the end; every request's
+    tokens and finish."""
+    for frame in frames:
+        collect(got, core.on_result(pipe.answer(frame)))
+    for rid, entry in run_pipelined(core, pipe).items():
+        got.setdefault(rid, [[], None, None])
+        got[rid][0].extend(entry[0])
+        got[rid][1] = entry[1]
+    return got
+
+
+def test_a_prompt_cancelled_in_an_unstarted_frame_leaves_no_session_behind() -> None:
+    """A new request cancelled while its prompt waits in a frame of new prompts that
+    stage 0 has not started, then another prompt arrives: the cancelled one's END
+    does not join that frame (it would run before the prompt and leave the session
+    the prompt opens on every stage); it goes in a later frame."""
+    core, pipe, got, in_flight = _full_pipe()
+    core.add(request("n1", (7, 7, 7), max_new=6))
+    ahead = core.next_frame()
+    assert ahead is not None
+    core.cancel("n1")
+    core.add(request("n2", (8, 9), max_new=6))
+    assert core.open_prompts_frame() == 0
+    assert core.join_prompts_frame(ahead.frame_id) == []
+    got = _finish(core, pipe, got, [*in_flight, ahead])
+    assert got["n2"][0] == greedy((8, 9), 6) and got["n2"][1] == "length"
+    assert not pipe.sessions and not core.running and not core.frames
+
+
+def test_no_end_joins_a_frame_whose_new_session_copies_that_session() -> None:
+    """A second choice (n=2) copies its first choice's prompt in a frame of new
+    prompts; the first choice is cancelled and a new prompt arrives before stage 0
+    starts that frame: the first choice's END stays out of it (a stage applies ENDs
+    before the rows, so the copy would find nothing and the choice would read its
+    whole prompt again)."""
+    core, _ = core_with(stage_count=2)
+    pipe = FakePipeline()
+    core.add(request("a", (1, 2, 3), max_new=4))
+    first = core.next_frame()
+    prompt = (5, 6, 7, 8, 9)
+    core.add(request("p", prompt, max_new=4))
+    core.add(request("p-1", prompt, max_new=4, fork_of="p"))
+    second = core.next_frame()  # p's prompt; p-1 waits for it to be sent
+    assert [s.session_id for s in second.segments] == ["p"]
+    ahead = core.next_frame()  # the pipe is full: p-1 copies p in a frame of its own
+    assert [(s.session_id, s.prefix_from) for s in ahead.segments] == [("p-1", "p")]
+    core.cancel("p")
+    core.add(request("n", (4, 4), max_new=4))
+    assert core.open_prompts_frame() == 0
+    got = _finish(core, pipe, {}, [first, second, ahead])
+    assert not pipe.refused
+    assert got["p-1"][0] == greedy(prompt, 4) and got["n"][0] == greedy((4, 4), 4)
+    assert not pipe.sessions and not core.running and not core.frames
+
+
 @pytest.mark.parametrize("step_tokens", [2, 3, 64])
 @pytest.mark.parametrize("prompts_ahead", [True, False])
 def test_requests_come_and_go_and_no_stage_holds_more_sessions_than_it_may(
