@@ -9,6 +9,7 @@ it answers every segment of a frame.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 from mesh.frames import (
@@ -20,6 +21,7 @@ from mesh.frames import (
     SegmentResult,
     StageTiming,
 )
+from mesh.speculative.drafter import Drafter
 from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.engine_core import EngineCore
@@ -305,3 +307,24 @@ def run_with_latency(
         clock.now = max(clock.now, due)
         collect(out, core.on_result(pipe.answer(frame)))
     raise AssertionError("the core never ran out of work")
+
+
+class OracleDrafter(Drafter):
+    """Proposes the fake model's own continuation, each token wrong with probability
+    ``wrong`` (seeded)."""
+
+    name = "oracle"
+
+    def __init__(self, wrong: float, seed: int) -> None:
+        super().__init__()
+        self.wrong = wrong
+        self.random = random.Random(seed)
+
+    def _propose(self, k: int) -> list[int]:
+        tokens = list(self._tokens)
+        for _ in range(k):
+            token = next_token(tokens)
+            if self.random.random() < self.wrong:
+                token = (token + 1) % VOCAB
+            tokens.append(token)
+        return tokens[len(self._tokens) :]

@@ -9,7 +9,16 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_support import VOCAB, Clock, FakePipeline, greedy, next_token, request, run_with_latency
+from engine_support import (
+    VOCAB,
+    Clock,
+    FakePipeline,
+    OracleDrafter,
+    greedy,
+    next_token,
+    request,
+    run_with_latency,
+)
 
 from mesh.frames import SegmentKind
 from mesh.speculative import FixedWindow
@@ -17,27 +26,6 @@ from mesh.speculative.depth import DepthInputs, choose_depth, pipelined_rate
 from mesh.speculative.drafter import Drafter
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_types import EngineLimits, PipelineInfo
-
-
-class OracleDrafter(Drafter):
-    """Proposes the fake model's own continuation, each token wrong with probability
-    ``wrong`` (seeded)."""
-
-    name = "oracle"
-
-    def __init__(self, wrong: float, seed: int) -> None:
-        super().__init__()
-        self.wrong = wrong
-        self.random = random.Random(seed)
-
-    def _propose(self, k: int) -> list[int]:
-        tokens = list(self._tokens)
-        for _ in range(k):
-            token = next_token(tokens)
-            if self.random.random() < self.wrong:
-                token = (token + 1) % VOCAB
-            tokens.append(token)
-        return tokens[len(self._tokens) :]
 
 
 def make_core(
