@@ -6,16 +6,12 @@ recovery with windows in flight; the depth rule."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from engine_support import (
-    VOCAB,
     Clock,
     FakePipeline,
     OracleDrafter,
     greedy,
-    next_token,
     request,
     run_with_latency,
 )
@@ -23,7 +19,6 @@ from engine_support import (
 from mesh.frames import SegmentKind
 from mesh.speculative import FixedWindow
 from mesh.speculative.depth import DepthInputs, choose_depth, pipelined_rate
-from mesh.speculative.drafter import Drafter
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_types import EngineLimits, PipelineInfo
 
