@@ -3,7 +3,8 @@ scheduler meets them: answers, arrivals (some with a second choice, some with st
 tokens) and cancellations (clients gone) come one at a time and each is followed by
 the scheduler's pump (send what the core packs, join new prompts to the frame of
 new prompts that stage 0 has not started), and now and then the pipeline is
-replaced. Over random configurations (1-3 stages, small session limits, step
+replaced, or stalls past the round timeout first, and frames of the old pipeline
+are answered late. Over random configurations (1-3 stages, small session limits, step
 budgets, prefix cache, prompts ahead, speculation with drafters that are always,
 sometimes or often wrong, windows drafted ahead): every request that was not
 cancelled gets the tokens and finish it gets alone, no stage is asked to hold more
@@ -74,6 +75,8 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
     term = 1
     core.set_pipeline(PipelineInfo(term=term, stage_count=stage_count, kv_sessions=capacity))
     pipe = FakePipeline(capacity=capacity)
+    pipes = [pipe]
+    counted: list[int] = []  # refusals of each replaced pipeline before it was replaced
     arrivals, expected, to_cancel = [], {}, []
     base = [3, 4, 5, 6] * rng.choice([1, 3])
     for i in range(rng.randint(3, 14)):
@@ -93,6 +96,10 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
     added: set[str] = set()
     cancelled: set[str] = set()
     reloads = 1 if rng.random() < 0.3 else 0
+    stalls = 1 if rng.random() < 0.2 else 0
+    # Frames of a replaced pipeline, answered late by its old stages (a stage that
+    # hung and woke up): stage 0 must drop what they say.
+    late: deque[tuple[FakePipeline, Frame]] = deque()
 
     def pump() -> None:
         while (frame := core.next_frame()) is not None:
@@ -108,7 +115,10 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
     for _ in range(20000):
         cancellable = [rid for rid in to_cancel if rid in added]
         events = ["answer"] * 3 * bool(pending) + ["arrive"] * bool(arrivals)
-        events += ["cancel"] * bool(cancellable) + ["reload"] * bool(reloads and pending)
+        events += ["cancel"] * bool(cancellable) + ["reload"] * bool(
+            reloads and (pending or core.running)
+        )
+        events += ["stall"] * bool(stalls and pending) + ["late"] * bool(late)
         if not events:
             break
         event = rng.choice(events)
@@ -125,12 +135,21 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
             to_cancel.remove(rid)
             core.cancel(rid)
             cancelled.add(rid)
+        elif event == "stall":  # no answer within the round timeout: a reload follows
+            stalls -= 1
+            reloads = max(reloads, 1)
+            clock.now += limits.round_timeout_s + 1.0
+            collect(got, core.expire())
+        elif event == "late":
+            old, frame = late.popleft()
+            collect(got, core.on_result(old.answer(frame)))
         else:  # the pipeline is replaced: the new stages hold nothing
             reloads -= 1
+            counted.append(len(pipe.refused))
+            late.extend((pipe, frame) for frame in pending if rng.random() < 0.5)
             pending.clear()
-            pipe.sessions.clear()
-            pipe.kept.clear()
-            pipe.verdicts.clear()
+            pipe = FakePipeline(capacity=capacity)
+            pipes.append(pipe)
             term += 1
             info = PipelineInfo(term=term, stage_count=stage_count, kv_sessions=capacity)
             collect(got, core.set_pipeline(info))
@@ -138,8 +157,9 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
     problems = []
     if pipe.sessions:
         problems.append(f"sessions left on the stages: {sorted(pipe.sessions)}")
-    if pipe.refused:
-        problems.append(f"segments the stages refused: {pipe.refused}")
+    refused = [r for each, n in zip(pipes, [*counted, None], strict=True) for r in each.refused[:n]]
+    if refused:
+        problems.append(f"segments the stages refused: {refused}")
     if core.running or core.frames or core.waiting:
         problems.append(f"left in the core: {sorted(core.running)}, {sorted(core.frames)}")
     return got, expected, cancelled, problems
