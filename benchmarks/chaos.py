@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from coordinator.chaos import (  # noqa: E402 - after the path set-up
     FAULT_KINDS,
     LOOPBACK_FAULT_KINDS,
+    NETNS_FAULT_KINDS,
     ChaosRun,
     StreamSpec,
     default_specs,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kinds",
         default=None,
         help=f"fault kinds to draw (default: {','.join(LOOPBACK_FAULT_KINDS)}; with --netns "
-        f"also link)",
+        f"{','.join(NETNS_FAULT_KINDS)})",
     )
     parser.add_argument(
         "--netns",
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="keep mesh logs here")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "chaos.json")
     args = parser.parse_args(argv)
-    default_kinds = FAULT_KINDS if args.netns else LOOPBACK_FAULT_KINDS
+    default_kinds = NETNS_FAULT_KINDS if args.netns else LOOPBACK_FAULT_KINDS
     kinds = [k for k in (args.kinds or ",".join(default_kinds)).split(",") if k]
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown or not kinds:

@@ -14,9 +14,11 @@ Faults: ``kill`` (SIGKILL a non-zero stage; it is started again after the round)
 ``stop`` (SIGSTOP a non-zero stage for 1-15 s, then SIGCONT), ``throttle`` (a slow
 stage: stopped and continued on a duty cycle for a few seconds), ``coordinator``
 (SIGKILL the coordinator, start a new one on the same address with the same state
-file) and, on network-namespace hosts, ``link`` (the link of a non-zero stage's host
-down for 1-10 s, then up). After each round the mesh is brought back to its full
-size before the next. Used by ``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
+file), ``reset`` (the TCP connections between a non-zero stage and the other stages
+reset while every process stays up: loopback meshes) and, on network-namespace
+hosts, ``link`` (the link of a non-zero stage's host down for 1-10 s, then up).
+After each round the mesh is brought back to its full size before the next. Used by
+``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from coordinator.localmesh import MeshProcesses, wait_for
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "link")
-# Link faults need hosts made of network namespaces (MeshProcesses(hosts=...)).
-LOOPBACK_FAULT_KINDS = FAULT_KINDS[:-1]
+FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "reset", "link")
+# Link faults need hosts made of network namespaces (MeshProcesses(hosts=...)); reset
+# faults a loopback mesh (one network namespace: both ends of a connection visible).
+LOOPBACK_FAULT_KINDS = tuple(k for k in FAULT_KINDS if k != "link")
+NETNS_FAULT_KINDS = tuple(k for k in FAULT_KINDS if k != "reset")
 OUTCOMES = ("identical", "failed", "corrupted")
 
 
@@ -178,6 +182,8 @@ class ChaosRun:
             return Fault("kill", target)
         if kind == "link":
             return Fault("link", target, round(self.rng.uniform(1.0, 10.0), 1))
+        if kind == "reset":
+            return Fault("reset", target)
         return Fault("coordinator", "", round(self.rng.uniform(0.5, 4.0), 1))
 
     def round(self, fault: Fault) -> RoundRecord:
@@ -206,7 +212,9 @@ class ChaosRun:
                 self.mismatches.append((self.specs[index], self.expected[index], outcome))
         # A killed stage always ends its term, but the streams may all end before the
         # coordinator misses its heartbeats: wait for that failover.
-        record.failover, record.recovery_s = watcher.result(expected=fault.kind == "kill")
+        record.failover, record.recovery_s = watcher.result(
+            expected=fault.kind in ("kill", "reset")
+        )
         self._restore(fault)
         self.records.append(record)
         return record
@@ -231,6 +239,9 @@ class ChaosRun:
             mesh.set_link(fault.target, up=False)
             time.sleep(fault.duration_s)
             mesh.set_link(fault.target, up=True)
+        elif fault.kind == "reset":
+            if not mesh.reset_links(fault.target):
+                raise RuntimeError(f"no connection of {fault.target} to another stage to reset")
         elif fault.kind == "coordinator":
             mesh.kill_coordinator()
             time.sleep(fault.duration_s)

@@ -134,6 +134,34 @@ class MeshProcesses:
             raise RuntimeError("link faults need network-namespace hosts")
         self.hosts.set_link(self._host_of[node_id], up)
 
+    def reset_links(self, node_id: str) -> int:
+        """Reset (``ss -K``: an RST, as a middlebox or a rebooted peer would send) every
+        TCP connection between stage ``node_id`` and the other stage processes: its
+        data links. Every process, its control connections and the HTTP clients stay
+        up. Loopback meshes only (the kernel must allow socket destruction); returns
+        how many connections were reset."""
+        if self.hosts is not None:
+            raise RuntimeError("reset faults need a loopback mesh")
+        pid = self.stages[node_id].pid
+        others = {p.pid for name, p in self.stages.items() if name != node_id}
+        listing = subprocess.run(["ss", "-tnpH"], capture_output=True, text=True, check=True)
+        owners: dict[str, int] = {}
+        for line in listing.stdout.splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and "pid=" in fields[5]:
+                owners[fields[3]] = int(fields[5].split("pid=", 1)[1].split(",", 1)[0])
+        reset = 0
+        for line in listing.stdout.splitlines():
+            fields = line.split()
+            if len(fields) < 6 or f"pid={pid}," not in fields[5]:
+                continue
+            local, peer = fields[3], fields[4]
+            if owners.get(peer) not in others:
+                continue
+            subprocess.run(["ss", "-K", "src", local, "dst", peer], capture_output=True, check=True)
+            reset += 1
+        return reset
+
     def kill_coordinator(self) -> None:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait(10)

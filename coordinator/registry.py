@@ -61,6 +61,10 @@ class NodeRecord:
     head_ms: float = 0.0
     step_ms: float = 0.0
     step_frames: int = 0
+    # A data link of the stage's loaded pipeline that it reports broken (current
+    # term only), and since when (the first heartbeat that said so).
+    link_error: str = ""
+    link_error_since: float = 0.0
 
     @property
     def alive(self) -> bool:
@@ -158,6 +162,7 @@ class HeartbeatReceived:
     prefix_bytes: int = 0
     step_ms: float = 0.0
     step_frames: int = 0
+    link_error: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -445,6 +450,9 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
         # remembers the frames of its previous term.
         changes["step_ms"] = event.step_ms
         changes["step_frames"] = event.step_frames
+    broken = event.link_error if event.term == state.term else ""
+    changes["link_error"] = broken
+    changes["link_error_since"] = (known.link_error_since or event.now) if broken else 0.0
     after = _update_node(state, event.node_id, **changes)
     if known.alive:
         return after
@@ -473,7 +481,26 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
         reason = f"missed heartbeats for {silent_s:.1f} s (timeout {event.timeout_s:g} s)"
         after = _degrade_if_assigned(after, record.node_id, reason)
         after = replace(_update_node(after, record.node_id, health="dead"), membership_changed=True)
-    return after
+    return _check_links(after, event)
+
+
+def _check_links(state: State, event: HeartbeatsChecked) -> State:
+    """Plan again when a stage of the serving pipeline has reported a broken data link
+    for a heartbeat timeout while every stage stays alive: frames can no longer pass
+    (or answers come back), and only a new load opens new links. A peer that died
+    is found by its missed heartbeats within the same timeout, and that failure is
+    handled as such first (the report then concerns a pipeline that is gone)."""
+    if state.mesh_state != "serving" or state.topology is None:
+        return state
+    for stage in state.topology.stages:
+        record = state.node(stage.node_id)
+        if record is None or not record.link_error or record.link_error_since <= 0:
+            continue
+        if event.now - record.link_error_since < event.timeout_s:
+            continue
+        what = f"reports a broken data link ({record.link_error})"
+        return _degrade_if_assigned(state, record.node_id, what)
+    return state
 
 
 def _load_started(state: State, event: LoadStarted) -> State:
@@ -494,7 +521,10 @@ def _load_started(state: State, event: LoadStarted) -> State:
             f"the plan covers {event.plan.layer_count} layers but the model has "
             f"{state.layer_count}; plan again with the model's footprint"
         )
-    nodes = tuple(replace(n, param_bytes=0, step_ms=0.0, step_frames=0) for n in state.nodes)
+    nodes = tuple(
+        replace(n, param_bytes=0, step_ms=0.0, step_frames=0, link_error="", link_error_since=0.0)
+        for n in state.nodes
+    )
     return replace(
         state,
         nodes=nodes,

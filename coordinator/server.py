@@ -184,6 +184,7 @@ class CoordinatorService:
                     prefix_bytes=request.prefix_bytes,
                     step_ms=request.step_ms,
                     step_frames=request.step_frames,
+                    link_error=request.link_error,
                 ),
             )
             return HeartbeatReply(known=True, term=self.state.term)

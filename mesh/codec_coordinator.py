@@ -86,6 +86,8 @@ class HeartbeatRequest:
     prefix_bytes: int = 0
     step_ms: float = 0.0
     step_frames: int = 0
+    # A data link of the loaded pipeline that broke ("" while they work).
+    link_error: str = ""
 
     def to_proto(self) -> coordinator_pb2.HeartbeatRequest:
         return coordinator_pb2.HeartbeatRequest(
@@ -97,6 +99,7 @@ class HeartbeatRequest:
             prefix_bytes=self.prefix_bytes,
             step_ms=self.step_ms,
             step_frames=self.step_frames,
+            link_error=self.link_error,
         )
 
     @classmethod
@@ -110,6 +113,7 @@ class HeartbeatRequest:
             pb.prefix_bytes,
             pb.step_ms,
             pb.step_frames,
+            pb.link_error,
         )
 
 

@@ -83,6 +83,9 @@ class LoadedStage:
     forward: DataLink | None = None
     returns: DataLink | None = None
     loaded_at: float = field(default_factory=time.monotonic)
+    # Set when one of this load's data links broke (heartbeats carry it: the
+    # coordinator plans again, and the new load opens new links).
+    link_error: str = ""
 
 
 class StageNode:
@@ -228,7 +231,7 @@ class StageNode:
                 if request.downstream is not None:
                     loaded.forward = open_forward_link(
                         request.downstream.address,
-                        on_broken=self._downstream_broken,
+                        on_broken=lambda error: self._downstream_broken(loaded, error),
                         on_ack=self._downstream_ack,
                         delay_s=self.settings.inject_delay_ms / 1000.0,
                         traffic=self.metrics.sent["forward"],
@@ -236,7 +239,7 @@ class StageNode:
                 if not request.is_first:
                     loaded.returns = open_return_link(
                         request.return_endpoint,
-                        on_broken=self._return_broken,
+                        on_broken=lambda error: self._return_broken(loaded, error),
                         delay_s=self.settings.inject_delay_ms / 1000.0,
                         traffic=self.metrics.sent["return"],
                     )
@@ -359,6 +362,7 @@ class StageNode:
             prefix_bytes=runtime.prefix_nbytes() if runtime is not None else 0,
             step_ms=step_ms,
             step_frames=step_frames,
+            link_error=loaded.link_error if loaded is not None else "",
         )
 
     def manifest(self) -> PackageManifest | None:
@@ -495,12 +499,12 @@ class StageNode:
         if ack.error is not None:
             logger.info("downstream refused frame %s: %s", ack.frame_id, ack.error.message)
 
-    def _downstream_broken(self, error: Exception) -> None:
-        loaded = self.loaded
-        if loaded is None or self.loaded is not loaded:
-            return
+    def _downstream_broken(self, loaded: LoadedStage, error: Exception) -> None:
+        if self.loaded is not loaded:
+            return  # a link of a load that is over
         index = loaded.request.stage_index
         failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
+        loaded.link_error = loaded.link_error or failure.message
         segments = tuple(
             Segment(request_id, session_id, SegmentKind.DECODE, 0)
             for session_id, request_id in loaded.engine.active_requests()
@@ -508,8 +512,12 @@ class StageNode:
         if segments:
             self._fail_segments(loaded, Frame(loaded.request.term, 0, segments), failure)
 
-    def _return_broken(self, error: Exception) -> None:
+    def _return_broken(self, loaded: LoadedStage, error: Exception) -> None:
+        if self.loaded is not loaded:
+            return  # a link of a load that is over
+        index = loaded.request.stage_index
         logger.warning("return link to stage 0 broke: %s", error)
+        loaded.link_error = loaded.link_error or f"stage {index} cannot reach stage 0: {error}"
 
     def _sweep_loop(self) -> None:
         while not self._stopping.wait(IDLE_SWEEP_S):

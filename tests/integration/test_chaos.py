@@ -82,6 +82,19 @@ def test_a_killed_stage_fails_over_and_the_mesh_grows_back(chaos: ChaosRun):
     assert target in assigned and len(assigned) == 3
 
 
+def test_data_links_reset_between_live_stages_are_opened_again_by_a_new_load(chaos: ChaosRun):
+    """Every process stays up and heartbeats; only the TCP connections between a
+    stage and its neighbours are reset. The stage reports the broken link in its
+    heartbeats, the coordinator plans again after a heartbeat timeout, and the new
+    load opens new links: the streams continue with the same text (before, the
+    mesh stayed on the broken links and every request timed out)."""
+    for target in (middle_stage(chaos), last_stage(chaos)):
+        record = chaos.round(Fault("reset", target))
+        assert record.failover, "a broken data link ends its term"
+        assert_no_corruption(chaos, record)
+    assert "reports a broken data link" in chaos.mesh.coordinator_log()
+
+
 def test_a_restarted_coordinator_takes_the_mesh_back_and_fails_over_later(chaos: ChaosRun):
     term = chaos.mesh.status().term
     record = chaos.round(Fault("coordinator", "", 2.0))

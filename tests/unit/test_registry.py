@@ -195,6 +195,52 @@ def test_dead_assigned_node_degrades_the_mesh_and_names_the_stage() -> None:
     assert [c.node_id for c in planner_nodes(state)] == ["a"]
 
 
+def beat(state: State, node_id: str, now: float, link_error: str = "", term: int = 0) -> State:
+    event = HeartbeatReceived(
+        node_id=node_id, now=now, term=term or state.term, link_error=link_error
+    )
+    return apply(state, event)
+
+
+def test_a_broken_data_link_between_live_stages_degrades_the_mesh_after_the_timeout() -> None:
+    state, plan = serving("a", "b")
+    broken = "stage 1 is unreachable from stage 0: connection reset"
+    state = beat(beat(state, "a", 20.0, broken), "b", 20.0)
+    state = apply(state, HeartbeatsChecked(now=21.0, timeout_s=3.0))
+    assert state.mesh_state == "serving"  # within the timeout: a dying peer goes first
+    for now in (21.0, 22.0, 23.0):
+        state = beat(beat(state, "a", now, broken), "b", now)
+    state = apply(state, HeartbeatsChecked(now=23.5, timeout_s=3.0))
+    assert (state.mesh_state, state.degraded, state.topology) == ("failed", True, None)
+    assert "stage 0 (a at" in state.error and "reports a broken data link" in state.error
+    assert broken in state.error
+    # Both nodes are alive: the next plan uses them again, and a new load forgets it.
+    assert needs_replan(state) and [c.node_id for c in planner_nodes(state)] == ["a", "b"]
+    state = apply(state, LoadStarted(term=next_term(state), plan=plan))
+    assert state.node("a").link_error == ""
+
+
+def test_a_link_that_works_again_or_an_old_term_s_report_changes_nothing() -> None:
+    state, _ = serving("a", "b")
+    state = beat(state, "a", 20.0, "stage 1 is unreachable from stage 0: reset")
+    state = beat(state, "a", 21.0)  # the report is gone
+    state = beat(state, "b", 21.0, "stage 1 cannot reach stage 0: reset", term=state.term - 1)
+    for node_id in "ab":
+        state = beat(state, node_id, 30.0)
+    state = apply(state, HeartbeatsChecked(now=30.0, timeout_s=3.0))
+    assert state.mesh_state == "serving"
+    assert state.node("a").link_error == "" and state.node("b").link_error == ""
+
+
+def test_a_dead_peer_is_the_failure_reported_not_the_link_to_it() -> None:
+    state, _ = serving("a", "b")
+    for now in (20.0, 22.0, 24.0):
+        state = beat(state, "a", now, "stage 1 is unreachable from stage 0: reset")
+    state = apply(state, HeartbeatsChecked(now=24.0, timeout_s=3.0))
+    assert state.node("b").health == "dead"
+    assert "missed heartbeats" in state.error and "data link" not in state.error
+
+
 def test_late_heartbeat_revives_a_dead_node_unassigned() -> None:
     state, _ = serving("a", "b")
     state = apply(state, HeartbeatReceived(node_id="a", now=20.0))

@@ -72,7 +72,7 @@ class JoinReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames")
+    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames", "link_error")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class HeartbeatRequest(_message.Message):
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LINK_ERROR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     term: int
     state: str
@@ -89,7 +90,8 @@ class HeartbeatRequest(_message.Message):
     prefix_bytes: int
     step_ms: float
     step_frames: int
-    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ...) -> None: ...
+    link_error: str
+    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ..., link_error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "term")
