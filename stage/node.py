@@ -500,11 +500,12 @@ class StageNode:
             logger.info("downstream refused frame %s: %s", ack.frame_id, ack.error.message)
 
     def _downstream_broken(self, loaded: LoadedStage, error: Exception) -> None:
-        if self.loaded is not loaded:
-            return  # a link of a load that is over
         index = loaded.request.stage_index
         failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
+        # Kept with the load (one still finishing reports it once it serves).
         loaded.link_error = loaded.link_error or failure.message
+        if self.loaded is not loaded:
+            return
         segments = tuple(
             Segment(request_id, session_id, SegmentKind.DECODE, 0)
             for session_id, request_id in loaded.engine.active_requests()
@@ -513,8 +514,6 @@ class StageNode:
             self._fail_segments(loaded, Frame(loaded.request.term, 0, segments), failure)
 
     def _return_broken(self, loaded: LoadedStage, error: Exception) -> None:
-        if self.loaded is not loaded:
-            return  # a link of a load that is over
         index = loaded.request.stage_index
         logger.warning("return link to stage 0 broke: %s", error)
         loaded.link_error = loaded.link_error or f"stage {index} cannot reach stage 0: {error}"
