@@ -4,6 +4,7 @@ mean what OpenAI says, and speculation from any prediction is lossless."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from mesh.config import WindowPolicySpec
 from mesh.sampling import sample_token
 from mesh.speculative import RoundContext, make_policy, plan_window, truncate_at_stop, verify_window
 from mesh.speculative.ngram import NgramDrafter
-from mesh.speculative.prediction import PredictionDrafter, prediction_counts
+from mesh.speculative.prediction import AnchorIndex, PredictionDrafter, prediction_counts
 from mesh.types import SamplingParams
 
 PROMPT = [90, 91, 92]
@@ -171,3 +172,19 @@ def test_speculation_from_any_prediction_is_lossless(temperature: float) -> None
                 helped += accepted >= 20
     if temperature == 0.0:
         assert helped == 12, "an exact or edited prediction should be accepted at length"
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 200_000])
+def test_the_anchor_index_finds_every_run_a_dict_of_runs_finds(vocab: int) -> None:
+    rng = random.Random(vocab)
+    tokens = [rng.randrange(vocab) for _ in range(600)]
+    index = AnchorIndex(tokens, 4)
+    runs: dict[tuple[int, ...], list[int]] = {}
+    for start in range(len(tokens) - 3):
+        runs.setdefault(tuple(tokens[start : start + 4]), []).append(start)
+    for run, starts in runs.items():
+        assert index.starts(list(run)) == starts
+    for _ in range(200):  # runs that may not occur
+        run = [rng.randrange(vocab) for _ in range(4)]
+        assert index.starts(run) == runs.get(tuple(run), [])
+    assert AnchorIndex(tokens[:3], 4).starts(tokens[:3] + [0]) == []
