@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         mesh.start().wait_serving(deadline_s=900)
-        run = ChaosRun(mesh, model, specs, rng, streams_per_round=args.streams)
+        run = ChaosRun(
+            mesh, model, specs, rng, streams_per_round=args.streams, full_stages=args.stages
+        )
         run.baseline()
         emit(f"baseline: {len(specs)} requests; logs in {workdir}")
         for index in range(args.faults):
