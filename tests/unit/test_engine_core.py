@@ -455,13 +455,7 @@ def test_new_prompts_go_in_a_frame_of_their_own_when_the_pipe_is_full() -> None:
     assert [s.session_id for s in joined] == ["n2"]
     assert core.open_prompts_frame() == 0  # nobody else waits
     amended = replace(ahead, segments=ahead.segments + tuple(joined))
-    for frame in [*in_flight, amended]:
-        collect(got, core.on_result(pipe.answer(frame)))
-    rest = run_pipelined(core, pipe)
-    for rid, entry in rest.items():
-        got.setdefault(rid, [[], None, None])
-        got[rid][0].extend(entry[0])
-        got[rid][1] = entry[1]
+    got = _finish(core, pipe, got, [*in_flight, amended])
     expected = {rid: (1, 2, 3, ord(rid)) for rid in "abcd"} | {"n1": (7, 7, 7), "n2": (8, 9)}
     for rid, prompt in expected.items():
         assert got[rid][0] == greedy(prompt, 6) and got[rid][1] == "length", rid
@@ -490,13 +484,13 @@ def test_prompts_wait_for_a_free_frame_when_prompts_ahead_is_off() -> None:
 
 def _finish(core, pipe, got, frames) -> dict[str, list]:
     """Answer ``frames`` in order, then run the core to the end; every request's
-    tokens and finish."""
+    tokens, finish and error."""
     for frame in frames:
         collect(got, core.on_result(pipe.answer(frame)))
     for rid, entry in run_pipelined(core, pipe).items():
         got.setdefault(rid, [[], None, None])
         got[rid][0].extend(entry[0])
-        got[rid][1] = entry[1]
+        got[rid][1], got[rid][2] = entry[1], entry[2] or got[rid][2]
     return got
 
 
