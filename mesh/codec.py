@@ -218,6 +218,10 @@ def segment_problem(segment: data_pb2.Segment) -> InvalidRequest | None:
     count = segment.token_count
     if segment.prefix_from and kind is not SegmentKind.PREFILL:
         return InvalidRequest(f"{where}: only a PREFILL segment may start from a prefix")
+    if (segment.score or segment.HasField("next_token")) and kind is not SegmentKind.PREFILL:
+        return InvalidRequest(f"{where}: only a PREFILL segment may be scored")
+    if segment.HasField("next_token") and not segment.score:
+        return InvalidRequest(f"{where}: next_token is only read on a segment with score set")
     if (segment.keep_prefix or segment.forget_prefix) and kind is not SegmentKind.END:
         return InvalidRequest(f"{where}: only an END segment may keep or forget a prefix")
     if segment.keep_prefix and segment.forget_prefix:

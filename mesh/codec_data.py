@@ -121,7 +121,10 @@ def segment_to_proto(segment: Segment) -> data_pb2.Segment:
         keep_prefix=segment.keep_prefix,
         forget_prefix=segment.forget_prefix,
         ahead=segment.ahead,
+        score=segment.score,
     )
+    if segment.next_token is not None:
+        pb.next_token = segment.next_token
     if segment.sampling is not None:
         pb.sampling.CopyFrom(sampling_to_proto(segment.sampling))
     return pb
@@ -142,6 +145,8 @@ def segment_from_proto(pb: data_pb2.Segment) -> Segment:
         keep_prefix=pb.keep_prefix,
         forget_prefix=pb.forget_prefix,
         ahead=pb.ahead,
+        score=pb.score,
+        next_token=pb.next_token if pb.HasField("next_token") else None,
     )
 
 
@@ -218,14 +223,8 @@ def segment_result_to_proto(result: SegmentResult) -> data_pb2.SegmentResult:
         accepted_count=result.accepted_count,
         epoch=result.epoch,
         dropped=result.dropped,
-        logprobs=[
-            data_pb2.TokenLogprob(
-                logprob=entry.logprob,
-                top_tokens=[token for token, _ in entry.top],
-                top_logprobs=[value for _, value in entry.top],
-            )
-            for entry in result.logprobs
-        ],
+        logprobs=[_logprob_to_proto(entry) for entry in result.logprobs],
+        prompt_logprobs=[_logprob_to_proto(entry) for entry in result.prompt_logprobs],
     )
     if result.error is not None:
         pb.error.CopyFrom(error_to_proto(result.error))
@@ -242,14 +241,21 @@ def segment_result_from_proto(pb: data_pb2.SegmentResult) -> SegmentResult:
         error=_optional_error(pb),
         epoch=pb.epoch,
         dropped=pb.dropped,
-        logprobs=tuple(
-            TokenLogprob(
-                entry.logprob,
-                tuple(zip(entry.top_tokens, entry.top_logprobs, strict=False)),
-            )
-            for entry in pb.logprobs
-        ),
+        logprobs=tuple(_logprob_from_proto(entry) for entry in pb.logprobs),
+        prompt_logprobs=tuple(_logprob_from_proto(entry) for entry in pb.prompt_logprobs),
     )
+
+
+def _logprob_to_proto(entry: TokenLogprob) -> data_pb2.TokenLogprob:
+    return data_pb2.TokenLogprob(
+        logprob=entry.logprob,
+        top_tokens=[token for token, _ in entry.top],
+        top_logprobs=[value for _, value in entry.top],
+    )
+
+
+def _logprob_from_proto(pb: data_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(pb.logprob, tuple(zip(pb.top_tokens, pb.top_logprobs, strict=False)))
 
 
 def result_to_proto(result: FrameResult) -> data_pb2.FrameResult:

@@ -88,10 +88,23 @@ class Segment:
     # last token the session's previous window emits; the last stage runs it only
     # when the session's latest verdict ends at pos_start with that token.
     ahead: bool = False
+    # Prompt scoring (docs/protocol.md), PREFILL only: the last stage answers the
+    # log-probabilities of the segment's tokens after its first and of
+    # ``next_token`` (the token after its last, on a chunk of a longer prompt).
+    score: bool = False
+    next_token: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):
             object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+
+    @property
+    def scored_tokens(self) -> tuple[int, ...]:
+        """The tokens a scoring segment's rows predict, row by row."""
+        if not self.score:
+            return ()
+        tail = () if self.next_token is None else (self.next_token,)
+        return self.token_ids[1:] + tail
 
     @property
     def token_count(self) -> int:
@@ -105,9 +118,10 @@ class Segment:
 
     @property
     def emits(self) -> bool:
-        """True when the last stage answers this segment with tokens."""
+        """True when the last stage answers this segment with tokens (or, scoring,
+        with the prompt's log-probabilities)."""
         if self.kind is SegmentKind.PREFILL:
-            return self.sample
+            return self.sample or self.score
         return self.kind is not SegmentKind.END
 
     def result_pos(self) -> int:
@@ -202,6 +216,9 @@ class SegmentResult:
     logprobs: tuple[TokenLogprob, ...] = ()
     # The last stage dropped the segment unrun (a refuted ``ahead`` window).
     dropped: bool = False
+    # A scoring segment's ``scored_tokens``, scored: positions ``pos + 1 ...`` of
+    # the segment (``Segment.pos_start + 1`` on).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):

@@ -34,6 +34,9 @@ from mesh.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Rows of a scored prompt chunk turned into log-probabilities at a time.
+SCORE_ROWS = 64
+
 
 @dataclass(frozen=True)
 class EngineOutput:
@@ -160,6 +163,8 @@ class StageEngine:
                 failures.append(failed[id(s)])
         self._forget_constraints()
         for answer in emitted.values():
+            if not answer.token_ids:  # a scored prompt chunk
+                continue
             position = answer.pos_start + len(answer.token_ids) - 1
             self.runtime.set_verdict(answer.session_id, position, answer.token_ids[-1])
         answers = tuple(
@@ -172,7 +177,7 @@ class StageEngine:
     # ---- internals --------------------------------------------------------------
 
     def _span(self, segment: Segment) -> Span:
-        if not self.is_last or segment.kind is SegmentKind.VERIFY:
+        if not self.is_last or segment.kind is SegmentKind.VERIFY or segment.score:
             logit_rows = -1
         elif segment.kind is SegmentKind.PREFILL and not segment.sample:
             logit_rows = 0
@@ -218,6 +223,17 @@ class StageEngine:
         """The segment's tokens; ``before`` is the session's token ids before it (kept
         only where penalties use them)."""
         sampling = self.runtime.session_sampling(segment.session_id)
+        scored = self._score(segment, logits, sampling) if segment.score else ()
+        if segment.kind is SegmentKind.PREFILL and not segment.sample:
+            return SegmentResult(
+                request_id=segment.request_id,
+                session_id=segment.session_id,
+                # The first position scored (a chunk's answer has no flight to
+                # place it by on stage 0).
+                pos_start=segment.pos_start + 1,
+                epoch=segment.epoch,
+                prompt_logprobs=scored,
+            )
         if sampling.grammar:
             logits = self._constrain(segment, logits, before, sampling)
         if segment.kind is SegmentKind.VERIFY:
@@ -247,7 +263,40 @@ class StageEngine:
             accepted_count=accepted,
             epoch=segment.epoch,
             logprobs=logprobs,
+            prompt_logprobs=scored,
         )
+
+    def _score(
+        self, segment: Segment, logits: torch.Tensor, sampling: SamplingParams
+    ) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of a scoring segment's ``scored_tokens``, row by
+        row, under the model's own distribution, with ``top_logprobs`` alternatives."""
+        targets = segment.scored_tokens
+        if not targets:
+            return ()
+        vocab = logits.shape[-1]
+        if min(targets) < 0 or max(targets) >= vocab:
+            raise InvalidRequest(
+                f"segment of request {segment.request_id!r}: a token to score is outside "
+                f"the vocabulary [0, {vocab})"
+            )
+        top_k = min(max(sampling.top_logprobs, 0), vocab)
+        scored: list[TokenLogprob] = []
+        # In slices, so that a long chunk never holds float32 log-softmax of every row.
+        for first in range(0, len(targets), SCORE_ROWS):
+            wanted = torch.tensor(targets[first : first + SCORE_ROWS], dtype=torch.long)
+            rows = logits[first : first + len(wanted)].detach().to("cpu", torch.float32)
+            logprobs = torch.log_softmax(rows, dim=-1)
+            chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
+            tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
+            if top_k:
+                values, indices = torch.topk(logprobs, top_k, dim=-1)
+                tops = [
+                    tuple(zip(i, v, strict=True))
+                    for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+                ]
+            scored.extend(TokenLogprob(c, t) for c, t in zip(chosen, tops, strict=True))
+        return tuple(scored)
 
     def _constrain(
         self,

@@ -15,6 +15,8 @@ Generator contract:
   cannot serve (HTTP 503), ``mesh.errors.InvalidRequest`` for input the engine
   refuses (HTTP 400). A ``MeshError`` raised after tokens were sent ends the stream
   with an OpenAI error event.
+- With ``score_prompt`` the first event carries the prompt's log-probabilities;
+  with ``max_new_tokens`` 0 it is also the last (no token ids, ``"length"``).
 - Each ``TokenEvent`` carries one or more newly committed token ids (a speculative
   round may commit several at once). ``token_ids`` never contains the stop token
   that ended generation; that is reported as ``finish_reason="stop"``. Reaching
@@ -76,6 +78,10 @@ class GenerationRequest:
     # (0: the server's policy alone).
     speculation: bool = True
     max_window: int = 0
+    # Score the prompt (``echo`` with ``logprobs`` on completions): the first event
+    # carries ``prompt_logprobs``. Only then may ``max_new_tokens`` be 0 (the prompt
+    # is read and scored, nothing is generated).
+    score_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,11 @@ class TokenEvent:
     stats: GenerationStats | None = None
     # One per token when the request asked for log-probabilities (mesh.frames).
     logprobs: tuple[Any, ...] = ()
+    # With ``score_prompt``, on the first event only: one ``mesh.frames.TokenLogprob``
+    # per prompt token after the first (entry i scores prompt token i + 1 given the
+    # tokens before it) under the model's own distribution (no penalties, biases or
+    # temperature), with ``sampling.top_logprobs`` alternatives.
+    prompt_logprobs: tuple[Any, ...] = ()
 
 
 @runtime_checkable

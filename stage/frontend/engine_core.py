@@ -100,6 +100,11 @@ class EngineCore:
         """Admit a request (running when a session slot is free, else queued)."""
         if not request.prompt_tokens:
             raise InvalidRequest("the prompt is empty; send at least one token")
+        if request.max_new_tokens < (0 if request.score_prompt else 1):
+            raise InvalidRequest(
+                f"max_new_tokens is {request.max_new_tokens}; a request generates at least "
+                "one token unless it scores its prompt"
+            )
         if self.info is None:
             raise Unavailable("the pipeline is not loaded yet (or is reloading)")
         limits = self.limits
@@ -162,7 +167,8 @@ class EngineCore:
             cap = min(cap, self.info.kv_sessions)
         while self.waiting and len(self.running) < cap:
             run = self.waiting.popleft()
-            self.running[run.request.request_id] = Tracked(run)
+            # A scored prompt is read whole: every position's row must reach the head.
+            self.running[run.request.request_id] = Tracked(run, no_prefix=run.request.score_prompt)
 
     @property
     def queued(self) -> int:
@@ -533,6 +539,7 @@ class EngineCore:
         count = min(self.limits.prefill_chunk_tokens, room, len(tokens) - start)
         final = start + count >= len(tokens)
         session = run.request.request_id
+        score = run.request.score_prompt and not run.prompt_scored
         segment = Segment(
             request_id=session,
             session_id=session,
@@ -543,6 +550,8 @@ class EngineCore:
             sample=final,
             epoch=tracked.epoch,
             prefix_from=prefix_from,
+            score=score,
+            next_token=tokens[start + count] if score and not final else None,
         )
         tracked.prefilled = start + count
         if final:
@@ -670,6 +679,12 @@ class EngineCore:
                 self.stale.append("epoch")
             return None
         flight = tracked.in_flight
+        if answer.prompt_logprobs and not answer.token_ids and answer.error is None:
+            # A scored chunk of a longer prompt: its answer's pos_start is the first
+            # position it scores.
+            if term == self._term() and tracked.recover_by is None:
+                tracked.run.record_prompt_scores(answer.pos_start, answer.prompt_logprobs)
+            return None
         if flight is None or flight.frame_id != frame_id:
             if answer.error is not None and term == self._term() and tracked.recover_by is None:
                 # A prompt chunk sent without waiting failed on its way.
@@ -724,6 +739,8 @@ class EngineCore:
         now = self.clock()
         tracked.in_flight = None
         emitted = list(answer.token_ids)
+        if answer.prompt_logprobs:
+            run.record_prompt_scores(flight.segment.pos_start + 1, answer.prompt_logprobs)
         if flight.segment.kind is SegmentKind.PREFILL:
             tracked.prefilling = False
             lost, tracked.lost = tracked.lost, None
@@ -742,6 +759,11 @@ class EngineCore:
             accepted = answer.accepted_count
             ahead.observe_round(tracked, now - flight.sent_at, len(flight.drafts), accepted)
             run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
+        if flight.segment.score:
+            try:
+                run.finish_prompt_scores()
+            except Unavailable as error:
+                return self._fail(run.request.request_id, error)
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
             ahead.end_ahead(tracked, self.ahead)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mesh.errors import Unavailable
 from mesh.speculative import Telemetry
 from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
 
@@ -35,6 +36,12 @@ class RequestRun:
         self.ahead_dropped = 0
         self.ahead_wasted = 0
         self.deepest = 1
+        # A scored prompt (``request.score_prompt``): the scores received, by
+        # position, until the prompt's last chunk is answered; then handed out once
+        # with the first event.
+        self.prompt_scores: dict[int, Any] = {}
+        self.prompt_scored = False
+        self._scores_out: tuple[Any, ...] = ()
         if speculation is not None:
             self.drafter, self.policy, self.strategy = speculation
             self.telemetry = Telemetry()
@@ -47,11 +54,38 @@ class RequestRun:
     def tokens_left(self) -> int:
         return self.request.max_new_tokens - self.produced
 
+    def record_prompt_scores(self, first: int, entries: Sequence[Any]) -> None:
+        """Scores of the prompt positions ``first ...`` (those past the prompt, which
+        a re-read after a recovery may carry, are not the prompt's)."""
+        if self.prompt_scored:
+            return
+        for position, entry in enumerate(entries, start=first):
+            if 0 < position < len(self.request.prompt_tokens):
+                self.prompt_scores[position] = entry
+
+    def finish_prompt_scores(self) -> None:
+        """The prompt's last chunk was answered: every position after the first must
+        have its score (raises Unavailable otherwise, never a partial answer)."""
+        if self.prompt_scored:
+            return
+        length = len(self.request.prompt_tokens)
+        missing = [p for p in range(1, length) if p not in self.prompt_scores]
+        if missing:
+            raise Unavailable(
+                f"request {self.request.request_id}: the scores of {len(missing)} of "
+                f"{length - 1} prompt positions never came back; retry the request"
+            )
+        self._scores_out = tuple(self.prompt_scores[p] for p in range(1, length))
+        self.prompt_scores = {}
+        self.prompt_scored = True
+
     def commit(self, emitted: list[int], logprobs: Sequence[Any] = ()) -> TokenEvent:
         """Commit emitted tokens up to a stop token or the token budget (with their
         log-probabilities, when the request asked for them)."""
         finish = None
         out: list[int] = []
+        if self.tokens_left() <= 0:  # a scored prompt with nothing to generate
+            emitted, finish = [], "length"
         for token in emitted:
             if token in self.request.stop_token_ids:
                 finish = "stop"
@@ -67,7 +101,12 @@ class RequestRun:
             finish_reason=finish,
             stats=self.stats(),
             logprobs=tuple(logprobs[: len(out)]),
+            prompt_logprobs=self._take_scores(),
         )
+
+    def _take_scores(self) -> tuple[Any, ...]:
+        scores, self._scores_out = self._scores_out, ()
+        return scores
 
     def observe(
         self,

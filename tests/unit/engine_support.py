@@ -20,6 +20,7 @@ from mesh.frames import (
     SegmentKind,
     SegmentResult,
     StageTiming,
+    TokenLogprob,
 )
 from mesh.speculative.drafter import Drafter
 from mesh.types import SamplingParams
@@ -32,6 +33,19 @@ VOCAB = 97
 
 def next_token(tokens: list[int]) -> int:
     return (sum((i + 1) * t for i, t in enumerate(tokens)) * 31 + len(tokens)) % VOCAB
+
+
+def fake_score(before: list[int], token: int) -> TokenLogprob:
+    """The fake model's log-probability of ``token`` after ``before``: 0 for its own
+    next token, lower the farther ``token`` is from it; that token is the one
+    alternative."""
+    best = next_token(before)
+    return TokenLogprob(-abs(best - token) / 10.0, ((best, 0.0),))
+
+
+def prompt_scores(prompt: tuple[int, ...]) -> list[TokenLogprob]:
+    """The scores of a prompt's tokens after its first."""
+    return [fake_score(list(prompt[:i]), prompt[i]) for i in range(1, len(prompt))]
 
 
 def greedy(prompt: tuple[int, ...], count: int) -> list[int]:
@@ -134,9 +148,16 @@ class FakePipeline:
             held = self.sessions.setdefault(sid, [])
             del held[segment.pos_start :]
             held.extend(segment.token_ids)
+            scored = tuple(
+                fake_score(held[: segment.pos_start + 1 + i], token)
+                for i, token in enumerate(segment.scored_tokens)
+            )
             if segment.kind is SegmentKind.PREFILL and not segment.sample:
+                at = segment.pos_start + 1 if segment.score else segment.pos_end
                 results.append(
-                    SegmentResult(segment.request_id, sid, segment.pos_end, epoch=segment.epoch)
+                    SegmentResult(
+                        segment.request_id, sid, at, epoch=segment.epoch, prompt_logprobs=scored
+                    )
                 )
                 continue
             if segment.kind is SegmentKind.VERIFY:
@@ -166,6 +187,7 @@ class FakePipeline:
                         segment.pos_end,
                         [next_token(held)],
                         epoch=segment.epoch,
+                        prompt_logprobs=scored,
                     )
                 )
         for result in results:

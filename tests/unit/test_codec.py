@@ -312,3 +312,41 @@ def test_segment_results_carry_their_logprobs() -> None:
         logprobs=(TokenLogprob(-0.5, ((5, -0.5), (3, -1.25))), TokenLogprob(-2.0, ())),
     )
     assert codec.segment_result_from_proto(codec.segment_result_to_proto(result)) == result
+
+
+def test_scored_prompt_chunks_and_their_scores_survive_the_wire() -> None:
+    from mesh.frames import TokenLogprob
+
+    chunk = Segment("r", "s", SegmentKind.PREFILL, 0, (5, 6, 0), sample=False, score=True)
+    last = Segment("r", "s", SegmentKind.PREFILL, 3, (8,), score=True, next_token=None)
+    middle = replace_segment(chunk, next_token=0)  # token id 0 is a token like any other
+    frame = Frame(1, 2, (middle, last), hidden=None)
+    back = wire_roundtrip(frame, frame_to_proto, frame_from_proto)
+    assert back == frame
+    assert back.segments[0].next_token == 0 and back.segments[1].next_token is None
+    assert back.segments[0].scored_tokens == (6, 0, 0) and back.segments[1].scored_tokens == ()
+    scores = (TokenLogprob(-0.25, ((6, -0.25),)), TokenLogprob(-3.5, ()))
+    result = SegmentResult("r", "s", 1, prompt_logprobs=scores)
+    assert codec.segment_result_from_proto(codec.segment_result_to_proto(result)) == result
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"kind": data_pb2.SEGMENT_KIND_DECODE, "score": True},
+            "only a PREFILL segment may be scored",
+        ),
+        ({"kind": data_pb2.SEGMENT_KIND_PREFILL, "next_token": 4}, "next_token is only read"),
+    ],
+)
+def test_scoring_fields_outside_a_scored_prefill_are_refused(fields: dict, message: str) -> None:
+    pb = data_pb2.Segment(request_id="r", session_id="s", token_count=1, token_ids=[3], **fields)
+    problem = codec.segment_problem(pb)
+    assert problem is not None and message in problem.message
+
+
+def replace_segment(segment: Segment, **changes) -> Segment:
+    from dataclasses import replace
+
+    return replace(segment, **changes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from dataclasses import replace
 
 import pytest
 from engine_support import (
@@ -29,6 +30,7 @@ from engine_support import (
     OracleDrafter,
     collect,
     core_with,
+    prompt_scores,
     request,
     run_to_end,
 )
@@ -44,7 +46,7 @@ SEEDS = 400
 def alone(prompt: tuple[int, ...], max_new: int, stop: frozenset[int]) -> list:
     """A request's tokens, finish and error when it runs by itself."""
     core, _ = core_with(stage_count=1)
-    core.add(request("x", prompt, max_new=max_new, stop=stop))
+    core.add(replace(request("x", prompt, max_new=max_new, stop=stop), score_prompt=True))
     return run_to_end(core, FakePipeline())["x"]
 
 
@@ -78,13 +80,26 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
     pipes = [pipe]
     counted: list[int] = []  # refusals of each replaced pipeline before it was replaced
     arrivals, expected, to_cancel = [], {}, []
+    scores_wanted: dict[str, list] = {}
+    scores_got: dict[str, list] = {}
+
+    def take(outcomes: list) -> None:
+        for outcome in outcomes:
+            if outcome.event is not None and outcome.event.prompt_logprobs:
+                scores_got.setdefault(outcome.request_id, []).append(outcome.event.prompt_logprobs)
+        collect(got, outcomes)
+
     base = [3, 4, 5, 6] * rng.choice([1, 3])
     for i in range(rng.randint(3, 14)):
         prompt = tuple(base + [i % 5, rng.randrange(VOCAB)][: rng.choice([1, 2])])
-        max_new = rng.choice([1, 2, 5, 9])
+        scored = rng.random() < 0.2  # echo with logprobs: the prompt is scored
+        max_new = rng.choice([0, 1, 2, 5] if scored else [1, 2, 5, 9])
         stop = frozenset([rng.randrange(VOCAB)]) if rng.random() < 0.3 else frozenset()
         runs = [request(f"p{i}", prompt, max_new=max_new, stop=stop)]
-        if rng.random() < 0.3:
+        if scored:
+            runs = [replace(runs[0], score_prompt=True)]
+            scores_wanted[f"p{i}"] = prompt_scores(prompt)
+        elif rng.random() < 0.3:
             runs.append(request(f"p{i}-1", prompt, max_new=max_new, stop=stop, fork_of=f"p{i}"))
         for run in runs:
             arrivals.append(run)
@@ -124,7 +139,7 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
         event = rng.choice(events)
         if event == "answer":
             clock.now += 0.01
-            collect(got, core.on_result(pipe.answer(pending.popleft())))
+            take(core.on_result(pipe.answer(pending.popleft())))
         elif event == "arrive":
             for run in arrivals[: rng.choice([1, 1, 2, 3])]:
                 arrivals.remove(run)
@@ -139,10 +154,10 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
             stalls -= 1
             reloads = max(reloads, 1)
             clock.now += limits.round_timeout_s + 1.0
-            collect(got, core.expire())
+            take(core.expire())
         elif event == "late":
             old, frame = late.popleft()
-            collect(got, core.on_result(old.answer(frame)))
+            take(core.on_result(old.answer(frame)))
         else:  # the pipeline is replaced: the new stages hold nothing
             reloads -= 1
             counted.append(len(pipe.refused))
@@ -152,7 +167,7 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
             pipes.append(pipe)
             term += 1
             info = PipelineInfo(term=term, stage_count=stage_count, kv_sessions=capacity)
-            collect(got, core.set_pipeline(info))
+            take(core.set_pipeline(info))
         pump()
     problems = []
     if pipe.sessions:
@@ -162,6 +177,11 @@ def run_interleaved(seed: int) -> tuple[dict[str, list], dict[str, list], set[st
         problems.append(f"segments the stages refused: {refused}")
     if core.running or core.frames or core.waiting:
         problems.append(f"left in the core: {sorted(core.running)}, {sorted(core.frames)}")
+    for rid, wanted in scores_wanted.items():
+        if rid in cancelled or (rid in got and got[rid][2] is not None):
+            continue
+        if scores_got.get(rid) != [tuple(wanted)] and len(wanted) > 0:
+            problems.append(f"{rid}: prompt scores {scores_got.get(rid)} instead of {wanted}")
     return got, expected, cancelled, problems
 
 

@@ -34,7 +34,7 @@ class EndpointReply(_message.Message):
     def __init__(self, tcp: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead")
+    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead", "score", "next_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class Segment(_message.Message):
     KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     FORGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     kind: SegmentKind
@@ -61,7 +63,9 @@ class Segment(_message.Message):
     keep_prefix: bool
     forget_prefix: bool
     ahead: bool
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    score: bool
+    next_token: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ..., ahead: _Optional[bool] = ..., score: _Optional[bool] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("term", "frame_id", "segments", "hidden", "timings")
@@ -86,7 +90,7 @@ class FrameAck(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class SegmentResult(_message.Message):
-    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs", "dropped")
+    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs", "dropped", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class SegmentResult(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     pos_start: int
@@ -105,7 +110,8 @@ class SegmentResult(_message.Message):
     epoch: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     dropped: bool
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., dropped: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., dropped: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_tokens", "top_logprobs")
