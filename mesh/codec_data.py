@@ -43,6 +43,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         logprobs=params.top_logprobs >= 0,
         top_logprobs=max(0, params.top_logprobs),
         grammar=params.grammar,
+        min_tokens=params.min_tokens,
+        hold_back=params.hold_back,
     )
 
 
@@ -64,6 +66,8 @@ def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         prompt_tokens=pb.prompt_tokens,
         top_logprobs=pb.top_logprobs if pb.logprobs else -1,
         grammar=pb.grammar,
+        min_tokens=pb.min_tokens,
+        hold_back=tuple(pb.hold_back),
     )
 
 

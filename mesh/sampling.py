@@ -34,7 +34,9 @@ def adjust_logits(
     divides a positive logit (multiplies a negative one) of every token seen in
     ``history``; ``frequency_penalty`` times the token's count in the output and
     ``presence_penalty`` for a token the output holds are subtracted; ``logit_bias``
-    is added. Returns ``logits`` itself when nothing applies."""
+    is added; while the output holds fewer than ``min_tokens`` tokens, the
+    ``hold_back`` tokens are ruled out. Returns ``logits`` itself when nothing
+    applies."""
     if not params.adjusts_logits:
         return logits
     scores = logits.detach().to(device="cpu", dtype=torch.float32).clone()
@@ -54,6 +56,9 @@ def adjust_logits(
     for token, bias in params.logit_bias:
         if token < vocab:
             scores[token] += bias
+    if params.holds_back and len(history) - params.prompt_tokens < params.min_tokens:
+        held = [token for token in params.hold_back if token < vocab]
+        scores[held] = float("-inf")
     return scores
 
 

@@ -94,6 +94,10 @@ class SamplingParams:
     # Structured output (mesh/grammar.py): the JSON text {"type": "json_object"} or
     # {"type": "json_schema", "schema": {...}} the output must follow; "" for none.
     grammar: str = ""
+    # ``min_tokens``: until the output holds this many tokens, the ``hold_back``
+    # tokens (the request's stop tokens: EOS) cannot be chosen.
+    min_tokens: int = 0
+    hold_back: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -119,6 +123,11 @@ class SamplingParams:
             )
         if self.prompt_tokens < 0:
             raise InvalidRequest(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
+        if self.min_tokens < 0 or any(token < 0 for token in self.hold_back):
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) and the token ids held back "
+                f"({list(self.hold_back)}) must be >= 0"
+            )
         for token, bias in self.logit_bias:
             if token < 0 or not (-LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
                 raise InvalidRequest(
@@ -138,7 +147,13 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.holds_back
         )
+
+    @property
+    def holds_back(self) -> bool:
+        """Whether ``min_tokens`` keeps some tokens from being chosen early on."""
+        return self.min_tokens > 0 and bool(self.hold_back)
 
     @property
     def uses_history(self) -> bool:
@@ -148,4 +163,5 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.grammar
+            or self.holds_back
         )

@@ -588,3 +588,73 @@ def test_logprobs_are_the_models(baseline, target_dir) -> None:
     # Penalties shape the distribution the logprobs come from.
     biased = baseline.complete(prompt, logprobs=1, max_tokens=1, logit_bias={"17": 100})
     assert biased["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(0.0, abs=1e-4)
+
+
+# ---- prompt scoring (echo with logprobs) ---------------------------------------------------
+
+
+def _reference_scores(model, ids: list[int], top: int) -> tuple[list[float], list[list[float]]]:
+    """The unsplit model's log-probability of each prompt token after the first, and the
+    ``top`` likeliest alternatives' values at each of those positions."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    chosen = [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
+    alternatives = [torch.topk(logprobs[i - 1], top).values.tolist() for i in range(1, len(ids))]
+    return chosen, alternatives
+
+
+def _assert_scored(logprobs, ids: list[int], model, tokenizer, top: int) -> None:
+    chosen, alternatives = _reference_scores(model, ids, top)
+    count = len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:count] == pytest.approx(chosen, abs=1e-4)
+    for got, want in zip(logprobs.top_logprobs[1:count], alternatives, strict=True):
+        assert sorted(got.values(), reverse=True) == pytest.approx(want, abs=1e-4)
+    assert logprobs.tokens[:count] == [tokenizer.decode([t]) for t in ids]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(
+    baseline, package, target_dir, tmp_path_factory
+) -> None:
+    """The legacy completions idiom for scoring text (``echo``, ``logprobs``,
+    ``max_tokens`` 0), through the official client on 2-stage meshes: every prompt
+    token's log-probability is the unsplit model's, also for a prompt read in many
+    chunks (a step budget of 16 tokens) and for a prompt the prefix cache holds; with
+    tokens to generate they follow the echoed prompt, greedy as without echo."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompt = PROMPTS[1] * 3
+    ids = tokenizer.encode(prompt)
+    plain = baseline.complete(prompt)  # its positions stay in the prefix cache
+    client = openai.OpenAI(base_url=baseline.url + "/v1", api_key="none", max_retries=0)
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0
+    )
+    (choice,) = scored.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    _assert_scored(choice.logprobs, ids, model, tokenizer, 2)
+    both = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=NEW_TOKENS, temperature=0
+    )
+    (choice,) = both.choices
+    assert choice.text == prompt + plain["choices"][0]["text"]
+    _assert_scored(choice.logprobs, ids, model, tokenizer, 1)
+    assert len(choice.logprobs.tokens) == len(ids) + NEW_TOKENS
+    with serving(
+        package,
+        tmp_path_factory.mktemp("scored-chunks"),
+        "--spec-type",
+        "none",
+        "--max-batch-tokens",
+        "16",
+    ) as chunked:
+        client = openai.OpenAI(base_url=chunked.url + "/v1", api_key="none", max_retries=0)
+        again = client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0
+        )
+    assert len(ids) > 3 * 16  # read in at least four chunks
+    _assert_scored(again.choices[0].logprobs, ids, model, tokenizer, 2)

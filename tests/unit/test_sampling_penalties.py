@@ -75,6 +75,10 @@ PARAMS = [
     SamplingParams(temperature=1.2, seed=3, top_k=5, repetition_penalty=0.8, prompt_tokens=4),
     SamplingParams(logit_bias=((3, 2.0), (7, -3.0))),
     SamplingParams(temperature=0.7, seed=5, logit_bias=((1, 1.5),), presence_penalty=0.4),
+    # min_tokens: the held-back tokens are ruled out for the output's first 3 tokens
+    # (row by row in a window: the window's earlier tokens count as output).
+    SamplingParams(min_tokens=3, hold_back=(0, 1, 2, 3), prompt_tokens=4),
+    SamplingParams(temperature=0.8, seed=2, min_tokens=2, hold_back=(5,), prompt_tokens=6),
 ]
 
 
@@ -120,6 +124,8 @@ def test_sampling_travels_whole_and_bad_values_fail_their_segment() -> None:
         min_p=0.05,
         logit_bias=((2, -100.0), (17, 3.5)),
         prompt_tokens=321,
+        min_tokens=4,
+        hold_back=(0, 2),
     )
     assert sampling_from_proto(sampling_to_proto(params)) == params
     segment = data_pb2.Segment(
@@ -136,3 +142,16 @@ def test_sampling_travels_whole_and_bad_values_fail_their_segment() -> None:
     assert problem is not None and "frequency_penalty must be in [-2, 2]" in problem.message
     with pytest.raises(InvalidRequest, match="logit_bias"):
         SamplingParams(logit_bias=((1, 500.0),))
+
+
+def test_min_tokens_holds_the_stop_tokens_back_until_the_output_is_long_enough() -> None:
+    params = SamplingParams(min_tokens=2, hold_back=(3,), prompt_tokens=2)
+    logits = torch.tensor([0.0, 1.0, 0.5, 9.0])  # token 3 (the stop token) is likeliest
+    assert sample_token(logits, params, 2, [7, 8]) == 1  # no output yet
+    assert sample_token(logits, params, 3, [7, 8, 1]) == 1  # one output token
+    assert sample_token(logits, params, 4, [7, 8, 1, 1]) == 3  # two: it may stop
+    assert adjust_logits(logits, params, [7, 8])[3] == float("-inf")
+    # Without held-back tokens min_tokens changes nothing.
+    assert adjust_logits(logits, SamplingParams(min_tokens=5), [7, 8]) is logits
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
