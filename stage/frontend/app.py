@@ -211,8 +211,8 @@ class _Frontend:
 
         handed_over = False
         try:
-            # Submitted in order: the first choice's prompt is read first, the others
-            # start from a copy of it.
+            # Submitted in order: each prompt's first choice reads it first, the
+            # prompt's other choices start from a copy of it.
             await until_disconnect(request.receive, _start_all(runs))
             if prepared.stream:
                 events = sse_events(runs, self.metrics, self.limits.retry_after_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from mesh.speculative.prediction import prediction_counts
@@ -52,6 +53,11 @@ class GenerationRun:
         # One choice of the prepared request (``index``: its place in ``choices``).
         self.request = request or prepared.request
         self.index = index
+        # With ``echo``: the prompt text put before the completion, and (when the
+        # prompt is scored) one mesh.frames.TokenLogprob per prompt token after the
+        # first, from the backend's first event.
+        self.echo = prepared.echo_of(index)
+        self.prompt_logprobs: tuple[Any, ...] = ()
         self.tokenizer = tokenizer
         # (token, mesh.frames.TokenLogprob) of every kept token, when asked for;
         # ``_unsent`` those not yet handed out with a streamed chunk.
@@ -93,17 +99,19 @@ class GenerationRun:
             self._failed = True
             await self.aclose()
             raise first
-        if self.index == 0:  # the other choices share its prompt
+        if self.index % self.prepared.choices == 0:  # the prompt's other choices share it
             self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(
                 len(self.request.prompt_tokens)
             )
-        if isinstance(first, TokenEvent) and first.stats is not None:
-            self._stats = first.stats
+        if isinstance(first, TokenEvent):
+            self.prompt_logprobs = first.prompt_logprobs
+            if first.stats is not None:
+                self._stats = first.stats
         self._pending = first
 
     async def _pump(self) -> None:
         try:
-            events = self._backend.generate(self.request)
+            events = self._events()
             try:
                 async for event in events:
                     self._queue.put_nowait(event)
@@ -116,6 +124,13 @@ class GenerationRun:
             self._queue.put_nowait(_END)
         except Exception as exc:  # handed to the consumer, which maps it to an HTTP answer
             self._queue.put_nowait(exc)
+
+    def _events(self) -> AsyncIterator[TokenEvent]:
+        if self.request.max_new_tokens == 0 and not self.request.score_prompt:
+            # ``echo`` with ``max_tokens`` 0 and no ``logprobs``: the answer is the
+            # prompt's text; the engine has nothing to read, score or generate.
+            return _nothing_to_generate()
+        return self._backend.generate(self.request)
 
     def take_logprobs(self) -> list[tuple[int, Any]]:
         """The log-probabilities of tokens not handed out yet (for a streamed chunk)."""
@@ -294,3 +309,7 @@ class GenerationRun:
                 if key in stats.speculation:
                     timings[key] = stats.speculation[key]
         return timings
+
+
+async def _nothing_to_generate() -> AsyncIterator[TokenEvent]:
+    yield TokenEvent((), "length")

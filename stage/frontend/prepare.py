@@ -10,7 +10,12 @@ token budget to the context:
 - ``max_tokens`` (or ``max_completion_tokens``) larger than the room left after the
   prompt is clamped to that room, and generation then ends with
   ``finish_reason="length"`` when it runs out; with no ``max_tokens`` the budget is
-  ``limits.default_max_tokens`` or, when that is None, the whole room.
+  ``limits.default_max_tokens`` or, when that is None, the whole room;
+- ``max_tokens`` 0 (completions with ``echo`` only) reads the prompt and generates
+  nothing; with ``logprobs`` too the prompt is scored (``score_prompt``).
+
+A completion's ``prompt`` may be a batch (strings or token-id lists): each prompt
+gets ``n`` choices (see ``PreparedGeneration.choice_requests``).
 
 Sampling defaults follow OpenAI: temperature 1, top_p 1, no top-k, no penalties.
 A request without ``seed`` gets a fresh random one; a negative seed wraps modulo
@@ -75,32 +80,48 @@ class PreparedGeneration:
     response_id: str
     created: int
     model_id: str
-    request: GenerationRequest
+    # One per prompt: a batched completion has several (see ``choice_requests``).
+    requests: tuple[GenerationRequest, ...]
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     fingerprint: str | None = None
     tools: ToolUse | None = None
-    # ``n``: choices generated for the prompt (see ``choice_requests``).
+    # ``n``: choices generated for each prompt (see ``choice_requests``).
     choices: int = 1
+    # Completions' ``echo``: each prompt's text, put before its choices' text.
+    echo: tuple[str, ...] = ()
+
+    @property
+    def request(self) -> GenerationRequest:
+        """The first prompt's request (its first choice's)."""
+        return self.requests[0]
+
+    def echo_of(self, index: int) -> str:
+        """The echoed prompt text of choice ``index`` ("" without ``echo``)."""
+        return self.echo[index // self.choices] if self.echo else ""
 
     def choice_requests(self) -> list[GenerationRequest]:
-        """One request per choice. The first is ``request``; choice i reads the same
-        prompt from a copy of the first one's session (``fork_of``), under its own
-        request id, with seed + i (mod 2**64) so that sampled choices differ and
-        each one is reproducible."""
-        first = self.request
-        out = [first]
-        for index in range(1, self.choices):
-            sampling = replace(first.sampling, seed=(first.sampling.seed + index) % 2**64)
-            out.append(
-                replace(
-                    first,
-                    request_id=f"{first.request_id}-{index}",
-                    sampling=sampling,
-                    fork_of=first.request_id,
+        """One request per choice, prompt by prompt: choice i of prompt p has index
+        p * n + i (OpenAI's order). Choice 0 of a prompt is that prompt's request;
+        choice i reads the same prompt from a copy of choice 0's session
+        (``fork_of``) unless the prompt is scored (each choice then reads it, to get
+        its scores), under its own request id, with seed + i (mod 2**64) so that
+        sampled choices differ and each one is the answer of its prompt alone with
+        n 1 and that seed."""
+        out = []
+        for number, first in enumerate(self.requests):
+            out.append(first)
+            for choice in range(1, self.choices):
+                sampling = replace(first.sampling, seed=(first.sampling.seed + choice) % 2**64)
+                out.append(
+                    replace(
+                        first,
+                        request_id=f"{self.response_id}-{number * self.choices + choice}",
+                        sampling=sampling,
+                        fork_of="" if first.score_prompt else first.request_id,
+                    )
                 )
-            )
         return out
 
 
@@ -189,13 +210,15 @@ def _logit_bias(bias: Mapping[str, float], vocab: int) -> tuple[tuple[int, float
     return tuple(sorted(pairs))
 
 
-def _budget(prompt_len: int, requested: int | None, ctx: PromptContext, param: str) -> int:
+def _budget(
+    prompt_len: int, requested: int | None, ctx: PromptContext, param: str, name: str = "the prompt"
+) -> int:
     if prompt_len == 0:
-        raise bad_request("the prompt is empty after tokenisation; send some text", param)
+        raise bad_request(f"{name} is empty after tokenisation; send some text", param)
     room = ctx.context_length - prompt_len
     if room <= 0:
         raise bad_request(
-            f"the prompt has {prompt_len} tokens but the model's context is "
+            f"{name} has {prompt_len} tokens but the model's context is "
             f"{ctx.context_length} tokens; shorten the prompt",
             param,
             code="context_length_exceeded",
@@ -261,17 +284,36 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
     return prompt, ToolUse(names, body.parallel_tool_calls is not False, prefix, fmt)
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
-    """Prompt token ids of a completion prompt (text, or token ids checked against the vocab)."""
+def encode_prompt(tokenizer: Any, prompt: str | list[int], name: str = "prompt") -> list[int]:
+    """Prompt token ids of a completion prompt (text, or token ids checked against the
+    vocab); ``name`` says which prompt in messages ("prompt 2" of a batch)."""
     if isinstance(prompt, str):
         return [int(i) for i in tokenizer.encode(prompt)]
     vocab = len(tokenizer)
     for i, token in enumerate(prompt):
         if not 0 <= token < vocab:
             raise bad_request(
-                f"prompt token {i} is {token}, outside the vocabulary [0, {vocab})", "prompt"
+                f"{name} token {i} is {token}, outside the vocabulary [0, {vocab})", "prompt"
             )
     return list(prompt)
+
+
+def _completion_prompts(
+    tokenizer: Any, prompts: Sequence[str | list[int]], echo: bool
+) -> tuple[list[list[int]], tuple[str, ...]]:
+    """Each prompt's token ids and, with ``echo``, its text: a string prompt as sent,
+    token ids decoded (special tokens kept, as the logprobs' tokens show them)."""
+    names = ["prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
+    encoded = [encode_prompt(tokenizer, p, name) for p, name in zip(prompts, names, strict=True)]
+    if not echo:
+        return encoded, ()
+    texts = tuple(
+        p
+        if isinstance(p, str)
+        else tokenizer.decode(p, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for p in prompts
+    )
+    return encoded, texts
 
 
 def _prediction(body: GenerationBody, ctx: PromptContext) -> tuple[int, ...] | None:
@@ -286,39 +328,62 @@ def _prediction(body: GenerationBody, ctx: PromptContext) -> tuple[int, ...] | N
 def _prepared(
     kind: Literal["chat", "completion"],
     body: GenerationBody,
-    prompt: list[int],
+    prompts: Sequence[list[int]],
     stop: tuple[str, ...],
     ctx: PromptContext,
     tools: ToolUse | None = None,
     prediction: tuple[int, ...] | None = None,
+    echo: tuple[str, ...] = (),
 ) -> PreparedGeneration:
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     response_id = f"{prefix}-{uuid.uuid4().hex}"
-    request = GenerationRequest(
+    choices = body.n or 1
+    param = "messages" if kind == "chat" else "prompt"
+    names = ["the prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
+    budgets = [
+        _budget(len(p), body.requested_max_tokens, ctx, param, name)
+        for p, name in zip(prompts, names, strict=True)
+    ]
+    # One seed for the whole request: prompt p's choice i is the answer of that
+    # prompt alone with seed + i.
+    sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer))
+    first = GenerationRequest(
         request_id=response_id,
-        prompt_tokens=tuple(prompt),
-        max_new_tokens=_budget(
-            len(prompt), body.requested_max_tokens, ctx, "messages" if kind == "chat" else "prompt"
-        ),
-        sampling=_sampling(body, len(prompt), len(ctx.tokenizer)),
+        prompt_tokens=tuple(prompts[0]),
+        max_new_tokens=budgets[0],
+        sampling=sampling,
         stop_token_ids=ctx.stop_token_ids,
         scope=body.user or "",
         prediction_tokens=prediction,
         speculation=body.speculation is not False,
         max_window=getattr(body.speculation, "max_window", 0),
+        # Completions' echo with logprobs reports the prompt's log-probabilities.
+        score_prompt=bool(echo) and body.requested_top_logprobs >= 0,
     )
+    requests = [first] + [
+        replace(
+            first,
+            request_id=f"{response_id}-{number * choices}",
+            prompt_tokens=tuple(prompt),
+            max_new_tokens=budget,
+            sampling=replace(sampling, prompt_tokens=len(prompt)),
+        )
+        for number, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))
+        if number > 0
+    ]
     return PreparedGeneration(
         kind=kind,
         response_id=response_id,
         created=int(time.time()),
         model_id=ctx.model_id,
-        request=request,
+        requests=tuple(requests),
         stop=stop,
         stream=bool(body.stream),
         include_usage=body.include_usage,
         fingerprint=ctx.fingerprint,
         tools=tools,
-        choices=body.n or 1,
+        choices=choices,
+        echo=echo,
     )
 
 
@@ -326,13 +391,16 @@ async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> Prepared
     stop = _check_common(body, ctx)
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
-    return _prepared("chat", body, prompt, stop, ctx, tools, prediction)
+    return _prepared("chat", body, [prompt], stop, ctx, tools, prediction)
 
 
 async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> PreparedGeneration:
+    """A completion of one prompt or a batch of them (``n`` choices each); with
+    ``echo``, each prompt's text goes before its choices' text, and with ``logprobs``
+    too the prompt is scored."""
     stop = _check_common(body, ctx)
-    single = body.single_prompt()
-    assert single is not None  # _check_common refused batched prompts
-    prompt = await asyncio.to_thread(encode_prompt, ctx.tokenizer, single)
+    prompts, echo = await asyncio.to_thread(
+        _completion_prompts, ctx.tokenizer, body.prompts(), bool(body.echo)
+    )
     prediction = await asyncio.to_thread(_prediction, body, ctx)
-    return _prepared("completion", body, prompt, stop, ctx, prediction=prediction)
+    return _prepared("completion", body, prompts, stop, ctx, prediction=prediction, echo=echo)

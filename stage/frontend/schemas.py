@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
 Types are strict: ``"1"`` is not an integer and ``true`` is not a number. A field
-this server does not know, or knows but cannot honour (``echo``, ``best_of``,
-``suffix``, ...), is refused with a 400 that names it rather than silently ignored:
+this server does not know, or knows but cannot honour (``best_of``, ``suffix``,
+...), is refused with a 400 that names it rather than silently ignored:
 a client that asks for something gets it or is told. Exceptions: OpenAI's
 bookkeeping fields that do not change the answer (``IGNORED_FIELDS``), and unknown
 fields inside messages (clients replay OpenAI's own message objects, with fields
@@ -338,6 +338,9 @@ TokenList = Annotated[list[Int], Field(min_length=1)]
 
 class CompletionBody(GenerationBody):
     prompt: Str | TokenList | list[Str] | list[TokenList]
+    # 0 only with ``echo``: the prompt is read (and scored, with ``logprobs``), nothing
+    # is generated (OpenAI's legacy idiom for scoring text).
+    max_tokens: Annotated[int, Strict(), Field(ge=0, le=MAX_TOKENS_MAX)] | None = None
     echo: Bool | None = None
     logprobs: Annotated[int, Strict(), Field(ge=0, le=5)] | None = None
     best_of: Int | None = None
@@ -347,27 +350,37 @@ class CompletionBody(GenerationBody):
     def requested_top_logprobs(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
 
-    def single_prompt(self) -> str | list[int] | None:
-        """The one prompt of the request, or None when it holds several."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or several for a batched ``prompt``."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if prompt and isinstance(prompt[0], int):
-            return list(prompt)
-        if len(prompt) == 1:
-            return prompt[0]
-        return None
+            return [list(prompt)]
+        return list(prompt)
 
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
-        if isinstance(self.prompt, list) and not self.prompt:
+        prompts = len(self.prompts())
+        choices = prompts * (self.n or 1)
+        if prompts == 0:
             problems.append(("prompt", "prompt is empty; send a string or a list of token ids"))
-        elif self.single_prompt() is None:
+        elif choices > MAX_CHOICES and 1 <= (self.n or 1) <= MAX_CHOICES:
             problems.append(
-                ("prompt", "batched prompts are not supported; send one prompt per request")
+                (
+                    "prompt",
+                    f"{prompts} prompts with n={self.n or 1} ask for {choices} choices; at most "
+                    f"{MAX_CHOICES} per request: send fewer prompts or a smaller n",
+                )
             )
-        if self.echo:
-            problems.append(("echo", "echo is not supported; omit it"))
+        if self.max_tokens == 0 and not self.echo:
+            problems.append(
+                (
+                    "max_tokens",
+                    "max_tokens=0 is only allowed with echo=true (to read or score the prompt "
+                    "without generating); ask for at least 1 token",
+                )
+            )
         if self.best_of is not None and self.best_of != 1:
             problems.append(("best_of", "best_of is not supported; only best_of=1"))
         if self.suffix:

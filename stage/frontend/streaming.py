@@ -90,6 +90,14 @@ def chat_logprobs(run: GenerationRun, entries: list[tuple[int, Any]]) -> dict[st
     }
 
 
+def _offsets(tokens: list[str], offset: int) -> list[int]:
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return offsets
+
+
 def completion_logprobs(
     run: GenerationRun, entries: list[tuple[int, Any]], offset: int = 0
 ) -> dict[str, Any] | None:
@@ -98,18 +106,39 @@ def completion_logprobs(
     if run.request.sampling.top_logprobs < 0:
         return None
     tokens = [_token_text(run.tokenizer, token) for token, _ in entries]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": [entry.logprob for _, entry in entries],
         "top_logprobs": [
             {_token_text(run.tokenizer, t): v for t, v in entry.top} for _, entry in entries
         ],
-        "text_offset": offsets,
+        "text_offset": _offsets(tokens, offset),
     }
+
+
+def prompt_logprobs(run: GenerationRun) -> dict[str, Any] | None:
+    """The legacy ``logprobs`` of an echoed, scored prompt, offsets from 0: its first
+    token has none (nothing comes before it), hence ``null`` (None when not scored)."""
+    if not run.request.score_prompt or run.request.sampling.top_logprobs < 0:
+        return None
+    tokens = [_token_text(run.tokenizer, token) for token in run.request.prompt_tokens]
+    entries = run.prompt_logprobs
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [entry.logprob for entry in entries],
+        "top_logprobs": [None]
+        + [{_token_text(run.tokenizer, t): v for t, v in entry.top} for entry in entries],
+        "text_offset": _offsets(tokens, 0),
+    }
+
+
+def _echoed_logprobs(run: GenerationRun) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs``: the scored prompt's, then the completion's."""
+    generated = completion_logprobs(run, run.logprobs, len(run.echo))
+    prompt = prompt_logprobs(run)
+    if prompt is None or generated is None:
+        return generated
+    return {key: prompt[key] + generated[key] for key in prompt}
 
 
 def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
@@ -118,8 +147,8 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
     if p.kind != "chat":
         return {
             "index": run.index,
-            "text": text,
-            "logprobs": completion_logprobs(run, run.logprobs),
+            "text": run.echo + text,
+            "logprobs": _echoed_logprobs(run),
             "finish_reason": run.finish_reason,
         }
     message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -144,11 +173,16 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
 
 
 def usage_of(runs: list[GenerationRun]) -> dict[str, Any]:
-    """``usage`` of a request's choices: the prompt once, every choice's tokens."""
+    """``usage`` of a request's choices: each prompt once (counted on its first
+    choice), every choice's tokens."""
     usage = runs[0].usage()
+    firsts = [run for run in runs if run.index % run.prepared.choices == 0]
+    prompt = sum(len(run.request.prompt_tokens) for run in firsts)
     completion = sum(run.completion_tokens for run in runs)
+    usage["prompt_tokens"] = prompt
     usage["completion_tokens"] = completion
-    usage["total_tokens"] = usage["prompt_tokens"] + completion
+    usage["total_tokens"] = prompt + completion
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(run.cached_tokens for run in firsts)}
     if "completion_tokens_details" in usage:
         details = [run.usage()["completion_tokens_details"] for run in runs]
         usage["completion_tokens_details"] = {
@@ -279,6 +313,9 @@ async def _choice_events(
     answer = tools.prefix if tools is not None else ""
     released = 0
     sent = 0
+    if run.prepared.echo:  # the prompt's text (and scores) before the completion's
+        yield sse(_chunk(run, [_choice(run, run.echo, None, prompt_logprobs(run))])), False
+        sent = len(run.echo)
     try:
         while (text := await run.next_text()) is not None:
             if tools is not None and text:

@@ -3,6 +3,7 @@
 ``TinyModelBackend`` runs a tiny random HF model (SmolLM2's tokenizer) with a real
 KV cache and ``mesh.sampling.sample_token`` in a worker thread per request, the
 way the engine runs behind the frontend, and records every request it saw closed.
+It scores prompts (``score_prompt``) from the rows of the prompt's forward pass.
 ``ScriptedBackend`` replays fixed events, for the engine-contract edge cases.
 """
 
@@ -137,9 +138,10 @@ class TinyModelBackend:
             self.closed.add(request.request_id)
 
     def _forward(self, ids: list[int], past: Any) -> tuple[torch.Tensor, Any]:
+        """Every position's row of logits, and the cache."""
         with self._forward_lock, torch.no_grad():
             out = self.model(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True)
-        return out.logits[0, -1], out.past_key_values
+        return out.logits[0], out.past_key_values
 
     def _decode(
         self,
@@ -154,11 +156,18 @@ class TinyModelBackend:
 
         try:
             started = time.perf_counter()
-            logits, past = self._forward(list(request.prompt_tokens), None)
+            rows, past = self._forward(list(request.prompt_tokens), None)
+            logits = rows[-1]
+            # Handed out with the first event only.
+            scores = prompt_scores(request, rows) if request.score_prompt else ()
             prompt_ms = (time.perf_counter() - started) * 1000.0
             decode_started = time.perf_counter()
             position = len(request.prompt_tokens)
             produced = 0
+            if request.max_new_tokens == 0:
+                stats = GenerationStats(len(request.prompt_tokens), 0, prompt_ms, 0.0)
+                emit(TokenEvent((), "length", stats, prompt_logprobs=scores))
+                return
             while not cancel.is_set():
                 token = sample_token(logits, request.sampling, position)
                 stats = GenerationStats(
@@ -168,22 +177,38 @@ class TinyModelBackend:
                     decode_ms=(time.perf_counter() - decode_started) * 1000.0,
                 )
                 if token in request.stop_token_ids:
-                    emit(TokenEvent((), "stop", stats))
+                    emit(TokenEvent((), "stop", stats, prompt_logprobs=scores))
                     return
                 produced += 1
                 done = produced >= request.max_new_tokens
                 logprobs = ()
                 if request.sampling.top_logprobs >= 0:
                     logprobs = (TokenLogprob(*token_logprob(logits, request.sampling, token)),)
-                emit(TokenEvent((token,), "length" if done else None, stats, logprobs))
+                emit(TokenEvent((token,), "length" if done else None, stats, logprobs, scores))
+                scores = ()
                 if done:
                     return
                 if self.step_delay_s and cancel.wait(self.step_delay_s):
                     return
-                logits, past = self._forward([token], past)
+                rows, past = self._forward([token], past)
+                logits = rows[-1]
                 position += 1
         except Exception as exc:  # handed to the request's consumer
             emit(exc)
+
+
+def prompt_scores(request: GenerationRequest, rows: torch.Tensor) -> tuple[TokenLogprob, ...]:
+    """The prompt's scores from its forward pass's ``rows`` of raw logits: entry i is
+    prompt token i + 1's log-probability given the tokens before it, with the
+    ``sampling.top_logprobs`` likeliest tokens of the same row."""
+    logprobs = torch.log_softmax(rows[:-1].float(), dim=-1)
+    count = max(request.sampling.top_logprobs, 0)
+    scores = []
+    for row, token in zip(logprobs, request.prompt_tokens[1:], strict=True):
+        values, indices = torch.topk(row, count)
+        top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+        scores.append(TokenLogprob(float(row[token]), top))
+    return tuple(scores)
 
 
 class ScriptedBackend:

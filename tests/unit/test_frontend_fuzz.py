@@ -154,4 +154,5 @@ def test_no_body_produces_a_server_error(http: httpx.Client, request: tuple[str,
     else:
         reply = response.json()
         assert reply["choices"][0]["finish_reason"] in ("stop", "length")
-        assert reply["usage"]["completion_tokens"] <= 3
+        # At most 3 tokens (the default budget, or less) per choice.
+        assert reply["usage"]["completion_tokens"] <= 3 * len(reply["choices"])
