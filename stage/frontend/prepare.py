@@ -165,7 +165,24 @@ def _check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
     return stop
 
 
-def _sampling(body: GenerationBody, prompt_len: int, vocab: int) -> SamplingParams:
+def _stop_ids(body: GenerationBody, ctx: PromptContext) -> frozenset[int]:
+    """The token ids that end the output: the model's (none with ``ignore_eos``) and
+    the request's ``stop_token_ids``."""
+    vocab = len(ctx.tokenizer)
+    extra = body.stop_token_ids or []
+    for token in extra:
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab})",
+                "stop_token_ids",
+            )
+    model = frozenset() if body.ignore_eos else ctx.stop_token_ids
+    return model | frozenset(extra)
+
+
+def _sampling(
+    body: GenerationBody, prompt_len: int, vocab: int, stop_ids: frozenset[int] = frozenset()
+) -> SamplingParams:
     seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -180,6 +197,8 @@ def _sampling(body: GenerationBody, prompt_len: int, vocab: int) -> SamplingPara
         prompt_tokens=prompt_len,
         top_logprobs=body.requested_top_logprobs,
         grammar=_grammar(body),
+        min_tokens=body.min_tokens or 0,
+        hold_back=tuple(sorted(stop_ids)) if body.min_tokens else (),
     )
 
 
@@ -346,13 +365,14 @@ def _prepared(
     ]
     # One seed for the whole request: prompt p's choice i is the answer of that
     # prompt alone with seed + i.
-    sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer))
+    stop_ids = _stop_ids(body, ctx)
+    sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer), stop_ids)
     first = GenerationRequest(
         request_id=response_id,
         prompt_tokens=tuple(prompts[0]),
         max_new_tokens=budgets[0],
         sampling=sampling,
-        stop_token_ids=ctx.stop_token_ids,
+        stop_token_ids=stop_ids,
         scope=body.user or "",
         prediction_tokens=prediction,
         speculation=body.speculation is not False,

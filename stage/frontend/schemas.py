@@ -24,6 +24,8 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**32 - 1
 MAX_TOKENS_MAX = 2**31 - 1
+# Longest ``stop_token_ids`` list (an extension).
+STOP_TOKEN_IDS_MAX = 64
 USER_MAX_CHARS = 256
 LOGIT_BIAS_MAX_ENTRIES = 1024
 
@@ -126,10 +128,25 @@ class GenerationBody(_Body):
     # Extension: false turns speculation off for this request; {"max_window": N}
     # caps its draft window (true: the server's policy, the default).
     speculation: Bool | SpeculationControl | None = None
+    # Extensions vLLM and llama.cpp clients send: generate past the model's end token
+    # (``ignore_eos``), more token ids that end the output (``stop_token_ids``), and
+    # no end before ``min_tokens`` output tokens.
+    ignore_eos: Bool | None = None
+    stop_token_ids: Annotated[list[Int], Field(max_length=STOP_TOKEN_IDS_MAX)] | None = None
+    min_tokens: Annotated[int, Strict(), Field(ge=0, le=MAX_TOKENS_MAX)] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, message) for each field set to something this server cannot do."""
         problems: list[tuple[str, str]] = []
+        limit = self.requested_max_tokens
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            problems.append(
+                (
+                    "min_tokens",
+                    f"min_tokens ({self.min_tokens}) is more than max_tokens ({limit}); "
+                    "lower it or raise max_tokens",
+                )
+            )
         for field in sorted(set(self.model_extra or {}) - IGNORED_FIELDS):
             problems.append(
                 (field, f"unknown parameter '{field}'; this server does not support it: remove it")

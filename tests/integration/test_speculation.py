@@ -468,6 +468,8 @@ PENALISED = (
     {"presence_penalty": 1.0, "repetition_penalty": 1.4},
     {"repetition_penalty": 0.7, "logit_bias": {"17": 4.0, "42": -100}},
     {"temperature": 0.8, "seed": 21, "frequency_penalty": 0.6, "min_p": 0.1},
+    # The end token (SmolLM2's <|im_end|>, id 2) pushed up, held back for 6 tokens.
+    {"min_tokens": 6, "logit_bias": {"2": 30.0}},
 )
 
 
@@ -658,3 +660,37 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(
         )
     assert len(ids) > 3 * 16  # read in at least four chunks
     _assert_scored(again.choices[0].logprobs, ids, model, tokenizer, 2)
+
+
+def test_min_tokens_ignore_eos_and_stop_token_ids(baseline, target_dir) -> None:
+    """vLLM's end-of-output extensions on a 2-stage mesh: with the end token biased
+    to be chosen at once, ``min_tokens`` holds it back for that many tokens (the
+    text is the model's greedy text for them), ``ignore_eos`` generates to
+    ``max_tokens``, and a token in ``stop_token_ids`` ends the output as the end
+    token does."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(target_dir).eos_token_id
+    prompt = PROMPTS[3]
+    push = {"logit_bias": {str(eos): 100.0}}
+    ended = baseline.complete(prompt, max_tokens=8, **push)
+    assert ended["usage"]["completion_tokens"] == 0
+    assert ended["choices"][0]["finish_reason"] == "stop"
+    held = baseline.complete(prompt, max_tokens=8, min_tokens=3, **push)
+    assert held["usage"]["completion_tokens"] == 3
+    assert held["choices"][0]["finish_reason"] == "stop"
+    plain = baseline.complete(prompt, max_tokens=3)
+    assert held["choices"][0]["text"] == plain["choices"][0]["text"]
+    ignored = baseline.complete(prompt, max_tokens=5, ignore_eos=True, **push)
+    assert ignored["usage"]["completion_tokens"] == 5
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    first = baseline.complete(prompt, max_tokens=1)["choices"][0]["text"]
+    token = AutoTokenizer.from_pretrained(target_dir).encode(first)[0]
+    stopped = baseline.complete(prompt, max_tokens=8, stop_token_ids=[token])
+    assert stopped["usage"]["completion_tokens"] == 0
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    for bad in ({"stop_token_ids": [10**7]}, {"min_tokens": 9, "max_tokens": 4}):
+        body = {"model": MODEL, "prompt": prompt, **bad}
+        reply = httpx.post(baseline.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] in bad
