@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import uvicorn
@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
-from stage.frontend import anthropic
+from stage.frontend import anthropic, tokenize
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
     OpenAIError,
@@ -62,7 +62,16 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"
-ENDPOINTS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, "/v1/models", "/health", "/metrics")
+TOKEN_PATHS = ("/tokenize", "/detokenize")
+ENDPOINTS = (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MESSAGES_PATH,
+    *TOKEN_PATHS,
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 
 
 def _reject_constant(name: str) -> Any:
@@ -157,6 +166,20 @@ class _Frontend:
             return
         reason = self.backend.unavailable_reason() or "the pipeline is not ready"
         raise Unavailable(f"the model is not ready to serve: {reason}; retry shortly")
+
+    async def tokens(
+        self,
+        request: Request,
+        answer: Callable[[dict[str, Any], PromptContext], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """``/tokenize`` or ``/detokenize`` (stage/frontend/tokenize.py): the
+        tokenizer alone, no pipeline needed."""
+        self.authorize(request)
+        try:
+            payload = await read_json_object(request, self.max_request_bytes)
+        except ClientDisconnect:
+            return {}
+        return await answer(payload, self.prompt_context())
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -381,6 +404,14 @@ def create_app(
             return _anthropic_error(error)
         except MeshError as exc:
             return _anthropic_error(from_mesh_error(exc, limits.retry_after_s))
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request) -> JSONResponse:
+        return JSONResponse(await front.tokens(request, tokenize.tokenize))
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request) -> JSONResponse:
+        return JSONResponse(await front.tokens(request, tokenize.detokenize))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

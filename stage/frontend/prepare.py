@@ -303,6 +303,12 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
     return prompt, ToolUse(names, body.parallel_tool_calls is not False, prefix, fmt)
 
 
+def chat_prompt_tokens(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:
+    """The token ids a chat request's prompt has (its messages and tools through the
+    chat template, the assistant's turn opened), as ``/tokenize`` reports them."""
+    return _chat_prompt(body, ctx)[0]
+
+
 def encode_prompt(tokenizer: Any, prompt: str | list[int], name: str = "prompt") -> list[int]:
     """Prompt token ids of a completion prompt (text, or token ids checked against the
     vocab); ``name`` says which prompt in messages ("prompt 2" of a batch)."""
