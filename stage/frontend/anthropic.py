@@ -8,6 +8,9 @@ Messages API ``message``: content blocks (``text``, ``tool_use``), ``stop_reason
 streamed as its server-sent events (``message_start``, ``content_block_start`` /
 ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``). Errors use its shape
 ``{"type": "error", "error": {"type", "message"}}``.
+
+``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the prompt tokens
+``/v1/messages`` would read for the same body (``max_tokens`` may be left out).
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from mesh.errors import MeshError
 from stage.frontend.errors import OpenAIError, from_mesh_error, from_validation_error
+from stage.frontend.generation import GenerationRun
+from stage.frontend.prepare import PromptContext, checked_chat_prompt
 from stage.frontend.schemas import ChatCompletionBody
 from stage.frontend.tool_formats import ToolUse
 
@@ -226,6 +231,58 @@ def parse_body(payload: dict[str, Any], model_id: str) -> tuple[MessagesBody, Ch
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     return body, chat
+
+
+async def count_tokens(payload: dict[str, Any], ctx: PromptContext) -> dict[str, int]:
+    """The answer of ``POST /v1/messages/count_tokens`` for the JSON object ``payload``."""
+    _, chat = parse_body({"max_tokens": 1, **payload}, ctx.model_id)
+    return {"input_tokens": len(await checked_chat_prompt(chat, ctx))}
+
+
+@dataclass(frozen=True)
+class MessageShape:
+    """A run's answer as a Messages API ``message``, or as its stream (see
+    stage/frontend/translated.py)."""
+
+    message_id: str
+    model: str
+
+    def body(self, run: GenerationRun, text: str) -> dict[str, Any]:
+        blocks, called = content_blocks(text, run.prepared.tools)
+        stop_reason, stop_sequence = stop_of(run.finish_reason, run.stop_string, called)
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": blocks,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {
+                "input_tokens": _input_tokens(run),
+                "cache_read_input_tokens": run.cached_tokens,
+                "cache_creation_input_tokens": 0,
+                "output_tokens": run.completion_tokens,
+            },
+        }
+
+    def events(self, run: GenerationRun, texts: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        def finish() -> tuple[str | None, str | None, int]:
+            return run.finish_reason, run.stop_string, run.completion_tokens
+
+        return message_events(
+            texts,
+            finish,
+            self.message_id,
+            self.model,
+            (_input_tokens(run), run.cached_tokens),
+            run.prepared.tools,
+        )
+
+
+def _input_tokens(run: GenerationRun) -> int:
+    """Anthropic counts the prompt tokens read from a cache apart from the others."""
+    return len(run.request.prompt_tokens) - run.cached_tokens
 
 
 def error_response_body(error: OpenAIError) -> dict[str, Any]:

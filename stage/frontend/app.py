@@ -4,7 +4,10 @@
 Face tokenizer; ``serve_app`` runs it with uvicorn in a background thread.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
-streaming), ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
+streaming); other APIs translated into chat requests: ``POST /v1/responses``
+(OpenAI's Responses API, responses.py), ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); ``POST /tokenize``,
+``POST /detokenize``; ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
 ``GET /metrics``. With an API key configured, every ``/v1`` route needs
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for load
 balancers and scrapers. Every error is an OpenAI error body (see errors.py).
@@ -30,7 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
-from stage.frontend import anthropic, tokenize
+from stage.frontend import anthropic, responses, tokenize
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
     OpenAIError,
@@ -46,6 +49,7 @@ from stage.frontend.prepare import (
     prepare_chat,
     prepare_completion,
 )
+from stage.frontend.responses_answer import ResponseShape
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody
 from stage.frontend.streaming import (
     ClientDisconnected,
@@ -55,6 +59,7 @@ from stage.frontend.streaming import (
     until_disconnect,
 )
 from stage.frontend.telemetry import CLIENT_CLOSED_STATUS, EdgeMiddleware, FrontendMetrics
+from stage.frontend.translated import AnswerShape, collect_text, serve_run
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +67,15 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+RESPONSES_PATH = "/v1/responses"
 TOKEN_PATHS = ("/tokenize", "/detokenize")
 ENDPOINTS = (
     CHAT_PATH,
     COMPLETIONS_PATH,
     MESSAGES_PATH,
+    COUNT_TOKENS_PATH,
+    RESPONSES_PATH,
     *TOKEN_PATHS,
     "/v1/models",
     "/health",
@@ -174,10 +183,8 @@ class _Frontend:
     ) -> dict[str, Any]:
         """``/tokenize`` or ``/detokenize`` (stage/frontend/tokenize.py): the
         tokenizer alone, no pipeline needed."""
-        self.authorize(request)
-        try:
-            payload = await read_json_object(request, self.max_request_bytes)
-        except ClientDisconnect:
+        payload = await self.payload(request)
+        if payload is None:
             return {}
         return await answer(payload, self.prompt_context())
 
@@ -196,11 +203,8 @@ class _Frontend:
 
     async def generate(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         arrival = time.perf_counter()
-        self.authorize(request)
-        try:
-            payload = await read_json_object(request, self.max_request_bytes)
-        except ClientDisconnect:
-            logger.info("client left while sending the request body")
+        payload = await self.payload(request)
+        if payload is None:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         try:
             if kind == "chat":
@@ -242,7 +246,7 @@ class _Frontend:
                 handed_over = True
                 return EventStreamResponse(events, on_close=close)
             texts = await until_disconnect(
-                request.receive, asyncio.gather(*(_collect(run) for run in runs))
+                request.receive, asyncio.gather(*(collect_text(run) for run in runs))
             )
             return JSONResponse(final_body(runs, list(texts)))
         except ClientDisconnected:
@@ -252,74 +256,48 @@ class _Frontend:
             if not handed_over:
                 await close()
 
-    async def messages(self, request: Request) -> Response:
-        """``POST /v1/messages`` (Anthropic's Messages API, stage/frontend/anthropic.py)."""
-        arrival = time.perf_counter()
+    async def payload(self, request: Request) -> dict[str, Any] | None:
+        """The authorized request's JSON object; None when the client left while
+        sending it."""
         self.authorize(request)
         try:
-            payload = await read_json_object(request, self.max_request_bytes)
+            return await read_json_object(request, self.max_request_bytes)
         except ClientDisconnect:
+            logger.info("client left while sending the request body")
+            return None
+
+    async def translated(
+        self,
+        request: Request,
+        endpoint: str,
+        parse: Callable[[dict[str, Any]], tuple[ChatCompletionBody, AnswerShape]],
+    ) -> Response:
+        """Another API's generation route (stage/frontend/translated.py): ``parse``
+        turns the body into its chat twin and the shape to answer in."""
+        arrival = time.perf_counter()
+        payload = await self.payload(request)
+        if payload is None:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        body, chat = anthropic.parse_body(payload, self.model_id)
+        chat, shape = parse(payload)
         await self.check_ready()
         prepared = await prepare_chat(chat, self.prompt_context())
-        tools = prepared.tools
-        run = GenerationRun(
-            self.backend, prepared, self.tokenizer, self.metrics, MESSAGES_PATH, arrival
-        )
-        message_id = anthropic.new_message_id()
-        model = body.model or self.model_id
-        handed_over = False
-        try:
-            await until_disconnect(request.receive, run.start())
-            # Anthropic counts the tokens read from a cache apart from the others.
-            input_tokens = len(prepared.request.prompt_tokens) - run.cached_tokens
-            if prepared.stream:
+        run = GenerationRun(self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival)
+        return await serve_run(request, run, shape)
 
-                async def texts():
-                    while (text := await run.next_text()) is not None:
-                        yield text
+    def anthropic_message(self, payload: dict[str, Any]) -> tuple[ChatCompletionBody, AnswerShape]:
+        body, chat = anthropic.parse_body(payload, self.model_id)
+        return chat, anthropic.MessageShape(anthropic.new_message_id(), body.model or self.model_id)
 
-                def finish() -> tuple[str | None, str | None, int]:
-                    return run.finish_reason, run.stop_string, run.completion_tokens
+    def openai_response(self, payload: dict[str, Any]) -> tuple[ChatCompletionBody, AnswerShape]:
+        body, chat = responses.parse_body(payload, self.model_id)
+        return chat, ResponseShape(body, body.model or self.model_id)
 
-                events = anthropic.message_events(
-                    texts(),
-                    finish,
-                    message_id,
-                    model,
-                    (input_tokens, run.cached_tokens),
-                    tools,
-                )
-                handed_over = True
-                return EventStreamResponse(events, on_close=run.aclose)
-            text = await until_disconnect(request.receive, _collect(run))
-            blocks, called = anthropic.content_blocks(text, tools)
-            stop_reason, stop_sequence = anthropic.stop_of(
-                run.finish_reason, run.stop_string, called
-            )
-            return JSONResponse(
-                {
-                    "id": message_id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": blocks,
-                    "stop_reason": stop_reason,
-                    "stop_sequence": stop_sequence,
-                    "usage": {
-                        "input_tokens": input_tokens,
-                        "cache_read_input_tokens": run.cached_tokens,
-                        "cache_creation_input_tokens": 0,
-                        "output_tokens": run.completion_tokens,
-                    },
-                }
-            )
-        except ClientDisconnected:
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: the tokenizer alone, no pipeline needed."""
+        payload = await self.payload(request)
+        if payload is None:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        finally:
-            if not handed_over:
-                await run.aclose()
+        return JSONResponse(await anthropic.count_tokens(payload, self.prompt_context()))
 
 
 def _anthropic_error(error: OpenAIError) -> JSONResponse:
@@ -335,13 +313,6 @@ async def _start_all(runs: list[GenerationRun]) -> None:
     for result in results:
         if isinstance(result, BaseException):
             raise result
-
-
-async def _collect(run: GenerationRun) -> str:
-    parts: list[str] = []
-    while (text := await run.next_text()) is not None:
-        parts.append(text)
-    return "".join(parts)
 
 
 def create_app(
@@ -396,14 +367,27 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await front.generate(request, "completion")
 
-    @app.post(MESSAGES_PATH)
-    async def messages(request: Request) -> Response:
+    async def in_anthropic_shape(answer: Awaitable[Response]) -> Response:
         try:
-            return await front.messages(request)
+            return await answer
         except OpenAIError as error:
             return _anthropic_error(error)
         except MeshError as exc:
             return _anthropic_error(from_mesh_error(exc, limits.retry_after_s))
+
+    @app.post(MESSAGES_PATH)
+    async def messages(request: Request) -> Response:
+        return await in_anthropic_shape(
+            front.translated(request, MESSAGES_PATH, front.anthropic_message)
+        )
+
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request) -> Response:
+        return await in_anthropic_shape(front.count_tokens(request))
+
+    @app.post(RESPONSES_PATH)
+    async def create_response(request: Request) -> Response:
+        return await front.translated(request, RESPONSES_PATH, front.openai_response)
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> JSONResponse:

@@ -309,6 +309,13 @@ def chat_prompt_tokens(body: ChatCompletionBody, ctx: PromptContext) -> list[int
     return _chat_prompt(body, ctx)[0]
 
 
+async def checked_chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:
+    """The prompt ``prepare_chat`` would read for ``body``, after the same checks of
+    the request (model, parameters) but none of its length: for counting tokens."""
+    _check_common(body, ctx)
+    return await asyncio.to_thread(chat_prompt_tokens, body, ctx)
+
+
 def encode_prompt(tokenizer: Any, prompt: str | list[int], name: str = "prompt") -> list[int]:
     """Prompt token ids of a completion prompt (text, or token ids checked against the
     vocab); ``name`` says which prompt in messages ("prompt 2" of a batch)."""
