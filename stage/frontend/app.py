@@ -226,11 +226,21 @@ class _Frontend:
             prepared.request.max_new_tokens,
             body.user,
         )
+        choices = prepared.choice_requests()
+        capacity = getattr(self.backend, "request_capacity", None)
+        if capacity is not None and len(choices) > capacity:
+            # Never admitted whole, however long the client retries: not a 429.
+            raise bad_request(
+                f"this request asks for {len(choices)} choices (prompts times n), but the "
+                f"server admits at most {capacity} generations at once (its concurrent "
+                "requests plus its queue); send fewer prompts or a smaller n",
+                "n" if len(prepared.requests) == 1 else "prompt",
+            )
         runs = [
             GenerationRun(
                 self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, r, i
             )
-            for i, r in enumerate(prepared.choice_requests())
+            for i, r in enumerate(choices)
         ]
 
         async def close() -> None:

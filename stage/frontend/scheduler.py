@@ -98,6 +98,12 @@ class PipelineScheduler:
             await asyncio.sleep(READY_POLL_S)
         return self._serving()
 
+    @property
+    def request_capacity(self) -> int:
+        """Requests (each choice of a request is one) admitted at once: running and
+        queued; one request's choices beyond it could never all be admitted."""
+        return self.limits.max_sessions + self.limits.max_queued
+
     def _serving(self) -> bool:
         return self._loaded is not None and self.core.info is not None
 

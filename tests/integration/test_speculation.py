@@ -694,3 +694,18 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(baseline, target_dir) -> None:
         reply = httpx.post(baseline.url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] in bad
+
+
+def test_more_choices_than_the_server_ever_admits_is_a_400_not_a_429(baseline) -> None:
+    """The meshes here admit 4 running and 4 queued requests: a batch of 3 prompts
+    with n 3 (9 choices) could never be admitted whole, so it is refused with a 400
+    that says why instead of a 429 that no retry would get past; 8 choices run."""
+    body = {"model": MODEL, "prompt": list(PROMPTS[:3]), "n": 3, "max_tokens": 2}
+    reply = httpx.post(baseline.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "prompt" and "at most 8" in error["message"]
+    body = {**body, "prompt": list(PROMPTS[:2]), "n": 4}
+    reply = httpx.post(baseline.url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert [c["index"] for c in reply.json()["choices"]] == list(range(8))
