@@ -19,6 +19,7 @@ import grpc
 
 from coordinator.certs import add_certs_parser, run_certs
 from coordinator.driver import LoadSettings
+from coordinator.local_stages import LocalStages
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.stage0_budget import stage0_extra_bytes
@@ -290,13 +291,13 @@ def up(args: argparse.Namespace) -> int:
         logger.info("other hosts reach this coordinator at %s", public)
     service.start()
     threads = coord.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
-    children: list[subprocess.Popen] = []
+    stages = LocalStages(lambda argv: _spawn_stage(argv, security))
     for index in range(0 if not coord.no_local_stage else 1, 1 + coord.spawn_stages):
         argv = local_stage_argv(
             address, index, config, threads, index == 0, security, listen_host, advertise
         )
         argv += local_stage_metrics_argv(coord.stage_metrics_port_base, index)
-        children.append(_spawn_stage(argv, security))
+        stages.start(index, argv)
     stopped = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopped.set())
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
@@ -311,20 +312,20 @@ def up(args: argparse.Namespace) -> int:
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
             _announce(service, public, coord.state_file, _key_example(serving.api_key_file))
-        failed = [c for c in children if c.poll() is not None and c.returncode != 0]
-        if failed and not announced_term and not stopped.is_set():
+        if stopped.is_set():
+            break
+        failed = stages.check(served=bool(announced_term))
+        if failed is not None:
             # Before the mesh first serves, a local stage that fails will fail again:
             # say so and stop rather than wait for a stage that never comes.
             sys.stderr.write(
-                f"mesh-coordinator: local stage process {failed[0].pid} exited with status "
-                f"{failed[0].returncode} before the mesh served (its error is above); stopping\n"
+                f"mesh-coordinator: local stage process {failed.process.pid} exited with "
+                f"status {failed.process.returncode} before the mesh served (its error is "
+                "above); stopping\n"
             )
             exit_code = 1
             break
-        for child in children:
-            if child.poll() is not None and not stopped.is_set():
-                logger.warning("local stage process %s exited with %s", child.pid, child.returncode)
-                children.remove(child)
+    children = stages.processes
     logger.info("stopping: terminating %s local stage process(es)", len(children))
     service.stop()
     _terminate(children)

@@ -7,6 +7,8 @@ random faults, many more of them."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
 
@@ -235,3 +237,75 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    from pathlib import Path
+
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_up_starts_a_killed_local_stage_0_again_and_serves_on_the_same_port(
+    tmp_path, tiny_package_factory
+):
+    """`up` keeps its local stages running: SIGKILL of stage 0 (the HTTP API) and
+    later of stage 1 after the mesh served; each is started again, the mesh plans
+    again, and the API answers on the same port with the same greedy text."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    package = tiny_package_factory("llama", layers=6)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    state = tmp_path / "state.json"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--model", str(package)]
+        + ["--listen", "127.0.0.1:0", "--http-port", str(http_port), "--spawn-stages", "1"]
+        + ["--state-file", str(state), "--cache-dir", str(tmp_path / "cache")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{http_port}"
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+
+    def answer() -> str | None:
+        try:
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        except httpx.HTTPError:
+            return None
+        return reply.json()["choices"][0]["text"] if reply.status_code == 200 else None
+
+    try:
+        wait_for(lambda: answer() is not None, 180, "the mesh to serve")
+        first = answer()
+        for node in ("local-0", "local-1"):
+            (pid,) = [p for p in _children_of(up.pid) if f"--node-id {node} " in _cmdline(p)]
+            term = json.loads(state.read_text())["max_term"]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(
+                lambda pid=pid, node=node: any(
+                    f"--node-id {node} " in _cmdline(p) and p != pid for p in _children_of(up.pid)
+                ),
+                60,
+                f"{node} to be started again",
+            )
+            wait_for(
+                lambda term=term: json.loads(state.read_text())["max_term"] > term,
+                120,
+                "a new term",
+            )
+            wait_for(lambda: answer() == first, 120, f"the same answer after {node} came back")
+        assert up.poll() is None
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
