@@ -186,6 +186,8 @@ def local_stage_argv(
             serving.http_host,
             "--http-port",
             str(serving.http_port),
+            "--drain-timeout",
+            f"{serving.drain_timeout:g}",
         ]
         if serving.api_key_file is not None:
             command += ["--api-key-file", str(serving.api_key_file.expanduser().absolute())]
@@ -325,10 +327,13 @@ def up(args: argparse.Namespace) -> int:
             )
             exit_code = 1
             break
-    children = stages.processes
-    logger.info("stopping: terminating %s local stage process(es)", len(children))
+    first, rest = stages.processes_by_stage0()
+    logger.info("stopping: terminating %s local stage process(es)", len(first) + len(rest))
     service.stop()
-    _terminate(children)
+    # Stage 0 first, which lets its running requests finish (--drain-timeout) on the
+    # stages after it; then the others.
+    _terminate(first, grace_s=10.0 + serving.drain_timeout)
+    _terminate(rest)
     server.stop(grace=1.0).wait()
     return exit_code
 

@@ -61,6 +61,14 @@ class LocalStages:
         """The processes running now."""
         return [s.process for s in self.stages if s.restart_at is None]
 
+    def processes_by_stage0(self) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
+        """The running processes: stage 0's (a list of at most one), the others'."""
+        running = [s for s in self.stages if s.restart_at is None]
+        return (
+            [s.process for s in running if s.index == 0],
+            [s.process for s in running if s.index != 0],
+        )
+
     def check(self, served: bool) -> LocalStage | None:
         """Look at every stage: before the mesh ``served``, the first one that failed
         is returned (``up`` stops); after, those that exited are started again when

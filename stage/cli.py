@@ -180,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     watch_parent(stopped.set)
     stopped.wait()
+    if frontend is not None:
+        drain_s = config.frontend.value.drain_timeout
+        logger.info("draining: no new requests; up to %.0f s for the running ones", drain_s)
+        frontend.drain(drain_s)
     # Whatever happens while shutting down, the process ends.
     deadline = threading.Timer(SHUTDOWN_GRACE_S, lambda: os._exit(1))
     deadline.daemon = True

@@ -230,6 +230,12 @@ class FrontendConfig:
         minimum=1,
         maximum=16,
     )
+    drain_timeout: float = setting(
+        30.0,
+        "on SIGTERM, seconds stage 0 lets running requests finish (new ones get 503 and "
+        "/health says draining) before it stops (0: stop at once)",
+        minimum=0,
+    )
     prompts_ahead: bool = setting(
         True,
         "with the pipe full, send new requests' first prompt chunks at once in one extra "

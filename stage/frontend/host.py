@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,35 +32,56 @@ from stage.node import LoadedStage, StageNode
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5
+DRAINING = (
+    "this server is shutting down and takes no new requests; retry (another replica, or "
+    "this one once it is back)"
+)
+# Requests that start generations, refused while draining (with /health, so that a
+# load balancer stops sending).
+WORK_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+DRAIN_POLL_S = 0.1
+
+
+def _starts_work(scope: dict[str, Any]) -> bool:
+    path = scope.get("path", "")
+    return path == "/health" or (scope.get("method") == "POST" and path in WORK_PATHS)
 
 
 class SwitchableApp:
     """An ASGI app that forwards to the current FastAPI app, or answers 503. The
-    status page (stage/frontend/status_page.py) answers its own paths, loaded or not."""
+    status page (stage/frontend/status_page.py) answers its own paths, loaded or not.
+    While the process drains (``draining``), new generations and ``/health`` get 503
+    and everything else, the running streams included, goes on."""
 
     def __init__(self) -> None:
         self.current: Any = None
         self.package_dir = ""
         self.reason = "the pipeline is not loaded yet"
         self.status: StatusPage | None = None
+        self.draining = False
 
     async def __call__(self, scope, receive, send) -> None:
         if self.status is not None and scope.get("path") in STATUS_PATHS:
             await self.status(scope, receive, send)
             return
         app = self.current
-        if app is not None:
+        refused = self.draining and scope["type"] == "http" and _starts_work(scope)
+        if app is not None and not refused:
             await app(scope, receive, send)
             return
         if scope["type"] != "http":
             return
+        if refused:
+            message, code = DRAINING, "draining"
+        else:
+            message, code = self.reason, "pipeline_not_ready"
         body = json.dumps(
             {
                 "error": {
-                    "message": self.reason,
+                    "message": message,
                     "type": "service_unavailable",
                     "param": None,
-                    "code": "pipeline_not_ready",
+                    "code": code,
                 }
             }
         ).encode()
@@ -83,6 +105,18 @@ class FrontendHost:
     switch: SwitchableApp
     server: Any
     thread: threading.Thread
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new generations and wait up to ``timeout_s`` for the running ones to
+        finish; returns how many were still running when it stopped waiting."""
+        self.switch.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.active_requests and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+        left = self.scheduler.active_requests
+        if left:
+            logger.warning("drain: %s request(s) still running after %.0f s", left, timeout_s)
+        return left
 
     def stop(self) -> None:
         stop_server(self.server, self.thread)

@@ -99,6 +99,11 @@ class PipelineScheduler:
         return self._serving()
 
     @property
+    def active_requests(self) -> int:
+        """Generations running or queued now (each choice of a request is one)."""
+        return len(self._queues)
+
+    @property
     def request_capacity(self) -> int:
         """Requests (each choice of a request is one) admitted at once: running and
         queued; one request's choices beyond it could never all be admitted."""

@@ -309,3 +309,64 @@ def test_up_starts_a_killed_local_stage_0_again_and_serves_on_the_same_port(
             up.wait(30)
         except subprocess.TimeoutExpired:
             up.kill()
+
+
+def test_sigterm_drains_stage_0_its_streams_finish_and_new_requests_get_503(
+    tmp_path, tiny_package_factory
+):
+    """SIGTERM to stage 0: a stream running then goes on to its last token; meanwhile
+    new generations and /health get 503 (code ``draining``) while /v1/models still
+    answers; once the stream is done the process exits on its own, status 0."""
+    import json as jsonlib
+    import threading
+
+    import httpx
+
+    package = tiny_package_factory("llama", layers=6)
+    processes = MeshProcesses(
+        package,
+        tmp_path,
+        2,
+        stage0_args=("--drain-timeout", "60"),
+        stage_args=("--inject-delay-ms", "15"),
+    )
+    try:
+        processes.start().wait_serving()
+        url = processes.http_url
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 120,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        pieces: list[dict] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        pieces.append(jsonlib.loads(line[6:]))
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        stage0 = processes.stages["stage-0"]
+        stage0.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, 30, "draining")
+        plain = {k: v for k, v in body.items() if not k.startswith("stream")}
+        refused = httpx.post(url + "/v1/completions", json=plain, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "draining" and refused.headers["retry-after"]
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
+        reader.join(120)
+        finish = [c["finish_reason"] for p in pieces for c in p["choices"] if c["finish_reason"]]
+        assert finish == ["length"]
+        assert [p["usage"]["completion_tokens"] for p in pieces if p.get("usage")] == [120]
+        assert stage0.wait(60) == 0
+        assert "draining" in processes.stage_log("stage-0")
+    finally:
+        processes.close()
