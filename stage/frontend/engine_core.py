@@ -53,6 +53,10 @@ from stage.frontend.step_cost import StepCostFit, acceptance, paying_window, row
 
 logger = logging.getLogger(__name__)
 
+# The longest chunk of a scored prompt: the last stage computes the head on every
+# row of it (rows x vocabulary logits: 128 x 152k float32 is 78 MB).
+SCORED_CHUNK_TOKENS = 128
+
 
 class EngineCore:
     """The step loop's state and decisions; see the module docstring."""
@@ -537,6 +541,9 @@ class EngineCore:
             prefix_from = self._fork(tracked) or self._start_from_prefix(tracked)
         start = tracked.prefilled
         count = min(self.limits.prefill_chunk_tokens, room, len(tokens) - start)
+        if run.request.score_prompt and not run.prompt_scored:
+            # The last stage holds a row of logits per token of a scored chunk.
+            count = min(count, SCORED_CHUNK_TOKENS)
         final = start + count >= len(tokens)
         session = run.request.request_id
         score = run.request.score_prompt and not run.prompt_scored

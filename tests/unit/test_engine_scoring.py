@@ -242,3 +242,19 @@ def test_a_scored_token_outside_the_vocabulary_fails_its_segment_alone(
     failed, ok = result.results
     assert failed.error is not None and "outside the vocabulary" in failed.error.message
     assert ok.ok and len(ok.token_ids) == 1
+
+
+def test_a_scored_prompt_goes_in_chunks_of_at_most_128_tokens() -> None:
+    from stage.frontend.engine_core import SCORED_CHUNK_TOKENS
+
+    core, _ = core_with(prefill_chunk_tokens=512, step_tokens=512)
+    pipe = FakePipeline()
+    prompt = tuple(i % 90 for i in range(300))
+    core.add(scoring("s", prompt, max_new=1))
+    core.add(request("plain", prompt, max_new=1))
+    events = first_events(core, pipe)
+    assert list(events["s"][0].prompt_logprobs) == prompt_scores(prompt)
+    chunks = [s for f in pipe.frames for s in f.segments if s.kind is SegmentKind.PREFILL]
+    scored = [s.token_count for s in chunks if s.session_id == "s"]
+    assert scored == [SCORED_CHUNK_TOKENS, SCORED_CHUNK_TOKENS, 300 - 2 * SCORED_CHUNK_TOKENS]
+    assert [s.token_count for s in chunks if s.session_id == "plain"] == [300]
