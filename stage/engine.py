@@ -284,8 +284,11 @@ class StageEngine:
         scored: list[TokenLogprob] = []
         # In slices, so that a long chunk never holds float32 log-softmax of every row.
         for first in range(0, len(targets), SCORE_ROWS):
-            wanted = torch.tensor(targets[first : first + SCORE_ROWS], dtype=torch.long)
-            rows = logits[first : first + len(wanted)].detach().to("cpu", torch.float32)
+            # On the logits' device: only the chosen and top values leave it.
+            wanted = torch.tensor(
+                targets[first : first + SCORE_ROWS], dtype=torch.long, device=logits.device
+            )
+            rows = logits[first : first + len(wanted)].detach().float()
             logprobs = torch.log_softmax(rows, dim=-1)
             chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
             tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
