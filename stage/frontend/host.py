@@ -75,16 +75,11 @@ class SwitchableApp:
             message, code = DRAINING, "draining"
         else:
             message, code = self.reason, "pipeline_not_ready"
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "service_unavailable",
-                    "param": None,
-                    "code": code,
-                }
-            }
-        ).encode()
+        error = {"message": message, "type": "service_unavailable", "param": None, "code": code}
+        payload: dict[str, Any] = {"error": error}
+        if refused and scope.get("path") == "/health":  # the shape /health answers
+            payload = {"status": "draining", "reason": message}
+        body = json.dumps(payload).encode()
         await send(
             {
                 "type": "http.response.start",

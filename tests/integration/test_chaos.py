@@ -357,6 +357,7 @@ def test_sigterm_drains_stage_0_its_streams_finish_and_new_requests_get_503(
         stage0 = processes.stages["stage-0"]
         stage0.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, 30, "draining")
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "draining"
         plain = {k: v for k, v in body.items() if not k.startswith("stream")}
         refused = httpx.post(url + "/v1/completions", json=plain, timeout=30)
         assert refused.status_code == 503, refused.text
