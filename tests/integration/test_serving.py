@@ -177,18 +177,20 @@ def test_streamed_choices_interleave_and_match_the_answer(client: OpenAI, mesh):
     assert finishes == [c.finish_reason for c in whole.choices]
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
     # A client that leaves a stream of several choices frees every one of them.
-    # More choices than the mesh takes sessions (8, and 2 queued): a 429, nothing kept.
-    refused = httpx.post(
-        mesh.http_url + "/v1/completions",
-        json={"model": MODEL, "prompt": "Once", "max_tokens": 50, "n": 16},
-        timeout=60,
-    )
-    assert refused.status_code == 429 and refused.json()["error"]["message"]
-    sessions_freed(mesh)
+    # More choices than the mesh ever admits (8 sessions and 2 queued): a 400 that
+    # says so, since no retry would get it in.
+    url = mesh.http_url + "/v1/completions"
+    never = {"model": MODEL, "prompt": "Once", "max_tokens": 50, "n": 16}
+    refused = httpx.post(url, json=never, timeout=60)
+    assert refused.status_code == 400 and "at most 10" in refused.json()["error"]["message"]
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "stream": True, "n": 3}
-    with httpx.stream("POST", mesh.http_url + "/v1/completions", json=body, timeout=60) as reply:
+    with httpx.stream("POST", url, json=body, timeout=60) as reply:
         lines = reply.iter_lines()
         assert any(next(lines).startswith("data: ") for _ in range(8))
+        # 10 choices fit an idle mesh, not one running these 3: a 429, and the
+        # choices that were admitted are freed again.
+        busy = httpx.post(url, json={**never, "n": 10}, timeout=60)
+        assert busy.status_code == 429 and busy.json()["error"]["message"]
     sessions_freed(mesh)
 
 
