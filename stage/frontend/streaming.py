@@ -128,8 +128,24 @@ def prompt_logprobs(run: GenerationRun) -> dict[str, Any] | None:
         "token_logprobs": [None] + [entry.logprob for entry in entries],
         "top_logprobs": [None]
         + [{_token_text(run.tokenizer, t): v for t, v in entry.top} for entry in entries],
-        "text_offset": _offsets(tokens, 0),
+        "text_offset": _prompt_offsets(run, tokens),
     }
+
+
+def _prompt_offsets(run: GenerationRun, tokens: list[str]) -> list[int]:
+    """Each prompt token's character offset in the echoed text. Where the tokenizer
+    maps the echoed text back to the same tokens with offsets (a fast tokenizer and a
+    string prompt), those: a token the tokenizer adds (a BOS token) is at 0 and takes
+    no room, so the text's own tokens keep their places in it. Otherwise the tokens'
+    texts laid end to end."""
+    prompt = list(run.request.prompt_tokens)
+    try:
+        encoded = run.tokenizer(run.echo, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer has no offsets
+        encoded = None
+    if encoded is not None and list(encoded["input_ids"]) == prompt:
+        return [int(start) for start, _ in encoded["offset_mapping"]]
+    return _offsets(tokens, 0)
 
 
 def _echoed_logprobs(run: GenerationRun) -> dict[str, Any] | None:

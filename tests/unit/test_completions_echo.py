@@ -321,3 +321,26 @@ def test_a_batched_prompt_too_long_for_the_context_is_named(http, backend) -> No
         http.post(COMPLETIONS, json=body), 400, code="context_length_exceeded", param="prompt"
     )
     assert error["message"].startswith("prompt 1 has")
+
+
+def test_a_bos_token_the_tokenizer_adds_takes_no_room_in_the_echoed_text(
+    tiny_model_factory, backend
+) -> None:
+    """With a tokenizer that puts a BOS token before every prompt (as Llama's and
+    Mistral's do), the echoed text is the prompt as sent and the BOS token sits at
+    offset 0 without moving the others: each later token is at its place in the text."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    bos_adding = AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
+    bos_adding._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    assert bos_adding.encode(PROMPT)[0] == 1
+    with live_server(backend, bos_adding) as url, httpx.Client(base_url=url, timeout=60) as http:
+        body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}
+        choice = http.post(COMPLETIONS, json=body).json()["choices"][0]
+    assert choice["text"] == PROMPT
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"][0] == "<|im_start|>" and logprobs["text_offset"][:2] == [0, 0]
+    assert_offsets_fit(PROMPT, {k: v[1:] for k, v in logprobs.items()})
