@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -185,3 +185,29 @@ def mesh_factory(tmp_path: Path):
     yield make
     for mesh in meshes:
         mesh.close()
+
+
+# ---- the live-server frontend tests' tiny model (tests/unit/frontend_support.py) -------
+# One per test module; a module that defines a fixture of the same name uses its own.
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_factory: Callable[..., Path]):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_factory: Callable[..., Path]):
+    from frontend_support import TinyModelBackend
+
+    return TinyModelBackend(Path(tiny_model_factory("llama", layers=2)))
+
+
+@pytest.fixture(scope="module")
+def base_url(backend, tokenizer) -> Iterator[str]:
+    from frontend_support import live_server
+
+    with live_server(backend, tokenizer) as url:
+        yield url

@@ -138,13 +138,10 @@ def _prompt_offsets(run: GenerationRun, tokens: list[str]) -> list[int]:
     string prompt), those: a token the tokenizer adds (a BOS token) is at 0 and takes
     no room, so the text's own tokens keep their places in it. Otherwise the tokens'
     texts laid end to end."""
-    prompt = list(run.request.prompt_tokens)
-    try:
+    if getattr(run.tokenizer, "is_fast", False):  # only fast tokenizers give offsets
         encoded = run.tokenizer(run.echo, return_offsets_mapping=True)
-    except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer has no offsets
-        encoded = None
-    if encoded is not None and list(encoded["input_ids"]) == prompt:
-        return [int(start) for start, _ in encoded["offset_mapping"]]
+        if list(encoded["input_ids"]) == list(run.request.prompt_tokens):
+            return [int(start) for start, _ in encoded["offset_mapping"]]
     return _offsets(tokens, 0)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,24 +18,6 @@ from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, li
 PROMPT = "The history of the river"
 PROMPTS = ["Once upon a time", "The history of the river is long"]
 COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_factory) -> TinyModelBackend:
-    return TinyModelBackend(Path(tiny_model_factory("llama", layers=2)))
-
-
-@pytest.fixture(scope="module")
-def base_url(backend, tokenizer) -> Iterator[str]:
-    with live_server(backend, tokenizer) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,10 @@ uvicorn server over a real tiny model: ``/v1/messages`` streamed and not, and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import anthropic
 import httpx
 import pytest
-from frontend_support import MODEL_ID, TinyModelBackend, live_server
+from frontend_support import MODEL_ID
 
 WEATHER = {
     "name": "get_weather",
@@ -45,24 +42,6 @@ COUNTED = [
     {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}},
     {"messages": ANSWERED, "tools": [WEATHER]},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_factory) -> TinyModelBackend:
-    return TinyModelBackend(Path(tiny_model_factory("llama", layers=2)))
-
-
-@pytest.fixture(scope="module")
-def base_url(backend, tokenizer) -> Iterator[str]:
-    with live_server(backend, tokenizer) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

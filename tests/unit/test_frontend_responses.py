@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +14,6 @@ import pytest
 from frontend_support import (
     MODEL_ID,
     ScriptedBackend,
-    TinyModelBackend,
     assert_openai_error,
     live_server,
 )
@@ -38,24 +36,6 @@ WEATHER = {
 }
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 RESPONSES = "/v1/responses"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_factory) -> TinyModelBackend:
-    return TinyModelBackend(Path(tiny_model_factory("llama", layers=2)))
-
-
-@pytest.fixture(scope="module")
-def base_url(backend, tokenizer) -> Iterator[str]:
-    with live_server(backend, tokenizer) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,23 +5,10 @@ requests use it, and 400s in OpenAI's shape for bad input."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, live_server
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_factory("llama", layers=2))
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_factory) -> TinyModelBackend:
-    return TinyModelBackend(Path(tiny_model_factory("llama", layers=2)))
+from frontend_support import MODEL_ID, assert_openai_error, live_server
 
 
 @pytest.fixture(scope="module")
