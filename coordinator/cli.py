@@ -329,6 +329,17 @@ def up(args: argparse.Namespace) -> int:
             break
     first, rest = stages.processes_by_stage0()
     logger.info("stopping: terminating %s local stage process(es)", len(first) + len(rest))
+
+    def hurry(*_: object) -> None:
+        # A second signal: stage 0 takes it as "stop without waiting for the running
+        # requests" (its drain ends).
+        logger.warning("signal again: stage 0 stops without waiting for its running requests")
+        for process in first:
+            if process.poll() is None:
+                process.terminate()
+
+    signal.signal(signal.SIGINT, hurry)
+    signal.signal(signal.SIGTERM, hurry)
     service.stop()
     # Stage 0 first, which lets its running requests finish (--drain-timeout) on the
     # stages after it; then the others.

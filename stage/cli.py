@@ -171,8 +171,14 @@ def run(args: argparse.Namespace) -> int:
     node.on_newer_term(membership.poke)
     membership.start()
     stopped = threading.Event()
+    # A second signal while draining stops without waiting for the running requests.
+    hurry = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
+        if stopped.is_set():
+            logger.warning("signal %s again: stopping without waiting for running requests", signum)
+            hurry.set()
+            return
         logger.info("signal %s: stopping", signum)
         stopped.set()
 
@@ -182,8 +188,11 @@ def run(args: argparse.Namespace) -> int:
     stopped.wait()
     if frontend is not None:
         drain_s = config.frontend.value.drain_timeout
-        logger.info("draining: no new requests; up to %.0f s for the running ones", drain_s)
-        frontend.drain(drain_s)
+        logger.info(
+            "draining: no new requests; up to %.0f s for the running ones (signal again to stop now)",
+            drain_s,
+        )
+        frontend.drain(drain_s, hurry)
     # Whatever happens while shutting down, the process ends.
     deadline = threading.Timer(SHUTDOWN_GRACE_S, lambda: os._exit(1))
     deadline.daemon = True

@@ -40,6 +40,13 @@ DRAINING = (
 # load balancer stops sending).
 WORK_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
 DRAIN_POLL_S = 0.1
+# A request still running when the drain ends fails with this (503), and the drain
+# waits up to END_WAIT_S for the clients to be told.
+STOPPING = (
+    "this server stopped before the request finished; send it again (another replica, "
+    "or this one once it is back)"
+)
+END_WAIT_S = 5.0
 
 
 def _starts_work(scope: dict[str, Any]) -> bool:
@@ -101,16 +108,30 @@ class FrontendHost:
     server: Any
     thread: threading.Thread
 
-    def drain(self, timeout_s: float) -> int:
+    def drain(self, timeout_s: float, cut: threading.Event | None = None) -> int:
         """Refuse new generations and wait up to ``timeout_s`` for the running ones to
-        finish; returns how many were still running when it stopped waiting."""
+        finish, or until ``cut`` is set; returns how many were still running when it
+        stopped waiting."""
         self.switch.draining = True
-        deadline = time.monotonic() + timeout_s
+        cut = threading.Event() if cut is None else cut
+        started = time.monotonic()
+        deadline = started + timeout_s
         while self.scheduler.active_requests and time.monotonic() < deadline:
-            time.sleep(DRAIN_POLL_S)
+            if cut.wait(DRAIN_POLL_S):
+                break
         left = self.scheduler.active_requests
         if left:
-            logger.warning("drain: %s request(s) still running after %.0f s", left, timeout_s)
+            logger.warning(
+                "drain: %s request(s) still running after %.1f s; ending them",
+                left,
+                time.monotonic() - started,
+            )
+            # Their clients get the API's error (a stream's error event) rather than
+            # a connection that just closes; then the HTTP server can stop at once.
+            self.scheduler.end_all(STOPPING)
+            ended = time.monotonic() + END_WAIT_S
+            while self.scheduler.active_requests and time.monotonic() < ended:
+                time.sleep(DRAIN_POLL_S)
         return left
 
     def stop(self) -> None:

@@ -143,6 +143,19 @@ class PipelineScheduler:
             self.core.cancel(request_id)
             self._pump()
 
+    def end_all(self, message: str) -> None:
+        """End every running generation with a 503 saying ``message`` (the process is
+        stopping before they finished); safe from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def end() -> None:
+            for events in self._queues.values():
+                events.put_nowait(Unavailable(message))
+
+        loop.call_soon_threadsafe(end)
+
     # ---- the loop side ---------------------------------------------------------------
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -371,3 +371,62 @@ def test_sigterm_drains_stage_0_its_streams_finish_and_new_requests_get_503(
         assert "draining" in processes.stage_log("stage-0")
     finally:
         processes.close()
+
+
+def test_a_second_sigterm_ends_the_drain_and_the_running_stream_gets_an_error(
+    tmp_path, tiny_package_factory
+):
+    """SIGTERM twice to stage 0 (an operator's second Ctrl-C through ``up``): the
+    process stops without waiting out its drain, and a stream still running ends with
+    the API's error event (503, "send it again") instead of a cut connection."""
+    import json as jsonlib
+    import threading
+
+    import httpx
+
+    package = tiny_package_factory("llama", layers=6)
+    processes = MeshProcesses(
+        package,
+        tmp_path,
+        2,
+        stage0_args=("--drain-timeout", "600"),
+        stage_args=("--inject-delay-ms", "100"),
+    )
+    try:
+        processes.start().wait_serving()
+        url = processes.http_url
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        pieces: list[dict] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        pieces.append(jsonlib.loads(line[6:]))
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        stage0 = processes.stages["stage-0"]
+        stage0.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, 30, "draining")
+        stage0.send_signal(signal.SIGTERM)
+        assert stage0.wait(60) == 0
+        reader.join(60)
+        assert not reader.is_alive()
+        errors = [p["error"] for p in pieces if "error" in p]
+        assert len(errors) == 1 and "send it again" in errors[0]["message"], pieces[-1]
+        tokens = sum(1 for p in pieces for c in p.get("choices", []) if c.get("text"))
+        assert 0 < tokens < 400
+        assert not [c for p in pieces for c in p.get("choices", []) if c.get("finish_reason")]
+        assert "signal 15 again" in processes.stage_log("stage-0")
+    finally:
+        processes.close()
