@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     if frontend is not None:
         drain_s = config.frontend.value.drain_timeout
         logger.info(
-            "draining: no new requests; up to %.0f s for the running ones (signal again to stop now)",
+            "draining: no new requests; up to %.0f s for the running ones (signal again: stop now)",
             drain_s,
         )
         frontend.drain(drain_s, hurry)
