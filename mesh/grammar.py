@@ -1,7 +1,9 @@
 """Structured output: the grammar a request's output must follow, as token masks.
 
-OpenAI's ``response_format`` (``json_object``, ``json_schema``) becomes a grammar
-spec, a canonical JSON text carried in ``SamplingParams.grammar``. The last stage
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), and the regular
+expressions, lists of choices and context-free grammars vLLM's and llama.cpp's
+clients send, become a grammar spec, a canonical JSON text carried in
+``SamplingParams.grammar``. The last stage
 turns the spec into a matcher of the llguidance library (chosen over xgrammar and
 outlines-core by measured mask cost and compile time on the model's real tokenizer,
 ``benchmarks/grammar_bench.py``) and, before every choice, sets the logits of the
@@ -46,23 +48,76 @@ MAX_SCHEMA_CHARS = 100_000
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_spec(kind: str, schema: Mapping[str, Any] | None = None) -> str:
-    """The spec of ``json_object`` or ``json_schema`` (with ``schema``), compact JSON;
-    raises InvalidRequest when the schema is not one the library can follow."""
+# Largest number of alternatives of a ``choice`` constraint.
+MAX_CHOICES = 256
+# What each kind of spec is called in messages.
+_KIND_NAMES = {
+    "json_object": "the JSON schema",
+    "json_schema": "the JSON schema",
+    "regex": "the regex",
+    "choice": "the choice",
+    "lark": "the grammar",
+}
+
+
+def grammar_spec(kind: str, value: Any = None) -> str:
+    """The spec of one output constraint, compact JSON: ``json_object``,
+    ``json_schema`` (``value``: the schema), ``regex`` (a regular expression the whole
+    output matches), ``choice`` (a list of strings, the output is one of them) or
+    ``grammar`` (a context-free grammar in Lark syntax or llama.cpp's GBNF, kept as
+    Lark). Raises InvalidRequest when the library cannot follow it."""
     if kind == "json_object":
         spec: dict[str, Any] = {"type": "json_object"}
     elif kind == "json_schema":
-        if not isinstance(schema, Mapping):
+        if not isinstance(value, Mapping):
             raise InvalidRequest("json_schema needs 'schema', a JSON object")
-        spec = {"type": "json_schema", "schema": dict(schema)}
+        spec = {"type": "json_schema", "schema": dict(value)}
+    elif kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest("regex needs a non-empty regular expression")
+        spec = {"type": "regex", "regex": value}
+    elif kind == "choice":
+        if (
+            not isinstance(value, Sequence)
+            or isinstance(value, str)
+            or not 1 <= len(value) <= MAX_CHOICES
+            or not all(isinstance(item, str) and item for item in value)
+        ):
+            raise InvalidRequest(f"choice needs a list of 1 to {MAX_CHOICES} non-empty strings")
+        spec = {"type": "choice", "choice": list(value)}
+    elif kind == "grammar":
+        spec = {"type": "lark", "lark": _as_lark(value)}
     else:
-        raise InvalidRequest(f"unknown grammar kind {kind!r}; use json_object or json_schema")
+        raise InvalidRequest(
+            f"unknown grammar kind {kind!r}; use json_object, json_schema, regex, choice or grammar"
+        )
     # Key order is kept: it is the order the properties are generated in.
     text = json.dumps(spec, separators=(",", ":"))
     if len(text) > MAX_SCHEMA_CHARS:
-        raise InvalidRequest(f"the schema is {len(text)} characters; at most {MAX_SCHEMA_CHARS}")
+        raise InvalidRequest(f"the {kind} is {len(text)} characters; at most {MAX_SCHEMA_CHARS}")
     check_grammar(text)
     return text
+
+
+def _as_lark(text: Any) -> str:
+    """A grammar's text in Lark syntax: Lark (a ``start:`` rule) as it is, GBNF (a
+    ``root ::=`` rule, llama.cpp's) converted by the library."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidRequest("grammar needs the grammar's text (Lark, or GBNF as llama.cpp's)")
+    try:
+        return any_to_lark(text)
+    except GbnfToLarkError as error:
+        raise InvalidRequest(
+            f"the grammar cannot be used: {error} (GBNF needs a 'root ::=' rule; Lark a "
+            "'start:' rule)"
+        ) from None
+
+
+def _choice_lark(choices: Sequence[str]) -> str:
+    # JSON string literals are Lark string literals (the same escapes).
+    return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def _library_grammar(spec: str) -> str:
@@ -74,19 +129,34 @@ def _library_grammar(spec: str) -> str:
     except json.JSONDecodeError as error:
         raise InvalidRequest(f"grammar spec is not JSON: {error}") from error
     kind = parsed.get("type") if isinstance(parsed, dict) else None
+    if kind == "regex" and isinstance(parsed.get("regex"), str):
+        return LLMatcher.grammar_from_regex(parsed["regex"])
+    if kind == "choice" and isinstance(parsed.get("choice"), list):
+        return LLMatcher.grammar_from_lark(_choice_lark(parsed["choice"]))
+    if kind == "lark" and isinstance(parsed.get("lark"), str):
+        return LLMatcher.grammar_from_lark(parsed["lark"])
     if kind == "json_object":
         schema: Any = {"type": "object"}
     elif kind == "json_schema" and isinstance(parsed.get("schema"), dict):
         schema = parsed["schema"]
     else:
         raise InvalidRequest(
-            'grammar spec must be {"type": "json_object"} or {"type": "json_schema", '
-            '"schema": {...}}'
+            'grammar spec must be {"type": "json_object"}, {"type": "json_schema", "schema": '
+            '{...}}, {"type": "regex", "regex": "..."}, {"type": "choice", "choice": [...]} '
+            'or {"type": "lark", "lark": "..."}'
         )
     try:
         return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)  # type: ignore[arg-type]
     except ValueError as error:
         raise InvalidRequest(f"the JSON schema cannot be used: {error}") from error
+
+
+def _kind_name(spec: str) -> str:
+    try:
+        kind = json.loads(spec).get("type")
+    except (json.JSONDecodeError, AttributeError):
+        kind = None
+    return _KIND_NAMES.get(kind, "the grammar")
 
 
 def check_grammar(spec: str) -> None:
@@ -97,7 +167,7 @@ def check_grammar(spec: str) -> None:
     grammar = _library_grammar(spec)
     problem = LLMatcher.validate_grammar(grammar)
     if problem:
-        raise InvalidRequest(f"the JSON schema cannot be used: {problem}")
+        raise InvalidRequest(f"{_kind_name(spec)} cannot be used: {problem.strip()}")
 
 
 class TokenGrammars:
@@ -156,7 +226,9 @@ class TokenGrammars:
             if template is None:
                 template = LLMatcher(tokenizer, _library_grammar(spec), log_level=0)
                 if template.is_error():
-                    raise InvalidRequest(f"the JSON schema cannot be used: {template.get_error()}")
+                    raise InvalidRequest(
+                        f"{_kind_name(spec)} cannot be used: {template.get_error()}"
+                    )
                 self._templates[spec] = template
                 while len(self._templates) > GRAMMAR_CACHE_ENTRIES:
                     self._templates.popitem(last=False)

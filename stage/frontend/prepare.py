@@ -26,6 +26,7 @@ A request without ``seed`` gets a fresh random one; a negative seed wraps modulo
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
@@ -203,15 +204,22 @@ def _sampling(
 
 
 def _grammar(body: GenerationBody) -> str:
-    """The grammar spec of a chat request's ``response_format`` ("" for text)."""
-    form = getattr(body, "response_format", None)
-    if form is None or form.type == "text":
+    """The grammar spec of the request's constraint on its output ("" for none:
+    ``response_format`` text, or nothing set)."""
+    constraints = body.output_constraints()
+    if not constraints:
         return ""
-    schema = form.json_schema.schema_ if form.json_schema is not None else None
+    param, kind, value = constraints[0]
+    if kind == "json_schema" and isinstance(value, str):
+        # vLLM's guided_json also takes the schema as JSON text.
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise bad_request(f"{param} is not a JSON schema: {error}", param) from None
     try:
-        return grammar_spec(form.type, schema if form.type == "json_schema" else None)
+        return grammar_spec(kind, value)
     except InvalidRequest as error:
-        raise bad_request(error.message, "response_format") from None
+        raise bad_request(error.message, param) from None
 
 
 def _logit_bias(bias: Mapping[str, float], vocab: int) -> tuple[tuple[int, float], ...]:

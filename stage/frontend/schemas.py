@@ -86,6 +86,35 @@ class Prediction(_Body):
         return "".join(part.text for part in self.content)
 
 
+GuidedJson = dict[str, Any] | Str
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (an extension): exactly one constraint on the
+    output, enforced as ``response_format`` is. Its other keys (``structural_tag``,
+    whitespace settings) are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    json_: GuidedJson | None = Field(default=None, alias="json")
+    json_object: Bool | None = None
+    regex: Str | None = None
+    choice: list[Str] | None = None
+    grammar: Str | None = None
+
+    def constraints(self) -> list[tuple[str, Any]]:
+        """(kind, value) of each constraint set."""
+        found: list[tuple[str, Any]] = []
+        if self.json_ is not None:
+            found.append(("json_schema", self.json_))
+        if self.json_object:
+            found.append(("json_object", None))
+        for kind in ("regex", "choice", "grammar"):
+            if getattr(self, kind) is not None:
+                found.append((kind, getattr(self, kind)))
+        return found
+
+
 class SpeculationControl(_Body):
     """The ``speculation`` extension as an object: a cap on this request's window."""
 
@@ -123,6 +152,16 @@ class GenerationBody(_Body):
     ) = None
     # Structured output (chat, and completions as an extension, as vLLM does).
     response_format: ResponseFormat | None = None
+    # More constraints on the output (extensions): vLLM's ``structured_outputs`` and
+    # its earlier ``guided_*`` names, llama.cpp's ``grammar`` (GBNF) and
+    # ``json_schema``. At most one constraint per request (``output_constraint``).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: GuidedJson | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    grammar: Str | None = None
+    json_schema: dict[str, Any] | None = None
     # Predicted Outputs (chat, and completions as an extension).
     prediction: Prediction | None = None
     # Extension: false turns speculation off for this request; {"max_window": N}
@@ -160,7 +199,46 @@ class GenerationBody(_Body):
             problems.append(
                 ("response_format", "type 'json_schema' needs 'json_schema': {name, schema}")
             )
+        if self.structured_outputs is not None and not self.structured_outputs.constraints():
+            problems.append(
+                (
+                    "structured_outputs",
+                    "structured_outputs needs one of json, json_object, regex, choice, grammar",
+                )
+            )
+        constraints = self.output_constraints()
+        if len(constraints) > 1:
+            named = ", ".join(f"{param} ({kind})" for param, kind, _ in constraints)
+            problems.append(
+                (
+                    constraints[1][0],
+                    f"one constraint on the output per request; this one sets {named}: "
+                    "keep one",
+                )
+            )
         return problems
+
+    def output_constraints(self) -> list[tuple[str, str, Any]]:
+        """(param, kind, value) of every constraint on the output the request sets:
+        kind as ``mesh.grammar.grammar_spec`` takes it."""
+        found: list[tuple[str, str, Any]] = []
+        form = self.response_format
+        if form is not None and form.type != "text":
+            schema = form.json_schema.schema_ if form.json_schema is not None else None
+            found.append(("response_format", form.type, schema))
+        if self.structured_outputs is not None:
+            found += [("structured_outputs", *c) for c in self.structured_outputs.constraints()]
+        for param, kind in (
+            ("guided_json", "json_schema"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+            ("grammar", "grammar"),
+            ("json_schema", "json_schema"),
+        ):
+            if getattr(self, param) is not None:
+                found.append((param, kind, getattr(self, param)))
+        return found
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -338,12 +416,13 @@ class ChatCompletionBody(GenerationBody):
                 problems.append(
                     ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
                 )
-        form = self.response_format
-        if form is not None and form.type != "text" and self.tools:
+        constraints = self.output_constraints()
+        if constraints and self.tools:
+            param = constraints[0][0]
             problems.append(
                 (
-                    "response_format",
-                    "response_format with tools is not supported: the grammar would forbid "
+                    param,
+                    f"{param} with tools is not supported: the grammar would forbid "
                     "tool calls; send one or the other",
                 )
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 
 import httpx
 import pytest
@@ -142,6 +143,32 @@ def test_structured_output_from_the_real_model(tmp_path, smollm2_package):
                 assert isinstance(json.loads(choice.message.content), dict)
             else:
                 assert choice.message.content.startswith("{")
+        # vLLM's and llama.cpp's constraints, as their clients send them (extra_body).
+        yes_no = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Is water wet? Answer yes or no."}],
+            temperature=0,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
+        assert yes_no.choices[0].message.content in ("yes", "no")
+        assert yes_no.choices[0].finish_reason == "stop"
+        phone = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Write a US phone number."}],
+            temperature=0,
+            extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
+        )
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.choices[0].message.content)
+        gbnf = 'root ::= "The answer is " num "."\nnum ::= [0-9]+'
+        answer = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="What is 12 + 30?",
+            max_tokens=20,
+            temperature=0,
+            extra_body={"grammar": gbnf},
+        )
+        assert re.fullmatch(r"The answer is \d+\.", answer.choices[0].text)
+        assert answer.choices[0].finish_reason == "stop"
     finally:
         mesh.close()
 

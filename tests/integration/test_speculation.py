@@ -15,6 +15,7 @@ wherever X would have, and that continuation ends at EOS inside the first window
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -193,6 +194,9 @@ CARD_SCHEMA = {
 }
 CARD_FORMAT = {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD_SCHEMA}}
 STRUCTURED_TOKENS = 60
+COLORS = ["red", "green", "light blue", "dark blue"]
+WORDS = r"[a-z]{1,6}( [a-z]{1,6}){0,3}\."
+SUM_GBNF = 'root ::= num " + " num " = " num\nnum ::= [0-9] | [1-9] [0-9]'
 
 
 def assert_card(text: str) -> None:
@@ -220,6 +224,18 @@ def assert_structured_equivalent(mesh: Served, baseline: Served) -> list[dict]:
                     greedy += [reply] if not params.get("seed") else []
                 else:
                     assert text.startswith("{")
+    # vLLM's and llama.cpp's constraints (extensions): a choice, a regex, a GBNF grammar.
+    for constraint, matches in (
+        ({"guided_choice": COLORS}, lambda text: text in COLORS),
+        ({"structured_outputs": {"regex": WORDS}}, lambda text: re.fullmatch(WORDS, text)),
+        ({"grammar": SUM_GBNF}, lambda text: re.fullmatch(r"\d+ \+ \d+ = \d+", text)),
+    ):
+        for params in ({}, {"temperature": 0.8, "seed": 78}):
+            params = {**params, **constraint, "max_tokens": STRUCTURED_TOKENS}
+            reply = mesh.complete(PROMPTS[2], **params)
+            same_reply(reply, baseline.cached(PROMPTS[2], **params))
+            choice = reply["choices"][0]
+            assert choice["finish_reason"] == "stop" and matches(choice["text"]), choice
     return greedy
 
 

@@ -52,7 +52,7 @@ def test_specs_keep_the_schema_and_bad_schemas_are_refused() -> None:
             grammar_spec("json_schema", bad)
     with pytest.raises(InvalidRequest, match="schema"):
         grammar_spec("json_schema", None)
-    with pytest.raises(InvalidRequest, match="json_object or json_schema"):
+    with pytest.raises(InvalidRequest, match="unknown grammar kind"):
         grammar_spec("yaml")
 
 
@@ -125,3 +125,54 @@ def test_verify_rows_are_masked_after_their_drafts(grammars, tokenizer) -> None:
 def test_a_stage_without_a_tokenizer_refuses_the_grammar(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="tokenizer"):
         TokenGrammars(tmp_path).constraint(grammar_spec("json_object"), VOCAB)
+
+
+def test_regex_choice_and_grammar_specs_and_bad_ones_are_refused() -> None:
+    assert json.loads(grammar_spec("regex", r"\d+")) == {"type": "regex", "regex": r"\d+"}
+    assert json.loads(grammar_spec("choice", ["yes", 'say "no"'])) == {
+        "type": "choice",
+        "choice": ["yes", 'say "no"'],
+    }
+    # llama.cpp's GBNF is kept as the Lark the library converts it to; Lark as it is.
+    gbnf = json.loads(grammar_spec("grammar", 'root ::= "n=" [0-9]+'))
+    assert gbnf["type"] == "lark" and "start:" in gbnf["lark"]
+    lark = 'start: "n=" NUM\nNUM: /[0-9]+/'
+    assert json.loads(grammar_spec("grammar", lark)) == {"type": "lark", "lark": lark}
+    for kind, bad, words in (
+        ("regex", "(unclosed", "regex cannot be used"),
+        ("regex", "", "non-empty"),
+        ("choice", [], "1 to 256"),
+        ("choice", "yes", "1 to 256"),
+        ("choice", ["yes", ""], "non-empty"),
+        ("grammar", "root ::= (", "root ::="),
+        ("grammar", "start: (", "grammar cannot be used"),
+        ("grammar", "   ", "grammar's text"),
+    ):
+        with pytest.raises(InvalidRequest, match=words):
+            grammar_spec(kind, bad)
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "text"),
+    [
+        ("choice", ["yes", "no", "not sure"], "not sure"),
+        ("regex", r"\(\d{3}\) \d{3}-\d{4}", "(555) 010-9999"),
+        ("grammar", 'root ::= "x = " num ";"\nnum ::= [0-9]+', "x = 42;"),
+        ("grammar", 'start: "color: " COLOR\nCOLOR: "red" | "blue"', "color: blue"),
+    ],
+)
+def test_regex_choice_and_grammar_masks_follow_a_text_and_end_at_eos(
+    grammars, tokenizer, kind: str, value, text: str
+) -> None:
+    spec = grammar_spec(kind, value)
+    ids = tokenizer.encode(text)
+    constraint = grammars.constraint(spec, VOCAB)
+    for i, token in enumerate(ids):
+        constraint.sync(ids[:i])
+        allowed = constraint.allowed()
+        assert allowed[token], (i, tokenizer.decode([token]))
+        assert 0 < int(allowed.sum()) < VOCAB
+    constraint.sync(ids)
+    assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    # Anything else at the start is forbidden.
+    assert not allowed_after(grammars, spec, [])[tokenizer.encode("Hello")[0]]
