@@ -212,8 +212,7 @@ class GenerationBody(_Body):
             problems.append(
                 (
                     constraints[1][0],
-                    f"one constraint on the output per request; this one sets {named}: "
-                    "keep one",
+                    f"one constraint on the output per request; this one sets {named}: keep one",
                 )
             )
         return problems
