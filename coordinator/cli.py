@@ -25,6 +25,7 @@ from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.stage0_budget import stage0_extra_bytes
 from coordinator.state_file import record_term, term_floor, update_state
 from coordinator.topology_view import StageStatusView, StatusView, render_status
+from mesh.api_keys import parse_keys
 from mesh.codec import StatusReply, StatusRequest, WireDType
 from mesh.config import (
     add_speculation_arguments,
@@ -354,6 +355,16 @@ def _key_example(key_file: Path | None) -> tuple[str, str]:
     the key itself is never printed."""
     if key_file is not None:
         path = str(key_file.expanduser().absolute())
+        try:
+            single = parse_keys(key_file.expanduser().read_text(), path).single_bare_key
+        except (OSError, UnicodeDecodeError, InvalidRequest):
+            single = True  # stage 0 says what is wrong with the file
+        if not single:
+            # Several keys (or a named one): the file is not the key itself.
+            return (
+                f' -H "Authorization: Bearer <a key from {path}>"',
+                f"'<a key from {path}>'",
+            )
         return (
             f' -H "Authorization: Bearer $(cat {path})"',
             f"open('{path}').read().strip()",

@@ -16,7 +16,6 @@ balancers and scrapers. Every error is an OpenAI error body (see errors.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -31,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from mesh.api_keys import KeySource, key_source, presented_key
 from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
 from stage.frontend import anthropic, responses, tokenize
@@ -124,7 +124,7 @@ class _Frontend:
         backend: GenerationBackend,
         tokenizer: Any,
         model_id: str,
-        api_key: str | None,
+        api_keys: KeySource | None,
         max_request_bytes: int,
         limits: FrontendLimits,
         stop_token_ids: frozenset[int],
@@ -134,7 +134,7 @@ class _Frontend:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self._api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys
         self.max_request_bytes = max_request_bytes
         self.limits = limits
         self.metrics = metrics
@@ -142,7 +142,7 @@ class _Frontend:
         self.fingerprint = fingerprint
         self.created = int(time.time())
 
-    def prompt_context(self) -> PromptContext:
+    def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.
         return PromptContext(
             tokenizer=self.tokenizer,
@@ -151,23 +151,26 @@ class _Frontend:
             stop_token_ids=self.stop_token_ids,
             limits=self.limits,
             fingerprint=self.fingerprint,
+            tenant=getattr(request.state, "tenant", "") if request is not None else "",
         )
 
-    def authorize(self, request: Request) -> None:
-        """The API key as ``Authorization: Bearer`` (OpenAI clients) or ``x-api-key``
-        (Anthropic clients)."""
-        if self._api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if "x-api-key" in request.headers:
-            scheme, token = "bearer", request.headers["x-api-key"]
-        given = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._api_key):
-            raise OpenAIError(
-                401,
-                "missing or invalid API key; send it as 'Authorization: Bearer <key>'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    def authorize(self, request: Request) -> str:
+        """The request's tenant ("" when the server has no keys), from the API key as
+        ``Authorization: Bearer`` (OpenAI clients) or ``x-api-key`` (Anthropic
+        clients); 401 without a valid one. Also kept as ``request.state.tenant``."""
+        tenant = ""
+        if self.api_keys is not None:
+            given = presented_key(request.headers)
+            found = self.api_keys.tenant_of(given) if given is not None else None
+            if found is None:
+                raise OpenAIError(
+                    401,
+                    "missing or invalid API key; send it as 'Authorization: Bearer <key>'",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            tenant = found
+        request.state.tenant = tenant
+        return tenant
 
     async def check_ready(self) -> None:
         """Serve now, or after the reload in progress; else 503 with the reason."""
@@ -215,9 +218,9 @@ class _Frontend:
             raise from_validation_error(exc) from None
         await self.check_ready()
         if kind == "chat":
-            prepared = await prepare_chat(body, self.prompt_context())
+            prepared = await prepare_chat(body, self.prompt_context(request))
         else:
-            prepared = await prepare_completion(body, self.prompt_context())
+            prepared = await prepare_completion(body, self.prompt_context(request))
         endpoint = CHAT_PATH if kind == "chat" else COMPLETIONS_PATH
         logger.debug(
             "request %s: %d prompt tokens, budget %d, user %r",
@@ -290,7 +293,7 @@ class _Frontend:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         chat, shape = parse(payload)
         await self.check_ready()
-        prepared = await prepare_chat(chat, self.prompt_context())
+        prepared = await prepare_chat(chat, self.prompt_context(request))
         run = GenerationRun(self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival)
         return await serve_run(request, run, shape)
 
@@ -330,7 +333,7 @@ def create_app(
     tokenizer: Any,
     *,
     model_id: str,
-    api_key: str | None = None,
+    api_key: KeySource | str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     cors_origins: Sequence[str] | None = None,
     limits: FrontendLimits | None = None,
@@ -357,7 +360,7 @@ def create_app(
         backend,
         tokenizer,
         model_id,
-        api_key,
+        key_source(api_key),
         max_request_bytes,
         limits,
         frozenset(int(t) for t in stop_token_ids),

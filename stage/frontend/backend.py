@@ -69,9 +69,12 @@ class GenerationRequest:
     # With n > 1: the request of the first choice, whose prompt this one shares (its
     # session starts from a copy of that session's prompt positions).
     fork_of: str = ""
-    # Whose earlier requests may shape this one's drafts (the request's ``user``; the
-    # mesh has one API key, so tenants are told apart by it). Never changes output.
+    # Whose earlier requests may shape this one's drafts: the tenant (its API key)
+    # and, within it, the request's ``user``. Never changes output.
     scope: str = ""
+    # The tenant its API key names ("" without keys): kept prefixes are shared only
+    # within a tenant (mesh/api_keys.py).
+    tenant: str = ""
     # OpenAI's Predicted Outputs: the tokens the client expects back (None: none).
     prediction_tokens: tuple[int, ...] | None = None
     # Per-request speculation control (an extension): off, or a cap on the window

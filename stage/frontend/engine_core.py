@@ -148,7 +148,9 @@ class EngineCore:
         length = len(tracked.run.tokens) - 1
         safe = not tracked.prefilling and tracked.recover_by is None
         if keep and safe and self.prefixes is not None:
-            kept, dropped = self.prefixes.add(request_id, tracked.run.tokens[:length])
+            kept, dropped = self.prefixes.add(
+                request_id, tracked.run.tokens[:length], tracked.run.request.tenant
+            )
         ends = [
             Segment(
                 request_id,
@@ -610,7 +612,7 @@ class EngineCore:
         if self.prefixes is None or tracked.no_prefix:
             return ""
         self.prefix_lookups += 1
-        hit = self.prefixes.lookup(tracked.run.tokens)
+        hit = self.prefixes.lookup(tracked.run.tokens, tracked.run.request.tenant)
         if hit is None:
             return ""
         self.prefixes.touch(hit.name)

@@ -67,7 +67,10 @@ class GenerationRun:
         self._text = TextStream(tokenizer, prepared.stop)
         self._metrics = metrics
         self._endpoint = endpoint
-        self._produced = metrics.completion_tokens.labels(endpoint=endpoint)
+        self._produced = [metrics.completion_tokens.labels(endpoint=endpoint)]
+        tenant = self.request.tenant
+        if tenant:
+            self._produced.append(metrics.tenant_tokens.labels(tenant=tenant, kind="completion"))
         self._failed = False
         self._arrival_s = arrival_s
         self._queue: asyncio.Queue[object] = asyncio.Queue()
@@ -100,9 +103,12 @@ class GenerationRun:
             await self.aclose()
             raise first
         if self.index % self.prepared.choices == 0:  # the prompt's other choices share it
-            self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(
-                len(self.request.prompt_tokens)
-            )
+            prompt = len(self.request.prompt_tokens)
+            self._metrics.prompt_tokens.labels(endpoint=self._endpoint).inc(prompt)
+            if self.request.tenant:
+                self._metrics.tenant_tokens.labels(tenant=self.request.tenant, kind="prompt").inc(
+                    prompt
+                )
         if isinstance(first, TokenEvent):
             self.prompt_logprobs = first.prompt_logprobs
             if first.stats is not None:
@@ -202,7 +208,8 @@ class GenerationRun:
         self.completion_tokens += len(ids)
         if self.request.prediction_tokens is not None:
             self._output_ids += ids
-        self._produced.inc(len(ids))
+        for counter in self._produced:
+            counter.inc(len(ids))
         if event.logprobs:
             self.logprobs += zip(ids, event.logprobs[: len(ids)], strict=False)
         if self._text.stopped:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from mesh.api_keys import KeySource
 from mesh.config import SpeculationConfig, cli_speculation_args, resolve_speculation
 from mesh.errors import MeshError
 from mesh.netaddr import is_wildcard, url_host
@@ -140,12 +139,6 @@ class FrontendHost:
             self.switch.status.close()
 
 
-def _read_api_key(key_file: Path | None) -> str | None:
-    if key_file is not None:
-        return key_file.expanduser().read_text().strip() or None
-    return os.environ.get("MESH_API_KEY") or None
-
-
 def _speculation_config(
     args: argparse.Namespace,
     toml: dict[str, Any],
@@ -220,7 +213,7 @@ def start_frontend(
     scheduler = PipelineScheduler(node, model_id="", limits=EngineLimits.of(own.value))
     http_metrics = FrontendMetrics(node.metrics.registry)  # one per process, every app
     switch = SwitchableApp()
-    api_key = _read_api_key(own.value.api_key_file)
+    api_keys = KeySource.configured(own.value.api_key_file)
     current: dict[str, Any] = {"speculation": None, "tokenizer": None}
 
     def on_load(loaded: LoadedStage | None) -> None:
@@ -257,7 +250,7 @@ def start_frontend(
             scheduler,
             tokenizer,
             model_id=scheduler.model_id,
-            api_key=api_key,
+            api_key=api_keys,
             fingerprint=system_fingerprint(manifest),
             metrics=http_metrics,
         )
@@ -265,7 +258,7 @@ def start_frontend(
         logger.info("frontend serving %s", scheduler.model_id)
 
     node.on_load_change(on_load)
-    switch.status = StatusPage(node, scheduler, config.stage.value.coordinator, api_key)
+    switch.status = StatusPage(node, scheduler, config.stage.value.coordinator, api_keys)
     http_host, http_port = own.value.http_host, own.value.http_port
     server, thread, port = serve_app(switch, http_host, http_port, log_level="warning")
     host = advertise if is_wildcard(http_host) else http_host

@@ -14,6 +14,11 @@ refused there and stage 0 reads the prompt again from position 0.
 Lookups hash the prompt in blocks of ``BLOCK`` tokens, each block's hash chained
 to the one before, so a lookup costs one dict probe per block; the match is then
 checked token by token and extended past the last whole block.
+
+Each kept sequence belongs to a partition (the tenant of the request that left it,
+by its API key): a lookup finds only its own partition's sequences, so a tenant
+cannot learn from its time to first token whether another tenant sent a prompt.
+The partition seeds the block hash chain.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ class PrefixHit:
     length: int
 
 
-def _chain(tokens: Sequence[int]) -> Iterator[int]:
-    """One hash per whole block of ``tokens``, each covering every token before it."""
-    digest = 0
+def _chain(tokens: Sequence[int], partition: str = "") -> Iterator[int]:
+    """One hash per whole block of ``tokens``, each covering every token before it
+    and the partition."""
+    digest = hash(partition)
     for end in range(BLOCK, len(tokens) + 1, BLOCK):
         digest = hash((digest, tuple(tokens[end - BLOCK : end])))
         yield digest
@@ -48,6 +54,7 @@ class PrefixIndex:
         self.capacity_tokens = max(0, capacity_tokens)
         self.min_tokens = max(1, min_tokens)
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._partitions: dict[str, str] = {}
         self._by_block: dict[int, dict[str, None]] = {}
         self.held_tokens = 0
 
@@ -57,20 +64,22 @@ class PrefixIndex:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def add(self, name: str, tokens: Sequence[int]) -> tuple[bool, list[str]]:
-        """Keep ``tokens`` as ``name``. Returns whether it is kept (too short or over
-        the whole capacity: not) and the names to drop on the stages (the sequences
-        it extends, and the least recently used ones over capacity)."""
+    def add(self, name: str, tokens: Sequence[int], partition: str = "") -> tuple[bool, list[str]]:
+        """Keep ``tokens`` as ``name`` in ``partition``. Returns whether it is kept
+        (too short or over the whole capacity: not) and the names to drop on the
+        stages (the partition's sequences it extends, and the least recently used ones
+        over capacity)."""
         tokens = tuple(tokens)
         if len(tokens) < self.min_tokens or len(tokens) > self.capacity_tokens:
             return False, []
-        dropped = [old for old in self._extended_by(tokens) if old != name]
+        dropped = [old for old in self._extended_by(tokens, partition) if old != name]
         for old in dropped:
             self.remove(old)
         self.remove(name)
         self._entries[name] = tokens
+        self._partitions[name] = partition
         self.held_tokens += len(tokens)
-        for digest in _chain(tokens):
+        for digest in _chain(tokens, partition):
             self._by_block.setdefault(digest, {})[name] = None
         while self.held_tokens > self.capacity_tokens:
             oldest = next(iter(self._entries))
@@ -78,32 +87,34 @@ class PrefixIndex:
             dropped.append(oldest)
         return True, dropped
 
-    def _extended_by(self, tokens: tuple[int, ...]) -> list[str]:
-        """Kept sequences that ``tokens`` starts with (whole blocks of them hashed)."""
+    def _extended_by(self, tokens: tuple[int, ...], partition: str) -> list[str]:
+        """The partition's kept sequences that ``tokens`` starts with (whole blocks of
+        them hashed)."""
         found: list[str] = []
-        for digest in _chain(tokens):
+        for digest in _chain(tokens, partition):
             names = self._by_block.get(digest)
             if not names:
                 break
             for name in names:
                 kept = self._entries[name]
-                if len(kept) <= len(tokens) and tokens[: len(kept)] == kept:
+                same = self._partitions[name] == partition
+                if same and len(kept) <= len(tokens) and tokens[: len(kept)] == kept:
                     found.append(name)
         return list(dict.fromkeys(found))
 
-    def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """The kept prefix sharing the most leading tokens with ``prompt`` (at least
-        ``min_tokens``, and at most all but the prompt's last token, which must be
-        read to sample the first new one); None when there is none."""
+    def lookup(self, prompt: Sequence[int], partition: str = "") -> PrefixHit | None:
+        """The partition's kept prefix sharing the most leading tokens with ``prompt``
+        (at least ``min_tokens``, and at most all but the prompt's last token, which
+        must be read to sample the first new one); None when there is none."""
         prompt = tuple(prompt)
         best: str | None = None
         blocks = 0
-        for count, digest in enumerate(_chain(prompt), start=1):
+        for count, digest in enumerate(_chain(prompt, partition), start=1):
             names = self._by_block.get(digest)
             if not names:
                 break
             best, blocks = next(reversed(names)), count
-        if best is None:
+        if best is None or self._partitions[best] != partition:
             return None
         kept = self._entries[best]
         length = blocks * BLOCK
@@ -126,8 +137,9 @@ class PrefixIndex:
         tokens = self._entries.pop(name, None)
         if tokens is None:
             return False
+        partition = self._partitions.pop(name)
         self.held_tokens -= len(tokens)
-        for digest in _chain(tokens):
+        for digest in _chain(tokens, partition):
             names = self._by_block.get(digest)
             if names is not None:
                 names.pop(name, None)
@@ -137,5 +149,6 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._partitions.clear()
         self._by_block.clear()
         self.held_tokens = 0

@@ -136,6 +136,8 @@ class PromptContext:
     stop_token_ids: frozenset[int]
     limits: FrontendLimits
     fingerprint: str | None = None
+    # Who sent the request, by its API key (mesh/api_keys.py); "" without keys.
+    tenant: str = ""
 
 
 def _check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
@@ -394,7 +396,9 @@ def _prepared(
         max_new_tokens=budgets[0],
         sampling=sampling,
         stop_token_ids=stop_ids,
-        scope=body.user or "",
+        tenant=ctx.tenant,
+        # The drafter's corpus partition: the tenant's, then the user's within it.
+        scope=f"{ctx.tenant}/{body.user or ''}" if ctx.tenant else body.user or "",
         prediction_tokens=prediction,
         speculation=body.speculation is not False,
         max_window=getattr(body.speculation, "max_window", 0),

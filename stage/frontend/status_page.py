@@ -15,7 +15,6 @@ needs them.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
@@ -28,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from mesh.api_keys import KeySource, presented_key
 from mesh.codec import HeartbeatRequest, StatusReply, StatusRequest
 from mesh.grpc_util import channel
 from mesh.package.manifest import PackageManifest
@@ -67,12 +67,12 @@ class StatusPage:
         node: StageNode,
         scheduler: PipelineScheduler,
         coordinator: str,
-        api_key: str | None,
+        api_keys: KeySource | None,
     ) -> None:
         self.node = node
         self.scheduler = scheduler
         self.coordinator = coordinator
-        self._api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys
         self.started = time.monotonic()
         self.events = EventLog()
         self._warnings = WarningEvents(self.events)
@@ -147,13 +147,10 @@ class StatusPage:
         return JSONResponse(document, headers={"cache-control": "no-store"})
 
     def _authorized(self, request: Request) -> bool:
-        if self._api_key is None:
+        if self.api_keys is None:
             return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if "x-api-key" in request.headers:
-            scheme, token = "bearer", request.headers["x-api-key"]
-        given = token.strip().encode("utf-8", "surrogateescape")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._api_key)
+        given = presented_key(request.headers)
+        return given is not None and self.api_keys.tenant_of(given) is not None
 
     # ---- what stage 0 knows --------------------------------------------------------------
 

@@ -90,6 +90,13 @@ class FrontendMetrics:
             buckets=STEP_BUCKETS_S,
             registry=r,
         )
+        self.tenant_tokens = Counter(
+            "mesh_tenant_tokens_total",
+            "Prompt and generated tokens by tenant (the name its API key has in the key "
+            "file); only with API keys.",
+            ("tenant", "kind"),
+            registry=r,
+        )
         self.active_requests = Gauge(
             "mesh_active_requests", "Generations in flight in the HTTP layer.", registry=r
         )

@@ -140,3 +140,34 @@ def test_sessions_are_freed_and_only_prefixes_stay(meshes) -> None:
         15,
         "every stage to free the finished sessions",
     )
+
+
+def test_tenants_of_a_key_file_never_start_from_each_others_prefixes(
+    tmp_path, tiny_package_factory
+) -> None:
+    """Two API keys: a conversation's later turns start from the prefix its own
+    tenant left, while the other tenant, sending the very same turns, reads them all
+    (and gets the same text)."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice sk-alice-0001\nbob sk-bob-0002\n")
+    package = tiny_package_factory("llama", layers=6)
+    processes = MeshProcesses(
+        package, tmp_path / "mesh", 2, stage0_args=("--api-key-file", str(keys))
+    )
+    try:
+        processes.start().wait_serving()
+
+        def client(key: str) -> OpenAI:
+            return OpenAI(base_url=processes.http_url + "/v1", api_key=key, max_retries=0)
+
+        alice = conversation(client("sk-alice-0001"), 2, "Tenants.", temperature=0)
+        bob = conversation(client("sk-bob-0002"), 2, "Tenants.", temperature=0)
+        assert [t for t, _, _ in alice] == [t for t, _, _ in bob]
+        assert alice[0][2] == 0 and alice[1][2] > 0.8 * alice[1][1]
+        assert bob[0][2] == 0
+        # Bob's second turn finds his own first turn, never alice's second.
+        assert 0 < bob[1][2] <= alice[1][2]
+        again = conversation(client("sk-bob-0002"), 1, "Tenants.", temperature=0)
+        assert again[0][2] > 0  # bob's first turn, kept for bob
+    finally:
+        processes.close()

@@ -26,6 +26,7 @@ from frontend_support import (
 )
 
 from mesh.errors import Unavailable
+from stage.frontend.telemetry import FrontendMetrics
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -390,6 +391,38 @@ def test_api_key_is_required_when_configured(backend, tokenizer) -> None:
         assert caught.value.body["error"]["type"] == "authentication_error"
         reply = anthropic.Anthropic(base_url=url, api_key="s3cret").messages.create(**ask)
         assert reply.type == "message" and reply.usage.output_tokens == 2
+
+
+def test_each_key_of_a_key_file_names_its_tenant(backend, tokenizer, tmp_path) -> None:
+    """Several keys: each is let in as its tenant, which reaches the engine (the
+    prefix cache's partition and the drafter's scope) and /metrics; others get 401."""
+    from mesh.api_keys import KeySource
+
+    path = tmp_path / "keys"
+    path.write_text("alice key-of-alice\nbob key-of-bob\n")
+    metrics = FrontendMetrics()
+    with live_server(backend, tokenizer, api_key=KeySource(path=path), metrics=metrics) as url:
+        for key, user, tenant, scope in (
+            ("key-of-alice", None, "alice", "alice/"),
+            ("key-of-bob", "u1", "bob", "bob/u1"),
+        ):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            extra = {"user": user} if user else {}
+            client.completions.create(model=MODEL_ID, prompt="hello", max_tokens=3, **extra)
+            request = backend.requests[-1]
+            assert (request.tenant, request.scope) == (tenant, scope)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="alice", max_retries=0).models.list()
+        scrape = httpx.get(f"{url}/metrics").text
+        for tenant in ("alice", "bob"):
+            assert f'mesh_tenant_tokens_total{{kind="completion",tenant="{tenant}"}} 3.0' in scrape
+            assert f'mesh_tenant_tokens_total{{kind="prompt",tenant="{tenant}"}}' in scrape
+
+
+def test_without_keys_the_scope_is_the_user(http, backend) -> None:
+    response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, user="carol"))
+    assert response.status_code == 200, response.text
+    assert (backend.requests[-1].tenant, backend.requests[-1].scope) == ("", "carol")
 
 
 def test_disconnect_mid_stream_cancels_the_request(http, backend, base_url) -> None:

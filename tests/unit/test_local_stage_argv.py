@@ -64,6 +64,11 @@ def test_the_api_key_file_reaches_stage_0_and_the_banner_never_prints_the_key(
     assert "--api-key-file" not in other
     header, expression = _key_example(key_file)
     assert f"$(cat {key_file.absolute()})" in header and "s3cret" not in header + expression
+    # Several (or named) keys: the file is not the key; the examples say where one is.
+    key_file.write_text("alice s3cret-key\nbob other-key\n")
+    header, expression = _key_example(key_file)
+    assert f"<a key from {key_file.absolute()}>" in header and "$(cat" not in header
+    assert "s3cret" not in header + expression and "alice" not in header + expression
     monkeypatch.setenv("MESH_API_KEY", "env-key")
     assert _key_example(None) == (
         ' -H "Authorization: Bearer $MESH_API_KEY"',

@@ -74,6 +74,26 @@ def test_removed_prefixes_are_not_found() -> None:
     assert index.lookup(list(range(1, 50))) is None and index.held_tokens == 0
 
 
+def test_a_tenants_prefixes_are_found_only_by_that_tenant() -> None:
+    index = PrefixIndex(10_000)
+    prompt = list(range(1, 60))
+    assert index.add("alice-1", prompt, "alice") == (True, [])
+    assert index.lookup(prompt + [7], "bob") is None
+    assert index.lookup(prompt + [7]) is None  # nor by requests without a key
+    hit = index.lookup(prompt + [7], "alice")
+    assert hit is not None and (hit.name, hit.length) == ("alice-1", len(prompt))
+    # The same tokens kept for bob are bob's; a longer turn of bob's replaces only his.
+    assert index.add("bob-1", prompt, "bob") == (True, [])
+    kept, dropped = index.add("bob-2", prompt + [8, 9], "bob")
+    assert kept and dropped == ["bob-1"]
+    hit = index.lookup(prompt + [8, 9, 10], "alice")
+    assert hit is not None and hit.name == "alice-1"
+    assert index.remove("alice-1") and index.lookup(prompt + [7], "alice") is None
+    assert index.lookup(prompt + [8, 9, 10], "bob") is not None
+    index.clear()
+    assert index.lookup(prompt + [8, 9, 10], "bob") is None and index.held_tokens == 0
+
+
 # ---- the stages -------------------------------------------------------------------
 
 
