@@ -189,6 +189,8 @@ def local_stage_argv(
             str(serving.http_port),
             "--drain-timeout",
             f"{serving.drain_timeout:g}",
+            "--reasoning-format",
+            serving.reasoning_format,
         ]
         if serving.api_key_file is not None:
             command += ["--api-key-file", str(serving.api_key_file.expanduser().absolute())]

@@ -205,7 +205,11 @@ class StageConfig:
 class FrontendConfig:
     http_host: str = setting("127.0.0.1", "bind host of the OpenAI API (0.0.0.0: every interface)")
     http_port: int = setting(8000, "port of the OpenAI API (0: any)", minimum=0)
-    api_key_file: Path | None = setting(None, "file holding the HTTP API key (or set MESH_API_KEY)")
+    api_key_file: Path | None = setting(
+        None,
+        "file of HTTP API keys, one per line as KEY or NAME KEY (or set MESH_API_KEY); read "
+        "again when it changes",
+    )
     max_concurrent_requests: int = setting(
         16, "requests generating at once (each holds a session on every stage)", minimum=1
     )
@@ -235,6 +239,13 @@ class FrontendConfig:
         "on SIGTERM, seconds stage 0 lets running requests finish (new ones get 503 and "
         "/health says draining) before it stops (0: stop at once)",
         minimum=0,
+    )
+    reasoning_format: str = setting(
+        "auto",
+        "reasoning models' thoughts (<think> ... </think>): auto returns them apart from "
+        "the answer, as reasoning_content, where the model's chat template uses them; "
+        "none leaves them in the answer",
+        choices=("auto", "none"),
     )
     prompts_ahead: bool = setting(
         True,

@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect
 from mesh.api_keys import KeySource, key_source, presented_key
 from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
-from stage.frontend import anthropic, responses, tokenize
+from stage.frontend import anthropic, anthropic_answer, responses, tokenize
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
     OpenAIError,
@@ -299,7 +299,9 @@ class _Frontend:
 
     def anthropic_message(self, payload: dict[str, Any]) -> tuple[ChatCompletionBody, AnswerShape]:
         body, chat = anthropic.parse_body(payload, self.model_id)
-        return chat, anthropic.MessageShape(anthropic.new_message_id(), body.model or self.model_id)
+        return chat, anthropic_answer.MessageShape(
+            anthropic_answer.new_message_id(), body.model or self.model_id
+        )
 
     def openai_response(self, payload: dict[str, Any]) -> tuple[ChatCompletionBody, AnswerShape]:
         body, chat = responses.parse_body(payload, self.model_id)
@@ -315,7 +317,7 @@ class _Frontend:
 
 def _anthropic_error(error: OpenAIError) -> JSONResponse:
     return JSONResponse(
-        anthropic.error_response_body(error), status_code=error.status, headers=error.headers
+        anthropic_answer.error_response_body(error), status_code=error.status, headers=error.headers
     )
 
 

@@ -23,6 +23,7 @@ from mesh.package.manifest import PackageManifest
 from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
 from stage.frontend.app import create_app, serve_app, stop_server
 from stage.frontend.engine_types import EngineLimits
+from stage.frontend.prepare import FrontendLimits
 from stage.frontend.scheduler import PipelineScheduler
 from stage.frontend.status_page import STATUS_PATHS, StatusPage
 from stage.frontend.telemetry import FrontendMetrics
@@ -251,6 +252,7 @@ def start_frontend(
             tokenizer,
             model_id=scheduler.model_id,
             api_key=api_keys,
+            limits=FrontendLimits(reasoning_format=own.value.reasoning_format),
             fingerprint=system_fingerprint(manifest),
             metrics=http_metrics,
         )

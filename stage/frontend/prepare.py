@@ -41,6 +41,7 @@ from mesh.grammar import grammar_spec
 from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
+from stage.frontend.reasoning import REASONING_FORMATS, reasoning_start
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from stage.frontend.tool_formats import (
     ToolFormat,
@@ -60,6 +61,8 @@ class FrontendLimits:
     max_stop_chars: int = 256
     default_max_tokens: int | None = None
     retry_after_s: int = 1
+    # Reasoning models' thoughts apart from the answer (stage/frontend/reasoning.py).
+    reasoning_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_stop_sequences < 0 or self.max_stop_chars < 1:
@@ -71,6 +74,11 @@ class FrontendLimits:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(
+                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
+                f"{self.reasoning_format!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,9 @@ class PreparedGeneration:
     choices: int = 1
     # Completions' ``echo``: each prompt's text, put before its choices' text.
     echo: tuple[str, ...] = ()
+    # Chat with a reasoning model: None when the output is not split into thought and
+    # answer, else whether it starts inside the thought (stage/frontend/reasoning.py).
+    reasoning: bool | None = None
 
     @property
     def request(self) -> GenerationRequest:
@@ -260,10 +271,14 @@ def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Prompt token ids of chat ``messages`` (and ``tools``, for a template that
-    renders them) through the tokenizer's chat template."""
-    extra = {"tools": list(tools)} if tools else {}
+    renders them) through the tokenizer's chat template, with the request's own
+    template ``variables`` (``chat_template_kwargs``)."""
+    extra: dict[str, Any] = dict(variables or {})
+    if tools:
+        extra["tools"] = list(tools)
     try:
         encoded = tokenizer.apply_chat_template(
             [dict(m) for m in messages],
@@ -293,17 +308,18 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
             "tools",
             code="unsupported_parameter",
         )
+    variables = body.chat_template_kwargs
     history = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     fmt = ToolFormat.HERMES
     if mode is TemplateTools.NATIVE:
         fmt = tool_format(getattr(ctx.tokenizer, "chat_template", None))
         if fmt is ToolFormat.MISTRAL:
             messages = short_call_ids(messages)
-        prompt = render_chat(ctx.tokenizer, messages, tools)
+        prompt = render_chat(ctx.tokenizer, messages, tools, variables)
     elif tools or history:
-        prompt = render_chat(ctx.tokenizer, generic_messages(messages, tools))
+        prompt = render_chat(ctx.tokenizer, generic_messages(messages, tools), None, variables)
     else:
-        prompt = render_chat(ctx.tokenizer, messages)
+        prompt = render_chat(ctx.tokenizer, messages, None, variables)
     if not tools:
         return prompt, None
     prefix = forced_prefix(fmt, choice)
@@ -436,7 +452,9 @@ async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> Prepared
     stop = _check_common(body, ctx)
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
-    return _prepared("chat", body, [prompt], stop, ctx, tools, prediction)
+    prepared = _prepared("chat", body, [prompt], stop, ctx, tools, prediction)
+    reasoning = reasoning_start(ctx.tokenizer, prompt, ctx.limits.reasoning_format)
+    return replace(prepared, reasoning=reasoning) if reasoning is not None else prepared
 
 
 async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> PreparedGeneration:

@@ -64,7 +64,10 @@ STATEFUL_FIELDS = {
 }
 MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
-ITEM_TYPES = frozenset({"message", "function_call", "function_call_output"})
+# ``reasoning.effort``: none and minimal ask a reasoning model not to think (through
+# its template's ``enable_thinking``, as Qwen3's reads it); the others to think.
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 CallId = Annotated[str, Strict(), Field(min_length=1, max_length=256)]
 
 
@@ -114,6 +117,13 @@ class FunctionCallOutputItem(_Body):
     output: Str | list[TextPart]
 
 
+class ReasoningItem(_Body):
+    """An earlier answer's thought, sent back by clients: not shown to the model again
+    (reasoning models' templates drop earlier thoughts too)."""
+
+    type: Literal["reasoning"]
+
+
 class OtherItem(_Body):
     """An input item this server cannot take: always refused, saying why."""
 
@@ -150,6 +160,7 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("item-message")]
     | Annotated[FunctionCallItem, Tag("item-function_call")]
     | Annotated[FunctionCallOutputItem, Tag("item-function_call_output")]
+    | Annotated[ReasoningItem, Tag("item-reasoning")]
     | Annotated[OtherItem, Tag("item-other")],
     Discriminator(_item_kind),
 ]
@@ -266,14 +277,13 @@ class ResponsesBody(_Body):
             problems.append(
                 ("background", "background responses need stored responses; omit 'background'")
             )
-        # Effort "none" asks for no reasoning, which is what the model does.
         asked = {k: v for k, v in (self.reasoning or {}).items() if v is not None}
-        if asked and asked != {"effort": "none"}:
+        if set(asked) - {"effort"} or asked.get("effort", "none") not in EFFORTS:
             problems.append(
                 (
                     "reasoning",
-                    "reasoning is not supported: the served model does not reason "
-                    "apart from its answer; omit 'reasoning'",
+                    "reasoning takes only 'effort' (none, minimal, low, medium, high): a "
+                    "reasoning model's thought comes back whole, as a reasoning item",
                 )
             )
         if self.include:
@@ -330,6 +340,9 @@ class ResponsesBody(_Body):
                 body[name] = getattr(self, name)
         if self.format is not None and self.format.type != "text":
             body["response_format"] = self.format.response_format()
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.function()} for t in self.tools]
             choice = self.tool_choice

@@ -33,6 +33,7 @@ from typing import Any
 from mesh.errors import MeshError
 from stage.frontend.errors import from_mesh_error
 from stage.frontend.generation import GenerationRun
+from stage.frontend.reasoning import split_pieces, split_reasoning
 from stage.frontend.responses import FunctionChoice, ResponsesBody
 from stage.frontend.tools import ToolCall
 
@@ -60,6 +61,13 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
         "role": "assistant",
         "content": content,
     }
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A ``reasoning`` output item: a reasoning model's thought, as its text (``text``
+    None while none was added yet)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict[str, Any]:
@@ -125,7 +133,7 @@ class ResponseShape:
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None},
             "store": False,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {
@@ -144,13 +152,16 @@ class ResponseShape:
         }
 
     def body(self, run: GenerationRun, text: str) -> dict[str, Any]:
+        thought = None
+        if run.prepared.reasoning is not None:
+            thought, text = split_reasoning(text, run.prepared.reasoning)
         tools = run.prepared.tools
         prefix = tools.prefix if tools is not None else ""
         content, calls = tools.parse(prefix + text) if tools is not None else (text, [])
         if not calls:
             content = prefix + text
         status = status_of(run, calls)
-        output = []
+        output = [reasoning_item(new_id("rs"), thought, "completed")] if thought else []
         if content or not calls:
             output.append(message_item(new_id("msg"), content or "", status))
         output += [call_item(new_id("fc"), call, call.arguments, "completed") for call in calls]
@@ -167,23 +178,37 @@ class ResponseShape:
         yield event("response.in_progress", response=started)
         tools = run.prepared.tools
         message = _MessageStream(new_id("msg"), event)
+        thinking = _ThoughtStream(new_id("rs"), event)
+        output: list[dict[str, Any]] = []
         answer, released = (tools.prefix if tools is not None else ""), 0
-        pieces = texts.__aiter__()
+        pieces = split_pieces(texts, run.prepared.reasoning).__aiter__()
         while True:
             try:
-                piece = await pieces.__anext__()
+                thought, piece = await pieces.__anext__()
             except StopAsyncIteration:
                 break
             except MeshError as exc:
                 error = from_mesh_error(exc, 1)
                 yield event("error", code=error.code, message=error.message, param=error.param)
                 return
+            for chunk in thinking.add(thought):
+                yield chunk
+            if thinking.opened and not thinking.closed and piece:
+                for chunk in thinking.close():
+                    yield chunk
+                output.append(reasoning_item(thinking.item_id, thinking.text, "completed"))
+                message.output_index = len(output)
             if tools is not None:
                 answer += piece
                 cut = max(released, tools.hold_start(answer))
                 piece, released = answer[released:cut], cut
             for chunk in message.add(piece):
                 yield chunk
+        if thinking.opened and not thinking.closed:  # the output ended inside the thought
+            for chunk in thinking.close():
+                yield chunk
+            output.append(reasoning_item(thinking.item_id, thinking.text, "completed"))
+            message.output_index = len(output)
         # The held text (a tool was given: ``answer`` is empty otherwise).
         held = answer[released:]
         content, calls = tools.parse(held) if tools is not None and held else (held, [])
@@ -192,7 +217,6 @@ class ResponseShape:
         status = status_of(run, calls)
         for chunk in message.add(content or "", force=not calls):
             yield chunk
-        output = []
         if message.opened:
             for chunk in message.close(status):
                 yield chunk
@@ -212,24 +236,62 @@ class ResponseShape:
         yield event(kind, response=final)
 
 
+class _ThoughtStream:
+    """The events of a reasoning model's ``reasoning`` item (output index 0, before
+    the answer): opened at the thought's first text, one delta per piece, closed
+    when the answer begins."""
+
+    def __init__(self, item_id: str, event: Callable[..., bytes]) -> None:
+        self.item_id = item_id
+        self.text = ""
+        self.opened = self.closed = False
+        self._event = event
+        self._where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+
+    def add(self, piece: str) -> list[bytes]:
+        out = []
+        if piece and not self.opened:
+            self.opened = True
+            item = reasoning_item(self.item_id, None, "in_progress")
+            out.append(self._event("response.output_item.added", output_index=0, item=item))
+        if piece:
+            self.text += piece
+            out.append(self._event("response.reasoning_text.delta", **self._where, delta=piece))
+        return out
+
+    def close(self) -> list[bytes]:
+        self.closed = True
+        done = reasoning_item(self.item_id, self.text, "completed")
+        return [
+            self._event("response.reasoning_text.done", **self._where, text=self.text),
+            self._event("response.output_item.done", output_index=0, item=done),
+        ]
+
+
 class _MessageStream:
-    """The events of the answer's ``message`` item (output index 0): opened at its
-    first text (or, forced, when the answer has nothing else), then one delta per
-    piece."""
+    """The events of the answer's ``message`` item (after the thought, if any):
+    opened at its first text (or, forced, when the answer has nothing else), then
+    one delta per piece."""
 
     def __init__(self, item_id: str, event: Callable[..., bytes]) -> None:
         self.item_id = item_id
         self.text = ""
         self.opened = False
+        self.output_index = 0
         self._event = event
-        self._where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+
+    @property
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": self.output_index, "content_index": 0}
 
     def add(self, piece: str, force: bool = False) -> list[bytes]:
         out = []
         if (piece or force) and not self.opened:
             self.opened = True
             item = message_item(self.item_id, None, "in_progress")
-            out.append(self._event("response.output_item.added", output_index=0, item=item))
+            out.append(
+                self._event("response.output_item.added", output_index=self.output_index, item=item)
+            )
             part = _text_part("")
             out.append(self._event("response.content_part.added", **self._where, part=part))
         if piece:
@@ -245,7 +307,7 @@ class _MessageStream:
             self._event("response.content_part.done", **where, part=part),
             self._event(
                 "response.output_item.done",
-                output_index=0,
+                output_index=self.output_index,
                 item=message_item(self.item_id, self.text, status),
             ),
         ]

@@ -29,6 +29,16 @@ STOP_TOKEN_IDS_MAX = 64
 USER_MAX_CHARS = 256
 LOGIT_BIAS_MAX_ENTRIES = 1024
 
+# Names ``chat_template_kwargs`` may not set: the server's own arguments of
+# transformers' ``apply_chat_template`` and the variables it sets from the request.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    }
+)  # fmt: skip
 # Most choices (``n``) one request may ask for.
 MAX_CHOICES = 16
 # Longest ``prediction`` text (characters); longest per-request speculation window.
@@ -377,6 +387,9 @@ class ChatCompletionBody(GenerationBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
     functions: list[Any] | None = None
+    # Extension (vLLM's and llama.cpp's name): more variables for the model's chat
+    # template, such as Qwen3's ``enable_thinking``.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def tool_choice_name(self) -> str:
@@ -415,6 +428,15 @@ class ChatCompletionBody(GenerationBody):
                 problems.append(
                     ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
                 )
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            problems.append(
+                (
+                    "chat_template_kwargs",
+                    f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+                    "it from the request",
+                )
+            )
         constraints = self.output_constraints()
         if constraints and self.tools:
             param = constraints[0][0]

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from mesh.errors import MeshError
 from stage.frontend.errors import OpenAIError, from_mesh_error
 from stage.frontend.generation import GenerationRun
+from stage.frontend.reasoning import ReasoningSplitter, split_reasoning
 from stage.frontend.telemetry import FrontendMetrics
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
             "logprobs": _echoed_logprobs(run),
             "finish_reason": run.finish_reason,
         }
+    thought = None
+    if p.reasoning is not None:
+        thought, text = split_reasoning(text, p.reasoning)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = run.finish_reason
     if p.tools is not None:
@@ -177,6 +181,8 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
             finish = "tool_calls"
         else:
             message["content"] = p.tools.prefix + text
+    if p.reasoning is not None:
+        message["reasoning_content"] = thought
     return {
         "index": run.index,
         "message": message,
@@ -320,17 +326,33 @@ async def _choice_events(
     if run.prepared.kind == "chat":
         first = {"index": run.index, "delta": {"role": "assistant", "content": ""}}
         yield sse(_chunk(run, [{**first, "logprobs": None, "finish_reason": None}])), False
-    tools = run.prepared.tools if run.prepared.kind == "chat" else None
+    chat = run.prepared.kind == "chat"
+    tools = run.prepared.tools if chat else None
     # With tools, text from (what may become) a tool call on is held back and sent
     # as tool-call deltas once the answer is complete.
     answer = tools.prefix if tools is not None else ""
     released = 0
     sent = 0
+    # A reasoning model's thought goes out as ``reasoning_content`` deltas.
+    thinking = run.prepared.reasoning if chat else None
+    splitter = ReasoningSplitter(thinking) if thinking is not None else None
     if run.prepared.echo:  # the prompt's text (and scores) before the completion's
         yield sse(_chunk(run, [_choice(run, run.echo, None, prompt_logprobs(run))])), False
         sent = len(run.echo)
     try:
-        while (text := await run.next_text()) is not None:
+        ended = False
+        while not ended:
+            text = await run.next_text()
+            thought = ""
+            if splitter is not None:
+                ended = text is None
+                thought, text = splitter.flush() if ended else splitter.feed(text or "")
+            elif text is None:
+                break
+            if thought:
+                delta = {"reasoning_content": thought}
+                choice = {"index": run.index, "delta": delta, "finish_reason": None}
+                yield sse(_chunk(run, [{**choice, "logprobs": _chunk_logprobs(run, sent)}])), False
             if tools is not None and text:
                 answer += text
                 cut = max(released, tools.hold_start(answer))

@@ -1,0 +1,140 @@
+"""Reasoning models' thoughts, apart from their answer.
+
+Models such as DeepSeek-R1 (and its distills), QwQ and Qwen3 think before they
+answer, between ``<think>`` and ``</think>``. The chat API returns the thoughts as
+``reasoning_content`` (the field DeepSeek's API, vLLM and llama.cpp use) and only
+the rest as ``content``, so that clients show the answer and tools parse it.
+
+Whether a request's output is split follows the server's ``reasoning_format``:
+``auto`` splits where the model's chat template speaks of ``<think>``, ``none``
+never does. A template that opens the thought itself (the prompt ends with
+``<think>``, as DeepSeek-R1's does) starts the output inside it; otherwise a
+thought counts only at the very start of the output. An output that ends before
+``</think>`` is all thought.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+REASONING_FORMATS = ("auto", "none")
+# Prompt tokens decoded to see whether the template opened a thought.
+PROMPT_TAIL_TOKENS = 8
+
+
+def reasoning_start(
+    tokenizer: Any, prompt: Sequence[int], reasoning_format: str = "auto"
+) -> bool | None:
+    """For a chat request of ``prompt`` tokens: None when its output is not split,
+    else whether the output starts inside a thought."""
+    if reasoning_format == "none":
+        return None
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or THINK_OPEN not in template:
+        return None
+    tail = tokenizer.decode(list(prompt[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+    return tail.rstrip().endswith(THINK_OPEN)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that starts ``tag`` (held back: the tag
+    may be completed by the next piece)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+@dataclass
+class ReasoningSplitter:
+    """Splits an output's text, piece by piece as it streams, into thought and answer.
+    ``feed`` returns what can be released now; ``flush`` the rest at the end."""
+
+    inside: bool
+    # Whether the output may still open a thought (only before any visible answer).
+    _may_open: bool = True
+    _pending: str = ""
+    # Whether the answer has begun (whitespace right after ``</think>`` is dropped).
+    _answer_started: bool = False
+    reasoning: str = ""
+    content: str = ""
+
+    def __post_init__(self) -> None:
+        self._may_open = not self.inside
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(thought, answer) text released by ``text``."""
+        thought, answer = [], []
+        rest = self._pending + text
+        self._pending = ""
+        while rest:
+            if self.inside:
+                end = rest.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _partial_tag(rest, THINK_CLOSE)
+                    thought.append(rest[: len(rest) - keep])
+                    self._pending = rest[len(rest) - keep :]
+                    break
+                thought.append(rest[:end])
+                rest = rest[end + len(THINK_CLOSE) :]
+                self.inside = False
+                continue
+            if self._may_open:
+                stripped = rest.lstrip()
+                if not stripped:
+                    self._pending = rest
+                    break
+                if stripped.startswith(THINK_OPEN):
+                    rest = stripped[len(THINK_OPEN) :]
+                    self.inside, self._may_open = True, False
+                    continue
+                if THINK_OPEN.startswith(stripped):
+                    self._pending = rest
+                    break
+                self._may_open = False
+            if not self._answer_started:
+                rest = rest.lstrip()
+                if not rest:
+                    break
+                self._answer_started = True
+            answer.append(rest)
+            break
+        released = "".join(thought), "".join(answer)
+        self.reasoning += released[0]
+        self.content += released[1]
+        return released
+
+    def flush(self) -> tuple[str, str]:
+        """What was held back, at the end of the output: an unfinished tag is text."""
+        rest, self._pending = self._pending, ""
+        if self.inside:
+            self.reasoning += rest
+            return rest, ""
+        rest = rest if self._answer_started else rest.lstrip()
+        self.content += rest
+        return "", rest
+
+
+def split_reasoning(text: str, inside: bool) -> tuple[str | None, str]:
+    """(thought or None when there was none, answer) of a whole output."""
+    splitter = ReasoningSplitter(inside)
+    splitter.feed(text)
+    splitter.flush()
+    thought = splitter.reasoning if (inside or splitter.reasoning or splitter.inside) else None
+    return thought, splitter.content
+
+
+async def split_pieces(
+    texts: AsyncIterator[str], reasoning: bool | None
+) -> AsyncIterator[tuple[str, str]]:
+    """(thought, answer) pieces of a streamed output: all answer unless ``reasoning``
+    (where the output starts, as ``reasoning_start`` says) is set."""
+    splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
+    async for text in texts:
+        yield splitter.feed(text) if splitter is not None else ("", text)
+    if splitter is not None:
+        yield splitter.flush()
