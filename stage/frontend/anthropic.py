@@ -1,13 +1,10 @@
 """Anthropic's Messages API (``POST /v1/messages``) over the same generation path.
 
 A request is translated into a chat completion body (system prompt, text, tool use
-and tool results become OpenAI-style messages and tools), prepared and run exactly
-as ``/v1/chat/completions`` would run it, and the answer is written back as a
-Messages API ``message``: content blocks (``text``, ``tool_use``), ``stop_reason``
-(``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``) and ``usage``;
-streamed as its server-sent events (``message_start``, ``content_block_start`` /
-``_delta`` / ``_stop``, ``message_delta``, ``message_stop``). Errors use its shape
-``{"type": "error", "error": {"type", "message"}}``.
+and tool results become OpenAI-style messages and tools; thinking blocks sent back
+are dropped; ``thinking`` reaches the chat template as ``enable_thinking``),
+prepared and run exactly as ``/v1/chat/completions`` would run it; the answer is
+written back as a Messages API ``message`` or its events (anthropic_answer.py).
 
 ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the prompt tokens
 ``/v1/messages`` would read for the same body (``max_tokens`` may be left out).
