@@ -73,8 +73,16 @@ class GenerationRequest:
     # and, within it, the request's ``user``. Never changes output.
     scope: str = ""
     # The tenant its API key names ("" without keys): kept prefixes are shared only
-    # within a tenant (mesh/api_keys.py).
+    # within a tenant (mesh/api_keys.py), and within it among requests of the same
+    # ``cache_salt`` (an extension).
     tenant: str = ""
+    cache_salt: str = ""
+
+    @property
+    def prefix_partition(self) -> str:
+        """Whose kept prefixes this request may start from, and leaves its own to."""
+        return f"{self.tenant}\x00{self.cache_salt}" if self.cache_salt else self.tenant
+
     # OpenAI's Predicted Outputs: the tokens the client expects back (None: none).
     prediction_tokens: tuple[int, ...] | None = None
     # Per-request speculation control (an extension): off, or a cap on the window

@@ -149,7 +149,7 @@ class EngineCore:
         safe = not tracked.prefilling and tracked.recover_by is None
         if keep and safe and self.prefixes is not None:
             kept, dropped = self.prefixes.add(
-                request_id, tracked.run.tokens[:length], tracked.run.request.tenant
+                request_id, tracked.run.tokens[:length], tracked.run.request.prefix_partition
             )
         ends = [
             Segment(
@@ -612,7 +612,7 @@ class EngineCore:
         if self.prefixes is None or tracked.no_prefix:
             return ""
         self.prefix_lookups += 1
-        hit = self.prefixes.lookup(tracked.run.tokens, tracked.run.request.tenant)
+        hit = self.prefixes.lookup(tracked.run.tokens, tracked.run.request.prefix_partition)
         if hit is None:
             return ""
         self.prefixes.touch(hit.name)

@@ -413,6 +413,7 @@ def _prepared(
         sampling=sampling,
         stop_token_ids=stop_ids,
         tenant=ctx.tenant,
+        cache_salt=body.cache_salt or "",
         # The drafter's corpus partition: the tenant's, then the user's within it.
         scope=f"{ctx.tenant}/{body.user or ''}" if ctx.tenant else body.user or "",
         prediction_tokens=prediction,

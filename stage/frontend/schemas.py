@@ -172,6 +172,9 @@ class GenerationBody(_Body):
     guided_grammar: Str | None = None
     grammar: Str | None = None
     json_schema: dict[str, Any] | None = None
+    # Extension (vLLM's name): kept prefixes are shared only among requests with the
+    # same salt (within the tenant), so other users cannot probe for this prompt.
+    cache_salt: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
     # Predicted Outputs (chat, and completions as an extension).
     prediction: Prediction | None = None
     # Extension: false turns speculation off for this request; {"max_window": N}

@@ -142,6 +142,18 @@ def test_sessions_are_freed_and_only_prefixes_stay(meshes) -> None:
     )
 
 
+def test_a_cache_salt_keeps_prefixes_among_requests_of_that_salt(meshes) -> None:
+    client = client_of(meshes["cached"])
+    salted = conversation(client, 2, "Salted.", temperature=0, extra_body={"cache_salt": "a"})
+    assert salted[0][2] == 0 and salted[1][2] > 0
+    other = conversation(client, 1, "Salted.", temperature=0, extra_body={"cache_salt": "b"})
+    unsalted = conversation(client, 1, "Salted.", temperature=0)
+    assert other[0][2] == 0 and unsalted[0][2] == 0
+    assert other[0][0] == unsalted[0][0] == salted[0][0]
+    again = conversation(client, 1, "Salted.", temperature=0, extra_body={"cache_salt": "a"})
+    assert again[0][2] > 0
+
+
 def test_tenants_of_a_key_file_never_start_from_each_others_prefixes(
     tmp_path, tiny_package_factory
 ) -> None:
