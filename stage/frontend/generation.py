@@ -26,6 +26,7 @@ from stage.frontend.backend import (
     TokenEvent,
 )
 from stage.frontend.prepare import PreparedGeneration
+from stage.frontend.reasoning import ThoughtTokens
 from stage.frontend.telemetry import FrontendMetrics
 from stage.frontend.textstream import TextStream
 
@@ -82,6 +83,10 @@ class GenerationRun:
         self.completion_tokens = 0
         # The completion's token ids, kept for the prediction counts in ``usage``.
         self._output_ids: list[int] = []
+        # A reasoning model's thought tokens (usage's reasoning_tokens).
+        self.thought = (
+            ThoughtTokens(tokenizer, prepared.reasoning) if prepared.reasoning is not None else None
+        )
         self._stats: GenerationStats | None = None
         self._submitted_s = 0.0
         self._first_token_s: float | None = None
@@ -208,6 +213,9 @@ class GenerationRun:
         self.completion_tokens += len(ids)
         if self.request.prediction_tokens is not None:
             self._output_ids += ids
+        if self.thought is not None:
+            for token in ids:
+                self.thought.push(token)
         for counter in self._produced:
             counter.inc(len(ids))
         if event.logprobs:
@@ -274,20 +282,25 @@ class GenerationRun:
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        } | self._prediction_usage()
+        } | self._completion_details()
 
-    def _prediction_usage(self) -> dict[str, Any]:
-        """OpenAI's prediction counts, when the request sent a prediction."""
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Output tokens of a reasoning model's thought (None: not counted)."""
+        return self.thought.count if self.thought is not None else None
+
+    def _completion_details(self) -> dict[str, Any]:
+        """OpenAI's prediction counts, when the request sent a prediction, and the
+        thought's tokens, when they are counted."""
+        details: dict[str, int] = {}
         prediction = self.request.prediction_tokens
-        if prediction is None:
-            return {}
-        accepted, rejected = prediction_counts(prediction, self._output_ids)
-        return {
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": accepted,
-                "rejected_prediction_tokens": rejected,
-            }
-        }
+        if prediction is not None:
+            accepted, rejected = prediction_counts(prediction, self._output_ids)
+            details["accepted_prediction_tokens"] = accepted
+            details["rejected_prediction_tokens"] = rejected
+        if self.reasoning_tokens is not None:
+            details["reasoning_tokens"] = self.reasoning_tokens
+        return {"completion_tokens_details": details} if details else {}
 
     def timings(self) -> dict[str, float]:
         """llama.cpp-style timings; the backend's numbers when it sent any."""

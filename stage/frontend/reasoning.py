@@ -40,6 +40,37 @@ def reasoning_start(
     return tail.rstrip().endswith(THINK_OPEN)
 
 
+class ThoughtTokens:
+    """Counts an output's thought tokens from its token ids, for ``usage``: exact
+    where the model's tokenizer has ``<think>`` and ``</think>`` as single tokens
+    (reasoning models' tokenizers do), else not counted (``count`` None)."""
+
+    def __init__(self, tokenizer: Any, inside: bool) -> None:
+        open_ids = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+        close_ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+        single = len(open_ids) == 1 and len(close_ids) == 1
+        self._open = open_ids[0] if single else None
+        self._close = close_ids[0] if single else None
+        self.count: int | None = 0 if single else None
+        self._inside = inside
+        self._started = inside
+        self._done = not single
+
+    def push(self, token: int) -> None:
+        if self._done:
+            return
+        if not self._started:
+            self._started = True
+            self._inside = token == self._open
+            if not self._inside:
+                self._done = True
+                return
+        assert self.count is not None
+        self.count += 1
+        if token == self._close:
+            self._done = True
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that starts ``tag`` (held back: the tag
     may be completed by the next piece)."""

@@ -87,7 +87,7 @@ def usage_of(run: GenerationRun) -> dict[str, Any]:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": run.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": run.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens or 0},
         "total_tokens": prompt + run.completion_tokens,
     }
 

@@ -93,9 +93,11 @@ def serve(smollm2_tokenizer_dir) -> Iterator:
 
     stack: list = []
 
-    def start(template: str, answer: str, **app):
+    def start(template: str, answer: str, think_tokens: bool = False, **app):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
         tokenizer.chat_template = template
+        if think_tokens:  # as Qwen3's and DeepSeek-R1's tokenizers have them (not special)
+            tokenizer.add_tokens(["<think>", "</think>"])
         ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
         # One token per event: the tags arrive cut into pieces.
         events = [TokenEvent(ids[i : i + 1]) for i in range(len(ids) - 1)]
@@ -264,3 +266,25 @@ def test_responses_api_returns_a_reasoning_item_first(serve, tokenizer) -> None:
     )
     assert again.reasoning.effort == "none"
     assert last_prompt(backend, tokenizer).endswith("<think>\n\n</think>")
+
+
+@pytest.mark.parametrize(
+    ("template", "answer"),
+    [(QWEN_LIKE, ANSWER), (R1_LIKE, f"{THOUGHT}\n</think>\n\n2 + 2 = 4.")],
+    ids=["model-opens", "template-opens"],
+)
+def test_usage_counts_the_thought_tokens_where_the_tags_are_tokens(
+    serve, tokenizer, template, answer
+) -> None:
+    client, _, _ = serve(template, answer, think_tokens=True)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=ASK)
+    assert reply.choices[0].message.content == "2 + 2 = 4."
+    answer_tokens = len(tokenizer.encode("\n\n2 + 2 = 4.", add_special_tokens=False))
+    details = reply.usage.completion_tokens_details
+    assert details.reasoning_tokens == reply.usage.completion_tokens - answer_tokens
+    response = client.responses.create(model=MODEL_ID, input="What is 2 + 2?")
+    assert response.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
+    # Where the tags are not single tokens, the thought is not counted.
+    client, _, _ = serve(template, answer)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=ASK)
+    assert reply.usage.completion_tokens_details is None
