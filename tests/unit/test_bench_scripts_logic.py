@@ -285,3 +285,28 @@ def test_serving_compares_row_invariance_settings_in_one_run():
     )
     assert "tok/s on / off" in text
     assert "0.950" in text and "0.900" in text and "1.100" in text
+
+
+def test_the_ceiling_replay_counts_rounds_drafts_and_time() -> None:
+    ceiling = bench("spec_ceiling")
+    code = tuple(range(1000, 1120))  # a file of 120 distinct tokens
+    prompt = (1, 2, 3, *code, 4)
+    round_s = (0.010, 0.001)
+    # An answer that copies the file: the prediction drafts all of it; the suffix
+    # drafter finds it in the prompt once a few tokens match.
+    copy = ceiling.Answer("code-edit", "copy", prompt, (5, *code, 6), code)
+    with_prediction = ceiling.replay(copy, "prediction", round_s, 0)
+    assert with_prediction.tokens == len(copy.output) - 1
+    assert with_prediction.accepted > 100 and with_prediction.rounds < 20
+    assert with_prediction.time_s == pytest.approx(
+        0.010 * with_prediction.rounds + 0.001 * with_prediction.drafted
+    )
+    default = ceiling.replay(copy, "default", round_s, 0)
+    assert default.rounds < 30
+    summary = ceiling.summarise([with_prediction], 0.010)
+    assert summary["speedup"] > 3.0 and summary["tokens_per_round"] > 6.0
+    # An answer in nothing the drafters have seen: one token per round, no speedup.
+    fresh = ceiling.Answer("chat", "fresh", prompt, tuple(range(5000, 5060)), None)
+    alone = ceiling.replay(fresh, "default", round_s, 0)
+    assert (alone.rounds, alone.accepted) == (59, 0)
+    assert ceiling.summarise([alone], 0.010)["speedup"] <= 1.0
