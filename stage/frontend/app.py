@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP frontend of stage 0.
 
 ``create_app`` builds the FastAPI app over a ``GenerationBackend`` and a Hugging
-Face tokenizer; ``serve_app`` runs it with uvicorn in a background thread.
+Face tokenizer; ``http_server.serve_app`` runs it with uvicorn in a background thread.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming); other APIs translated into chat requests: ``POST /v1/responses``
@@ -16,14 +16,11 @@ balancers and scrapers. Every error is an OpenAI error body (see errors.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -43,6 +40,7 @@ from stage.frontend.errors import (
     install_error_handlers,
 )
 from stage.frontend.generation import GenerationRun
+from stage.frontend.http_server import read_json_object
 from stage.frontend.prepare import (
     FrontendLimits,
     PromptContext,
@@ -81,39 +79,6 @@ ENDPOINTS = (
     "/health",
     "/metrics",
 )
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 above ``max_bytes``, 400 when not a JSON object."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise bad_request("the Content-Length header is not a number", code="invalid_header")
-        if int(declared) > max_bytes:
-            raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        payload = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(
-            f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None
-    if not isinstance(payload, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    return payload
 
 
 class _Frontend:
@@ -451,52 +416,3 @@ def create_app(
             allow_headers=["*"],
         )
     return app
-
-
-def serve_app(
-    app: Any,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    startup_timeout_s: float = 30.0,
-    graceful_shutdown_s: float = 5.0,
-    log_level: str = "warning",
-) -> tuple[uvicorn.Server, threading.Thread, int]:
-    """Run ``app`` with uvicorn in a daemon thread; return (server, thread, bound port).
-
-    ``port=0`` lets the OS pick a free port. Stop with ``stop_server(server, thread)``.
-    """
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=graceful_shutdown_s,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"http {host}:{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive():
-            raise Unavailable(f"the HTTP server on {host}:{port} failed to start; see the log")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            raise Unavailable(
-                f"the HTTP server on {host}:{port} did not start within {startup_timeout_s} s"
-            )
-        time.sleep(0.01)
-    bound_port = int(server.servers[0].sockets[0].getsockname()[1])
-    logger.info("serving HTTP on %s:%d", host, bound_port)
-    return server, thread, bound_port
-
-
-def stop_server(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
-    """Ask uvicorn to exit and wait for its thread."""
-    server.should_exit = True
-    thread.join(timeout_s)
-    if thread.is_alive():
-        server.force_exit = True
-        thread.join(timeout_s)

@@ -21,8 +21,9 @@ from mesh.errors import MeshError
 from mesh.netaddr import is_wildcard, url_host
 from mesh.package.manifest import PackageManifest
 from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
-from stage.frontend.app import create_app, serve_app, stop_server
+from stage.frontend.app import create_app
 from stage.frontend.engine_types import EngineLimits
+from stage.frontend.http_server import serve_app, stop_server
 from stage.frontend.prepare import FrontendLimits
 from stage.frontend.scheduler import PipelineScheduler
 from stage.frontend.status_page import STATUS_PATHS, StatusPage

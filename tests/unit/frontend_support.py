@@ -23,8 +23,9 @@ import torch
 from mesh.errors import CapacityExceeded, MeshError
 from mesh.frames import TokenLogprob
 from mesh.sampling import sample_token, token_logprob
-from stage.frontend.app import create_app, serve_app, stop_server
+from stage.frontend.app import create_app
 from stage.frontend.backend import GenerationRequest, GenerationStats, TokenEvent
+from stage.frontend.http_server import serve_app, stop_server
 from stage.frontend.telemetry import FrontendMetrics
 
 MODEL_ID = "tiny-llama"

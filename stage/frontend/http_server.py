@@ -1,0 +1,100 @@
+"""The HTTP server around the app: uvicorn in a background thread (``serve_app`` /
+``stop_server``), and the request body read as one bounded JSON object."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import Request
+
+from mesh.errors import Unavailable
+from stage.frontend.errors import OpenAIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 above ``max_bytes``, 400 when not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request("the Content-Length header is not a number", code="invalid_header")
+        if int(declared) > max_bytes:
+            raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        payload = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(payload, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def serve_app(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    startup_timeout_s: float = 30.0,
+    graceful_shutdown_s: float = 5.0,
+    log_level: str = "warning",
+) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Run ``app`` with uvicorn in a daemon thread; return (server, thread, bound port).
+
+    ``port=0`` lets the OS pick a free port. Stop with ``stop_server(server, thread)``.
+    """
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"http {host}:{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise Unavailable(f"the HTTP server on {host}:{port} failed to start; see the log")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise Unavailable(
+                f"the HTTP server on {host}:{port} did not start within {startup_timeout_s} s"
+            )
+        time.sleep(0.01)
+    bound_port = int(server.servers[0].sockets[0].getsockname()[1])
+    logger.info("serving HTTP on %s:%d", host, bound_port)
+    return server, thread, bound_port
+
+
+def stop_server(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Ask uvicorn to exit and wait for its thread."""
+    server.should_exit = True
+    thread.join(timeout_s)
+    if thread.is_alive():
+        server.force_exit = True
+        thread.join(timeout_s)
