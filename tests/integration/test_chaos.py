@@ -430,3 +430,65 @@ def test_a_second_sigterm_ends_the_drain_and_the_running_stream_gets_an_error(
         assert "signal 15 again" in processes.stage_log("stage-0")
     finally:
         processes.close()
+
+
+def test_a_second_ctrl_c_on_up_stops_without_waiting_out_the_drain(tmp_path, tiny_package_factory):
+    """Ctrl-C on `up` with a long stream running: stage 0 drains (up to 600 s here);
+    a second Ctrl-C stops it, the stream ends with the API's error event, and `up`
+    and its stages exit."""
+    import json as jsonlib
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    package = tiny_package_factory("llama", layers=6)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    up = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "up", "--model", str(package)]
+        + ["--listen", "127.0.0.1:0", "--http-port", str(http_port), "--spawn-stages", "1"]
+        + ["--cache-dir", str(tmp_path / "cache"), "--drain-timeout", "600"]
+        + ["--inject-delay-ms", "100"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{http_port}"
+    pieces: list[dict] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(jsonlib.loads(line[6:]))
+                    first.set()
+
+    def serving() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(serving, 180, "the mesh to serve")
+        stages = _children_of(up.pid)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        up.send_signal(signal.SIGINT)
+        wait_for(lambda: not serving(), 30, "stage 0 to drain")
+        assert reader.is_alive() and up.poll() is None
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        reader.join(30)
+        errors = [p["error"] for p in pieces if "error" in p]
+        assert len(errors) == 1 and "send it again" in errors[0]["message"]
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in stages)
+    finally:
+        if up.poll() is None:
+            up.kill()
