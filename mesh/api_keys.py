@@ -1,14 +1,17 @@
 """The HTTP API's keys, and the tenant each one names.
 
 An API key file holds one key per line, either alone or after a tenant name
-(``NAME KEY``); blank lines and lines starting with ``#`` are skipped. A key given
+(``NAME KEY``), optionally followed by ``max_concurrent=N``: the most generations
+(choices) the tenant may run at once; blank lines and lines starting with ``#`` are
+skipped. A key given
 alone names the tenant ``key-`` followed by 8 hex digits of its SHA-256 (stable,
 and it tells nothing about the key). ``MESH_API_KEY`` gives one key.
 
 The tenant is what the server trusts about who sent a request (a client chooses
 its ``user`` field freely): the prefix cache is kept per tenant and the suffix
 drafter's corpus per tenant and user, so that one tenant's text never shapes
-another's latency, and ``/metrics`` counts requests and tokens per tenant.
+another's latency; ``/metrics`` counts tokens per tenant; a tenant's
+``max_concurrent`` caps its running generations (stage/frontend/tenant_slots.py).
 
 The file is read again when it changes (checked at most once a second), so keys
 are added, rotated and revoked without a restart; a file that stops parsing keeps
@@ -33,15 +36,22 @@ from mesh.errors import InvalidRequest
 logger = logging.getLogger(__name__)
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+# A tenant's limit after its key: ``max_concurrent=N``.
+LIMIT_PREFIX = "max_concurrent="
 # How often the key file's modification time is looked at.
 RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
 class ApiKeys:
-    """Keys (UTF-8 bytes) and the tenant each names."""
+    """Keys (UTF-8 bytes) and the tenant each names; ``limits``: tenants' most
+    generations at once (absent: only the server's own limits)."""
 
     entries: tuple[tuple[bytes, str], ...]
+    limits: tuple[tuple[str, int], ...] = ()
+
+    def limit_of(self, tenant: str) -> int | None:
+        return dict(self.limits).get(tenant)
 
     def tenant_of(self, given: bytes) -> str | None:
         """The tenant of key ``given``, None when it is none of them. Every key is
@@ -70,11 +80,20 @@ def parse_keys(text: str, source: str = "the API key file") -> ApiKeys:
     """The keys of a key file's text; InvalidRequest naming the line when a line is
     malformed, a key is used twice, or a tenant named twice."""
     entries: list[tuple[bytes, str]] = []
+    limits: list[tuple[str, int]] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         fields = line.split()
+        limit = None
+        if len(fields) in (2, 3) and fields[-1].startswith(LIMIT_PREFIX):
+            value = fields.pop()[len(LIMIT_PREFIX) :]
+            if not value.isdigit() or int(value) < 1:
+                raise InvalidRequest(
+                    f"{source}, line {number}: {LIMIT_PREFIX}{value} must be a whole number >= 1"
+                )
+            limit = int(value)
         if len(fields) == 1:
             key = fields[0].encode()
             tenant = bare_tenant(key)
@@ -87,16 +106,19 @@ def parse_keys(text: str, source: str = "the API key file") -> ApiKeys:
                 )
         else:
             raise InvalidRequest(
-                f"{source}, line {number}: expected 'KEY' or 'NAME KEY', got {len(fields)} fields"
+                f"{source}, line {number}: expected 'KEY' or 'NAME KEY' (then optionally "
+                f"'{LIMIT_PREFIX}N'), got {len(fields)} fields"
             )
         if any(key == old for old, _ in entries):
             raise InvalidRequest(f"{source}, line {number}: this key is already on an earlier line")
         if any(tenant == old for _, old in entries):
             raise InvalidRequest(f"{source}, line {number}: tenant {tenant!r} is named twice")
         entries.append((key, tenant))
+        if limit is not None:
+            limits.append((tenant, limit))
     if not entries:
         raise InvalidRequest(f"{source} holds no key")
-    return ApiKeys(tuple(entries))
+    return ApiKeys(tuple(entries), tuple(limits))
 
 
 class KeySource:
@@ -157,6 +179,9 @@ class KeySource:
 
     def tenant_of(self, given: bytes) -> str | None:
         return self.current().tenant_of(given)
+
+    def limit_of(self, tenant: str) -> int | None:
+        return self.current().limit_of(tenant)
 
 
 def presented_key(headers: Mapping[str, str]) -> bytes | None:

@@ -57,6 +57,7 @@ from stage.frontend.streaming import (
     until_disconnect,
 )
 from stage.frontend.telemetry import CLIENT_CLOSED_STATUS, EdgeMiddleware, FrontendMetrics
+from stage.frontend.tenant_slots import TenantSlots
 from stage.frontend.translated import AnswerShape, collect_text, serve_run
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class _Frontend:
         self.stop_token_ids = stop_token_ids
         self.fingerprint = fingerprint
         self.created = int(time.time())
+        self.tenant_slots = TenantSlots()
 
     def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.
@@ -136,6 +138,12 @@ class _Frontend:
             tenant = found
         request.state.tenant = tenant
         return tenant
+
+    def claim_slots(self, tenant: str, count: int) -> list[Callable[[], None]]:
+        """``count`` of the tenant's generation slots (its key's ``max_concurrent``),
+        one release each; 429 when its key runs too many already."""
+        limit = self.api_keys.limit_of(tenant) if self.api_keys is not None and tenant else None
+        return self.tenant_slots.claim(tenant, count, limit)
 
     async def check_ready(self) -> None:
         """Serve now, or after the reload in progress; else 503 with the reason."""
@@ -204,12 +212,14 @@ class _Frontend:
                 "requests plus its queue); send fewer prompts or a smaller n",
                 "n" if len(prepared.requests) == 1 else "prompt",
             )
+        releases = self.claim_slots(prepared.request.tenant, len(choices))
         runs = [
             GenerationRun(
-                self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, r, i
+                self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, r, i,
+                release=release,
             )
-            for i, r in enumerate(choices)
-        ]
+            for i, (r, release) in enumerate(zip(choices, releases, strict=True))
+        ]  # fmt: skip
 
         async def close() -> None:
             await asyncio.gather(*(run.aclose() for run in runs))
@@ -259,7 +269,10 @@ class _Frontend:
         chat, shape = parse(payload)
         await self.check_ready()
         prepared = await prepare_chat(chat, self.prompt_context(request))
-        run = GenerationRun(self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival)
+        (release,) = self.claim_slots(prepared.request.tenant, 1)
+        run = GenerationRun(
+            self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, release=release
+        )
         return await serve_run(request, run, shape)
 
     def anthropic_message(self, payload: dict[str, Any]) -> tuple[ChatCompletionBody, AnswerShape]:

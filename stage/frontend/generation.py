@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mesh.speculative.prediction import prediction_counts
@@ -49,8 +49,11 @@ class GenerationRun:
         arrival_s: float,
         request: GenerationRequest | None = None,
         index: int = 0,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.prepared = prepared
+        # Gives back the tenant's slot this generation holds (tenant_slots.py), once.
+        self._release = release
         # One choice of the prepared request (``index``: its place in ``choices``).
         self.request = request or prepared.request
         self.index = index
@@ -237,6 +240,8 @@ class GenerationRun:
         if self._closed:
             return
         self._closed = True
+        if self._release is not None:
+            self._release()
         task = self._task
         if task is not None:
             if not task.done():

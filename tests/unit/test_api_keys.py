@@ -44,6 +44,16 @@ def test_bad_key_files_are_refused_with_the_line(text: str, words: str) -> None:
         parse_keys(text, "keys.txt")
 
 
+def test_a_tenant_may_carry_a_limit() -> None:
+    keys = parse_keys("alice k-alice-1 max_concurrent=2\nk-bare-2 max_concurrent=1\nbob k-bob-3\n")
+    assert keys.tenants == ("alice", bare_tenant(b"k-bare-2"), "bob")
+    assert keys.limit_of("alice") == 2 and keys.limit_of(bare_tenant(b"k-bare-2")) == 1
+    assert keys.limit_of("bob") is None
+    for bad in ("alice k max_concurrent=0", "alice k max_concurrent=x", "alice k limit=2"):
+        with pytest.raises(InvalidRequest, match="max_concurrent|expected"):
+            parse_keys(bad)
+
+
 def test_a_changed_file_is_read_again_and_a_broken_one_keeps_the_old_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -419,6 +419,38 @@ def test_each_key_of_a_key_file_names_its_tenant(backend, tokenizer, tmp_path) -
             assert f'mesh_tenant_tokens_total{{kind="prompt",tenant="{tenant}"}}' in scrape
 
 
+def test_a_keys_max_concurrent_holds_its_tenant_alone(backend, tokenizer, tmp_path) -> None:
+    """alice may run one generation at a time: her second is a 429 while the first
+    streams, n=2 is a 400, bob is not held; once her stream ends she may go again."""
+    from mesh.api_keys import KeySource
+
+    path = tmp_path / "keys"
+    path.write_text("alice key-of-alice max_concurrent=1\nbob key-of-bob\n")
+    backend.step_delay_s = 0.02
+    try:
+        with live_server(backend, tokenizer, api_key=KeySource(path=path)) as url:
+            alice = {"authorization": "Bearer key-of-alice"}
+            bob = {"authorization": "Bearer key-of-bob"}
+            long = with_(OK_COMPLETION, max_tokens=60, stream=True)
+            with httpx.Client(base_url=url, timeout=30.0) as client:
+                with client.stream("POST", COMPLETIONS, json=long, headers=alice) as first:
+                    assert first.status_code == 200
+                    lines = first.iter_lines()
+                    assert next(line for line in lines if line.startswith("data: {"))
+                    second = client.post(COMPLETIONS, json=OK_COMPLETION, headers=alice)
+                    assert_openai_error(second, 429)
+                    assert "limit is 1" in second.json()["error"]["message"]
+                    assert client.post(COMPLETIONS, json=OK_COMPLETION, headers=bob).is_success
+                    for _ in lines:
+                        pass
+                many = client.post(COMPLETIONS, json=with_(OK_COMPLETION, n=2), headers=alice)
+                assert_openai_error(many, 400, param="n")
+                again = client.post(COMPLETIONS, json=OK_COMPLETION, headers=alice)
+                assert again.status_code == 200, again.text
+    finally:
+        backend.step_delay_s = 0.0
+
+
 def test_without_keys_the_scope_is_the_user(http, backend) -> None:
     response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, user="carol"))
     assert response.status_code == 200, response.text
