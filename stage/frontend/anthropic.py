@@ -2,7 +2,8 @@
 
 A request is translated into a chat completion body (system prompt, text, tool use
 and tool results become OpenAI-style messages and tools; thinking blocks sent back
-are dropped; ``thinking`` reaches the chat template as ``enable_thinking``),
+are dropped; ``thinking`` reaches the chat template as ``enable_thinking``; a final
+assistant message is continued, as Anthropic's prefill),
 prepared and run exactly as ``/v1/chat/completions`` would run it; the answer is
 written back as a Messages API ``message`` or its events (anthropic_answer.py).
 
@@ -148,6 +149,15 @@ class MessagesBody(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "stream": bool(self.stream),
         }
+        last = messages[-1]
+        if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+            # A final assistant message is a prefill: the answer continues it.
+            if last["content"] != last["content"].rstrip():
+                raise OpenAIError(
+                    400, "final assistant content cannot end with trailing whitespace"
+                )
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
         for name in ("top_p", "top_k"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)

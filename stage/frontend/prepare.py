@@ -267,22 +267,34 @@ def _budget(
     return room if wanted is None else min(wanted, room)
 
 
+@dataclass(frozen=True)
+class TemplateUse:
+    """How a chat request renders through its template: the request's own template
+    ``variables`` (``chat_template_kwargs``), whether the assistant's turn is opened
+    (``generation_prompt``) or the last message continued (``continue_final``)."""
+
+    variables: Mapping[str, Any] | None = None
+    generation_prompt: bool = True
+    continue_final: bool = False
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
-    variables: Mapping[str, Any] | None = None,
+    use: TemplateUse = TemplateUse(),
 ) -> list[int]:
     """Prompt token ids of chat ``messages`` (and ``tools``, for a template that
-    renders them) through the tokenizer's chat template, with the request's own
-    template ``variables`` (``chat_template_kwargs``)."""
-    extra: dict[str, Any] = dict(variables or {})
+    renders them) through the tokenizer's chat template, as ``use`` says."""
+    extra: dict[str, Any] = dict(use.variables or {})
     if tools:
         extra["tools"] = list(tools)
+    if use.continue_final:
+        extra["continue_final_message"] = True
     try:
         encoded = tokenizer.apply_chat_template(
             [dict(m) for m in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=use.generation_prompt and not use.continue_final,
             tokenize=True,
             return_dict=True,
             **extra,
@@ -308,18 +320,22 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
             "tools",
             code="unsupported_parameter",
         )
-    variables = body.chat_template_kwargs
+    use = TemplateUse(
+        body.chat_template_kwargs,
+        body.add_generation_prompt is not False,
+        bool(body.continue_final_message),
+    )
     history = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     fmt = ToolFormat.HERMES
     if mode is TemplateTools.NATIVE:
         fmt = tool_format(getattr(ctx.tokenizer, "chat_template", None))
         if fmt is ToolFormat.MISTRAL:
             messages = short_call_ids(messages)
-        prompt = render_chat(ctx.tokenizer, messages, tools, variables)
+        prompt = render_chat(ctx.tokenizer, messages, tools, use)
     elif tools or history:
-        prompt = render_chat(ctx.tokenizer, generic_messages(messages, tools), None, variables)
+        prompt = render_chat(ctx.tokenizer, generic_messages(messages, tools), None, use)
     else:
-        prompt = render_chat(ctx.tokenizer, messages, None, variables)
+        prompt = render_chat(ctx.tokenizer, messages, None, use)
     if not tools:
         return prompt, None
     prefix = forced_prefix(fmt, choice)

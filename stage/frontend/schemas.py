@@ -393,6 +393,12 @@ class ChatCompletionBody(GenerationBody):
     # Extension (vLLM's and llama.cpp's name): more variables for the model's chat
     # template, such as Qwen3's ``enable_thinking``.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Extensions (vLLM's names): ``continue_final_message`` continues the last
+    # message, an assistant's, instead of opening a new turn (assistant prefill; it
+    # needs ``add_generation_prompt`` false); ``add_generation_prompt`` false alone
+    # leaves the assistant's turn unopened.
+    add_generation_prompt: Bool | None = None
+    continue_final_message: Bool | None = None
 
     @property
     def tool_choice_name(self) -> str:
@@ -430,6 +436,31 @@ class ChatCompletionBody(GenerationBody):
             if choice not in ("none", "auto", "required") and choice not in names:
                 problems.append(
                     ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
+                )
+        if self.continue_final_message:
+            last = self.messages[-1]
+            if last.role != "assistant" or not last.text() or last.tool_calls:
+                problems.append(
+                    (
+                        "continue_final_message",
+                        "continue_final_message needs the last message to be the assistant's "
+                        "text to continue",
+                    )
+                )
+            if self.add_generation_prompt is not False:
+                problems.append(
+                    (
+                        "add_generation_prompt",
+                        "continue_final_message continues the last message: set "
+                        "add_generation_prompt to false",
+                    )
+                )
+            if self.tools and self.tool_choice_name not in ("auto", "none"):
+                problems.append(
+                    (
+                        "continue_final_message",
+                        "continue_final_message cannot be combined with a forced tool_choice",
+                    )
                 )
         taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
         if taken:
