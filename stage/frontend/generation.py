@@ -68,7 +68,12 @@ class GenerationRun:
         self.logprobs: list[tuple[int, Any]] = []
         self._unsent = 0
         self._backend = backend
-        self._text = TextStream(tokenizer, prepared.stop)
+        self._text = TextStream(
+            tokenizer,
+            prepared.stop,
+            skip_special_tokens=prepared.skip_special_tokens,
+            include_stop=prepared.include_stop,
+        )
         self._metrics = metrics
         self._endpoint = endpoint
         self._produced = [metrics.completion_tokens.labels(endpoint=endpoint)]

@@ -103,6 +103,9 @@ class PreparedGeneration:
     # Chat with a reasoning model: None when the output is not split into thought and
     # answer, else whether it starts inside the thought (stage/frontend/reasoning.py).
     reasoning: bool | None = None
+    # The text keeps the stop string that ended it; special tokens are left out.
+    include_stop: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def request(self) -> GenerationRequest:
@@ -462,6 +465,8 @@ def _prepared(
         tools=tools,
         choices=choices,
         echo=echo,
+        include_stop=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
     )
 
 

@@ -184,6 +184,10 @@ class GenerationBody(_Body):
     # (``ignore_eos``), more token ids that end the output (``stop_token_ids``), and
     # no end before ``min_tokens`` output tokens.
     ignore_eos: Bool | None = None
+    # Extensions (vLLM's names): keep the stop string that ended the text in it, and
+    # write special tokens (other than the end token) into the text.
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
     stop_token_ids: Annotated[list[Int], Field(max_length=STOP_TOKEN_IDS_MAX)] | None = None
     min_tokens: Annotated[int, Strict(), Field(ge=0, le=MAX_TOKENS_MAX)] | None = None
 

@@ -9,7 +9,7 @@ that ends in an incomplete character is held back until the next token completes
 
 ``TextStream`` adds stop strings on top: it releases only text that cannot be the
 start of a stop string, and when a stop string appears it cuts the text before it
-and reports ``stopped``.
+(or right after it, with ``include_stop``) and reports ``stopped``.
 """
 
 from __future__ import annotations
@@ -94,11 +94,14 @@ class TextStream:
         stop: Sequence[str] = (),
         *,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = tuple(stop)
+        # Whether the text keeps the stop string that ended it (it ends right after).
+        self._include_stop = include_stop
         self._text = ""  # everything decoded so far
         self._sent = 0  # characters of _text already released
         self.stopped = False
@@ -127,7 +130,7 @@ class TextStream:
         cut = self._find_stop()
         if cut is not None:
             self.stopped = True
-            end = cut
+            end = cut + len(self.stop_string or "") if self._include_stop else cut
         elif final:
             end = len(self._text)
         else:

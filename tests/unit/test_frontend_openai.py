@@ -144,6 +144,25 @@ def test_stop_string_truncates_and_cancels_the_request(client, backend, stream: 
     assert request_id in backend.closed.wait_for(closed_before + 1, timeout_s=5.0)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string(client, stream: bool) -> None:
+    text = (
+        client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
+    middle = len(text) // 2
+    stop = text[middle : middle + 4]
+    args = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    extra = {"include_stop_str_in_output": True}
+    if stream:
+        chunks = list(client.completions.create(**args, stop=[stop], stream=True, extra_body=extra))
+        got = "".join(c.choices[0].text for c in chunks)
+    else:
+        got = client.completions.create(**args, stop=[stop], extra_body=extra).choices[0].text
+    assert got == text[: text.find(stop) + len(stop)]
+
+
 def test_seed_reproducibility(client, backend) -> None:
     def sample(seed: int | None, max_tokens: int = 6) -> str:
         reply = client.completions.create(

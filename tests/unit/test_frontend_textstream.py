@@ -72,6 +72,23 @@ def test_stop_string_cuts_before_it_and_holds_back_prefixes(tokenizer) -> None:
     assert stream.push(tokenizer.encode(" more")) == "" and stream.finish() == ""
 
 
+def test_include_stop_keeps_the_stop_string_and_nothing_after(tokenizer) -> None:
+    for text, stops, want in (
+        ("alpha beta STOP gamma", ["STOP", "never"], "alpha beta STOP"),
+        ("one two three four", ["four", "o thr"], "one two thr"),
+    ):
+        stream = TextStream(tokenizer, stops, include_stop=True)
+        out = "".join(stream.push([t]) for t in tokenizer.encode(text)) + stream.finish()
+        assert out == want and stream.stopped
+
+
+def test_special_tokens_kept_when_asked(tokenizer) -> None:
+    ids = tokenizer.encode("<|im_start|>hi")
+    assert "".join(TextStream(tokenizer).push([t]) for t in ids) == "hi"
+    kept = TextStream(tokenizer, skip_special_tokens=False)
+    assert "".join(kept.push([t]) for t in ids) == "<|im_start|>hi"
+
+
 def test_stop_string_spanning_token_boundary_and_earliest_wins(tokenizer) -> None:
     text = "one two three four"
     ids = tokenizer.encode(text)
