@@ -107,7 +107,7 @@ class _Frontend:
         self.stop_token_ids = stop_token_ids
         self.fingerprint = fingerprint
         self.created = int(time.time())
-        self.tenant_slots = TenantSlots()
+        self.tenant_slots = TenantSlots(metrics.tenant_running)
 
     def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.

@@ -97,6 +97,12 @@ class FrontendMetrics:
             ("tenant", "kind"),
             registry=r,
         )
+        self.tenant_running = Gauge(
+            "mesh_tenant_running_generations",
+            "Generations (choices) each tenant runs now; only with API keys.",
+            ("tenant",),
+            registry=r,
+        )
         self.active_requests = Gauge(
             "mesh_active_requests", "Generations in flight in the HTTP layer.", registry=r
         )

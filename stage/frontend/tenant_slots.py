@@ -6,6 +6,7 @@ burst cannot take every slot of the engine. The server's own limits
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from stage.frontend.errors import OpenAIError, bad_request
 
@@ -14,8 +15,14 @@ class TenantSlots:
     """Counts a tenant's running generations (one per choice); used from the event
     loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, gauge: Any = None) -> None:
         self._running: dict[str, int] = {}
+        # mesh_tenant_running_generations (a labelled prometheus Gauge), or None.
+        self._gauge = gauge
+
+    def _show(self, tenant: str) -> None:
+        if self._gauge is not None and tenant:
+            self._gauge.labels(tenant=tenant).set(self.running(tenant))
 
     def running(self, tenant: str) -> int:
         return self._running.get(tenant, 0)
@@ -38,6 +45,7 @@ class TenantSlots:
                     headers={"Retry-After": "1"},
                 )
         self._running[tenant] = self.running(tenant) + count
+        self._show(tenant)
         return [self._release_one(tenant) for _ in range(count)]
 
     def _release_one(self, tenant: str) -> Callable[[], None]:
@@ -50,5 +58,6 @@ class TenantSlots:
                 self._running[tenant] -= 1
                 if not self._running[tenant]:
                     del self._running[tenant]
+                self._show(tenant)
 
         return release

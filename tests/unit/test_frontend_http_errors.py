@@ -437,6 +437,8 @@ def test_a_keys_max_concurrent_holds_its_tenant_alone(backend, tokenizer, tmp_pa
                     assert first.status_code == 200
                     lines = first.iter_lines()
                     assert next(line for line in lines if line.startswith("data: {"))
+                    gauge = 'mesh_tenant_running_generations{tenant="alice"} 1.0'
+                    assert gauge in client.get("/metrics").text
                     second = client.post(COMPLETIONS, json=OK_COMPLETION, headers=alice)
                     assert_openai_error(second, 429)
                     assert "limit is 1" in second.json()["error"]["message"]
@@ -447,6 +449,8 @@ def test_a_keys_max_concurrent_holds_its_tenant_alone(backend, tokenizer, tmp_pa
                 assert_openai_error(many, 400, param="n")
                 again = client.post(COMPLETIONS, json=OK_COMPLETION, headers=alice)
                 assert again.status_code == 200, again.text
+                scrape = client.get("/metrics").text
+                assert 'mesh_tenant_running_generations{tenant="alice"} 0.0' in scrape
     finally:
         backend.step_delay_s = 0.0
 
