@@ -41,7 +41,7 @@ from mesh.grammar import grammar_spec
 from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
-from stage.frontend.reasoning import REASONING_FORMATS, reasoning_start
+from stage.frontend.reasoning import REASONING_FORMATS, reasoning_start, tags_are_special
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from stage.frontend.tool_formats import (
     ToolFormat,
@@ -476,7 +476,14 @@ async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> Prepared
     prediction = await asyncio.to_thread(_prediction, body, ctx)
     prepared = _prepared("chat", body, [prompt], stop, ctx, tools, prediction)
     reasoning = reasoning_start(ctx.tokenizer, prompt, ctx.limits.reasoning_format)
-    return replace(prepared, reasoning=reasoning) if reasoning is not None else prepared
+    if reasoning is None:
+        return prepared
+    keep_special = tags_are_special(ctx.tokenizer)
+    return replace(
+        prepared,
+        reasoning=reasoning,
+        skip_special_tokens=prepared.skip_special_tokens and not keep_special,
+    )
 
 
 async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> PreparedGeneration:

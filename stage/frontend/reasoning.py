@@ -71,6 +71,23 @@ class ThoughtTokens:
             self._done = True
 
 
+def tags_are_special(tokenizer: Any) -> bool:
+    """Whether the tokenizer has ``<think>`` and ``</think>`` as special tokens, which
+    decoding would leave out: such a model's text is decoded with special tokens kept,
+    so that the split sees its tags."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    named = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for tag in (THINK_OPEN, THINK_CLOSE):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1:
+            return False
+        entry = added.get(ids[0])
+        special = bool(getattr(entry, "special", False)) if entry is not None else False
+        if not special and ids[0] not in named:
+            return False
+    return True
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that starts ``tag`` (held back: the tag
     may be completed by the next piece)."""

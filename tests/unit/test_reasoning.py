@@ -93,11 +93,11 @@ def serve(smollm2_tokenizer_dir) -> Iterator:
 
     stack: list = []
 
-    def start(template: str, answer: str, think_tokens: bool = False, **app):
+    def start(template: str, answer: str, think_tokens: str = "", **app):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
         tokenizer.chat_template = template
-        if think_tokens:  # as Qwen3's and DeepSeek-R1's tokenizers have them (not special)
-            tokenizer.add_tokens(["<think>", "</think>"])
+        if think_tokens:  # "plain" as Qwen3's and DeepSeek-R1's tokenizers have them
+            tokenizer.add_tokens(["<think>", "</think>"], special_tokens=think_tokens == "special")
         ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
         # One token per event: the tags arrive cut into pieces.
         events = [TokenEvent(ids[i : i + 1]) for i in range(len(ids) - 1)]
@@ -273,10 +273,11 @@ def test_responses_api_returns_a_reasoning_item_first(serve, tokenizer) -> None:
     [(QWEN_LIKE, ANSWER), (R1_LIKE, f"{THOUGHT}\n</think>\n\n2 + 2 = 4.")],
     ids=["model-opens", "template-opens"],
 )
+@pytest.mark.parametrize("kind", ["plain", "special"])
 def test_usage_counts_the_thought_tokens_where_the_tags_are_tokens(
-    serve, tokenizer, template, answer
+    serve, tokenizer, template, answer, kind
 ) -> None:
-    client, _, _ = serve(template, answer, think_tokens=True)
+    client, _, _ = serve(template, answer, think_tokens=kind)
     reply = client.chat.completions.create(model=MODEL_ID, messages=ASK)
     assert reply.choices[0].message.content == "2 + 2 = 4."
     answer_tokens = len(tokenizer.encode("\n\n2 + 2 = 4.", add_special_tokens=False))
