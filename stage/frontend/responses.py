@@ -31,16 +31,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Strict, Tag, ValidationError, model_validator
 
+from stage.frontend.chat_messages import FunctionName
 from stage.frontend.errors import bad_request, from_validation_error
-from stage.frontend.schemas import (
-    MAX_TOKENS_MAX,
-    Bool,
-    ChatCompletionBody,
-    FunctionName,
-    Int,
-    Str,
-    _Body,
-)
+from stage.frontend.schemas import MAX_TOKENS_MAX, ChatCompletionBody
+from stage.frontend.schemas_base import Bool, Int, Str, _Body
 
 # Request fields that do not change what is generated: accepted and ignored.
 IGNORED_FIELDS = frozenset(

@@ -20,7 +20,8 @@ from pydantic import ConfigDict, Field, Strict, ValidationError
 
 from stage.frontend.errors import bad_request, from_validation_error
 from stage.frontend.prepare import PromptContext, chat_prompt_tokens
-from stage.frontend.schemas import Bool, ChatCompletionBody, Int, Str, _Body
+from stage.frontend.schemas import ChatCompletionBody
+from stage.frontend.schemas_base import Bool, Int, Str, _Body
 
 # Longest token list /detokenize takes (a context's worth of a large model).
 DETOKENIZE_MAX_TOKENS = 1_048_576
