@@ -247,6 +247,13 @@ def up(args: argparse.Namespace) -> int:
         return 0
     if not coord.no_local_stage:
         check_port_free(serving.http_host, serving.http_port, "--http-port")
+        if serving.api_key_file is not None:
+            # Stage 0 reads the file; a bad one is said here, before anything starts.
+            path = serving.api_key_file.expanduser()
+            try:
+                parse_keys(path.read_text(), str(path))
+            except OSError as error:
+                raise InvalidRequest(f"cannot read the API key file {path}: {error}") from None
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, "the coordinator")

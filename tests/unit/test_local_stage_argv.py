@@ -76,3 +76,18 @@ def test_the_api_key_file_reaches_stage_0_and_the_banner_never_prints_the_key(
     )
     monkeypatch.delenv("MESH_API_KEY")
     assert _key_example(None) == ("", "'none'")
+
+
+def test_up_refuses_a_bad_api_key_file_before_starting_anything(
+    tmp_path, tiny_package_factory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coordinator.cli import main
+
+    package = tiny_package_factory("llama", layers=2)
+    keys = tmp_path / "keys"
+    keys.write_text("alice key-1\nbob key-2 max_concurrent=zero\n")
+    base = ["up", "--model", str(package), "--listen", "127.0.0.1:0", "--http-port", "0"]
+    assert main([*base, "--api-key-file", str(keys)]) == 2
+    assert "line 2" in capsys.readouterr().err
+    assert main([*base, "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read the API key file" in capsys.readouterr().err
