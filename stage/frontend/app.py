@@ -171,6 +171,8 @@ class _Frontend:
             "created": self.created,
             "owned_by": "mesh",
             "context_length": self.backend.context_length,
+            # vLLM's name for the same, which some clients read.
+            "max_model_len": self.backend.context_length,
         } | self._speculation()
 
     def _speculation(self) -> dict[str, Any]:

@@ -40,8 +40,8 @@ class TenantSlots:
             if self.running(tenant) + count > limit:
                 raise OpenAIError(
                     429,
-                    f"your key runs {self.running(tenant)} generations, its limit is {limit}; "
-                    "retry when one has finished",
+                    f"your key has {self.running(tenant)} generation(s) running and its limit "
+                    f"is {limit}; retry when one has finished",
                     headers={"Retry-After": "1"},
                 )
         self._running[tenant] = self.running(tenant) + count

@@ -212,6 +212,8 @@ def test_models_health_and_metrics(client, base_url) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_ID]
     assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    card = models.data[0].model_extra
+    assert card["max_model_len"] == card["context_length"] > 0
     health = httpx.get(f"{base_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=3)
