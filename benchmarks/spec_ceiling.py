@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -44,17 +43,15 @@ from common import (
     render_table,
     write_json,
 )
+from spec_bench import prediction_of
 
 from mesh.config import SpeculationConfig, WindowPolicySpec
 from mesh.speculative.factory import build_drafter
 from mesh.speculative.policy import RoundContext, make_policy, plan_window
 from mesh.speculative.prediction import PredictionDrafter
+from stage.frontend.scheduler import PREDICTION_MAX_WINDOW
 
 logger = logging.getLogger("spec_ceiling")
-
-# The window cap a prediction gets (stage/frontend/scheduler.py).
-PREDICTION_MAX_WINDOW = 32
-_CODE_BLOCK = re.compile(r"```[\w+-]*\n(.*?)```", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -132,10 +129,9 @@ def generate_answers(
         )["input_ids"]
         limit = min(request.max_tokens, max_tokens or request.max_tokens)
         output = tuple(int(t) for t in greedy(prompt, limit))
-        content = request.messages[-1].get("content")
-        found = _CODE_BLOCK.search(content) if isinstance(content, str) else None
+        code = prediction_of(request)
         prediction = (
-            tuple(tokenizer.encode(found.group(1), add_special_tokens=False)) if found else None
+            tuple(tokenizer.encode(code, add_special_tokens=False)) if code is not None else None
         )
         answers.append(
             Answer(request.workload, request.request_id, tuple(prompt), output, prediction)

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import threading
 
 import pytest
 
@@ -213,6 +214,26 @@ def test_up_fails_fast_when_its_http_port_is_taken(tmp_path, tiny_package_factor
     assert "choose another --http-port" in up.stderr
 
 
+def _read_stream(url: str, body: dict) -> tuple[threading.Thread, list[dict], threading.Event]:
+    """A thread streaming ``body`` to /v1/completions: the reader, the SSE objects it
+    has read so far, and an event set at the first."""
+    import httpx
+
+    pieces: list[dict] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(json.loads(line[6:]))
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    return reader, pieces, first
+
+
 def _children_of(pid: int) -> list[int]:
     from pathlib import Path
 
@@ -317,8 +338,6 @@ def test_sigterm_drains_stage_0_its_streams_finish_and_new_requests_get_503(
     """SIGTERM to stage 0: a stream running then goes on to its last token; meanwhile
     new generations and /health get 503 (code ``draining``) while /v1/models still
     answers; once the stream is done the process exits on its own, status 0."""
-    import json as jsonlib
-    import threading
 
     import httpx
 
@@ -341,18 +360,7 @@ def test_sigterm_drains_stage_0_its_streams_finish_and_new_requests_get_503(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        pieces: list[dict] = []
-        first = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
-                for line in reply.iter_lines():
-                    if line.startswith("data: {"):
-                        pieces.append(jsonlib.loads(line[6:]))
-                        first.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
+        reader, pieces, first = _read_stream(url, body)
         assert first.wait(60)
         stage0 = processes.stages["stage-0"]
         stage0.send_signal(signal.SIGTERM)
@@ -379,8 +387,6 @@ def test_a_second_sigterm_ends_the_drain_and_the_running_stream_gets_an_error(
     """SIGTERM twice to stage 0 (an operator's second Ctrl-C through ``up``): the
     process stops without waiting out its drain, and a stream still running ends with
     the API's error event (503, "send it again") instead of a cut connection."""
-    import json as jsonlib
-    import threading
 
     import httpx
 
@@ -402,18 +408,7 @@ def test_a_second_sigterm_ends_the_drain_and_the_running_stream_gets_an_error(
             "ignore_eos": True,
             "stream": True,
         }
-        pieces: list[dict] = []
-        first = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
-                for line in reply.iter_lines():
-                    if line.startswith("data: {"):
-                        pieces.append(jsonlib.loads(line[6:]))
-                        first.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
+        reader, pieces, first = _read_stream(url, body)
         assert first.wait(60)
         stage0 = processes.stages["stage-0"]
         stage0.send_signal(signal.SIGTERM)
@@ -436,11 +431,9 @@ def test_a_second_ctrl_c_on_up_stops_without_waiting_out_the_drain(tmp_path, tin
     """Ctrl-C on `up` with a long stream running: stage 0 drains (up to 600 s here);
     a second Ctrl-C stops it, the stream ends with the API's error event, and `up`
     and its stages exit."""
-    import json as jsonlib
     import socket
     import subprocess
     import sys
-    import threading
 
     import httpx
 
@@ -457,16 +450,7 @@ def test_a_second_ctrl_c_on_up_stops_without_waiting_out_the_drain(tmp_path, tin
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{http_port}"
-    pieces: list[dict] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
-            for line in reply.iter_lines():
-                if line.startswith("data: {"):
-                    pieces.append(jsonlib.loads(line[6:]))
-                    first.set()
+    body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
     def serving() -> bool:
         try:
@@ -477,8 +461,7 @@ def test_a_second_ctrl_c_on_up_stops_without_waiting_out_the_drain(tmp_path, tin
     try:
         wait_for(serving, 180, "the mesh to serve")
         stages = _children_of(up.pid)
-        reader = threading.Thread(target=stream)
-        reader.start()
+        reader, pieces, first = _read_stream(url, body)
         assert first.wait(60)
         up.send_signal(signal.SIGINT)
         wait_for(lambda: not serving(), 30, "stage 0 to drain")

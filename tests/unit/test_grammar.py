@@ -65,10 +65,9 @@ def allowed_after(grammars: TokenGrammars, spec: str, output: list[int]) -> torc
 VOCAB = 49152
 
 
-def test_the_mask_follows_a_document_and_ends_at_eos(grammars, tokenizer) -> None:
-    spec = grammar_spec("json_schema", SCHEMA)
-    constraint = grammars.constraint(spec, VOCAB)
-    ids = tokenizer.encode(DOCUMENT)
+def follow_to_eos(constraint, tokenizer, ids: list[int]) -> None:
+    """Every token of ``ids`` is allowed where it comes (among some, not all), and
+    after the last only the end token is."""
     for i, token in enumerate(ids):
         constraint.sync(ids[:i])
         allowed = constraint.allowed()
@@ -76,6 +75,13 @@ def test_the_mask_follows_a_document_and_ends_at_eos(grammars, tokenizer) -> Non
         assert 0 < int(allowed.sum()) < VOCAB
     constraint.sync(ids)
     assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_the_mask_follows_a_document_and_ends_at_eos(grammars, tokenizer) -> None:
+    spec = grammar_spec("json_schema", SCHEMA)
+    constraint = grammars.constraint(spec, VOCAB)
+    ids = tokenizer.encode(DOCUMENT)
+    follow_to_eos(constraint, tokenizer, ids)
     # What the schema forbids: another key, a string for the age, a third pet.
     constraint.sync(tokenizer.encode('{"name": "Ada", "age": '))
     assert not constraint.allowed()[tokenizer.encode('"')[0]]
@@ -167,12 +173,6 @@ def test_regex_choice_and_grammar_masks_follow_a_text_and_end_at_eos(
     spec = grammar_spec(kind, value)
     ids = tokenizer.encode(text)
     constraint = grammars.constraint(spec, VOCAB)
-    for i, token in enumerate(ids):
-        constraint.sync(ids[:i])
-        allowed = constraint.allowed()
-        assert allowed[token], (i, tokenizer.decode([token]))
-        assert 0 < int(allowed.sum()) < VOCAB
-    constraint.sync(ids)
-    assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    follow_to_eos(constraint, tokenizer, ids)
     # Anything else at the start is forbidden.
     assert not allowed_after(grammars, spec, [])[tokenizer.encode("Hello")[0]]
