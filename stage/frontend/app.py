@@ -6,7 +6,8 @@ Face tokenizer; ``http_server.serve_app`` runs it with uvicorn in a background t
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming); other APIs translated into chat requests: ``POST /v1/responses``
 (OpenAI's Responses API, responses.py), ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); ``POST /tokenize``,
+``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); ``POST /infill``
+(llama.cpp's code completion, infill.py); ``POST /tokenize``,
 ``POST /detokenize``; ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
 ``GET /metrics``. With an API key configured, every ``/v1`` route needs
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for load
@@ -39,8 +40,10 @@ from stage.frontend.errors import (
     from_validation_error,
     install_error_handlers,
 )
+from stage.frontend.fim import fim_tokens
 from stage.frontend.generation import GenerationRun
 from stage.frontend.http_server import read_json_object
+from stage.frontend.infill import INFILL_PATH, InfillBody, prepare_infill, serve_infill
 from stage.frontend.prepare import (
     FrontendLimits,
     PromptContext,
@@ -75,6 +78,7 @@ ENDPOINTS = (
     MESSAGES_PATH,
     COUNT_TOKENS_PATH,
     RESPONSES_PATH,
+    INFILL_PATH,
     *TOKEN_PATHS,
     "/v1/models",
     "/health",
@@ -108,6 +112,7 @@ class _Frontend:
         self.fingerprint = fingerprint
         self.created = int(time.time())
         self.tenant_slots = TenantSlots(metrics.tenant_running)
+        self.fim = fim_tokens(tokenizer)
 
     def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.
@@ -119,6 +124,7 @@ class _Frontend:
             limits=self.limits,
             fingerprint=self.fingerprint,
             tenant=getattr(request.state, "tenant", "") if request is not None else "",
+            fim=self.fim,
         )
 
     def authorize(self, request: Request) -> str:
@@ -287,6 +293,25 @@ class _Frontend:
         body, chat = responses.parse_body(payload, self.model_id)
         return chat, ResponseShape(body, body.model or self.model_id)
 
+    async def infill(self, request: Request) -> Response:
+        """``POST /infill`` (stage/frontend/infill.py): llama.cpp's code completion."""
+        arrival = time.perf_counter()
+        payload = await self.payload(request)
+        if payload is None:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        try:
+            body = InfillBody.model_validate(payload)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        await self.check_ready()
+        infill = await prepare_infill(body, self.prompt_context(request))
+        (release,) = self.claim_slots(infill.prepared.request.tenant, 1)
+        run = GenerationRun(
+            self.backend, infill.prepared, self.tokenizer, self.metrics, INFILL_PATH, arrival,
+            release=release,
+        )  # fmt: skip
+        return await serve_infill(request, run, infill)
+
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the tokenizer alone, no pipeline needed."""
         payload = await self.payload(request)
@@ -383,6 +408,10 @@ def create_app(
     @app.post(RESPONSES_PATH)
     async def create_response(request: Request) -> Response:
         return await front.translated(request, RESPONSES_PATH, front.openai_response)
+
+    @app.post(INFILL_PATH)
+    async def infill(request: Request) -> Response:
+        return await front.infill(request)
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> JSONResponse:

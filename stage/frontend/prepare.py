@@ -41,6 +41,7 @@ from mesh.grammar import grammar_spec
 from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
+from stage.frontend.fim import FimTokens, encode_text, fim_prompt
 from stage.frontend.reasoning import REASONING_FORMATS, reasoning_start, tags_are_special
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from stage.frontend.tool_formats import (
@@ -152,9 +153,11 @@ class PromptContext:
     fingerprint: str | None = None
     # Who sent the request, by its API key (mesh/api_keys.py); "" without keys.
     tenant: str = ""
+    # The model's fill-in-the-middle tokens (stage/frontend/fim.py), None without.
+    fim: FimTokens | None = None
 
 
-def _check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
+def check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
     if body.model is not None and body.model != ctx.model_id:
         raise OpenAIError(
             404,
@@ -357,7 +360,7 @@ def chat_prompt_tokens(body: ChatCompletionBody, ctx: PromptContext) -> list[int
 async def checked_chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:
     """The prompt ``prepare_chat`` would read for ``body``, after the same checks of
     the request (model, parameters) but none of its length: for counting tokens."""
-    _check_common(body, ctx)
+    check_common(body, ctx)
     return await asyncio.to_thread(chat_prompt_tokens, body, ctx)
 
 
@@ -402,7 +405,7 @@ def _prediction(body: GenerationBody, ctx: PromptContext) -> tuple[int, ...] | N
     )
 
 
-def _prepared(
+def prepared_generation(
     kind: Literal["chat", "completion"],
     body: GenerationBody,
     prompts: Sequence[list[int]],
@@ -471,10 +474,10 @@ def _prepared(
 
 
 async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> PreparedGeneration:
-    stop = _check_common(body, ctx)
+    stop = check_common(body, ctx)
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
-    prepared = _prepared("chat", body, [prompt], stop, ctx, tools, prediction)
+    prepared = prepared_generation("chat", body, [prompt], stop, ctx, tools, prediction)
     reasoning = reasoning_start(ctx.tokenizer, prompt, ctx.limits.reasoning_format)
     if reasoning is None:
         return prepared
@@ -490,9 +493,31 @@ async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> Prepar
     """A completion of one prompt or a batch of them (``n`` choices each); with
     ``echo``, each prompt's text goes before its choices' text, and with ``logprobs``
     too the prompt is scored."""
-    stop = _check_common(body, ctx)
+    stop = check_common(body, ctx)
     prompts, echo = await asyncio.to_thread(
         _completion_prompts, ctx.tokenizer, body.prompts(), bool(body.echo)
     )
+    if body.suffix:
+        # Fill in the middle: each prompt is the text before the gap.
+        fim = fim_of(ctx, "suffix")
+        suffix = await asyncio.to_thread(encode_text, ctx.tokenizer, body.suffix)
+        prompts = [fim_prompt(fim, prompt, suffix) for prompt in prompts]
+        ctx = replace(ctx, stop_token_ids=ctx.stop_token_ids | fim.ends)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
-    return _prepared("completion", body, prompts, stop, ctx, prediction=prediction, echo=echo)
+    return prepared_generation(
+        "completion", body, prompts, stop, ctx, prediction=prediction, echo=echo
+    )
+
+
+def fim_of(ctx: PromptContext, param: str) -> FimTokens:
+    """The model's fill-in-the-middle tokens; 400 when it has none."""
+    if ctx.fim is None:
+        raise bad_request(
+            f"{param}: the model {ctx.model_id!r} has no fill-in-the-middle tokens (such as "
+            "<|fim_prefix|>, <fim_prefix> or <PRE>), so it cannot fill a gap; serve a code "
+            "model trained for it (Qwen2.5-Coder, StarCoder2, CodeLlama, DeepSeek-Coder, "
+            "Codestral) or send the text before the gap alone",
+            param,
+            code="unsupported_parameter",
+        )
+    return ctx.fim

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
 Types are strict: ``"1"`` is not an integer and ``true`` is not a number. A field
-this server does not know, or knows but cannot honour (``best_of``, ``suffix``,
-...), is refused with a 400 that names it rather than silently ignored:
-a client that asks for something gets it or is told. Exceptions: OpenAI's
+this server does not know, or knows but cannot honour (``best_of``, ``suffix``
+for a model without fill-in-the-middle tokens, ...), is refused with a 400 that
+names it rather than silently ignored: a client that asks for something gets it or
+is told. Exceptions: OpenAI's
 bookkeeping fields that do not change the answer (``IGNORED_FIELDS``), and unknown
 fields inside messages (clients replay OpenAI's own message objects, with fields
 such as ``refusal`` or ``annotations``).
@@ -423,6 +424,8 @@ class CompletionBody(GenerationBody):
             )
         if self.best_of is not None and self.best_of != 1:
             problems.append(("best_of", "best_of is not supported; only best_of=1"))
-        if self.suffix:
-            problems.append(("suffix", "suffix (insertion) is not supported; omit it"))
+        if self.suffix and self.echo:
+            problems.append(
+                ("suffix", "suffix (fill in the middle) cannot be combined with echo; send one")
+            )
         return problems

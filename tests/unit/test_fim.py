@@ -1,0 +1,290 @@
+"""Fill in the middle (stage/frontend/fim.py, infill.py): the model's tokens found
+by name, the prompt layouts, cutting to the context, llama.cpp's line limits, and
+both routes (``/v1/completions`` with ``suffix`` through the official client, and
+``/infill`` in llama.cpp's shape) over a tiny random model whose tokenizer has
+Qwen2.5-Coder's FIM tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from frontend_support import (
+    MODEL_ID,
+    ScriptedBackend,
+    TinyModelBackend,
+    assert_openai_error,
+    live_server,
+)
+from openai import OpenAI
+
+from stage.frontend.backend import TokenEvent
+from stage.frontend.fim import fim_prompt, fim_tokens, fit_to_room
+from stage.frontend.infill import MiddleLimits
+
+QWEN_FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>"]
+
+
+def _tokenizer(base: Path, names: list[str]):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    if names:
+        tokenizer.add_special_tokens({"additional_special_tokens": names})
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def coder_tokenizer(smollm2_tokenizer_dir):
+    return _tokenizer(smollm2_tokenizer_dir, QWEN_FIM)
+
+
+@pytest.fixture(scope="module")
+def coder_model(tmp_path_factory, coder_tokenizer) -> Path:
+    """A tiny random Llama whose vocabulary holds the added FIM tokens."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", layers=2, vocab_size=len(coder_tokenizer))
+    ).eval()
+    out = tmp_path_factory.mktemp("tiny-coder")
+    model.save_pretrained(out, safe_serialization=True)
+    coder_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("names", "order", "ends"),
+    [
+        (QWEN_FIM, "psm", 2),
+        # SmolLM2's vocabulary (StarCoder's) already has <file_sep>.
+        (["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"], "psm", 2),
+        (["▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"], "psm", 1),
+        (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], "psm", 0),
+        (["[PREFIX]", "[SUFFIX]"], "spm", 0),
+    ],
+)
+def test_each_family_s_tokens_are_found_by_name(smollm2_tokenizer_dir, names, order, ends) -> None:
+    tokenizer = _tokenizer(smollm2_tokenizer_dir, names)
+    fim = fim_tokens(tokenizer)
+    assert fim is not None and fim.order == order
+    ids = [tokenizer.convert_tokens_to_ids(n) for n in names]
+    assert fim.prefix == ids[0]
+    # SmolLM2's <|endoftext|> also closes a StarCoder/Qwen middle.
+    assert len(fim.ends - {tokenizer.convert_tokens_to_ids("<|endoftext|>")}) == ends
+    assert fim.bos is None  # SmolLM2's tokenizer adds no BOS
+
+
+def test_a_tokenizer_without_fim_tokens_has_none(smollm2_tokenizer_dir) -> None:
+    # SmolLM2 has <file_sep> and <repo_name> but no prefix/suffix/middle tokens.
+    assert fim_tokens(_tokenizer(smollm2_tokenizer_dir, [])) is None
+
+
+def test_layouts(smollm2_tokenizer_dir) -> None:
+    psm = fim_tokens(_tokenizer(smollm2_tokenizer_dir, QWEN_FIM))
+    assert fim_prompt(psm, [10, 11], [20], [30], extra=[40]) == [
+        40, psm.prefix, 10, 11, psm.suffix, 20, psm.middle, 30
+    ]  # fmt: skip
+    spm = fim_tokens(_tokenizer(smollm2_tokenizer_dir, ["[PREFIX]", "[SUFFIX]"]))
+    assert fim_prompt(spm, [10], [20, 21], [30]) == [spm.suffix, 20, 21, spm.prefix, 10, 30]
+
+
+def test_cutting_to_the_room_drops_files_first_then_the_ends_far_from_the_gap() -> None:
+    prefix, suffix = list(range(100)), list(range(200, 300))
+    files = [[1] * 30, [2] * 30]
+    assert fit_to_room(prefix, suffix, files, 260) == (prefix, suffix, files, False)
+    assert fit_to_room(prefix, suffix, files, 235) == (prefix, suffix, [[2] * 30], True)
+    p, s, f, cut = fit_to_room(prefix, suffix, files, 120)
+    # The suffix keeps a quarter of the room (its start), the prefix the rest (its end).
+    assert (p, s, f, cut) == (prefix[-90:], suffix[:30], [], True)
+    p, s, _, _ = fit_to_room(list(range(10)), suffix, [], 60)
+    assert (p, s) == (list(range(10)), suffix[:50])  # a short prefix leaves more room
+
+
+def _limited(text: str, n_indent: int, chunking: random.Random | None = None) -> tuple[str, bool]:
+    limits = MiddleLimits(n_indent, 0.0, 0.0)
+    out, at = "", 0
+    while at < len(text) and not limits.ended:
+        step = chunking.randint(1, 5) if chunking else len(text)
+        out += limits.feed(text[at : at + step], 0.0)
+        at += step
+    return out + limits.flush(), limits.ended
+
+
+@pytest.mark.parametrize(
+    ("text", "n_indent", "want"),
+    [
+        ("x = 1\n    y = 2\n  z = 3\n", 4, ("x = 1\n    y = 2\n", True)),
+        ("x = 1\n\n    y = 2\nreturn\n", 4, ("x = 1\n\n    y = 2\n", True)),
+        ("return x\n    \n", 4, ("return x\n    \n", False)),
+        ("a\nb\n", 0, ("a\nb\n", False)),
+        ("first line at any indent\n\tok\n", 1, ("first line at any indent\n\tok\n", False)),
+    ],
+)
+def test_n_indent_ends_the_middle_before_a_line_indented_less(text, n_indent, want) -> None:
+    assert _limited(text, n_indent) == want
+    rng = random.Random(5)
+    for _ in range(50):
+        assert _limited(text, n_indent, rng) == want
+
+
+def test_t_max_predict_ends_the_middle_after_a_newline_past_the_deadline() -> None:
+    limits = MiddleLimits(0, 1.0, start_s=0.0)
+    assert limits.feed("a = 1", 2.0) == "a = 1" and not limits.ended  # no newline yet
+    assert limits.feed("\nb", 2.1) == "\nb" and limits.ended
+    early = MiddleLimits(0, 1.0, start_s=0.0)
+    early.feed("a\nb", 0.5)
+    assert not early.ended
+
+
+def test_completions_suffix_lays_out_the_prompt_and_ends_on_fim_tokens(coder_tokenizer) -> None:
+    middle = coder_tokenizer.encode("  return a + b", add_special_tokens=False)
+    backend = ScriptedBackend([TokenEvent(tuple(middle), "stop")])
+    with live_server(backend, coder_tokenizer) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x")
+        done = client.completions.create(
+            model=MODEL_ID, prompt="def add(a, b):\n", suffix="\n\nprint(add(1, 2))\n"
+        )
+        assert done.choices[0].text == "  return a + b"
+        plain = client.completions.create(model=MODEL_ID, prompt="def add(a, b):\n", suffix="")
+        assert plain.choices[0].text == "  return a + b"
+    fim = fim_tokens(coder_tokenizer)
+    encode = coder_tokenizer.encode
+    assert list(backend.requests[0].prompt_tokens) == fim_prompt(
+        fim, encode("def add(a, b):\n"), encode("\n\nprint(add(1, 2))\n")
+    )
+    assert fim.ends <= backend.requests[0].stop_token_ids
+    # An empty suffix is a plain completion of the prompt.
+    assert list(backend.requests[1].prompt_tokens) == encode("def add(a, b):\n")
+    assert not fim.ends & backend.requests[1].stop_token_ids - {coder_tokenizer.eos_token_id}
+
+
+def test_infill_answers_in_llama_cpp_s_shape(coder_tokenizer) -> None:
+    text = "    total = 0\n    for x in xs:\n        total += x\nprint(total)\n"
+    backend = ScriptedBackend(
+        [TokenEvent((t,)) for t in coder_tokenizer.encode(text)] + [TokenEvent((), "stop")]
+    )
+    body = {
+        "input_prefix": "def total(xs):\n",
+        "input_suffix": "    return total\n",
+        "input_extra": [{"filename": "util.py", "text": "X = 1"}],
+        "prompt": "",
+        "n_predict": 64,
+        "n_indent": 4,
+        "cache_prompt": True,
+        "samplers": ["top_k", "top_p", "infill"],
+        "t_max_prompt_ms": 500,
+        "top_k": 40,
+        "top_p": 0.99,
+        "repeat_penalty": 1.1,
+    }
+    with live_server(backend, coder_tokenizer) as base:
+        answer = httpx.post(f"{base}/infill", json=body, timeout=30).json()
+        # Cut before "print(total)": its line is indented less than n_indent.
+        assert answer["content"] == "    total = 0\n    for x in xs:\n        total += x\n"
+        assert answer["stop"] is True and answer["stop_type"] == "limit"
+        assert answer["truncated"] is False and answer["model"] == MODEL_ID
+        assert answer["tokens_evaluated"] == len(backend.requests[0].prompt_tokens)
+        assert answer["tokens_predicted"] >= 1 and "predicted_ms" in answer["timings"]
+        with httpx.stream(
+            "POST", f"{base}/infill", json=body | {"stream": True, "n_indent": 0}, timeout=30
+        ) as response:
+            events = [
+                json.loads(line[len("data: ") :])
+                for line in response.iter_lines()
+                if line.startswith("data: ")
+            ]
+    assert "".join(e["content"] for e in events) == text
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert events[-1]["stop_type"] == "eos"
+    fim = fim_tokens(coder_tokenizer)
+    encode = coder_tokenizer.encode
+    request = backend.requests[0]
+    assert list(request.prompt_tokens) == [
+        fim.file_sep,
+        *encode("util.py\nX = 1\n"),
+        fim.prefix,
+        *encode("def total(xs):\n"),
+        fim.suffix,
+        *encode("    return total\n"),
+        fim.middle,
+    ]
+    assert request.max_new_tokens == 64 and request.sampling.repetition_penalty == 1.1
+    assert request.sampling.top_k == 40
+
+
+def test_infill_cuts_a_prompt_longer_than_the_context(coder_tokenizer) -> None:
+    backend = ScriptedBackend([TokenEvent((5,), "stop")])  # context 512
+    prefix = "".join(f"line_{i} = {i}\n" for i in range(400))
+    suffix = "".join(f"after_{i} = {i}\n" for i in range(400))
+    with live_server(backend, coder_tokenizer) as base:
+        answer = httpx.post(
+            f"{base}/infill",
+            json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 32},
+            timeout=30,
+        ).json()
+    assert answer["truncated"] is True
+    prompt = list(backend.requests[0].prompt_tokens)
+    assert len(prompt) + 32 <= 512
+    text = coder_tokenizer.decode(prompt)
+    # The text next to the gap is kept: the prefix's end, the suffix's start.
+    assert "line_399 = 399\n<|fim_suffix|>after_0 = 0\n" in text
+    assert "line_0 = 0\n" not in text
+
+
+def test_fim_requests_are_refused_clearly(smollm2_tokenizer_dir, coder_tokenizer) -> None:
+    plain = _tokenizer(smollm2_tokenizer_dir, [])
+    backend = ScriptedBackend([TokenEvent((5,), "stop")])
+    with live_server(backend, plain) as base:
+        for path, body, param in [
+            ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),
+            ("/infill", {"input_prefix": "a", "input_suffix": "b"}, "input_prefix"),
+        ]:
+            response = httpx.post(f"{base}{path}", json=body, timeout=30)
+            error = assert_openai_error(response, 400, param=param)
+            assert "fill-in-the-middle" in error["message"]
+    with live_server(backend, coder_tokenizer) as base:
+        for path, body, param in [
+            ("/v1/completions", {"prompt": "a", "suffix": "b", "echo": True}, "suffix"),
+            ("/infill", {"input_prefix": "a", "n_predict": 0}, "n_predict"),
+            ("/infill", {"input_prefix": "a", "n_predict": 5, "max_tokens": 5}, "n_predict"),
+            ("/infill", {"input_prefix": "a", "n": 2}, "n"),
+            ("/infill", {"input_prefix": "a", "n_probs": 3}, "n_probs"),
+            ("/infill", {"input_prefix": 7}, "input_prefix"),
+            ("/infill", {"input_extra": [{"filename": 1}]}, None),
+        ]:
+            response = httpx.post(f"{base}{path}", json=body, timeout=30)
+            assert_openai_error(response, 400, param=param)
+    assert backend.requests == []
+
+
+def test_a_real_model_fills_the_same_through_both_routes(coder_model) -> None:
+    """The tiny model's greedy middle is the same from /infill, from /v1/completions
+    with ``suffix``, and from the FIM layout sent as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(coder_model)
+    backend = TinyModelBackend(coder_model)
+    prefix, suffix = "def add(a, b):\n", "\n\nprint(add(1, 2))\n"
+    fim = fim_tokens(tokenizer)
+    ids = fim_prompt(fim, tokenizer.encode(prefix), tokenizer.encode(suffix))
+    with live_server(backend, tokenizer) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x")
+        common = dict(model=MODEL_ID, max_tokens=12, temperature=0.0)
+        fill = client.completions.create(prompt=prefix, suffix=suffix, **common)
+        laid_out = client.completions.create(prompt=ids, **common)
+        answer = httpx.post(
+            f"{base}/infill",
+            json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 12,
+                  "temperature": 0.0},
+            timeout=60,
+        ).json()  # fmt: skip
+    assert fill.choices[0].text == laid_out.choices[0].text == answer["content"]
+    assert answer["tokens_predicted"] == fill.usage.completion_tokens
+    assert fill.usage.prompt_tokens == len(ids) == answer["tokens_evaluated"]
