@@ -6,8 +6,9 @@ Face tokenizer; ``http_server.serve_app`` runs it with uvicorn in a background t
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming); other APIs translated into chat requests: ``POST /v1/responses``
 (OpenAI's Responses API, responses.py), ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); ``POST /infill``
-(llama.cpp's code completion, infill.py); ``POST /tokenize``,
+``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); llama.cpp's own
+``POST /completion``, ``POST /infill``, ``GET /props``, ``POST /apply-template``
+(llama_api.py, infill.py); ``POST /tokenize``,
 ``POST /detokenize``; ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
 ``GET /metrics``. With an API key configured, every ``/v1`` route needs
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for load
@@ -43,7 +44,8 @@ from stage.frontend.errors import (
 from stage.frontend.fim import fim_tokens
 from stage.frontend.generation import GenerationRun
 from stage.frontend.http_server import read_json_object
-from stage.frontend.infill import INFILL_PATH, InfillBody, prepare_infill, serve_infill
+from stage.frontend.llama_routes import PATHS as LLAMA_PATHS
+from stage.frontend.llama_routes import add_llama_routes
 from stage.frontend.prepare import (
     FrontendLimits,
     PromptContext,
@@ -78,7 +80,7 @@ ENDPOINTS = (
     MESSAGES_PATH,
     COUNT_TOKENS_PATH,
     RESPONSES_PATH,
-    INFILL_PATH,
+    *LLAMA_PATHS,
     *TOKEN_PATHS,
     "/v1/models",
     "/health",
@@ -293,25 +295,6 @@ class _Frontend:
         body, chat = responses.parse_body(payload, self.model_id)
         return chat, ResponseShape(body, body.model or self.model_id)
 
-    async def infill(self, request: Request) -> Response:
-        """``POST /infill`` (stage/frontend/infill.py): llama.cpp's code completion."""
-        arrival = time.perf_counter()
-        payload = await self.payload(request)
-        if payload is None:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
-        try:
-            body = InfillBody.model_validate(payload)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        await self.check_ready()
-        infill = await prepare_infill(body, self.prompt_context(request))
-        (release,) = self.claim_slots(infill.prepared.request.tenant, 1)
-        run = GenerationRun(
-            self.backend, infill.prepared, self.tokenizer, self.metrics, INFILL_PATH, arrival,
-            release=release,
-        )  # fmt: skip
-        return await serve_infill(request, run, infill)
-
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the tokenizer alone, no pipeline needed."""
         payload = await self.payload(request)
@@ -409,9 +392,7 @@ def create_app(
     async def create_response(request: Request) -> Response:
         return await front.translated(request, RESPONSES_PATH, front.openai_response)
 
-    @app.post(INFILL_PATH)
-    async def infill(request: Request) -> Response:
-        return await front.infill(request)
+    add_llama_routes(app, front)
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> JSONResponse:

@@ -69,6 +69,17 @@ def test_chat_and_completions_with_usage_and_timings(client: OpenAI, mesh: MeshP
     assert reply.system_fingerprint == completion.system_fingerprint == fingerprint
 
 
+def test_llama_cpp_s_completion_route_serves_what_completions_serves(client, mesh):
+    want = client.completions.create(model=MODEL, prompt="Once", max_tokens=7, temperature=0)
+    body = {"prompt": "Once", "n_predict": 7, "temperature": 0.0, "cache_prompt": True}
+    answer = httpx.post(mesh.http_url + "/completion", json=body, timeout=60).json()
+    assert answer["content"] == want.choices[0].text and answer["tokens_predicted"] == 7
+    assert answer["timings"]["predicted_n"] == 7
+    # The test package's tokenizer (SmolLM2's) has no fill-in-the-middle tokens.
+    refused = httpx.post(mesh.http_url + "/infill", json={"input_prefix": "x"}, timeout=30)
+    assert refused.status_code == 400 and "fill-in-the-middle" in refused.text
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(client: OpenAI):
     plain = chat(client, "Count to five.", max_tokens=10, temperature=0)
     stream = client.chat.completions.create(

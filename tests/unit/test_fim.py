@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from stage.frontend.backend import TokenEvent
 from stage.frontend.fim import fim_prompt, fim_tokens, fit_to_room
-from stage.frontend.infill import MiddleLimits
+from stage.frontend.llama_api import TextLimits
 
 QWEN_FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>"]
 
@@ -108,7 +108,7 @@ def test_cutting_to_the_room_drops_files_first_then_the_ends_far_from_the_gap() 
 
 
 def _limited(text: str, n_indent: int, chunking: random.Random | None = None) -> tuple[str, bool]:
-    limits = MiddleLimits(n_indent, 0.0, 0.0)
+    limits = TextLimits(n_indent, 0.0, 0.0)
     out, at = "", 0
     while at < len(text) and not limits.ended:
         step = chunking.randint(1, 5) if chunking else len(text)
@@ -135,10 +135,10 @@ def test_n_indent_ends_the_middle_before_a_line_indented_less(text, n_indent, wa
 
 
 def test_t_max_predict_ends_the_middle_after_a_newline_past_the_deadline() -> None:
-    limits = MiddleLimits(0, 1.0, start_s=0.0)
+    limits = TextLimits(0, 1.0, start_s=0.0)
     assert limits.feed("a = 1", 2.0) == "a = 1" and not limits.ended  # no newline yet
     assert limits.feed("\nb", 2.1) == "\nb" and limits.ended
-    early = MiddleLimits(0, 1.0, start_s=0.0)
+    early = TextLimits(0, 1.0, start_s=0.0)
     early.feed("a\nb", 0.5)
     assert not early.ended
 
@@ -288,3 +288,59 @@ def test_a_real_model_fills_the_same_through_both_routes(coder_model) -> None:
     assert fill.choices[0].text == laid_out.choices[0].text == answer["content"]
     assert answer["tokens_predicted"] == fill.usage.completion_tokens
     assert fill.usage.prompt_tokens == len(ids) == answer["tokens_evaluated"]
+
+
+def test_llama_cpp_s_completion_props_and_template_routes(coder_model) -> None:
+    """``/completion`` gives what ``/v1/completions`` gives for the same prompt, with
+    llama.cpp's names and its off-valued samplers accepted; ``/props`` and
+    ``/apply-template`` answer as llama.cpp clients read them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(coder_model)
+    backend = TinyModelBackend(coder_model)
+    llama_cpp_defaults = {
+        "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+        "xtc_probability": 0.0, "xtc_threshold": 0.1, "dry_multiplier": 0.0,
+        "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+        "repeat_last_n": 64, "penalize_nl": False, "n_probs": 0, "n_keep": 0,
+        "min_keep": 0, "cache_prompt": True, "samplers": ["top_k", "temperature"],
+        "seed": -1, "repeat_penalty": 1.0,
+    }  # fmt: skip
+    with live_server(backend, tokenizer) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x")
+        want = client.completions.create(
+            model=MODEL_ID, prompt="Once upon a time", max_tokens=10, temperature=0.0
+        )
+        body = {"prompt": "Once upon a time", "n_predict": 10, "temperature": 0.0}
+        answer = httpx.post(f"{base}/completion", json=body | llama_cpp_defaults, timeout=60)
+        assert answer.status_code == 200, answer.text
+        answer = answer.json()
+        assert answer["content"] == want.choices[0].text
+        assert answer["stop_type"] == "limit" and answer["tokens_predicted"] == 10
+        ids = tokenizer.encode("Once upon a time")
+        by_ids = httpx.post(f"{base}/completion", json=body | {"prompt": ids}, timeout=60).json()
+        assert by_ids["content"] == want.choices[0].text
+        with httpx.stream(
+            "POST", f"{base}/completion", json=body | {"stream": True}, timeout=60
+        ) as response:
+            events = [
+                json.loads(line[6:]) for line in response.iter_lines() if line[:6] == "data: "
+            ]
+        assert "".join(e["content"] for e in events) == want.choices[0].text
+        assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 10
+        for name, value in [("mirostat", 2), ("typical_p", 0.9), ("dry_multiplier", 0.8)]:
+            refused = httpx.post(f"{base}/completion", json=body | {name: value}, timeout=30)
+            assert "sampler" in assert_openai_error(refused, 400, param=name)["message"]
+        penalised = body | {"repeat_penalty": 1.3, "repeat_last_n": 64}
+        refused = httpx.post(f"{base}/completion", json=penalised, timeout=30)
+        assert_openai_error(refused, 400, param="repeat_last_n")
+        whole = httpx.post(f"{base}/completion", json=penalised | {"repeat_last_n": -1}, timeout=60)
+        assert whole.status_code == 200, whole.text
+        props = httpx.get(f"{base}/props", timeout=30).json()
+        assert props["default_generation_settings"]["n_ctx"] == backend.context_length
+        assert props["chat_template"] == tokenizer.chat_template and props["model_path"] == MODEL_ID
+        messages = [{"role": "user", "content": "hi"}]
+        rendered = httpx.post(f"{base}/apply-template", json={"messages": messages}, timeout=30)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert rendered.json() == {"prompt": text}

@@ -1,0 +1,337 @@
+"""llama.cpp's own routes, for clients written against llama-server: ``POST
+/completion`` (its native completion), ``POST /infill`` (infill.py), ``GET /props``
+and ``POST /apply-template``.
+
+Bodies take llama.cpp's names beside this server's usual parameters
+(``LlamaBody``): ``n_predict`` (-1: up to the context), ``repeat_penalty``,
+``seed: -1`` (a random seed). llama.cpp clients send their whole sampler set,
+mostly at values that turn a sampler off; such a field is accepted when its value
+asks for nothing (``typical_p: 1``, ``mirostat: 0``, ``dry_multiplier: 0``, ...,
+``NEUTRAL``) and refused with a 400 that names it otherwise, since these samplers
+are not built here. Hints with nothing to do here are accepted and ignored
+(``HINTS``): ``cache_prompt`` (prefixes are always kept), ``samplers`` (the order
+is fixed), ``t_max_prompt_ms``, ``response_fields`` (every field is sent),
+``id_slot``. Two limits on the text are kept (``TextLimits``): ``n_indent`` and
+``t_max_predict_ms``.
+
+Answers have llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``,
+``word``, ``limit``), ``stopping_word``, ``tokens_predicted``,
+``tokens_evaluated``, ``tokens_cached``, ``truncated``, ``model``, ``timings``;
+streamed, one ``data: {"content": ..., "stop": false}`` event per piece and a last
+one with ``stop: true`` and the totals. Errors are OpenAI error bodies, as on every
+route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, Strict, model_validator
+
+from mesh.errors import MeshError
+from stage.frontend.errors import bad_request, from_mesh_error
+from stage.frontend.generation import GenerationRun
+from stage.frontend.prepare import (
+    PreparedGeneration,
+    PromptContext,
+    check_common,
+    encode_prompt,
+    prepared_generation,
+)
+from stage.frontend.schemas import MAX_TOKENS_MAX, GenerationBody, TokenList
+from stage.frontend.schemas_base import Str
+from stage.frontend.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from stage.frontend.telemetry import CLIENT_CLOSED_STATUS
+
+logger = logging.getLogger(__name__)
+
+COMPLETION_PATH = "/completion"
+PROPS_PATH = "/props"
+APPLY_TEMPLATE_PATH = "/apply-template"
+
+# Accepted and ignored: nothing to do here (see the module's doc).
+HINTS = ("cache_prompt", "samplers", "t_max_prompt_ms", "response_fields", "id_slot")
+_OFF = object()
+
+
+def _penalties_off(body: dict[str, Any]) -> bool:
+    return (
+        body.get("repeat_penalty", body.get("repetition_penalty", 1.0)) == 1.0
+        and not body.get("presence_penalty")
+        and not body.get("frequency_penalty")
+    )
+
+
+# llama.cpp's samplers not built here: field -> whether the body's value asks for
+# nothing (the sampler is off, or the field only tunes an off sampler).
+NEUTRAL: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "typical_p": lambda v, b: v == 1,
+    "tfs_z": lambda v, b: v == 1,
+    "top_n_sigma": lambda v, b: v is not None and v <= 0,
+    "mirostat": lambda v, b: v == 0,
+    "mirostat_tau": lambda v, b: not b.get("mirostat"),
+    "mirostat_eta": lambda v, b: not b.get("mirostat"),
+    "dynatemp_range": lambda v, b: v == 0,
+    "dynatemp_exponent": lambda v, b: not b.get("dynatemp_range"),
+    "xtc_probability": lambda v, b: v == 0,
+    "xtc_threshold": lambda v, b: not b.get("xtc_probability"),
+    "dry_multiplier": lambda v, b: v == 0,
+    "dry_base": lambda v, b: not b.get("dry_multiplier"),
+    "dry_allowed_length": lambda v, b: not b.get("dry_multiplier"),
+    "dry_penalty_last_n": lambda v, b: not b.get("dry_multiplier"),
+    "dry_sequence_breakers": lambda v, b: not b.get("dry_multiplier"),
+    # The penalties here look at the whole text: -1 (the whole context) is that.
+    "repeat_last_n": lambda v, b: v == -1 or _penalties_off(b),
+    "penalty_last_n": lambda v, b: v == -1 or _penalties_off(b),
+    "penalize_nl": lambda v, b: v is True or _penalties_off(b),
+    "n_probs": lambda v, b: v == 0,
+    "n_keep": lambda v, b: True,  # what to keep when the context overflows: it never does
+    "min_keep": lambda v, b: v in (0, 1),
+    "post_sampling_probs": lambda v, b: not v,
+    "return_tokens": lambda v, b: not v,
+}
+
+
+class LlamaBody(GenerationBody):
+    """A llama.cpp-shaped generation body (see the module's doc)."""
+
+    n_indent: Annotated[int, Strict(), Field(ge=0)] | None = None
+    t_max_predict_ms: Annotated[int, Strict(), Field(ge=0)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_names(cls, data: Any) -> Any:
+        """llama.cpp's names and values into this server's; its samplers' off
+        values and its hints dropped, any other value of them refused."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name in HINTS:
+            data.pop(name, None)
+        for name, neutral in NEUTRAL.items():
+            if name in data and not neutral(data[name], data):
+                raise bad_request(
+                    f"{name}={data[name]!r}: this server does not have that llama.cpp "
+                    "sampler; leave it out or at the value that turns it off",
+                    name,
+                    code="unsupported_parameter",
+                )
+        for name in NEUTRAL:
+            data.pop(name, None)
+        if data.get("seed") == -1:
+            data.pop("seed")  # llama.cpp's "a random seed"
+        for theirs, ours in (("n_predict", "max_tokens"), ("repeat_penalty", "repetition_penalty")):
+            if theirs not in data:
+                continue
+            if ours in data:
+                raise bad_request(f"send {theirs} or {ours}, not both", theirs)
+            value = data.pop(theirs)
+            if theirs == "n_predict" and isinstance(value, int) and not isinstance(value, bool):
+                if value < 0:
+                    continue
+                if value == 0 or value > MAX_TOKENS_MAX:
+                    raise bad_request(
+                        f"n_predict must be -1 (up to the context) or 1 to {MAX_TOKENS_MAX}, "
+                        f"got {value}",
+                        "n_predict",
+                    )
+            data[ours] = value
+        return data
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        problems = super().unsupported()
+        if self.n not in (None, 1):
+            problems.append(("n", "llama.cpp's routes give one completion; n must be 1"))
+        return problems
+
+
+class NativeCompletionBody(LlamaBody):
+    """``POST /completion``: ``prompt`` is text or token ids."""
+
+    prompt: Str | TokenList
+
+
+async def prepare_native(body: NativeCompletionBody, ctx: PromptContext) -> LlamaRequest:
+    """``POST /completion``: a completion of ``prompt``."""
+    stop = check_common(body, ctx)
+    prompt = await asyncio.to_thread(encode_prompt, ctx.tokenizer, body.prompt)
+    return LlamaRequest.of(prepared_generation("completion", body, [prompt], stop, ctx), body)
+
+
+@dataclass(frozen=True)
+class LlamaRequest:
+    """A prepared request of a llama.cpp route."""
+
+    prepared: PreparedGeneration
+    n_indent: int = 0
+    t_max_predict_s: float = 0.0
+    truncated: bool = False
+
+    @classmethod
+    def of(
+        cls, prepared: PreparedGeneration, body: LlamaBody, truncated: bool = False
+    ) -> LlamaRequest:
+        limit_ms = body.t_max_predict_ms or 0
+        return cls(prepared, body.n_indent or 0, limit_ms / 1000.0, truncated)
+
+
+class TextLimits:
+    """``n_indent`` and ``t_max_predict_ms`` on a text as it comes: ``feed`` returns
+    what may go out now; ``ended`` turns true when a limit ended the text (the rest
+    of the generation is not wanted).
+
+    ``n_indent: N`` ends the text before the first line after its first newline
+    that is indented by fewer than N characters (blank lines pass);
+    ``t_max_predict_ms`` ends it after the first piece that comes that long after
+    the start once the text holds a newline."""
+
+    def __init__(self, n_indent: int, t_max_predict_s: float, start_s: float) -> None:
+        self.n_indent = n_indent
+        self.deadline_s = start_s + t_max_predict_s if t_max_predict_s > 0 else None
+        self.newline = False
+        # At the start of a line after a newline, before its first non-blank
+        # character: its indentation is held back until it is known.
+        self.checking = False
+        self.held = ""
+        self.ended = False
+
+    def feed(self, piece: str, now_s: float) -> str:
+        out = []
+        for char in piece:
+            if self.ended:
+                break
+            out.append(self._char(char))
+        if self.newline and self.deadline_s is not None and now_s >= self.deadline_s:
+            self.ended = True
+        return "".join(out)
+
+    def _char(self, char: str) -> str:
+        if self.checking:
+            if char in " \t":
+                self.held += char
+                return ""
+            out, self.held = self.held + char, ""
+            if char == "\n":  # a blank line: the next one is checked
+                return out
+            if len(out) - 1 < self.n_indent:
+                self.ended = True
+                return ""
+            self.checking = False
+            return out
+        if char == "\n":
+            self.newline = True
+            self.checking = self.n_indent > 0
+        return char
+
+    def flush(self) -> str:
+        """Text held back when the generation ended on its own."""
+        held, self.held = self.held, ""
+        return "" if self.ended else held
+
+
+def _stop_type(run: GenerationRun, limited: bool) -> str:
+    if limited or run.finish_reason == "length":
+        return "limit"
+    return "word" if run.stop_string is not None else "eos"
+
+
+def _final(run: GenerationRun, ask: LlamaRequest, content: str, limited: bool) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "content": content,
+        "stop": True,
+        "model": run.prepared.model_id,
+        "tokens_predicted": run.completion_tokens,
+        "tokens_evaluated": len(run.request.prompt_tokens),
+        "tokens_cached": run.cached_tokens,
+        "truncated": ask.truncated,
+        "stop_type": _stop_type(run, limited),
+        "stopping_word": run.stop_string or "",
+        "timings": run.timings(),
+    }
+
+
+async def _pieces(run: GenerationRun, limits: TextLimits) -> AsyncIterator[str]:
+    """The text as it may go out, ending where a limit ends it."""
+    while (text := await run.next_text()) is not None:
+        out = limits.feed(text, time.perf_counter())
+        if out:
+            yield out
+        if limits.ended:
+            return
+    if rest := limits.flush():
+        yield rest
+
+
+async def _events(run: GenerationRun, ask: LlamaRequest, limit: TextLimits) -> AsyncIterator[bytes]:
+    try:
+        async for piece in _pieces(run, limit):
+            yield sse({"index": 0, "content": piece, "stop": False})
+    except MeshError as exc:
+        logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
+        yield sse(from_mesh_error(exc, 1).body())
+        return
+    yield sse(_final(run, ask, "", limit.ended))
+
+
+async def serve_llama(request: Request, run: GenerationRun, ask: LlamaRequest) -> Response:
+    """Run the generation and answer in llama.cpp's shape (streamed when asked)."""
+    handed_over = False
+    try:
+        await until_disconnect(request.receive, run.start())
+        limits = TextLimits(ask.n_indent, ask.t_max_predict_s, time.perf_counter())
+        if ask.prepared.stream:
+            handed_over = True
+            return EventStreamResponse(_events(run, ask, limits), on_close=run.aclose)
+
+        async def collect() -> str:
+            return "".join([piece async for piece in _pieces(run, limits)])
+
+        content = await until_disconnect(request.receive, collect())
+        return JSONResponse(_final(run, ask, content, limits.ended))
+    except ClientDisconnected:
+        logger.info("client left before request %s finished", run.request.request_id)
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    finally:
+        if not handed_over:
+            await run.aclose()
+
+
+def props(
+    model_id: str, tokenizer: Any, context_length: int, slots: int | None, version: str
+) -> dict[str, Any]:
+    """``GET /props``: what llama.cpp clients read of the server."""
+
+    def token_text(name: str) -> str:
+        return str(getattr(tokenizer, name, None) or "")
+
+    return {
+        "default_generation_settings": {
+            "n_ctx": context_length,
+            "params": {
+                "n_predict": -1,
+                "temperature": 1.0,
+                "top_k": 0,
+                "top_p": 1.0,
+                "min_p": 0.0,
+                "repeat_penalty": 1.0,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "seed": -1,
+            },
+        },
+        "total_slots": slots if slots is not None else 1,
+        "model_path": model_id,
+        "chat_template": str(getattr(tokenizer, "chat_template", None) or ""),
+        "bos_token": token_text("bos_token"),
+        "eos_token": token_text("eos_token"),
+        "modalities": {"vision": False, "audio": False},
+        "build_info": f"mesh {version}",
+    }
