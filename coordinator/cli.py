@@ -33,6 +33,7 @@ from mesh.config import (
     resolve_speculation,
     speculation_layers,
 )
+from mesh.discovery import DiscoveryResponder
 from mesh.doctor import add_doctor_arguments
 from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
@@ -302,6 +303,16 @@ def up(args: argparse.Namespace) -> int:
     if public != address:
         logger.info("other hosts reach this coordinator at %s", public)
     service.start()
+    responder = DiscoveryResponder(
+        listen_host,
+        port,
+        lambda: model.manifest.model_id,
+        coord.advertise or "",
+        security.tls_enabled,
+        security.join_token,
+    )
+    if coord.discovery:
+        responder.start()
     threads = coord.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
     stages = LocalStages(lambda argv: _spawn_stage(argv, security))
     for index in range(0 if not coord.no_local_stage else 1, 1 + coord.spawn_stages):
@@ -351,6 +362,7 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, hurry)
     signal.signal(signal.SIGTERM, hurry)
     service.stop()
+    responder.stop()
     # Stage 0 first, which lets its running requests finish (--drain-timeout) on the
     # stages after it; then the others.
     _terminate(first, grace_s=10.0 + serving.drain_timeout)

@@ -85,6 +85,34 @@ def host_addresses() -> list[str]:
     return found
 
 
+def broadcast_addresses() -> list[str]:
+    """The broadcast address of each IPv4 network this host is on (from each
+    address's prefix; /31 and /32 networks have none), then the limited broadcast
+    255.255.255.255."""
+    try:
+        out = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    found: list[str] = []
+    for line in out.splitlines():
+        words = line.split()
+        if "inet" not in words[:-1]:
+            continue
+        try:
+            network = ipaddress.IPv4Interface(words[words.index("inet") + 1]).network
+        except ValueError:
+            continue
+        if network.prefixlen <= 30 and str(network.broadcast_address) not in found:
+            found.append(str(network.broadcast_address))
+    return [*found, "255.255.255.255"]
+
+
 def advertise_host(listen_host: str, advertise: str | None, coordinator: str | None = None) -> str:
     """The host part a node advertises (see the module docstring for the order)."""
     if advertise:

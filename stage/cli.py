@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from mesh.codec import JoinRequest
 from mesh.config import add_speculation_arguments
+from mesh.discovery import find_coordinator, parse_auto
 from mesh.doctor import add_doctor_arguments
 from mesh.errors import MeshError
 from mesh.grpc_util import bind, new_server
@@ -36,6 +38,9 @@ from stage.tcp_data import TcpDataServer
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 20.0
+# How long `--coordinator auto` looks for a coordinator before giving up (a service
+# manager starts the stage again).
+DISCOVERY_TIMEOUT_S = 120.0
 
 
 def default_cache_dir() -> Path:
@@ -48,6 +53,19 @@ def default_node_id(cache_dir: Path) -> str:
     under the same id (and the coordinator puts it back in its place)."""
     digest = hashlib.sha256(str(cache_dir.resolve()).encode()).hexdigest()[:6]
     return f"{socket.gethostname()}-{digest}"
+
+
+def found_coordinator(stage: StageConfig, token: str | None) -> StageConfig:
+    """``stage`` with ``--coordinator auto`` replaced by the address of the coordinator
+    that answered on this host's networks (mesh/discovery.py)."""
+    port = parse_auto(stage.coordinator)
+    if port is None:
+        return stage
+    offer = find_coordinator(port, token, DISCOVERY_TIMEOUT_S)
+    logger.info(
+        "found the coordinator at %s (serving %s) on this network", offer.address, offer.model_id
+    )
+    return dataclasses.replace(stage, coordinator=offer.address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, f"stage {node_id}")
+    stage = found_coordinator(stage, security.join_token)
     server = new_server(32)
     port = bind(server, stage.listen)
     host = advertise_host(split_host_port(stage.listen)[0], stage.advertise, stage.coordinator)

@@ -20,6 +20,7 @@ import grpc
 
 from mesh.codec import PackageManifestReply, PackageManifestRequest, StatusReply, StatusRequest
 from mesh.config import cli_speculation_args, resolve_speculation
+from mesh.discovery import find_coordinator, parse_auto
 from mesh.doctor import CheckResult, configure_doctor_logging, failed, passed, report, run, warned
 from mesh.doctor.host import (
     check_device,
@@ -88,7 +89,8 @@ def diagnose(args: argparse.Namespace) -> list[CheckResult]:
     )
     view = CoordinatorView()
     try:
-        reached, view = contact(stage.coordinator, security, stage.node_id or "doctor")
+        address = _discovered(stage.coordinator, security, results)
+        reached, view = contact(address, security, stage.node_id or "doctor")
     except MeshError as error:
         reached = failed("coordinator", error.message, "check --coordinator")
     results.append(reached)
@@ -103,6 +105,28 @@ def diagnose(args: argparse.Namespace) -> list[CheckResult]:
     if stage.frontend:
         results += run([("speculation", lambda: _speculation(args, config, view))])
     return results
+
+
+def _discovered(coordinator: str, security: MeshSecurity, results: list[CheckResult]) -> str:
+    """The coordinator's address: as given, or (``auto``) the one that answered
+    discovery, with a result for the search."""
+    port = parse_auto(coordinator)
+    if port is None:
+        return coordinator
+    try:
+        offer = find_coordinator(port, security.join_token, REACH_DEADLINE_S)
+    except MeshError as error:
+        results.append(
+            failed(
+                "discovery",
+                error.message,
+                f"start `mesh-coordinator up` on this network, open UDP {port} on its host, "
+                "or give --coordinator HOST:PORT",
+            )
+        )
+        raise
+    results.append(passed("discovery", f"{offer.address} answered (serving {offer.model_id})"))
+    return offer.address
 
 
 def _dialled(config: JoinConfig) -> list[tuple[str, str]]:

@@ -93,12 +93,20 @@ class CoordinatorConfig:
         minimum=0,
         maximum=65535,
     )
+    discovery: bool = setting(
+        True,
+        "answer LAN discovery on UDP at the gRPC port, for stages joined with --coordinator auto",
+    )
     log_level: str | None = setting(None, "logging level", choices=LOG_LEVELS)
 
 
 @dataclass(frozen=True)
 class StageConfig:
-    coordinator: str = setting("127.0.0.1:7070", "coordinator HOST:PORT")
+    coordinator: str = setting(
+        "127.0.0.1:7070",
+        "coordinator HOST:PORT, or auto (auto:PORT): find it on this host's networks by "
+        "UDP broadcast",
+    )
     listen: str = setting("0.0.0.0:7071", "gRPC bind HOST:PORT (port 0: any)")
     advertise: str | None = setting(
         None,

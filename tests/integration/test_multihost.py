@@ -309,3 +309,21 @@ def test_workers_without_the_package_fetch_their_slices_from_the_head(
             assert cached == {Path(e.path).name for e in wanted} | {"model-package.json"}
     finally:
         mesh.stop()
+
+
+def test_workers_joined_with_coordinator_auto_find_the_head(hosts, package, expected, tmp_path):
+    """`mesh-stage join --coordinator auto` finds the head by UDP broadcast on the
+    bridge; with a join token the head's answer proves it has the token."""
+    token = tmp_path / "token"
+    token.write_text("a-join-token-for-discovery-0123456789")
+    secured = ["--join-token-file", str(token)]
+    auto = ["--coordinator", "auto", *secured]
+    extra = {"head": secured, "worker-1": auto, "worker-2": auto, "client": secured}
+    mesh = Recipe(hosts, package, tmp_path, extra)
+    try:
+        status = mesh.wait_serving(stages=3)
+        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
+        for worker in ("worker-1", "worker-2"):
+            assert f"found the coordinator at {mesh.head_ip}:7070" in mesh.log(worker)
+    finally:
+        mesh.stop()
