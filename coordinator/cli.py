@@ -192,6 +192,8 @@ def local_stage_argv(
             f"{serving.drain_timeout:g}",
             "--reasoning-format",
             serving.reasoning_format,
+            "--stored-responses",
+            str(serving.stored_responses),
         ]
         if serving.api_key_file is not None:
             command += ["--api-key-file", str(serving.api_key_file.expanduser().absolute())]

@@ -255,6 +255,12 @@ class FrontendConfig:
         "none leaves them in the answer",
         choices=("auto", "none"),
     )
+    stored_responses: int = setting(
+        1024,
+        "responses of /v1/responses stage 0 keeps in memory for previous_response_id and "
+        "GET /v1/responses/{id} (0: keep none)",
+        minimum=0,
+    )
     prompts_ahead: bool = setting(
         True,
         "with the pipe full, send new requests' first prompt chunks at once in one extra "

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from mesh.api_keys import KeySource, key_source, presented_key
 from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
-from stage.frontend import anthropic, anthropic_answer, responses, tokenize
+from stage.frontend import anthropic, anthropic_answer, tokenize
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
     OpenAIError,
@@ -52,7 +52,12 @@ from stage.frontend.prepare import (
     prepare_chat,
     prepare_completion,
 )
-from stage.frontend.responses_answer import ResponseShape
+from stage.frontend.response_store import ResponseStore
+from stage.frontend.responses_routes import (
+    RESPONSES_PATH,
+    add_response_routes,
+    parse_response_request,
+)
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody
 from stage.frontend.streaming import (
     ClientDisconnected,
@@ -72,7 +77,6 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-RESPONSES_PATH = "/v1/responses"
 TOKEN_PATHS = ("/tokenize", "/detokenize")
 ENDPOINTS = (
     CHAT_PATH,
@@ -115,6 +119,7 @@ class _Frontend:
         self.created = int(time.time())
         self.tenant_slots = TenantSlots(metrics.tenant_running)
         self.fim = fim_tokens(tokenizer)
+        self.responses = ResponseStore(limits.stored_responses)
 
     def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.
@@ -291,9 +296,11 @@ class _Frontend:
             anthropic_answer.new_message_id(), body.model or self.model_id
         )
 
-    def openai_response(self, payload: dict[str, Any]) -> tuple[ChatCompletionBody, AnswerShape]:
-        body, chat = responses.parse_body(payload, self.model_id)
-        return chat, ResponseShape(body, body.model or self.model_id)
+    def openai_response(
+        self, payload: dict[str, Any], request: Request
+    ) -> tuple[ChatCompletionBody, AnswerShape]:
+        tenant = getattr(request.state, "tenant", "")
+        return parse_response_request(payload, self.responses, tenant, self.model_id)
 
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the tokenizer alone, no pipeline needed."""
@@ -390,7 +397,11 @@ def create_app(
 
     @app.post(RESPONSES_PATH)
     async def create_response(request: Request) -> Response:
-        return await front.translated(request, RESPONSES_PATH, front.openai_response)
+        return await front.translated(
+            request, RESPONSES_PATH, lambda payload: front.openai_response(payload, request)
+        )
+
+    add_response_routes(app, front)
 
     add_llama_routes(app, front)
 

@@ -253,7 +253,10 @@ def start_frontend(
             tokenizer,
             model_id=scheduler.model_id,
             api_key=api_keys,
-            limits=FrontendLimits(reasoning_format=own.value.reasoning_format),
+            limits=FrontendLimits(
+                reasoning_format=own.value.reasoning_format,
+                stored_responses=own.value.stored_responses,
+            ),
             fingerprint=system_fingerprint(manifest),
             metrics=http_metrics,
         )

@@ -64,6 +64,8 @@ class FrontendLimits:
     retry_after_s: int = 1
     # Reasoning models' thoughts apart from the answer (stage/frontend/reasoning.py).
     reasoning_format: str = "auto"
+    # Responses kept for previous_response_id (stage/frontend/response_store.py).
+    stored_responses: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_stop_sequences < 0 or self.max_stop_chars < 1:
@@ -73,6 +75,8 @@ class FrontendLimits:
             )
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.stored_responses < 0:
+            raise ValueError(f"stored_responses must be >= 0, got {self.stored_responses}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.reasoning_format not in REASONING_FORMATS:

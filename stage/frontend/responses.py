@@ -16,10 +16,11 @@ The answer is a ``response`` whose ``output`` holds a ``message`` item
 ``completed``, or ``incomplete`` with reason ``max_output_tokens`` when the token
 budget ran out; streamed, the Responses API's events (responses_answer.py).
 
-The server keeps no state, so whatever needs a stored response, conversation or
-prompt (``previous_response_id``, ``conversation``, ``prompt``, ``item_reference``
-items, ``background``) is refused with a 400 that says to send the whole input; so
-are built-in tools, image / file / audio input, ``reasoning`` (but effort
+Stage 0 keeps the responses it answered (unless ``store: false``) for
+``previous_response_id``, ``item_reference`` items and ``GET`` / ``DELETE
+/v1/responses/{id}`` (response_store.py); what needs other state (``conversation``,
+``prompt``, ``background``) is refused with a 400 that says to send the whole input;
+so are built-in tools, image / file / audio input, ``reasoning`` (but effort
 ``none``), ``include``, ``truncation: "auto"``, ``text.verbosity`` and fields this
 server does not know (``top_logprobs``, ``max_tool_calls``, a typo). Bookkeeping
 fields that change nothing are accepted and ignored (``IGNORED_FIELDS``).
@@ -40,7 +41,6 @@ from stage.frontend.schemas_base import Bool, Int, Str, _Body
 IGNORED_FIELDS = frozenset(
     {
         "metadata",
-        "store",
         "service_tier",
         "prompt_cache_key",
         "prompt_cache_retention",
@@ -50,8 +50,6 @@ IGNORED_FIELDS = frozenset(
 )
 # Fields that need state this server does not keep, with what to do instead.
 STATEFUL_FIELDS = {
-    "previous_response_id": "this server keeps no responses; send the whole conversation "
-    "as 'input' (earlier output items included)",
     "conversation": "this server keeps no conversations; send the whole conversation as 'input'",
     "prompt": "this server keeps no prompt templates; send the prompt as 'instructions' "
     "and 'input'",
@@ -253,6 +251,8 @@ class ResponsesBody(_Body):
     seed: Int | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: Bool | None = None
+    # Keep the response for previous_response_id (the default, as OpenAI's).
+    store: Bool | None = None
     reasoning: dict[str, Any] | None = None
     include: list[Str] | None = None
 

@@ -106,6 +106,11 @@ class ResponseShape:
     model: str
     response_id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # Whether the response is kept (response_store.py), and the one it continues.
+    stored: bool = False
+    previous_response_id: str | None = None
+    # Called with the finished response (to keep it).
+    on_final: Callable[[dict[str, Any]], None] | None = None
 
     def response(
         self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
@@ -132,9 +137,9 @@ class ResponseShape:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": self.previous_response_id,
             "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None},
-            "store": False,
+            "store": self.stored,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {
                 "format": (
@@ -165,7 +170,12 @@ class ResponseShape:
         if content or not calls:
             output.append(message_item(new_id("msg"), content or "", status))
         output += [call_item(new_id("fc"), call, call.arguments, "completed") for call in calls]
-        return self.response(status, output, usage_of(run))
+        return self._finished(self.response(status, output, usage_of(run)))
+
+    def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self.on_final is not None:
+            self.on_final(response)
+        return response
 
     async def events(self, run: GenerationRun, texts: AsyncIterator[str]) -> AsyncIterator[bytes]:
         numbers = itertools.count()
@@ -231,7 +241,7 @@ class ResponseShape:
             done = call_item(item_id, call, call.arguments, "completed")
             yield event("response.output_item.done", output_index=index, item=done)
             output.append(done)
-        final = self.response(status, output, usage_of(run))
+        final = self._finished(self.response(status, output, usage_of(run)))
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         yield event(kind, response=final)
 

@@ -360,7 +360,6 @@ OK = {"model": MODEL_ID, "input": "hi", "max_output_tokens": 2}
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"conversation": "conv_123"}, "conversation"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -399,10 +398,10 @@ def test_what_cannot_be_honoured_is_a_400(base_url, extra: dict, param: str) -> 
     assert error["type"] == "invalid_request_error"
 
 
-def test_stateful_requests_say_to_send_the_whole_input(client) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
+def test_a_previous_response_that_was_never_kept_is_a_404(client) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
         client.responses.create(input="and then?", previous_response_id="resp_abc")
-    assert "send the whole conversation" in caught.value.message
+    assert "not found" in caught.value.message
 
 
 def test_harmless_bookkeeping_is_accepted(client) -> None:
