@@ -211,3 +211,24 @@ def base_url(backend, tokenizer) -> Iterator[str]:
 
     with live_server(backend, tokenizer) as url:
         yield url
+
+
+# Qwen2.5-Coder's fill-in-the-middle tokens, added to SmolLM2's tokenizer.
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>"]
+
+
+@pytest.fixture(scope="session")
+def fim_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
+    """A tiny random Llama whose tokenizer (SmolLM2's) has FIM tokens added and whose
+    vocabulary holds them: a code model's shape, for the fill-in-the-middle tests."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": FIM_TOKENS})
+    torch.manual_seed(3)
+    config = tiny_config("llama", layers=2, vocab_size=len(tokenizer))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    out = tmp_path_factory.mktemp("tiny-coder")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from conftest import FIM_TOKENS
 from frontend_support import (
     MODEL_ID,
     ScriptedBackend,
@@ -26,7 +26,7 @@ from stage.frontend.backend import TokenEvent
 from stage.frontend.fim import fim_prompt, fim_tokens, fit_to_room
 from stage.frontend.llama_api import TextLimits
 
-QWEN_FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>"]
+QWEN_FIM = FIM_TOKENS
 
 
 def _tokenizer(base: Path, names: list[str]):
@@ -39,24 +39,15 @@ def _tokenizer(base: Path, names: list[str]):
 
 
 @pytest.fixture(scope="module")
-def coder_tokenizer(smollm2_tokenizer_dir):
-    return _tokenizer(smollm2_tokenizer_dir, QWEN_FIM)
+def coder_tokenizer(fim_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(fim_model_dir)
 
 
 @pytest.fixture(scope="module")
-def coder_model(tmp_path_factory, coder_tokenizer) -> Path:
-    """A tiny random Llama whose vocabulary holds the added FIM tokens."""
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(
-        tiny_config("llama", layers=2, vocab_size=len(coder_tokenizer))
-    ).eval()
-    out = tmp_path_factory.mktemp("tiny-coder")
-    model.save_pretrained(out, safe_serialization=True)
-    coder_tokenizer.save_pretrained(out)
-    return out
+def coder_model(fim_model_dir) -> Path:
+    return fim_model_dir
 
 
 @pytest.mark.parametrize(
