@@ -250,9 +250,9 @@ class FrontendConfig:
     )
     reasoning_format: str = setting(
         "auto",
-        "reasoning models' thoughts (<think> ... </think>): auto returns them apart from "
-        "the answer, as reasoning_content, where the model's chat template uses them; "
-        "none leaves them in the answer",
+        "reasoning models' thoughts (<think> ... </think>, Magistral's [THINK] ... "
+        "[/THINK]): auto returns them apart from the answer, as reasoning_content, where "
+        "the model's chat template uses them; none leaves them in the answer",
         choices=("auto", "none"),
     )
     stored_responses: int = setting(

@@ -42,7 +42,12 @@ from mesh.types import SamplingParams
 from stage.frontend.backend import GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
 from stage.frontend.fim import FimTokens, encode_text, fim_prompt
-from stage.frontend.reasoning import REASONING_FORMATS, reasoning_start, tags_are_special
+from stage.frontend.reasoning import (
+    REASONING_FORMATS,
+    Thought,
+    reasoning_start,
+    tags_are_special,
+)
 from stage.frontend.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from stage.frontend.tool_formats import (
     ToolFormat,
@@ -106,8 +111,9 @@ class PreparedGeneration:
     # Completions' ``echo``: each prompt's text, put before its choices' text.
     echo: tuple[str, ...] = ()
     # Chat with a reasoning model: None when the output is not split into thought and
-    # answer, else whether it starts inside the thought (stage/frontend/reasoning.py).
-    reasoning: bool | None = None
+    # answer, else its tags and whether it starts inside the thought
+    # (stage/frontend/reasoning.py).
+    reasoning: Thought | None = None
     # The text keeps the stop string that ended it; special tokens are left out.
     include_stop: bool = False
     skip_special_tokens: bool = True
@@ -485,7 +491,7 @@ async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> Prepared
     reasoning = reasoning_start(ctx.tokenizer, prompt, ctx.limits.reasoning_format)
     if reasoning is None:
         return prepared
-    keep_special = tags_are_special(ctx.tokenizer)
+    keep_special = tags_are_special(ctx.tokenizer, reasoning.tags)
     return replace(
         prepared,
         reasoning=reasoning,

@@ -1,43 +1,77 @@
 """Reasoning models' thoughts, apart from their answer.
 
 Models such as DeepSeek-R1 (and its distills), QwQ and Qwen3 think before they
-answer, between ``<think>`` and ``</think>``. The chat API returns the thoughts as
-``reasoning_content`` (the field DeepSeek's API, vLLM and llama.cpp use) and only
-the rest as ``content``, so that clients show the answer and tools parse it.
+answer, between ``<think>`` and ``</think>``; Magistral between ``[THINK]`` and
+``[/THINK]``. The chat API returns the thoughts as ``reasoning_content`` (the field
+DeepSeek's API, vLLM and llama.cpp use) and only the rest as ``content``, so that
+clients show the answer and tools parse it.
 
 Whether a request's output is split follows the server's ``reasoning_format``:
-``auto`` splits where the model's chat template speaks of ``<think>``, ``none``
-never does. A template that opens the thought itself (the prompt ends with
-``<think>``, as DeepSeek-R1's does) starts the output inside it; otherwise a
-thought counts only at the very start of the output. An output that ends before
-``</think>`` is all thought.
+``auto`` splits where the model's chat template speaks of one of the tag pairs
+(``TAGS``, the first found), ``none`` never does. A template that opens the
+thought itself (the prompt ends with the opening tag, as DeepSeek-R1's does)
+starts the output inside it; otherwise a thought counts only at the very start of
+the output. An output that ends before the closing tag is all thought.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
+
+@dataclass(frozen=True)
+class Tags:
+    """The tags around a thought."""
+
+    open: str
+    close: str
+
+
+THINK = Tags("<think>", "</think>")
+# Magistral (its template and tokenizer: special tokens in the 2509 release).
+MISTRAL_THINK = Tags("[THINK]", "[/THINK]")
+TAGS = (THINK, MISTRAL_THINK)
+THINK_OPEN, THINK_CLOSE = THINK.open, THINK.close
 REASONING_FORMATS = ("auto", "none")
 # Prompt tokens decoded to see whether the template opened a thought.
 PROMPT_TAIL_TOKENS = 8
 
 
+@dataclass(frozen=True)
+class Thought:
+    """How a request's output is split: its tags, and whether it starts inside a
+    thought (the template opened one)."""
+
+    inside: bool
+    tags: Tags = THINK
+
+
+def _thought(start: Thought | bool) -> Thought:
+    return start if isinstance(start, Thought) else Thought(start)
+
+
+def template_tags(tokenizer: Any) -> Tags | None:
+    """The tags the model's chat template speaks of, or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    return next((tags for tags in TAGS if tags.open in template), None)
+
+
 def reasoning_start(
     tokenizer: Any, prompt: Sequence[int], reasoning_format: str = "auto"
-) -> bool | None:
+) -> Thought | None:
     """For a chat request of ``prompt`` tokens: None when its output is not split,
-    else whether the output starts inside a thought."""
+    else its tags and whether the output starts inside a thought."""
     if reasoning_format == "none":
         return None
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or THINK_OPEN not in template:
+    tags = template_tags(tokenizer)
+    if tags is None:
         return None
     tail = tokenizer.decode(list(prompt[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-    return tail.rstrip().endswith(THINK_OPEN)
+    return Thought(tail.rstrip().endswith(tags.open), tags)
 
 
 class ThoughtTokens:
@@ -45,9 +79,11 @@ class ThoughtTokens:
     where the model's tokenizer has ``<think>`` and ``</think>`` as single tokens
     (reasoning models' tokenizers do), else not counted (``count`` None)."""
 
-    def __init__(self, tokenizer: Any, inside: bool) -> None:
-        open_ids = tokenizer.encode(THINK_OPEN, add_special_tokens=False)
-        close_ids = tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    def __init__(self, tokenizer: Any, start: Thought | bool) -> None:
+        thought = _thought(start)
+        inside = thought.inside
+        open_ids = tokenizer.encode(thought.tags.open, add_special_tokens=False)
+        close_ids = tokenizer.encode(thought.tags.close, add_special_tokens=False)
         single = len(open_ids) == 1 and len(close_ids) == 1
         self._open = open_ids[0] if single else None
         self._close = close_ids[0] if single else None
@@ -71,13 +107,13 @@ class ThoughtTokens:
             self._done = True
 
 
-def tags_are_special(tokenizer: Any) -> bool:
-    """Whether the tokenizer has ``<think>`` and ``</think>`` as special tokens, which
-    decoding would leave out: such a model's text is decoded with special tokens kept,
-    so that the split sees its tags."""
+def tags_are_special(tokenizer: Any, tags: Tags = THINK) -> bool:
+    """Whether the tokenizer has the thought's tags as special tokens, which decoding
+    would leave out: such a model's text is decoded with special tokens kept, so that
+    the split sees its tags."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     named = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    for tag in (THINK_OPEN, THINK_CLOSE):
+    for tag in (tags.open, tags.close):
         ids = tokenizer.encode(tag, add_special_tokens=False)
         if len(ids) != 1:
             return False
@@ -103,6 +139,7 @@ class ReasoningSplitter:
     ``feed`` returns what can be released now; ``flush`` the rest at the end."""
 
     inside: bool
+    tags: Tags = field(default=THINK)
     # Whether the output may still open a thought (only before any visible answer).
     _may_open: bool = True
     _pending: str = ""
@@ -121,14 +158,14 @@ class ReasoningSplitter:
         self._pending = ""
         while rest:
             if self.inside:
-                end = rest.find(THINK_CLOSE)
+                end = rest.find(self.tags.close)
                 if end < 0:
-                    keep = _partial_tag(rest, THINK_CLOSE)
+                    keep = _partial_tag(rest, self.tags.close)
                     thought.append(rest[: len(rest) - keep])
                     self._pending = rest[len(rest) - keep :]
                     break
                 thought.append(rest[:end])
-                rest = rest[end + len(THINK_CLOSE) :]
+                rest = rest[end + len(self.tags.close) :]
                 self.inside = False
                 continue
             if self._may_open:
@@ -136,11 +173,11 @@ class ReasoningSplitter:
                 if not stripped:
                     self._pending = rest
                     break
-                if stripped.startswith(THINK_OPEN):
-                    rest = stripped[len(THINK_OPEN) :]
+                if stripped.startswith(self.tags.open):
+                    rest = stripped[len(self.tags.open) :]
                     self.inside, self._may_open = True, False
                     continue
-                if THINK_OPEN.startswith(stripped):
+                if self.tags.open.startswith(stripped):
                     self._pending = rest
                     break
                 self._may_open = False
@@ -167,21 +204,28 @@ class ReasoningSplitter:
         return "", rest
 
 
-def split_reasoning(text: str, inside: bool) -> tuple[str | None, str]:
+def split_reasoning(text: str, start: Thought | bool) -> tuple[str | None, str]:
     """(thought or None when there was none, answer) of a whole output."""
-    splitter = ReasoningSplitter(inside)
+    thought = _thought(start)
+    splitter = ReasoningSplitter(thought.inside, thought.tags)
     splitter.feed(text)
     splitter.flush()
-    thought = splitter.reasoning if (inside or splitter.reasoning or splitter.inside) else None
-    return thought, splitter.content
+    had = thought.inside or splitter.reasoning or splitter.inside
+    return (splitter.reasoning if had else None), splitter.content
+
+
+def splitter_for(start: Thought | bool) -> ReasoningSplitter:
+    """A streaming splitter for an output that starts as ``start`` says."""
+    thought = _thought(start)
+    return ReasoningSplitter(thought.inside, thought.tags)
 
 
 async def split_pieces(
-    texts: AsyncIterator[str], reasoning: bool | None
+    texts: AsyncIterator[str], reasoning: Thought | bool | None
 ) -> AsyncIterator[tuple[str, str]]:
     """(thought, answer) pieces of a streamed output: all answer unless ``reasoning``
     (where the output starts, as ``reasoning_start`` says) is set."""
-    splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
+    splitter = splitter_for(reasoning) if reasoning is not None else None
     async for text in texts:
         yield splitter.feed(text) if splitter is not None else ("", text)
     if splitter is not None:

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from mesh.errors import MeshError
 from stage.frontend.errors import OpenAIError, from_mesh_error
 from stage.frontend.generation import GenerationRun
-from stage.frontend.reasoning import ReasoningSplitter, split_reasoning
+from stage.frontend.reasoning import split_reasoning, splitter_for
 from stage.frontend.telemetry import FrontendMetrics
 
 logger = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ async def _choice_events(
     sent = 0
     # A reasoning model's thought goes out as ``reasoning_content`` deltas.
     thinking = run.prepared.reasoning if chat else None
-    splitter = ReasoningSplitter(thinking) if thinking is not None else None
+    splitter = splitter_for(thinking) if thinking is not None else None
     if run.prepared.echo:  # the prompt's text (and scores) before the completion's
         yield sse(_chunk(run, [_choice(run, run.echo, None, prompt_logprobs(run))])), False
         sent = len(run.echo)

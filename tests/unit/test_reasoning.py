@@ -16,7 +16,14 @@ from openai import OpenAI
 
 from stage.frontend.backend import TokenEvent
 from stage.frontend.prepare import FrontendLimits
-from stage.frontend.reasoning import ReasoningSplitter, reasoning_start, split_reasoning
+from stage.frontend.reasoning import (
+    MISTRAL_THINK,
+    THINK,
+    ReasoningSplitter,
+    Tags,
+    reasoning_start,
+    split_reasoning,
+)
 
 # Qwen3's shape: the model opens the thought itself, and enable_thinking false puts
 # an empty one in the prompt.
@@ -76,7 +83,8 @@ def test_which_requests_are_split(smollm2_tokenizer_dir) -> None:
         prompt = tokenizer.apply_chat_template(
             ask, add_generation_prompt=True, return_dict=True, **variables
         )["input_ids"]
-        return reasoning_start(tokenizer, prompt, fmt)
+        thought = reasoning_start(tokenizer, prompt, fmt)
+        return None if thought is None else thought.inside
 
     assert start(QWEN_LIKE) is False  # split; a thought only at the start of the output
     assert start(QWEN_LIKE, enable_thinking=False) is False
@@ -93,11 +101,11 @@ def serve(smollm2_tokenizer_dir) -> Iterator:
 
     stack: list = []
 
-    def start(template: str, answer: str, think_tokens: str = "", **app):
+    def start(template: str, answer: str, think_tokens: str = "", tags: Tags = THINK, **app):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
         tokenizer.chat_template = template
         if think_tokens:  # "plain" as Qwen3's and DeepSeek-R1's tokenizers have them
-            tokenizer.add_tokens(["<think>", "</think>"], special_tokens=think_tokens == "special")
+            tokenizer.add_tokens([tags.open, tags.close], special_tokens=think_tokens == "special")
         ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
         # One token per event: the tags arrive cut into pieces.
         events = [TokenEvent(ids[i : i + 1]) for i in range(len(ids) - 1)]
@@ -145,6 +153,37 @@ def test_the_thought_comes_back_as_reasoning_content(serve, template, answer) ->
     assert reply.usage.completion_tokens > 10
     thought, content, finish, _ = streamed(client)
     assert (thought, content, finish) == (message.reasoning_content, message.content, "stop")
+
+
+# Magistral's shape: the system prompt speaks of [THINK]; the 2509 release has the
+# tags as special tokens.
+MAGISTRAL_LIKE = (
+    "[SYSTEM_PROMPT]Draft your thinking inside [THINK]...[/THINK], then answer."
+    "[/SYSTEM_PROMPT]{%- for m in messages %}[INST]{{ m.content }}[/INST]{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize("think_tokens", ["", "special"])
+def test_magistral_s_think_tags_split_the_same_way(serve, think_tokens) -> None:
+    answer = f"[THINK]{THOUGHT}[/THINK]2 + 2 = 4."
+    client, _, _ = serve(MAGISTRAL_LIKE, answer, think_tokens, MISTRAL_THINK)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=ASK)
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (THOUGHT, "2 + 2 = 4.")
+    details = reply.usage.completion_tokens_details
+    if think_tokens:  # single tokens: the thought's tokens are counted
+        assert details.reasoning_tokens > 5
+    thought, content, finish, _ = streamed(client)
+    assert (thought, content, finish) == (THOUGHT, "2 + 2 = 4.", "stop")
+    rng = random.Random(3)
+    for _ in range(50):
+        splitter, got, at = ReasoningSplitter(False, MISTRAL_THINK), ("", ""), 0
+        while at < len(answer):
+            step = rng.randint(1, 5)
+            piece = splitter.feed(answer[at : at + step])
+            got, at = (got[0] + piece[0], got[1] + piece[1]), at + step
+        rest = splitter.flush()
+        assert (got[0] + rest[0], got[1] + rest[1]) == (THOUGHT, "2 + 2 = 4.")
 
 
 def test_tool_calls_after_a_thought_are_parsed_from_the_answer(serve) -> None:
