@@ -25,7 +25,7 @@ from mesh.doctor import (
     run,
     warned,
 )
-from mesh.doctor.host import check_device, check_port, device_memory
+from mesh.doctor.host import check_device, check_port, check_udp_port, device_memory
 from mesh.doctor.package import REBUILD, check_draft, check_package
 from mesh.doctor.tls import check_security
 from mesh.errors import InvalidRequest, MeshError
@@ -168,6 +168,8 @@ def _ports(config: UpConfig) -> list[CheckResult]:
     except ValueError as error:
         return [failed("port", f"--listen: {error}", "write it as HOST:PORT, e.g. 0.0.0.0:7070")]
     results = [check_port(host, port, "--listen")]
+    if coord.discovery and port != 0:
+        results.append(check_udp_port(host, port, "LAN discovery"))
     if not coord.no_local_stage:
         results.append(check_port(serving.http_host, serving.http_port, "--http-port"))
     return results

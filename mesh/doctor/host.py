@@ -39,6 +39,24 @@ def check_port(host: str, port: int, flag: str) -> CheckResult:
     return passed(name, f"{flag} {where} is free")
 
 
+def check_udp_port(host: str, port: int, what: str) -> CheckResult:
+    """Whether this process could receive UDP on ``host:port`` now; a WARN (not a
+    FAIL) when it cannot: ``what`` goes without it."""
+    name = "udp port"
+    where = f"{url_host(host)}:{port}/udp"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind(("" if host in ("0.0.0.0", "::") else host, port))
+        except OSError as error:
+            return warned(
+                name,
+                f"{where} cannot be had ({error.strerror}): {what} will be off",
+                "free that UDP port, or give the stages --coordinator HOST:PORT",
+            )
+    return passed(name, f"{where} is free ({what})")
+
+
 def _bind_failure(name: str, where: str, port: int, flag: str, error: OSError) -> CheckResult:
     if error.errno == errno.EADDRINUSE:
         holder = listener_of(port)

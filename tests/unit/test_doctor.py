@@ -273,6 +273,20 @@ def test_port_in_use(package, certs, token_file, capsys):
     assert f"--listen 127.0.0.1:{port} is in use by pid {os.getpid()}" in failure["detail"]
 
 
+def test_a_taken_udp_port_warns_that_discovery_will_be_off(package, certs, token_file, capsys):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        argv = good_args(package, certs, token_file)
+        argv[argv.index("--listen") + 1] = f"127.0.0.1:{port}"
+        code, checks = coordinator_doctor(argv, capsys)
+        _, quiet = coordinator_doctor([*argv, "--no-discovery"], capsys)
+    assert code == 0  # a warning: the mesh serves without discovery
+    assert checks["udp port"]["status"] == "WARN"
+    assert "LAN discovery will be off" in checks["udp port"]["detail"]
+    assert "udp port" not in quiet.names()
+
+
 def test_console_script_http_port_in_use(package, certs, token_file):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
