@@ -312,6 +312,7 @@ def up(args: argparse.Namespace) -> int:
         coord.advertise or "",
         security.tls_enabled,
         security.join_token,
+        service.coordinator_id,
     )
     if coord.discovery:
         responder.start()

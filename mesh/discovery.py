@@ -10,9 +10,9 @@ else at the address the answer came from.
 Query and answer are one JSON datagram each::
 
     {"kind": "mesh-discover", "v": 1, "nonce": "<32 hex>"}
-    {"kind": "mesh-coordinator", "v": 1, "nonce": "<the query's>", "port": 7070,
-     "host": "<advertised host or empty>", "model": "<model id>", "tls": false,
-     "token": true, "mac": "<hex>"}
+    {"kind": "mesh-coordinator", "v": 1, "nonce": "<the query's>", "id": "coord-...",
+     "port": 7070, "host": "<advertised host or empty>", "model": "<model id>",
+     "tls": false, "token": true, "mac": "<hex>"}
 
 With a join token the answer carries ``mac``, an HMAC-SHA256 keyed by the token
 over the answer's other fields (canonical JSON), and a stage that has the token
@@ -20,8 +20,11 @@ joins only a coordinator whose answer proves it knows the token too: a host that
 answers queries in a coordinator's place cannot make a stage send it its token.
 Without a token anyone who can reach the mesh can join it, and discovery adds no
 exposure beyond that; on networks you do not trust, use a token (and TLS) or name
-the coordinator. When several coordinators answer, the stage stops and lists them:
-name one with ``--coordinator HOST:PORT``.
+the coordinator. The query also goes to 127.0.0.1, where a coordinator on the
+stage's own host answers (one listening on loopback only, as ``make serve``'s).
+A coordinator that answers on several networks (or on loopback too) is one offer,
+by its id; when several coordinators answer, the stage stops and lists them: name
+one with ``--coordinator HOST:PORT``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ QUERY = "mesh-discover"
 ANSWER = "mesh-coordinator"
 DEFAULT_PORT = 7070
 MAX_DATAGRAM = 2048
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Offer:
     """A coordinator's answer."""
 
     address: str  # HOST:PORT to join
+    coordinator_id: str
     model_id: str
     tls: bool
     token: bool
@@ -68,7 +73,13 @@ def _mac(token: str, fields: dict[str, object]) -> str:
 
 
 def answer_for(
-    query: bytes, port: int, model_id: str, host: str, tls: bool, token: str | None
+    query: bytes,
+    port: int,
+    model_id: str,
+    host: str,
+    tls: bool,
+    token: str | None,
+    coordinator_id: str = "",
 ) -> bytes | None:
     """The answer datagram to ``query``, or None when it is not a discovery query."""
     try:
@@ -84,6 +95,7 @@ def answer_for(
         "kind": ANSWER,
         "v": VERSION,
         "nonce": nonce,
+        "id": coordinator_id,
         "port": port,
         "host": host,
         "model": model_id,
@@ -126,6 +138,7 @@ def read_answer(data: bytes, source: str, nonce: str, token: str | None) -> Offe
         return None
     return Offer(
         address=f"{url_host(host or source)}:{port}",
+        coordinator_id=str(fields.get("id", "")),
         model_id=str(fields.get("model", "")),
         tls=fields.get("tls") is True,
         token=needs_token,
@@ -143,7 +156,9 @@ class DiscoveryResponder:
         advertise: str,
         tls: bool,
         token: str | None,
+        coordinator_id: str = "",
     ) -> None:
+        self._id = coordinator_id
         self._bind = (host if host not in ("0.0.0.0", "::") else "", port)
         self._port = port
         self._model_id = model_id
@@ -188,7 +203,13 @@ class DiscoveryResponder:
             except OSError:
                 return
             answer = answer_for(
-                query, self._port, self._model_id(), self._advertise, self._tls, self._token
+                query,
+                self._port,
+                self._model_id(),
+                self._advertise,
+                self._tls,
+                self._token,
+                self._id,
             )
             if answer is None:
                 continue
@@ -208,15 +229,16 @@ class DiscoveryResponder:
 def discover(
     port: int, token: str | None, wait_s: float, targets: Sequence[str] | None = None
 ) -> list[Offer]:
-    """Ask once (to ``targets``, by default every broadcast address of this host)
-    and collect the offers that come within ``wait_s``, one per address."""
+    """Ask once (to ``targets``, by default every broadcast address of this host and
+    127.0.0.1) and collect the offers that come within ``wait_s``, one per
+    coordinator (the first answer of each)."""
     nonce = secrets.token_hex(16)
     query = _canonical({"kind": QUERY, "v": VERSION, "nonce": nonce})
     offers: dict[str, Offer] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
         sock.bind(("", 0))
-        for target in targets if targets is not None else broadcast_addresses():
+        for target in targets if targets is not None else [*broadcast_addresses(), LOOPBACK]:
             try:
                 sock.sendto(query, (target, port))
             except OSError as error:
@@ -230,7 +252,7 @@ def discover(
                 break
             offer = read_answer(data, source[0], nonce, token)
             if offer is not None:
-                offers.setdefault(offer.address, offer)
+                offers.setdefault(offer.coordinator_id or offer.address, offer)
     return list(offers.values())
 
 

@@ -103,6 +103,21 @@ def test_a_responder_answers_over_udp_and_several_are_listed() -> None:
         second.stop()
 
 
+def test_one_coordinator_answering_on_two_networks_is_one_offer() -> None:
+    port = _free_udp_port("127.0.0.2")
+    same = [
+        DiscoveryResponder(host, port, lambda: "m", "", False, None, "coord-1")
+        for host in ("127.0.0.2", "127.0.0.3")
+    ]
+    assert all(responder.start() for responder in same)
+    try:
+        offer = find_coordinator(port, None, 2.0, targets=["127.0.0.2", "127.0.0.3"])
+        assert offer.coordinator_id == "coord-1"
+    finally:
+        for responder in same:
+            responder.stop()
+
+
 def test_nobody_answering_is_an_error_that_says_what_to_do() -> None:
     port = _free_udp_port()
     with pytest.raises(InvalidRequest, match="no coordinator answered") as raised:
