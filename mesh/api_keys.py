@@ -1,9 +1,10 @@
 """The HTTP API's keys, and the tenant each one names.
 
 An API key file holds one key per line, either alone or after a tenant name
-(``NAME KEY``), optionally followed by ``max_concurrent=N``: the most generations
-(choices) the tenant may run at once; blank lines and lines starting with ``#`` are
-skipped. A key given
+(``NAME KEY``), optionally followed by the tenant's limits, each at most once:
+``max_concurrent=N`` (the most generations, choices, it may run at once),
+``rpm=N`` (requests per minute) and ``tpm=N`` (prompt and completion tokens per
+minute); blank lines and lines starting with ``#`` are skipped. A key given
 alone names the tenant ``key-`` followed by 8 hex digits of its SHA-256 (stable,
 and it tells nothing about the key). ``MESH_API_KEY`` gives one key.
 
@@ -11,7 +12,8 @@ The tenant is what the server trusts about who sent a request (a client chooses
 its ``user`` field freely): the prefix cache is kept per tenant and the suffix
 drafter's corpus per tenant and user, so that one tenant's text never shapes
 another's latency; ``/metrics`` counts tokens per tenant; a tenant's
-``max_concurrent`` caps its running generations (stage/frontend/tenant_slots.py).
+``max_concurrent`` caps its running generations (stage/frontend/tenant_slots.py)
+and its ``rpm`` / ``tpm`` its rate (stage/frontend/tenant_rates.py).
 
 The file is read again when it changes (checked at most once a second), so keys
 are added, rotated and revoked without a restart; a file that stops parsing keeps
@@ -36,22 +38,38 @@ from mesh.errors import InvalidRequest
 logger = logging.getLogger(__name__)
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
-# A tenant's limit after its key: ``max_concurrent=N``.
-LIMIT_PREFIX = "max_concurrent="
+# A tenant's limits after its key: ``NAME=N``.
+LIMIT_NAMES = ("max_concurrent", "rpm", "tpm")
 # How often the key file's modification time is looked at.
 RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits from its key's line (None: only the server's own)."""
+
+    max_concurrent: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+NO_LIMITS = TenantLimits()
+
+
+@dataclass(frozen=True)
 class ApiKeys:
-    """Keys (UTF-8 bytes) and the tenant each names; ``limits``: tenants' most
-    generations at once (absent: only the server's own limits)."""
+    """Keys (UTF-8 bytes) and the tenant each names; ``limits``: the tenants' limits
+    (a tenant absent has only the server's own)."""
 
     entries: tuple[tuple[bytes, str], ...]
-    limits: tuple[tuple[str, int], ...] = ()
+    limits: tuple[tuple[str, TenantLimits], ...] = ()
+
+    def limits_of(self, tenant: str) -> TenantLimits:
+        return dict(self.limits).get(tenant, NO_LIMITS)
 
     def limit_of(self, tenant: str) -> int | None:
-        return dict(self.limits).get(tenant)
+        """The tenant's ``max_concurrent``."""
+        return self.limits_of(tenant).max_concurrent
 
     def tenant_of(self, given: bytes) -> str | None:
         """The tenant of key ``given``, None when it is none of them. Every key is
@@ -80,20 +98,22 @@ def parse_keys(text: str, source: str = "the API key file") -> ApiKeys:
     """The keys of a key file's text; InvalidRequest naming the line when a line is
     malformed, a key is used twice, or a tenant named twice."""
     entries: list[tuple[bytes, str]] = []
-    limits: list[tuple[str, int]] = []
+    limits: list[tuple[str, TenantLimits]] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         fields = line.split()
-        limit = None
-        if len(fields) in (2, 3) and fields[-1].startswith(LIMIT_PREFIX):
-            value = fields.pop()[len(LIMIT_PREFIX) :]
+        found: dict[str, int] = {}
+        while len(fields) > 1 and _is_limit(fields[-1]):
+            name, _, value = fields.pop().partition("=")
+            if name in found:
+                raise InvalidRequest(f"{source}, line {number}: {name} is given twice")
             if not value.isdigit() or int(value) < 1:
                 raise InvalidRequest(
-                    f"{source}, line {number}: {LIMIT_PREFIX}{value} must be a whole number >= 1"
+                    f"{source}, line {number}: {name}={value} must be a whole number >= 1"
                 )
-            limit = int(value)
+            found[name] = int(value)
         if len(fields) == 1:
             key = fields[0].encode()
             tenant = bare_tenant(key)
@@ -107,15 +127,15 @@ def parse_keys(text: str, source: str = "the API key file") -> ApiKeys:
         else:
             raise InvalidRequest(
                 f"{source}, line {number}: expected 'KEY' or 'NAME KEY' (then optionally "
-                f"'{LIMIT_PREFIX}N'), got {len(fields)} fields"
+                f"limits: {', '.join(n + '=N' for n in LIMIT_NAMES)}), got {len(fields)} fields"
             )
         if any(key == old for old, _ in entries):
             raise InvalidRequest(f"{source}, line {number}: this key is already on an earlier line")
         if any(tenant == old for _, old in entries):
             raise InvalidRequest(f"{source}, line {number}: tenant {tenant!r} is named twice")
         entries.append((key, tenant))
-        if limit is not None:
-            limits.append((tenant, limit))
+        if found:
+            limits.append((tenant, TenantLimits(**found)))
     if not entries:
         raise InvalidRequest(f"{source} holds no key")
     return ApiKeys(tuple(entries), tuple(limits))
@@ -182,6 +202,13 @@ class KeySource:
 
     def limit_of(self, tenant: str) -> int | None:
         return self.current().limit_of(tenant)
+
+    def limits_of(self, tenant: str) -> TenantLimits:
+        return self.current().limits_of(tenant)
+
+
+def _is_limit(field: str) -> bool:
+    return field.partition("=")[0] in LIMIT_NAMES and "=" in field
 
 
 def presented_key(headers: Mapping[str, str]) -> bytes | None:

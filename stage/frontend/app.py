@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from mesh.api_keys import KeySource, key_source, presented_key
+from mesh.api_keys import NO_LIMITS, KeySource, key_source, presented_key
 from mesh.errors import MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
 from stage.frontend import anthropic, anthropic_answer, tokenize
@@ -67,6 +67,7 @@ from stage.frontend.streaming import (
     until_disconnect,
 )
 from stage.frontend.telemetry import CLIENT_CLOSED_STATUS, EdgeMiddleware, FrontendMetrics
+from stage.frontend.tenant_rates import TenantRates
 from stage.frontend.tenant_slots import TenantSlots
 from stage.frontend.translated import AnswerShape, collect_text, serve_run
 
@@ -118,6 +119,7 @@ class _Frontend:
         self.fingerprint = fingerprint
         self.created = int(time.time())
         self.tenant_slots = TenantSlots(metrics.tenant_running)
+        self.tenant_rates = TenantRates(metrics.tenant_rate_limited)
         self.fim = fim_tokens(tokenizer)
         self.responses = ResponseStore(limits.stored_responses)
 
@@ -152,11 +154,32 @@ class _Frontend:
         request.state.tenant = tenant
         return tenant
 
-    def claim_slots(self, tenant: str, count: int) -> list[Callable[[], None]]:
-        """``count`` of the tenant's generation slots (its key's ``max_concurrent``),
-        one release each; 429 when its key runs too many already."""
-        limit = self.api_keys.limit_of(tenant) if self.api_keys is not None and tenant else None
-        return self.tenant_slots.claim(tenant, count, limit)
+    def claim_slots(
+        self, tenant: str, count: int, prompt_tokens: int = 0
+    ) -> list[Callable[[int], None]]:
+        """``count`` of the tenant's generation slots (its key's ``max_concurrent``)
+        and one request of its rate (``rpm``, ``tpm``: the prompt's tokens now, each
+        generation's completion tokens when it is released with them); 429 when its
+        key runs too many already or is over its rate."""
+        limits = NO_LIMITS
+        if self.api_keys is not None and tenant:
+            limits = self.api_keys.limits_of(tenant)
+        slots = self.tenant_slots.claim(tenant, count, limits.max_concurrent)
+        try:
+            self.tenant_rates.admit(tenant, limits, prompt_tokens)
+        except OpenAIError:
+            for release in slots:
+                release()
+            raise
+
+        def charged(release: Callable[[], None]) -> Callable[[int], None]:
+            def release_with(completion_tokens: int = 0) -> None:
+                release()
+                self.tenant_rates.charge(tenant, limits, completion_tokens)
+
+            return release_with
+
+        return [charged(release) for release in slots]
 
     async def check_ready(self) -> None:
         """Serve now, or after the reload in progress; else 503 with the reason."""
@@ -227,7 +250,8 @@ class _Frontend:
                 "requests plus its queue); send fewer prompts or a smaller n",
                 "n" if len(prepared.requests) == 1 else "prompt",
             )
-        releases = self.claim_slots(prepared.request.tenant, len(choices))
+        prompt_tokens = sum(len(r.prompt_tokens) for r in prepared.requests)
+        releases = self.claim_slots(prepared.request.tenant, len(choices), prompt_tokens)
         runs = [
             GenerationRun(
                 self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, r, i,
@@ -284,7 +308,8 @@ class _Frontend:
         chat, shape = parse(payload)
         await self.check_ready()
         prepared = await prepare_chat(chat, self.prompt_context(request))
-        (release,) = self.claim_slots(prepared.request.tenant, 1)
+        prompt_tokens = len(prepared.request.prompt_tokens)
+        (release,) = self.claim_slots(prepared.request.tenant, 1, prompt_tokens)
         run = GenerationRun(
             self.backend, prepared, self.tokenizer, self.metrics, endpoint, arrival, release=release
         )

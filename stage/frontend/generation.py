@@ -49,7 +49,7 @@ class GenerationRun:
         arrival_s: float,
         request: GenerationRequest | None = None,
         index: int = 0,
-        release: Callable[[], None] | None = None,
+        release: Callable[[int], None] | None = None,
     ) -> None:
         self.prepared = prepared
         # Gives back the tenant's slot this generation holds (tenant_slots.py), once.
@@ -246,7 +246,7 @@ class GenerationRun:
             return
         self._closed = True
         if self._release is not None:
-            self._release()
+            self._release(self.completion_tokens)
         task = self._task
         if task is not None:
             if not task.done():

@@ -48,7 +48,8 @@ async def _generate(front: Any, request: Request, endpoint: str) -> Response:
         ask = await prepare_infill(body, ctx)
     else:
         ask = await prepare_native(body, ctx)
-    (release,) = front.claim_slots(ask.prepared.request.tenant, 1)
+    prompt_tokens = len(ask.prepared.request.prompt_tokens)
+    (release,) = front.claim_slots(ask.prepared.request.tenant, 1, prompt_tokens)
     run = GenerationRun(
         front.backend, ask.prepared, front.tokenizer, front.metrics, endpoint, arrival,
         release=release,

@@ -103,6 +103,13 @@ class FrontendMetrics:
             ("tenant",),
             registry=r,
         )
+        self.tenant_rate_limited = Counter(
+            "mesh_tenant_rate_limited_total",
+            "Requests refused (429) for a tenant's rpm or tpm limit, by the limit "
+            "(requests, tokens); only with API keys.",
+            ("tenant", "limit"),
+            registry=r,
+        )
         self.active_requests = Gauge(
             "mesh_active_requests", "Generations in flight in the HTTP layer.", registry=r
         )

@@ -54,6 +54,21 @@ def test_a_tenant_may_carry_a_limit() -> None:
             parse_keys(bad)
 
 
+def test_a_tenant_may_carry_rates_in_any_order() -> None:
+    keys = parse_keys("alice k-a tpm=5000 rpm=60 max_concurrent=2\nbob k-b rpm=1\ncarol k-c\n")
+    alice = keys.limits_of("alice")
+    assert (alice.max_concurrent, alice.rpm, alice.tpm) == (2, 60, 5000)
+    assert (keys.limits_of("bob").rpm, keys.limits_of("bob").tpm) == (1, None)
+    assert keys.limits_of("carol") == keys.limits_of("nobody") == api_keys.NO_LIMITS
+    for bad, words in [
+        ("alice k rpm=1 rpm=2", "rpm is given twice"),
+        ("alice k tpm=0", "tpm=0 must be a whole number"),
+        ("alice k rpm=-1", "rpm=-1 must be"),
+    ]:
+        with pytest.raises(InvalidRequest, match=words):
+            parse_keys(bad)
+
+
 def test_a_changed_file_is_read_again_and_a_broken_one_keeps_the_old_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
