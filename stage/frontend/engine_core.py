@@ -23,7 +23,7 @@ carries on; past the recovery deadline it fails. Any other error fails the reque
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
 from mesh.errors import (
@@ -172,9 +172,17 @@ class EngineCore:
         if self.info is not None and self.info.kv_sessions > 0:
             cap = min(cap, self.info.kv_sessions)
         while self.waiting and len(self.running) < cap:
-            run = self.waiting.popleft()
+            run = self._next_waiting()
+            self.waiting.remove(run)
             # A scored prompt is read whole: every position's row must reach the head.
             self.running[run.request.request_id] = Tracked(run, no_prefix=run.request.score_prompt)
+
+    def _next_waiting(self) -> RequestRun:
+        """The waiting request to admit next: the earliest of those whose tenant (API
+        key) runs the fewest now, so one key's burst in the queue does not hold the
+        others back; without keys (one tenant), the earliest."""
+        running = Counter(tracked.run.request.tenant for tracked in self.running.values())
+        return min(self.waiting, key=lambda run: running[run.request.tenant])
 
     @property
     def queued(self) -> int:

@@ -128,6 +128,27 @@ def test_admission_queues_then_refuses() -> None:
     assert sorted(got) == ["a", "b", "c"]
 
 
+def test_a_tenant_with_fewer_running_is_admitted_before_another_s_burst() -> None:
+    core, _ = core_with(max_sessions=2, max_queued=8)
+    for index in range(5):  # alice's burst: 2 running, 3 waiting
+        core.add(replace(request(f"alice-{index}", (1, 2, index)), tenant="alice"))
+    core.add(replace(request("bob-0", (3, 4)), tenant="bob"))
+    assert sorted(core.running) == ["alice-0", "alice-1"]
+    core.cancel("alice-0")
+    # bob runs nothing, alice one: bob's request goes first, not alice's next.
+    assert sorted(core.running) == ["alice-1", "bob-0"]
+    core.cancel("alice-1")
+    core.cancel("bob-0")
+    # Within a tenant, arrival order.
+    assert sorted(core.running) == ["alice-2", "alice-3"]
+    # Without keys every request is the tenant "": first come, first served.
+    plain, _ = core_with(max_sessions=1, max_queued=8)
+    for rid in ("a", "b", "c"):
+        plain.add(request(rid, (1, 2)))
+    plain.cancel("a")
+    assert list(plain.running) == ["b"]
+
+
 def test_stop_token_and_cancellation_end_the_session_everywhere() -> None:
     prompt = (5, 6, 7)
     stop_at = greedy(prompt, 4)[2]
