@@ -337,7 +337,7 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
             code="unsupported_parameter",
         )
     use = TemplateUse(
-        body.chat_template_kwargs,
+        body.template_variables(),
         body.add_generation_prompt is not False,
         bool(body.continue_final_message),
     )

@@ -50,6 +50,8 @@ class StreamOptions(_Body):
 
 
 # OpenAI request fields that do not change what is generated: accepted and ignored.
+# ``reasoning_effort`` values that ask a reasoning model not to think.
+REST_EFFORTS = ("none", "minimal")
 IGNORED_FIELDS = frozenset(
     {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 )
@@ -289,6 +291,17 @@ class ChatCompletionBody(GenerationBody):
     # leaves the assistant's turn unopened.
     add_generation_prompt: Bool | None = None
     continue_final_message: Bool | None = None
+    # OpenAI's: how hard a reasoning model thinks. Reaches the template as
+    # ``enable_thinking`` (false for none / minimal), as the Responses API's does.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs``, with ``reasoning_effort``'s ``enable_thinking``
+        where the request does not set it there itself."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("enable_thinking", self.reasoning_effort not in REST_EFFORTS)
+        return variables or self.chat_template_kwargs
 
     @property
     def tool_choice_name(self) -> str:

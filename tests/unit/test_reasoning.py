@@ -10,6 +10,7 @@ import random
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 from frontend_support import MODEL_ID, ScriptedBackend, live_server
 from openai import OpenAI
@@ -212,6 +213,27 @@ def test_off_or_for_other_models_the_text_is_left_whole(serve) -> None:
     assert "reasoning_content" not in reply["choices"][0]["message"]
     # Completions are never split.
     assert client.completions.create(model=MODEL_ID, prompt="2+2").choices[0].text == answer
+
+
+def test_reasoning_effort_reaches_the_template_as_enable_thinking(serve) -> None:
+    client, backend, _ = serve(QWEN_LIKE, "2 + 2 = 4.")
+
+    def prompt(**extra) -> tuple[int, ...]:
+        client.chat.completions.create(model=MODEL_ID, messages=ASK, **extra)
+        return backend.requests[-1].prompt_tokens
+
+    thinking, plain = (
+        prompt(),
+        prompt(extra_body={"chat_template_kwargs": {"enable_thinking": False}}),
+    )
+    assert plain != thinking
+    assert prompt(reasoning_effort="none") == prompt(reasoning_effort="minimal") == plain
+    assert prompt(reasoning_effort="high") == prompt(reasoning_effort="low") == thinking
+    # chat_template_kwargs, when it says, wins.
+    both = {"chat_template_kwargs": {"enable_thinking": True}}
+    assert prompt(reasoning_effort="none", extra_body=both) == thinking
+    with pytest.raises(openai.BadRequestError):
+        prompt(extra_body={"reasoning_effort": "extreme"})
 
 
 def test_chat_template_kwargs_reach_the_template(serve) -> None:
