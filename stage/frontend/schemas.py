@@ -294,6 +294,8 @@ class ChatCompletionBody(GenerationBody):
     # OpenAI's: how hard a reasoning model thinks. Reaches the template as
     # ``enable_thinking`` (false for none / minimal), as the Responses API's does.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # OpenAI's output modalities: text, the default, is the one served.
+    modalities: list[Str] | None = None
 
     def template_variables(self) -> dict[str, Any] | None:
         """``chat_template_kwargs``, with ``reasoning_effort``'s ``enable_thinking``
@@ -327,6 +329,10 @@ class ChatCompletionBody(GenerationBody):
             problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.functions:
             problems.append(("functions", "'functions' is deprecated; send 'tools'"))
+        if self.modalities is not None and list(self.modalities) != ["text"]:
+            problems.append(
+                ("modalities", "only text output is supported: send modalities ['text']")
+            )
         if not self.tools:
             for name in ("tool_choice", "parallel_tool_calls"):
                 if getattr(self, name) is not None:

@@ -220,6 +220,8 @@ def with_(body: dict, **changes) -> dict:
         (COMPLETIONS, with_(OK_COMPLETION, logprobs=6), "logprobs"),
         (COMPLETIONS, with_(OK_COMPLETION, logprobs=True), "logprobs"),
         (COMPLETIONS, with_(OK_COMPLETION, suffix="end"), "suffix"),
+        (CHAT, with_(OK_CHAT, modalities=["text", "audio"]), "modalities"),
+        (CHAT, with_(OK_CHAT, reasoning_effort="huge"), "reasoning_effort"),
         (COMPLETIONS, with_(OK_COMPLETION, n=40), "n"),
     ],
 )
@@ -244,6 +246,9 @@ def test_bookkeeping_fields_and_replayed_message_fields_are_accepted(http) -> No
     ]
     body = with_(OK_CHAT, messages=messages, metadata={"k": "v"}, store=False)
     reply = http.post(CHAT, json=body)
+    assert reply.status_code == 200, reply.text
+    # Text output, OpenAI's default modality, may be asked for.
+    reply = http.post(CHAT, json=with_(OK_CHAT, modalities=["text"]))
     assert reply.status_code == 200, reply.text
 
 
