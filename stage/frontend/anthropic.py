@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from stage.frontend.errors import OpenAIError, from_validation_error
 from stage.frontend.prepare import PromptContext, checked_chat_prompt
@@ -93,6 +93,17 @@ class Tool(_Body):
     name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Str | None = None
     input_schema: dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tools_only(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(
+                f"server tool {kind!r} is not supported: this server runs only client tools "
+                "(a name, a description and an input_schema), which the client executes"
+            )
+        return value
 
 
 class ToolChoice(_Body):

@@ -80,11 +80,25 @@ def test_count_tokens_errors_have_anthropics_shape(claude, base_url) -> None:
         {"model": MODEL_ID},
         {"model": MODEL_ID, "messages": ASK, "typo": 1},
         {"model": MODEL_ID, "messages": [{"role": "robot", "content": "x"}]},
+        {"model": MODEL_ID, "messages": ASK, "tools": [{"type": "web_search_20250305"}]},
     ):
         response = httpx.post(f"{base_url}/v1/messages/count_tokens", json=body, timeout=30)
         assert response.status_code == 400, response.text
         assert response.json()["type"] == "error"
         assert response.json()["error"]["type"] == "invalid_request_error"
+    refused = httpx.post(
+        f"{base_url}/v1/messages/count_tokens",
+        json={"model": MODEL_ID, "messages": ASK, "tools": [{"type": "web_search_20250305"}]},
+        timeout=30,
+    )
+    assert "server tool 'web_search_20250305' is not supported" in refused.text
+    # A client tool may say its type.
+    custom = httpx.post(
+        f"{base_url}/v1/messages/count_tokens",
+        json={"model": MODEL_ID, "messages": ASK, "tools": [WEATHER | {"type": "custom"}]},
+        timeout=30,
+    )
+    assert custom.status_code == 200, custom.text
 
 
 def test_messages_stream_matches_the_message(claude) -> None:
