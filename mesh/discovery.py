@@ -72,6 +72,17 @@ def _mac(token: str, fields: dict[str, object]) -> str:
     return hmac.new(token.encode(), _canonical(fields), hashlib.sha256).hexdigest()
 
 
+def _message(data: bytes, kind: str) -> dict[str, object] | None:
+    """The JSON object of a datagram of ``kind`` and this version, or None."""
+    try:
+        fields = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(fields, dict) or fields.get("kind") != kind or fields.get("v") != VERSION:
+        return None
+    return fields
+
+
 def answer_for(
     query: bytes,
     port: int,
@@ -82,11 +93,8 @@ def answer_for(
     coordinator_id: str = "",
 ) -> bytes | None:
     """The answer datagram to ``query``, or None when it is not a discovery query."""
-    try:
-        asked = json.loads(query.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(asked, dict) or asked.get("kind") != QUERY or asked.get("v") != VERSION:
+    asked = _message(query, QUERY)
+    if asked is None:
         return None
     nonce = asked.get("nonce")
     if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64:
@@ -109,13 +117,8 @@ def answer_for(
 def read_answer(data: bytes, source: str, nonce: str, token: str | None) -> Offer | None:
     """The offer in an answer datagram from ``source``, or None when it is not an
     answer to this query or (with a token) does not prove the coordinator has it."""
-    try:
-        fields = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(fields, dict) or fields.get("kind") != ANSWER or fields.get("v") != VERSION:
-        return None
-    if fields.get("nonce") != nonce:
+    fields = _message(data, ANSWER)
+    if fields is None or fields.get("nonce") != nonce:
         return None
     port, host, mac = fields.get("port"), fields.get("host"), fields.pop("mac", "")
     if not isinstance(port, int) or not 0 < port < 65536 or not isinstance(host, str):

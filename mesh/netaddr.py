@@ -61,11 +61,11 @@ def route_source(peer_host: str, peer_port: int = 9) -> str | None:
     return None
 
 
-def host_addresses() -> list[str]:
-    """Global (non-loopback) IPv4 addresses of this host's interfaces, in the order
-    ``ip`` lists them; empty when none can be found."""
+def _global_ipv4_listing() -> str:
+    """``ip -o -4 addr show scope global``: one line per global IPv4 address ("" when
+    ``ip`` is missing or fails)."""
     try:
-        out = subprocess.run(
+        return subprocess.run(
             ["ip", "-o", "-4", "addr", "show", "scope", "global"],
             capture_output=True,
             text=True,
@@ -73,7 +73,13 @@ def host_addresses() -> list[str]:
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        out = ""
+        return ""
+
+
+def host_addresses() -> list[str]:
+    """Global (non-loopback) IPv4 addresses of this host's interfaces, in the order
+    ``ip`` lists them; empty when none can be found."""
+    out = _global_ipv4_listing()
     found = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
     if not found:
         try:
@@ -89,16 +95,7 @@ def broadcast_addresses() -> list[str]:
     """The broadcast address of each IPv4 network this host is on (from each
     address's prefix; /31 and /32 networks have none), then the limited broadcast
     255.255.255.255."""
-    try:
-        out = subprocess.run(
-            ["ip", "-o", "-4", "addr", "show", "scope", "global"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
+    out = _global_ipv4_listing()
     found: list[str] = []
     for line in out.splitlines():
         words = line.split()

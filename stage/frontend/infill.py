@@ -19,7 +19,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from stage.frontend.fim import encode_text, extra_tokens, fim_prompt, fit_to_room
+from stage.frontend.fim import FimTokens, encode_text, extra_tokens, fim_prompt, fit_to_room
 from stage.frontend.llama_api import LlamaBody, LlamaRequest
 from stage.frontend.prepare import PromptContext, check_common, fim_of, prepared_generation
 from stage.frontend.schemas_base import Str, _Body
@@ -46,8 +46,7 @@ class InfillBody(LlamaBody):
     prompt: Str = ""
 
 
-def _prompt(body: InfillBody, ctx: PromptContext) -> tuple[list[int], bool]:
-    fim = fim_of(ctx, "input_prefix")
+def _prompt(body: InfillBody, ctx: PromptContext, fim: FimTokens) -> tuple[list[int], bool]:
     tokenizer = ctx.tokenizer
     prefix = encode_text(tokenizer, body.input_prefix)
     suffix = encode_text(tokenizer, body.input_suffix)
@@ -65,8 +64,8 @@ def _prompt(body: InfillBody, ctx: PromptContext) -> tuple[list[int], bool]:
 
 async def prepare_infill(body: InfillBody, ctx: PromptContext) -> LlamaRequest:
     stop = check_common(body, ctx)
-    prompt, truncated = await asyncio.to_thread(_prompt, body, ctx)
     fim = fim_of(ctx, "input_prefix")
+    prompt, truncated = await asyncio.to_thread(_prompt, body, ctx, fim)
     ctx = replace(ctx, stop_token_ids=ctx.stop_token_ids | fim.ends)
     prepared = prepared_generation("completion", body, [prompt], stop, ctx)
     return LlamaRequest.of(prepared, body, truncated)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field, Strict, model_validator
 
 from mesh.errors import MeshError
@@ -47,8 +47,8 @@ from stage.frontend.prepare import (
 )
 from stage.frontend.schemas import MAX_TOKENS_MAX, GenerationBody, TokenList
 from stage.frontend.schemas_base import Str
-from stage.frontend.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
-from stage.frontend.telemetry import CLIENT_CLOSED_STATUS
+from stage.frontend.streaming import sse
+from stage.frontend.translated import serve_run
 
 logger = logging.getLogger(__name__)
 
@@ -270,38 +270,38 @@ async def _pieces(run: GenerationRun, limits: TextLimits) -> AsyncIterator[str]:
         yield rest
 
 
-async def _events(run: GenerationRun, ask: LlamaRequest, limit: TextLimits) -> AsyncIterator[bytes]:
-    try:
-        async for piece in _pieces(run, limit):
-            yield sse({"index": 0, "content": piece, "stop": False})
-    except MeshError as exc:
-        logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
-        yield sse(from_mesh_error(exc, 1).body())
-        return
-    yield sse(_final(run, ask, "", limit.ended))
+class LlamaShape:
+    """A run's answer in llama.cpp's shape (stage/frontend/translated.py's
+    ``serve_run``), its text held to the request's limits (``TextLimits``)."""
+
+    def __init__(self, ask: LlamaRequest) -> None:
+        self.ask = ask
+        self.limits = TextLimits(0, 0.0, 0.0)
+
+    def texts(self, run: GenerationRun) -> AsyncIterator[str]:
+        """The text as it may go out; the limits' clock starts now (the run started)."""
+        ask = self.ask
+        self.limits = TextLimits(ask.n_indent, ask.t_max_predict_s, time.perf_counter())
+        return _pieces(run, self.limits)
+
+    def body(self, run: GenerationRun, text: str) -> dict[str, Any]:
+        return _final(run, self.ask, text, self.limits.ended)
+
+    async def events(self, run: GenerationRun, texts: AsyncIterator[str]) -> AsyncIterator[bytes]:
+        try:
+            async for piece in texts:
+                yield sse({"index": 0, "content": piece, "stop": False})
+        except MeshError as exc:
+            logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
+            yield sse(from_mesh_error(exc, 1).body())
+            return
+        yield sse(_final(run, self.ask, "", self.limits.ended))
 
 
 async def serve_llama(request: Request, run: GenerationRun, ask: LlamaRequest) -> Response:
     """Run the generation and answer in llama.cpp's shape (streamed when asked)."""
-    handed_over = False
-    try:
-        await until_disconnect(request.receive, run.start())
-        limits = TextLimits(ask.n_indent, ask.t_max_predict_s, time.perf_counter())
-        if ask.prepared.stream:
-            handed_over = True
-            return EventStreamResponse(_events(run, ask, limits), on_close=run.aclose)
-
-        async def collect() -> str:
-            return "".join([piece async for piece in _pieces(run, limits)])
-
-        content = await until_disconnect(request.receive, collect())
-        return JSONResponse(_final(run, ask, content, limits.ended))
-    except ClientDisconnected:
-        logger.info("client left before request %s finished", run.request.request_id)
-        return Response(status_code=CLIENT_CLOSED_STATUS)
-    finally:
-        if not handed_over:
-            await run.aclose()
+    shape = LlamaShape(ask)
+    return await serve_run(request, run, shape, shape.texts)
 
 
 def props(

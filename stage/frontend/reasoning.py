@@ -33,7 +33,6 @@ THINK = Tags("<think>", "</think>")
 # Magistral (its template and tokenizer: special tokens in the 2509 release).
 MISTRAL_THINK = Tags("[THINK]", "[/THINK]")
 TAGS = (THINK, MISTRAL_THINK)
-THINK_OPEN, THINK_CLOSE = THINK.open, THINK.close
 REASONING_FORMATS = ("auto", "none")
 # Prompt tokens decoded to see whether the template opened a thought.
 PROMPT_TAIL_TOKENS = 8

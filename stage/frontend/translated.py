@@ -11,7 +11,7 @@ for the whole answer or reads a stream, and the run is always closed.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -50,8 +50,19 @@ async def texts_of(run: GenerationRun) -> AsyncIterator[str]:
         yield text
 
 
-async def serve_run(request: Request, run: GenerationRun, shape: AnswerShape) -> Response:
+async def _joined(texts: AsyncIterator[str]) -> str:
+    return "".join([text async for text in texts])
+
+
+async def serve_run(
+    request: Request,
+    run: GenerationRun,
+    shape: AnswerShape,
+    texts: Callable[[GenerationRun], AsyncIterator[str]] = texts_of,
+) -> Response:
     """Start ``run`` and answer in ``shape``: streamed when the request asked for it.
+    ``texts`` gives the answer's text from the started run (by default all of it, as
+    it comes).
 
     Errors before the first token (429, 503, 400 from the backend) are raised, for
     the route to answer in its API's error shape; a client that leaves gets 499.
@@ -59,11 +70,12 @@ async def serve_run(request: Request, run: GenerationRun, shape: AnswerShape) ->
     handed_over = False
     try:
         await until_disconnect(request.receive, run.start())
+        source = texts(run)
         if run.prepared.stream:
-            events = shape.events(run, texts_of(run))
+            events = shape.events(run, source)
             handed_over = True
             return EventStreamResponse(events, on_close=run.aclose)
-        text = await until_disconnect(request.receive, collect_text(run))
+        text = await until_disconnect(request.receive, _joined(source))
         return JSONResponse(shape.body(run, text))
     except ClientDisconnected:
         logger.info("client left before request %s finished", run.request.request_id)
