@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, live_server
+from fuzz_support import json_values as fuzz_json_values
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -59,21 +60,7 @@ FIELDS = (
     "response_format",
 )
 
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=12),
-    st.sampled_from([0, 1, 2, 4, -1, 0.5, 2**31, 2**64, "", MODEL_ID, "user", "text"]),
-)
-json_values = st.recursive(
-    scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = fuzz_json_values([0, 1, 2, 4, -1, 0.5, 2**31, 2**64, "", MODEL_ID, "user", "text"])
 messages = st.lists(
     st.fixed_dictionaries(
         {

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, live_server
+from fuzz_support import json_values as fuzz_json_values
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -41,21 +42,7 @@ FIELDS = (
     "metadata",
 )
 
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=12),
-    st.sampled_from([0, 1, 2, -1, 0.5, 2**31, "", MODEL_ID, "auto", "none", "function"]),
-)
-json_values = st.recursive(
-    scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = fuzz_json_values([0, 1, 2, -1, 0.5, 2**31, "", MODEL_ID, "auto", "none", "function"])
 parts = st.lists(
     st.fixed_dictionaries(
         {
