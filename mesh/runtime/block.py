@@ -233,7 +233,7 @@ def run_block(
     attends over positions ``0 .. at + T``. A plain function of its arguments, so one
     compiled version serves every layer."""
     count = hidden.shape[0]
-    qkv, query_key = _project(block, hidden, cos, sin)
+    qkv, query_key = project(block, hidden, cos, sin)
     new_kv = qkv[:, block.q_width :].view(count, 2, 1, -1, block.head_dim).permute(1, 2, 3, 0, 4)
     if isinstance(at, int):
         kv.narrow(3, at, count).copy_(new_kv)
@@ -246,7 +246,7 @@ def run_block(
     attended = attention(
         query_key[:, : block.heads], held[0], held[1], mask, block.scaling, block.groups
     )
-    return _finish(block, hidden, attended)
+    return finish(block, hidden, attended)
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,16 @@ def run_block_segments(
     """One layer over the rows of several sessions at once: every linear sees all
     rows; each session's keys and values go to its own cache, and its queries attend
     to its own positions only. ``cos``/``sin`` hold one row per token."""
-    qkv, query_key = _project(block, hidden, cos, sin)
+    qkv, query_key = project(block, hidden, cos, sin)
+    return finish(block, hidden, attend_segments(block, qkv, query_key, segments))
+
+
+def attend_segments(
+    block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor, segments: list[SegmentRows]
+) -> torch.Tensor:
+    """Attention of a frame's rows (``project``'s output): each segment's keys and
+    values written into its session's cache, its queries attending to its own
+    positions. Returns ``[rows, heads * D]``."""
     dim = block.head_dim
     fixed_order = block.row_invariant
     if fixed_order and native_attention.usable(qkv, dim, block.groups):
@@ -283,7 +292,7 @@ def run_block_segments(
             dim, block.scaling, block.sliding,
         )  # fmt: skip
         if attended_rows is not None:
-            return _finish(block, hidden, attended_rows)
+            return attended_rows
     attended = []
     for part in segments:
         rows = slice(part.row, part.row + part.count)
@@ -302,10 +311,10 @@ def run_block_segments(
         held = kv.narrow(3, 0, part.at + part.count)
         mask = part.masks[1] if block.sliding else part.masks[0]
         attended.append(attention(query, held[0], held[1], mask, block.scaling, block.groups))
-    return _finish(block, hidden, attended[0] if len(attended) == 1 else torch.cat(attended))
+    return attended[0] if len(attended) == 1 else torch.cat(attended)
 
 
-def _project(
+def project(
     block: DecoderBlock, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm, the fused q/k/v linear, and rotary (plus Qwen3's q/k norms) on queries
@@ -322,7 +331,7 @@ def _project(
     return qkv, query_key
 
 
-def _finish(block: DecoderBlock, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+def finish(block: DecoderBlock, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """Output projection, residual, and the gated MLP (or routed experts) with its
     residual."""
     hidden = hidden + block.o(attended)

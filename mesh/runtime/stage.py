@@ -19,8 +19,11 @@ import torch
 from transformers import PretrainedConfig
 
 from mesh.errors import InvalidRequest, MeshError
+from mesh.runtime.batch_graphs import BatchDecodeGraphs, BucketStep
 from mesh.runtime.block import (
+    DecoderBlock,
     SegmentRows,
+    attend_segments,
     attention_masks,
     rms_norm,
     run_block,
@@ -81,6 +84,9 @@ class StageRuntime:
         # Single-token frames through a fixed-shape step (mesh/runtime/graphs.py):
         # None (off), or whether to capture it as a CUDA graph.
         self._graph_capture: bool | None = None
+        # Frames of several decode rows through per-bucket steps
+        # (mesh/runtime/batch_graphs.py), while the fixed-shape step is on.
+        self._batch_graphs: BatchDecodeGraphs | None = None
 
     # ---- description ------------------------------------------------------------
 
@@ -331,6 +337,12 @@ class StageRuntime:
         modules = self._modules
         if errors:
             prepared = torch.cat([prepared[row : row + span.count] for _, span, _, row in opened])
+        if self._batch_graphs is not None and all(span.count == 1 for _, span, _, _ in opened):
+            step = self._batch_graphs.step_for(len(opened))
+            if step is not None:
+                out = self._run_bucket(step, opened, prepared, errors)
+                if out is not None:
+                    return out
         hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
         angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
         cos = torch.cat([c for c, _ in angles])
@@ -360,6 +372,55 @@ class StageRuntime:
             placed[index] = (out_row, wanted)
             out_row += wanted
         return BatchOutput(self._head(torch.cat(pieces)), placed, errors)
+
+    def _run_bucket(
+        self,
+        step: BucketStep,
+        opened: list[tuple[int, Span, SessionCache, int]],
+        prepared: torch.Tensor,
+        errors: dict[int, MeshError],
+    ) -> BatchOutput | None:
+        """A frame of decode rows (one per session) through its bucket's step; None
+        when the step could not be captured (graphs are then off and the caller runs
+        the frame eagerly; no cache was written)."""
+        angles = [self._angles(span.pos_start, 1) for _, span, _, _ in opened]
+        cos = torch.cat([c for c, _ in angles])
+        sin = torch.cat([s for _, s in angles])
+        window = self._sliding_window
+        parts: list[SegmentRows] = []
+        for row, (_, span, cache, _) in enumerate(opened):
+            masks = attention_masks(span.pos_start, 1, window, self._device)
+            cache.begin(span.pos_start)
+            parts.append(SegmentRows(cache, row, span.pos_start, 1, masks, window))
+
+        def attend(block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor) -> torch.Tensor:
+            return attend_segments(block, qkv, query_key, parts)
+
+        try:
+            out = step(prepared, cos, sin, attend)
+        except Exception as error:  # noqa: BLE001 - a step that cannot be captured runs eagerly
+            if not self._graph_capture or step.captured:
+                raise
+            logger.warning(
+                "CUDA graph capture of %d-row decode frames failed (%s); running decode "
+                "steps eagerly",
+                step.rows,
+                error,
+            )
+            self._drop_graphs()
+            return None
+        placed: dict[int, tuple[int, int]] = {}
+        wanted_rows: list[int] = []
+        for row, ((index, span, cache, _), part) in enumerate(zip(opened, parts, strict=True)):
+            cache.commit(part.at + 1)
+            if not self._is_last or span.logits_wanted():
+                placed[index] = (len(wanted_rows), 1)
+                wanted_rows.append(row)
+            else:
+                placed[index] = (len(wanted_rows), 0)
+        if len(wanted_rows) < len(opened):
+            out = out[wanted_rows]
+        return BatchOutput(out, placed, errors)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head over hidden rows ``[rows, hidden]`` of the last
@@ -486,12 +547,34 @@ class StageRuntime:
         return True
 
     def use_static_decode(self, capture: bool) -> None:
-        """Run single-token frames through the fixed-shape step, captured as a CUDA
-        graph when ``capture`` (CUDA only), else run as it is (any device; the tests
-        use it to check the step's arithmetic)."""
+        """Run single-token frames through the fixed-shape step, and frames of several
+        sessions' decode rows through the step of their bucket, captured as CUDA
+        graphs when ``capture`` (CUDA only), else run as they are (any device; the
+        tests use it to check the steps' arithmetic)."""
         if capture and self._device.type != "cuda":
             raise ValueError("capturing a CUDA graph needs a CUDA device")
         self._graph_capture = capture
+        if any(block.experts is not None for block in self._blocks):
+            # Routing picks experts by the data (shapes that change every step).
+            logger.info("decode frames of several sessions run eagerly (sparse experts)")
+            return
+        self._batch_graphs = BatchDecodeGraphs(self._bucket_step)
+
+    def _bucket_step(self, rows: int) -> BucketStep:
+        modules = self._modules
+        head = None
+        if self._is_last:
+            head = (modules.norm, modules.norm_eps, modules.lm_head, modules.row_invariant)
+        return BucketStep(
+            self._blocks,
+            rows,
+            embed=modules.embed if self._is_first else None,
+            head=head,  # type: ignore[arg-type]
+            hidden_size=self._hidden_size,
+            dtype=self._dtype,
+            device=self._device,
+            capture=bool(self._graph_capture),
+        )
 
     def disable_graphs(self) -> None:
         """Back to the regular decode path; drops every captured step."""
@@ -500,34 +583,45 @@ class StageRuntime:
 
     def _drop_graphs(self) -> None:
         self._graph_capture = None
+        self._batch_graphs = None
         for cache in self._sessions.caches():
             cache.decode_graph = None
 
     def check_graphs(self, tolerance: float = 1e-2) -> bool:
-        """Decode a throw-away step both replayed and eagerly; when they disagree by more
-        than ``tolerance`` of the eager output's magnitude, or the step could not be
-        captured, log it and turn graphs off. Returns whether graphs stay on."""
-        session = "__graph-check__"
+        """Decode throw-away steps, one session's and a frame of two sessions' rows,
+        both replayed and eagerly; when they disagree by more than ``tolerance`` of
+        the eager output's magnitude, or a step could not be captured, log it and turn
+        graphs off. Returns whether graphs stay on."""
+        first, second = "__graph-check__", "__graph-check-2__"
         generator = torch.Generator().manual_seed(0)
         if self._is_first:
-            inputs = torch.randint(0, self._vocab_size, (2,), generator=generator)
+            inputs = torch.randint(0, self._vocab_size, (4,), generator=generator)
         else:
-            inputs = torch.randn(2, self._hidden_size, generator=generator).to(self._dtype)
+            inputs = torch.randn(4, self._hidden_size, generator=generator).to(self._dtype)
+        batch = [Span(first, 2, 1), Span(second, 1, 1)]
+
+        def steps() -> torch.Tensor:
+            single = self.forward(first, 1, inputs[1:2])
+            both = self.forward_batch(batch, inputs[2:4])
+            return torch.cat([single.float(), both.rows.float()])  # type: ignore[union-attr]
+
         try:
-            self.forward(session, 0, inputs[:1])
-            replayed = self.forward(session, 1, inputs[1:])
-            capture = self._graph_capture
+            self.forward(first, 0, inputs[:1])
+            self.forward(second, 0, inputs[:1])
+            replayed = steps()
+            capture, batch_graphs = self._graph_capture, self._batch_graphs
             if capture is None:
-                return False  # the capture failed and said why
-            self._graph_capture = None
+                return False  # a capture failed and said why
+            self._graph_capture, self._batch_graphs = None, None
             try:
-                eager = self.forward(session, 1, inputs[1:])
+                eager = steps()
             finally:
-                self._graph_capture = capture
+                self._graph_capture, self._batch_graphs = capture, batch_graphs
         finally:
-            self.drop_session(session)
-        difference = (replayed.float() - eager.float()).abs().max().item()
-        scale = max(eager.float().abs().max().item(), 1.0)
+            self.drop_session(first)
+            self.drop_session(second)
+        difference = (replayed - eager).abs().max().item()
+        scale = max(eager.abs().max().item(), 1.0)
         if not difference <= tolerance * scale:
             logger.warning(
                 "a CUDA graph replay differs from the eager step by %.3g (scale %.3g); "

@@ -14,7 +14,14 @@ from conftest import tiny_config
 from runtime_support import LAYERS, SPLITS, full_logits, max_diff, package_of, run_chain
 from transformers import AutoModelForCausalLM
 
-from mesh.runtime import StageRuntime, StateDictWeights, build_stage_runtime, load_stage_runtime
+from mesh.runtime import (
+    Span,
+    StageRuntime,
+    StateDictWeights,
+    build_stage_runtime,
+    load_stage_runtime,
+)
+from mesh.runtime.batch_graphs import bucket_for
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.sessions import CAPACITY_STEP_TOKENS
 from mesh.types import LayerRange
@@ -153,3 +160,133 @@ def test_loading_with_cuda_graphs_on_a_cpu_runs_eagerly(
     assert "CUDA graphs need a CUDA device" in caplog.text
     logits = runtime.forward("s", 0, tokens(3, seed=1))
     assert logits.shape == (3, runtime.vocab_size)
+
+
+def batch_chain(stages: list[StageRuntime], spans: list[Span], inputs: torch.Tensor) -> list:
+    """Each span's last-stage logits (or its error) after a batched frame through the
+    chain, in span order."""
+    live = list(range(len(spans)))
+    errors: dict[int, Exception] = {}
+    activations = inputs
+    for stage in stages:
+        out = stage.forward_batch([spans[i] for i in live], activations)
+        errors.update({live[local]: error for local, error in out.errors.items()})
+        if stage.is_last:
+            return [errors[i] if i in errors else out.of(live.index(i)) for i in range(len(spans))]
+        live = [i for local, i in enumerate(live) if local not in out.errors]
+        activations = out.rows
+    raise AssertionError("no last stage")
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6, "layer_types": None})],
+)
+def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
+    family: str, overrides: dict
+) -> None:
+    """Frames of 2..9 sessions' decode rows go through the step of their bucket (2, 4,
+    8, 16), padded, and every session gets the logits of the unsplit model; sessions
+    at different positions, one rewound, a session in two buckets in a row."""
+    model = tiny_model(family, **overrides)
+    stages = chain(model)
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+    count = 9
+    sequences = [tokens(40, seed=30 + i) for i in range(count)]
+    wants = [full_logits(model, sequence) for sequence in sequences]
+    held = {}
+    for i, sequence in enumerate(sequences):
+        held[i] = 5 + 2 * i
+        run_chain(stages, f"s{i}", 0, sequence[: held[i]])
+    rounds = [[0, 1], [0, 1, 2], list(range(5)), list(range(9)), [3, 8], list(range(6))]
+    for step, members in enumerate(rounds):
+        if step == 4:
+            held[3] -= 3  # a rewind: the next frame crops it
+        spans = [Span(f"s{i}", held[i], 1) for i in members]
+        inputs = torch.stack([sequences[i][held[i]] for i in members])
+        got = batch_chain(stages, spans, inputs)
+        for i, logits in zip(members, got, strict=True):
+            assert max_diff(logits, wants[i][held[i] : held[i] + 1]) <= TOLERANCE, (step, i)
+            held[i] += 1
+    assert stages[0]._batch_graphs.buckets() == [2, 4, 8, 16]  # noqa: SLF001
+
+
+def test_a_bad_segment_is_refused_alone_in_a_bucketed_frame() -> None:
+    model = tiny_model("llama")
+    stages = chain(model)
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+    first, second = tokens(20, seed=40), tokens(20, seed=41)
+    run_chain(stages, "a", 0, first[:10])
+    run_chain(stages, "b", 0, second[:10])
+    spans = [Span("a", 10, 1), Span("ghost", 3, 1, creates=False), Span("b", 10, 1)]
+    got = batch_chain(stages, spans, torch.stack([first[10], first[0], second[10]]))
+    assert "holds no session" in str(got[1])
+    assert max_diff(got[0], full_logits(model, first)[10:11]) <= TOLERANCE
+    assert max_diff(got[2], full_logits(model, second)[10:11]) <= TOLERANCE
+
+
+def test_last_stage_rows_without_logits_in_a_bucketed_frame() -> None:
+    """A decode row that wants no logits (``logit_rows=0``) gets none; the others do."""
+    model = tiny_model("llama")
+    stage = chain(model)[0]
+    whole = build_stage_runtime(
+        model.config,
+        StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings),
+        LayerRange(0, LAYERS),
+    )
+    whole.use_static_decode(capture=False)
+    assert stage.is_first and whole.is_last
+    sequence = tokens(12, seed=42)
+    for name in ("x", "y", "z"):
+        whole.forward(name, 0, sequence[:8])
+    spans = [Span("x", 8, 1), Span("y", 8, 1, logit_rows=0), Span("z", 8, 1)]
+    out = whole.forward_batch(spans, sequence[8:9].repeat(3))
+    want = full_logits(model, sequence)[8:9]
+    assert out.of(1).shape[0] == 0
+    assert max_diff(out.of(0), want) <= TOLERANCE and max_diff(out.of(2), want) <= TOLERANCE
+
+
+def test_sparse_experts_keep_batched_decode_eager() -> None:
+    stages = chain(tiny_model("qwen3_moe"))
+    stages[0].use_static_decode(capture=False)
+    assert stages[0]._batch_graphs is None  # noqa: SLF001
+
+
+def test_buckets() -> None:
+    assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 9, 32, 33)] == [2, 2, 4, 4, 8, 16, 32, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bucketed_cuda_graphs_match_eager_frames_on_a_gpu(dtype: str) -> None:
+    model = tiny_model("llama")
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    graphed = [
+        build_stage_runtime(model.config, weights, r, device="cuda", dtype=dtype) for r in SPLITS[2]
+    ]
+    eager = [
+        build_stage_runtime(model.config, weights, r, device="cuda", dtype=dtype) for r in SPLITS[2]
+    ]
+    for stage in graphed:
+        assert stage.enable_cuda_graphs() and stage.check_graphs()
+    sequences = [tokens(30, seed=50 + i) for i in range(6)]
+    for stages in (graphed, eager):
+        for i, sequence in enumerate(sequences):
+            run_chain(stages, f"s{i}", 0, sequence[:10])
+    tolerance = 1e-3 if dtype == "float32" else 5e-2
+    for position in range(10, 30):
+        members = range(6) if position % 3 else range(3)
+        spans = [Span(f"s{i}", position, 1) for i in members]
+        inputs = torch.stack([sequences[i][position] for i in members])
+        if position % 3 == 0:
+            for i in range(3, 6):  # the other sessions keep pace alone
+                for stages in (graphed, eager):
+                    run_chain(stages, f"s{i}", position, sequences[i][position : position + 1])
+        got = batch_chain(graphed, spans, inputs)
+        want = batch_chain(eager, spans, inputs)
+        scale = max(torch.cat(want).abs().max().item(), 1.0)
+        assert max_diff(torch.cat(got), torch.cat(want)) <= tolerance * scale, position
+    step = graphed[1]._batch_graphs.step_for(6)  # noqa: SLF001
+    assert step is not None and step.captured and all(s.cuda_graphs for s in graphed)
