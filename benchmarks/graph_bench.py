@@ -149,9 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "repeats_ms": {mode: times[(mode, batch)] for mode in MODES},
             }
         )
-    device_name = (
-        torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    )
+    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     return {
         "machine": machine_info(torch.get_num_threads()),
         "device": device_name,
