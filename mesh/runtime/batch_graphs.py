@@ -24,13 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from mesh.runtime.block import DecoderBlock, finish, project, rms_norm
+from mesh.runtime.sessions import SessionCache
 
 BUCKETS = (2, 4, 8, 16, 32)
 # Runs of every piece on a side stream before capture (lazy CUDA initialisation of
 # kernels and workspaces must not happen inside a capture).
 WARM_UP_STEPS = 2
+# The most bytes of gathered keys and values ``DecodeAttention`` holds at once.
+GATHER_BYTES = 256 << 20
 
 Attend = Callable[[DecoderBlock, torch.Tensor, torch.Tensor], torch.Tensor]
 Head = tuple[torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor], bool]
@@ -170,3 +174,86 @@ class BatchDecodeGraphs:
     def buckets(self) -> list[int]:
         """Bucket sizes made so far."""
         return sorted(self._steps)
+
+
+class DecodeAttention:
+    """Attention of one decode row per session for a whole frame, a few calls per
+    layer whatever the number of sessions (the regular path calls SDPA once per
+    session and layer, which costs more than a step's graphs on a GPU).
+
+    The sessions' keys and values before this step are gathered once into one
+    zero-padded tensor ``[sessions, layers, 2, kv_heads, longest, D]`` (in chunks of
+    layers within ``budget_bytes``, default ``GATHER_BYTES``); each layer appends the
+    step's own key and value as one more position and attends under a mask that
+    keeps each session to its positions (and window). The step's keys and values are
+    written into the sessions' caches once, after the last layer (``write_back``)."""
+
+    def __init__(
+        self,
+        caches: list[SessionCache],
+        positions: list[int],
+        window: int | None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        layout = caches[0].layout
+        self.caches = caches
+        self.positions = positions
+        self.first_layer = layout.first_layer
+        self.layer_count = layout.layer_count
+        self.longest = max(positions)
+        device = layout.device
+        per_layer = len(caches) * 2 * layout.kv_heads * self.longest * layout.head_dim
+        per_layer *= torch.empty((), dtype=layout.dtype).element_size()
+        budget = GATHER_BYTES if budget_bytes is None else budget_bytes
+        self.chunk = max(1, min(self.layer_count, budget // max(per_layer, 1)))
+        self._gathered: torch.Tensor | None = None
+        self._chunk_start = -1
+        keys = torch.arange(self.longest + 1, device=device)
+        at = torch.tensor(positions, device=device).unsqueeze(1)
+        own = (keys < at) | (keys == self.longest)
+        self.full = own.view(len(caches), 1, 1, -1)
+        self.sliding = self.full
+        if window is not None:
+            self.sliding = (own & ((keys > at - window) | (keys == self.longest))).view(
+                len(caches), 1, 1, -1
+            )
+        self._new: list[torch.Tensor] = []
+
+    def _history(self, layer: int) -> torch.Tensor:
+        """``[sessions, 2, kv_heads, longest, D]`` of ``layer`` (0-based, owned)."""
+        start = layer - layer % self.chunk
+        if self._chunk_start != start:
+            count = min(self.chunk, self.layer_count - start)
+            layout = self.caches[0].layout
+            shape = (len(self.caches), count, 2, layout.kv_heads, self.longest, layout.head_dim)
+            gathered = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+            for row, (cache, position) in enumerate(zip(self.caches, self.positions, strict=True)):
+                if position:
+                    gathered[row, :, :, :, :position].copy_(
+                        cache.held(position)[start : start + count]
+                    )
+            self._gathered, self._chunk_start = gathered, start
+        return self._gathered[:, layer - start]  # type: ignore[index]
+
+    def __call__(
+        self, block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor
+    ) -> torch.Tensor:
+        rows, dim = qkv.shape[0], block.head_dim
+        kv_heads = block.heads // block.groups
+        new = qkv[:, block.q_width :].view(rows, 2, kv_heads, 1, dim)
+        self._new.append(new)
+        history = self._history(block.layer_index - self.first_layer)
+        keys_values = torch.cat([history, new], dim=3)
+        # The heads sharing a key/value head become that head's query rows.
+        query = query_key[:, : block.heads].reshape(rows, kv_heads, block.groups, dim)
+        mask = self.sliding if block.sliding else self.full
+        attended = F.scaled_dot_product_attention(
+            query, keys_values[:, 0], keys_values[:, 1], attn_mask=mask, scale=block.scaling
+        )
+        return attended.reshape(rows, block.heads * dim)
+
+    def write_back(self) -> None:
+        """Write every layer's new key and value into each session's cache."""
+        new = torch.stack(self._new)  # [layers, sessions, 2, kv_heads, 1, D]
+        for row, (cache, position) in enumerate(zip(self.caches, self.positions, strict=True)):
+            cache.write_step(new[:, row], position)

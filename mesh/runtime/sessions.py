@@ -118,6 +118,16 @@ class SessionCache:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.nbytes
 
+    def held(self, end: int) -> torch.Tensor:
+        """Keys and values of positions ``0 .. end`` of every owned layer: a view
+        ``[layers, 2, kv_heads, end, D]``."""
+        return self._buffer[:, :, 0, :, :end]  # type: ignore[index]
+
+    def write_step(self, step: torch.Tensor, at: int) -> None:
+        """Write one position's keys and values of every owned layer (``[layers, 2,
+        kv_heads, 1, D]``) at ``at``."""
+        self._buffer[:, :, 0, :, at : at + 1].copy_(step)  # type: ignore[index]
+
     def copy_prefix(self, source: SessionCache, length: int) -> None:
         """Start from the first ``length`` positions of ``source`` (keys, values and
         the token ids kept with them)."""

@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mesh.errors import InvalidRequest, MeshError
-from mesh.runtime.batch_graphs import BatchDecodeGraphs, BucketStep
+from mesh.runtime.batch_graphs import BatchDecodeGraphs, BucketStep, DecodeAttention
 from mesh.runtime.block import (
     DecoderBlock,
     SegmentRows,
@@ -393,7 +393,15 @@ class StageRuntime:
             cache.begin(span.pos_start)
             parts.append(SegmentRows(cache, row, span.pos_start, 1, masks, window))
 
+        batched = None
+        if not self._modules.row_invariant:
+            batched = DecodeAttention(
+                [part.cache for part in parts], [part.at for part in parts], window
+            )
+
         def attend(block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor) -> torch.Tensor:
+            if batched is not None:
+                return batched(block, qkv, query_key)
             return attend_segments(block, qkv, query_key, parts)
 
         try:
@@ -409,6 +417,8 @@ class StageRuntime:
             )
             self._drop_graphs()
             return None
+        if batched is not None:
+            batched.write_back()
         placed: dict[int, tuple[int, int]] = {}
         wanted_rows: list[int] = []
         for row, ((index, span, cache, _), part) in enumerate(zip(opened, parts, strict=True)):

@@ -18,7 +18,9 @@ from mesh.runtime import (
     Span,
     StageRuntime,
     StateDictWeights,
+    batch_graphs,
     build_stage_runtime,
+    invariant,
     load_stage_runtime,
 )
 from mesh.runtime.batch_graphs import bucket_for
@@ -179,27 +181,40 @@ def batch_chain(stages: list[StageRuntime], spans: list[Span], inputs: torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides"),
-    [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6, "layer_types": None})],
+    ("family", "overrides", "how"),
+    [
+        ("llama", {}, "batched"),
+        ("qwen3", {}, "batched"),
+        ("mistral", {"sliding_window": 6, "layer_types": None}, "batched"),
+        ("llama", {}, "gathered layer by layer"),
+        ("mistral", {"sliding_window": 6, "layer_types": None}, "row-invariant"),
+    ],
 )
 def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
-    family: str, overrides: dict
+    family: str, overrides: dict, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Frames of 2..9 sessions' decode rows go through the step of their bucket (2, 4,
     8, 16), padded, and every session gets the logits of the unsplit model; sessions
-    at different positions, one rewound, a session in two buckets in a row."""
+    at different positions, one rewound, one new (position 0), a session in two
+    buckets in a row. Attention batched over the sessions (its history gathered for
+    all layers at once, or a layer at a time), or per row (row-invariant stages)."""
+    if how == "gathered layer by layer":
+        monkeypatch.setattr(batch_graphs, "GATHER_BYTES", 1)
+    if how == "row-invariant":
+        monkeypatch.setattr(invariant, "MODE", "on")
     model = tiny_model(family, **overrides)
     stages = chain(model)
     for stage in stages:
         stage.use_static_decode(capture=False)
-    count = 9
+        assert stage.row_invariant == (how == "row-invariant")
+    count = 10
     sequences = [tokens(40, seed=30 + i) for i in range(count)]
     wants = [full_logits(model, sequence) for sequence in sequences]
-    held = {}
-    for i, sequence in enumerate(sequences):
+    held = {count - 1: 0}
+    for i, sequence in enumerate(sequences[:-1]):
         held[i] = 5 + 2 * i
         run_chain(stages, f"s{i}", 0, sequence[: held[i]])
-    rounds = [[0, 1], [0, 1, 2], list(range(5)), list(range(9)), [3, 8], list(range(6))]
+    rounds = [[0, 1], [0, 1, 2], list(range(5)), list(range(10)), [3, 8], list(range(6))]
     for step, members in enumerate(rounds):
         if step == 4:
             held[3] -= 3  # a rewind: the next frame crops it
