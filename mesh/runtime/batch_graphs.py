@@ -33,8 +33,12 @@ BUCKETS = (2, 4, 8, 16, 32)
 # Runs of every piece on a side stream before capture (lazy CUDA initialisation of
 # kernels and workspaces must not happen inside a capture).
 WARM_UP_STEPS = 2
-# The most bytes of gathered keys and values ``DecodeAttention`` holds at once.
+# The bytes of gathered keys and values ``DecodeAttention`` aims to hold at once (it
+# gathers that many layers at a time, at least one).
 GATHER_BYTES = 256 << 20
+# A frame whose one layer of gathered keys and values would pass this (many sessions
+# at long contexts) attends per session instead (``DecodeAttention.fits``).
+LAYER_GATHER_LIMIT = 1 << 30
 
 Attend = Callable[[DecoderBlock, torch.Tensor, torch.Tensor], torch.Tensor]
 Head = tuple[torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor], bool]
@@ -202,8 +206,7 @@ class DecodeAttention:
         self.layer_count = layout.layer_count
         self.longest = max(positions)
         device = layout.device
-        per_layer = len(caches) * 2 * layout.kv_heads * self.longest * layout.head_dim
-        per_layer *= torch.empty((), dtype=layout.dtype).element_size()
+        per_layer = self.layer_bytes(caches, positions)
         budget = GATHER_BYTES if budget_bytes is None else budget_bytes
         self.chunk = max(1, min(self.layer_count, budget // max(per_layer, 1)))
         self._gathered: torch.Tensor | None = None
@@ -218,6 +221,19 @@ class DecodeAttention:
                 len(caches), 1, 1, -1
             )
         self._new: list[torch.Tensor] = []
+
+    @staticmethod
+    def layer_bytes(caches: list[SessionCache], positions: list[int]) -> int:
+        """Bytes of one layer's gathered keys and values for these sessions."""
+        layout = caches[0].layout
+        element = torch.empty((), dtype=layout.dtype).element_size()
+        return len(caches) * 2 * layout.kv_heads * max(positions) * layout.head_dim * element
+
+    @classmethod
+    def fits(cls, caches: list[SessionCache], positions: list[int]) -> bool:
+        """Whether one layer's gathered keys and values stay within
+        ``LAYER_GATHER_LIMIT``."""
+        return cls.layer_bytes(caches, positions) <= LAYER_GATHER_LIMIT
 
     def _history(self, layer: int) -> torch.Tensor:
         """``[sessions, 2, kv_heads, longest, D]`` of ``layer`` (0-based, owned)."""

@@ -394,10 +394,9 @@ class StageRuntime:
             parts.append(SegmentRows(cache, row, span.pos_start, 1, masks, window))
 
         batched = None
-        if not self._modules.row_invariant:
-            batched = DecodeAttention(
-                [part.cache for part in parts], [part.at for part in parts], window
-            )
+        caches, positions = [part.cache for part in parts], [part.at for part in parts]
+        if not self._modules.row_invariant and DecodeAttention.fits(caches, positions):
+            batched = DecodeAttention(caches, positions, window)
 
         def attend(block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor) -> torch.Tensor:
             if batched is not None:

@@ -23,7 +23,7 @@ from mesh.runtime import (
     invariant,
     load_stage_runtime,
 )
-from mesh.runtime.batch_graphs import bucket_for
+from mesh.runtime.batch_graphs import DecodeAttention, bucket_for
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.sessions import CAPACITY_STEP_TOKENS
 from mesh.types import LayerRange
@@ -187,6 +187,7 @@ def batch_chain(stages: list[StageRuntime], spans: list[Span], inputs: torch.Ten
         ("qwen3", {}, "batched"),
         ("mistral", {"sliding_window": 6, "layer_types": None}, "batched"),
         ("llama", {}, "gathered layer by layer"),
+        ("qwen3", {}, "per session (over the gather limit)"),
         ("mistral", {"sliding_window": 6, "layer_types": None}, "row-invariant"),
     ],
 )
@@ -197,11 +198,22 @@ def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
     8, 16), padded, and every session gets the logits of the unsplit model; sessions
     at different positions, one rewound, one new (position 0), a session in two
     buckets in a row. Attention batched over the sessions (its history gathered for
-    all layers at once, or a layer at a time), or per row (row-invariant stages)."""
+    all layers at once, or a layer at a time), or per session (a gather over its
+    limit; row-invariant stages)."""
     if how == "gathered layer by layer":
         monkeypatch.setattr(batch_graphs, "GATHER_BYTES", 1)
+    if how.startswith("per session"):
+        monkeypatch.setattr(batch_graphs, "LAYER_GATHER_LIMIT", 1)
     if how == "row-invariant":
         monkeypatch.setattr(invariant, "MODE", "on")
+    batched_steps: list[int] = []
+    write_back = DecodeAttention.write_back
+
+    def counted(self: DecodeAttention) -> None:
+        batched_steps.append(len(self.caches))
+        write_back(self)
+
+    monkeypatch.setattr(DecodeAttention, "write_back", counted)
     model = tiny_model(family, **overrides)
     stages = chain(model)
     for stage in stages:
@@ -225,6 +237,7 @@ def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
             assert max_diff(logits, wants[i][held[i] : held[i] + 1]) <= TOLERANCE, (step, i)
             held[i] += 1
     assert stages[0]._batch_graphs.buckets() == [2, 4, 8, 16]  # noqa: SLF001
+    assert bool(batched_steps) == (how in ("batched", "gathered layer by layer"))
 
 
 def test_a_bad_segment_is_refused_alone_in_a_bucketed_frame() -> None:
