@@ -7,7 +7,9 @@ A Llama-shaped model with random weights (default: TinyLlama-1.1B's shape, 22
 layers, bfloat16) is built on the device and loaded as one stage holding every layer,
 the embedding and the head. Each of B sessions holds ``--position`` tokens; a step
 decodes one token for every session (the step starts at the same position each
-time, so every step does the same work). Prints milliseconds per step (medians of
+time, so every step does the same work); ``--window W`` sends W rows per session
+instead (a verify window; "one by one" then runs each window eagerly, as a frame of
+one session's several rows runs without batching). Prints milliseconds per step (medians of
 the repeats), the speed-up of graphs over eager kernels, what batching gains over
 one frame per session, and the largest logit difference between graphs and eager
 kernels; writes JSON.
@@ -82,16 +84,22 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step_fn(runtime: StageRuntime, mode: str, batch: int, position: int) -> Callable[[], Any]:
-    """One step of ``batch`` sessions' decode rows at ``position``."""
-    ids = torch.arange(batch) % runtime.vocab_size
+def step_fn(
+    runtime: StageRuntime, mode: str, batch: int, position: int, window: int
+) -> Callable[[], Any]:
+    """One step of ``batch`` sessions, ``window`` rows each (a decode token, or a
+    verify window), at ``position``."""
+    ids = torch.arange(batch * window) % runtime.vocab_size
     if mode == "one by one":
 
         def alone() -> list[torch.Tensor]:
-            return [runtime.forward(f"s{i}", position, ids[i : i + 1]) for i in range(batch)]
+            return [
+                runtime.forward(f"s{i}", position, ids[i * window : (i + 1) * window])
+                for i in range(batch)
+            ]
 
         return alone
-    spans = [Span(f"s{i}", position, 1) for i in range(batch)]
+    spans = [Span(f"s{i}", position, window) for i in range(batch)]
 
     def together() -> torch.Tensor:
         return runtime.forward_batch(spans, ids).rows  # type: ignore[return-value]
@@ -113,7 +121,8 @@ def time_steps(step: Callable[[], Any], steps: int, device: str) -> float:
 
 def logits_of(runtime: StageRuntime, mode: str, batch: int, args: argparse.Namespace) -> Any:
     set_mode(runtime, mode, args.device)
-    out = step_fn(runtime, "eager" if mode == "eager" else "graphs", batch, args.position)()
+    kind = "eager" if mode == "eager" else "graphs"
+    out = step_fn(runtime, kind, batch, args.position, args.window)()
     return out.float().cpu()
 
 
@@ -128,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = MODES[repeat % len(MODES) :] + MODES[: repeat % len(MODES)]
             for mode in order:
                 set_mode(runtime, "graphs" if mode == "one by one" else mode, args.device)
-                step = step_fn(runtime, mode, batch, args.position)
+                step = step_fn(runtime, mode, batch, args.position, args.window)
                 ms = time_steps(step, args.steps, args.device)
                 times.setdefault((mode, batch), []).append(ms)
     rows = []
@@ -143,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "ms_per_step": median,
                 "graphs_speedup": median["eager"] / median["graphs"],
                 "batching_gain": median["one by one"] / median["graphs"],
-                "tokens_per_second": batch * 1000.0 / median["graphs"],
+                "rows_per_second": batch * args.window * 1000.0 / median["graphs"],
                 "max_logit_difference": difference,
                 "logit_scale": eager.abs().max().item(),
                 "repeats_ms": {mode: times[(mode, batch)] for mode in MODES},
@@ -163,6 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "position": args.position,
         },
+        "window": args.window,
         "repeats": args.repeats,
         "steps": args.steps,
         "rows": rows,
@@ -177,7 +187,7 @@ def render(result: dict[str, Any]) -> str:
         "one by one ms",
         "graphs / eager",
         "batched / one by one",
-        "tok/s (graphs)",
+        "rows/s (graphs)",
         "max logit diff",
     ]
     body = [
@@ -188,12 +198,14 @@ def render(result: dict[str, Any]) -> str:
             f"{row['ms_per_step']['one by one']:.2f}",
             f"{row['graphs_speedup']:.2f}x",
             f"{row['batching_gain']:.2f}x",
-            f"{row['tokens_per_second']:.0f}",
+            f"{row['rows_per_second']:.0f}",
             f"{row['max_logit_difference']:.3g}",
         ]
         for row in result["rows"]
     ]
-    return f"device: {result['device']}, model {result['model']}\n" + render_table(headers, body)
+    title = f"device: {result['device']}, model {result['model']}"
+    title += f", rows per session {result['window']}"
+    return title + "\n" + render_table(headers, body)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--position", type=int, default=512)
+    parser.add_argument(
+        "--window", type=int, default=1, help="rows per session: 1 (decode) or a verify window"
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)

@@ -1,19 +1,21 @@
-"""Decode frames of several sessions replayed as CUDA graphs, one set per batch size.
+"""Frames of up to 32 rows, of any sessions, replayed as CUDA graphs by row count.
 
-A frame in which every segment is one decode token (the common frame under load)
-launches the same kernels every step, many per layer; on a GPU the launches cost
-more than the arithmetic for all but the largest models. ``DecodeGraph``
-(mesh/runtime/graphs.py) replays a whole step, but only for one session: its
-attention reads that session's buffers at fixed addresses. Here the batch is
-captured by its row count instead, padded up to a bucket (2, 4, 8, 16, 32 rows), so
-any sessions can share one capture.
+A frame of a few rows (decode tokens of several sessions, verify windows, a short
+prompt chunk: the frames a loaded stage runs) launches the same kernels every step,
+many per layer; on a GPU the launches cost more than the arithmetic for all but the
+largest models. ``DecodeGraph`` (mesh/runtime/graphs.py) replays a whole step, but
+only for one session's single token: its attention reads that session's buffers at
+fixed addresses. Here a frame is captured by its row count instead, padded up to a
+bucket (2, 4, 8, 16, 32 rows), so any sessions and any mix of segments share one
+capture.
 
 Attention is what depends on the sessions (their caches, lengths and addresses), so
 it stays out of the graphs: a step is ``layers + 1`` graphs, each piece the part of
 a layer between two attentions (the output projection and MLP of one layer, then
-the norm, the q/k/v linear and rotary of the next), with every session's attention
-run eagerly between them into a buffer the next piece reads. Padding rows compute
-alongside (every operation in a piece works row by row) and are dropped.
+the norm, the q/k/v linear and rotary of the next), with the frame's attention run
+eagerly between them (``FrameAttention``: a few calls per layer for every session
+at once) into a buffer the next piece reads. Padding rows compute alongside (every
+operation in a piece works row by row) and are dropped.
 
 Off CUDA the same pieces run eagerly, which is how the tests check the arithmetic
 against the regular path.
@@ -33,11 +35,11 @@ BUCKETS = (2, 4, 8, 16, 32)
 # Runs of every piece on a side stream before capture (lazy CUDA initialisation of
 # kernels and workspaces must not happen inside a capture).
 WARM_UP_STEPS = 2
-# The bytes of gathered keys and values ``DecodeAttention`` aims to hold at once (it
+# The bytes of gathered keys and values ``FrameAttention`` aims to hold at once (it
 # gathers that many layers at a time, at least one).
 GATHER_BYTES = 256 << 20
 # A frame whose one layer of gathered keys and values would pass this (many sessions
-# at long contexts) attends per session instead (``DecodeAttention.fits``).
+# at long contexts) attends per session instead (``FrameAttention.fits``).
 LAYER_GATHER_LIMIT = 1 << 30
 
 Attend = Callable[[DecoderBlock, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,7 +47,7 @@ Head = tuple[torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor], bool]
 
 
 def bucket_for(rows: int) -> int | None:
-    """The smallest bucket holding ``rows`` decode rows (None beyond the largest)."""
+    """The smallest bucket holding ``rows`` rows (None beyond the largest)."""
     for size in BUCKETS:
         if rows <= size:
             return size
@@ -159,7 +161,7 @@ class BucketStep:
         return self._graphs is not None
 
 
-class BatchDecodeGraphs:
+class BatchGraphs:
     """A ``BucketStep`` per bucket, made on first use."""
 
     def __init__(self, make: Callable[[int], BucketStep]) -> None:
@@ -180,60 +182,84 @@ class BatchDecodeGraphs:
         return sorted(self._steps)
 
 
-class DecodeAttention:
-    """Attention of one decode row per session for a whole frame, a few calls per
-    layer whatever the number of sessions (the regular path calls SDPA once per
+class FrameAttention:
+    """Attention of a whole frame's segments (each a session's rows at its own
+    positions: a decode token, a verify window, a short prompt chunk) in a few calls
+    per layer whatever the number of sessions (the regular path calls SDPA once per
     session and layer, which costs more than a step's graphs on a GPU).
 
-    The sessions' keys and values before this step are gathered once into one
+    The sessions' keys and values before this frame are gathered once into one
     zero-padded tensor ``[sessions, layers, 2, kv_heads, longest, D]`` (in chunks of
-    layers within ``budget_bytes``, default ``GATHER_BYTES``); each layer appends the
-    step's own key and value as one more position and attends under a mask that
-    keeps each session to its positions (and window). The step's keys and values are
-    written into the sessions' caches once, after the last layer (``write_back``)."""
+    layers within ``budget_bytes``, default ``GATHER_BYTES``). Each layer lays the
+    frame's rows out as ``[sessions, widest segment]`` (padding slots zero), appends
+    their keys and values after the history, and attends under one mask that keeps
+    each row to its own session's earlier positions, its segment's rows up to its
+    own, and the window of sliding layers. The frame's keys and values are written
+    into the sessions' caches once, after the last layer (``write_back``)."""
 
     def __init__(
         self,
-        caches: list[SessionCache],
-        positions: list[int],
+        segments: list[tuple[SessionCache, int, int]],
         window: int | None,
         budget_bytes: int | None = None,
     ) -> None:
+        caches = [cache for cache, _, _ in segments]
         layout = caches[0].layout
         self.caches = caches
-        self.positions = positions
+        self.positions = [at for _, at, _ in segments]
+        self.counts = [count for _, _, count in segments]
         self.first_layer = layout.first_layer
         self.layer_count = layout.layer_count
-        self.longest = max(positions)
+        self.longest = max(self.positions)
+        self.width = max(self.counts)
+        self.rows = sum(self.counts)
         device = layout.device
-        per_layer = self.layer_bytes(caches, positions)
+        per_layer = self.layer_bytes(segments)
         budget = GATHER_BYTES if budget_bytes is None else budget_bytes
         self.chunk = max(1, min(self.layer_count, budget // max(per_layer, 1)))
         self._gathered: torch.Tensor | None = None
         self._chunk_start = -1
-        keys = torch.arange(self.longest + 1, device=device)
-        at = torch.tensor(positions, device=device).unsqueeze(1)
-        own = (keys < at) | (keys == self.longest)
-        self.full = own.view(len(caches), 1, 1, -1)
-        self.sliding = self.full
-        if window is not None:
-            self.sliding = (own & ((keys > at - window) | (keys == self.longest))).view(
-                len(caches), 1, 1, -1
-            )
+        sessions, width = len(segments), self.width
+        # Where each row sits in the [sessions * width] layout, and which row (or the
+        # zero row, ``rows``) fills each slot of it.
+        slots = [b * width + c for b, count in enumerate(self.counts) for c in range(count)]
+        self._slots = torch.tensor(slots, device=device)
+        source = torch.full((sessions * width,), self.rows, dtype=torch.long)
+        source[slots] = torch.arange(self.rows)
+        self._source = source.to(device)
+        self.full, self.sliding = self._masks(window, layout.device)
         self._new: list[torch.Tensor] = []
 
+    def _masks(self, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[sessions, 1, width, longest + width]`` boolean masks (True = attend) of
+        full and sliding layers."""
+        at = torch.tensor(self.positions, device=device).view(-1, 1, 1)
+        count = torch.tensor(self.counts, device=device).view(-1, 1, 1)
+        row = torch.arange(self.width, device=device).view(1, -1, 1)
+        history = torch.arange(self.longest, device=device).view(1, 1, -1)
+        new = torch.arange(self.width, device=device).view(1, 1, -1)
+        sessions = len(self.positions)
+        shape = (sessions, self.width, self.longest)
+        full = torch.cat([(history < at).expand(shape), (new <= row) & (new < count)], dim=-1)
+        sliding = full
+        if window is not None:
+            keys = torch.cat([history.expand(sessions, 1, -1), at + new], dim=-1)
+            sliding = full & (at + row - keys < window)
+        return full.unsqueeze(1), sliding.unsqueeze(1)
+
     @staticmethod
-    def layer_bytes(caches: list[SessionCache], positions: list[int]) -> int:
-        """Bytes of one layer's gathered keys and values for these sessions."""
-        layout = caches[0].layout
+    def layer_bytes(segments: list[tuple[SessionCache, int, int]]) -> int:
+        """Bytes of one layer's gathered keys and values for these segments."""
+        layout = segments[0][0].layout
         element = torch.empty((), dtype=layout.dtype).element_size()
-        return len(caches) * 2 * layout.kv_heads * max(positions) * layout.head_dim * element
+        longest = max(at for _, at, _ in segments)
+        return len(segments) * 2 * layout.kv_heads * longest * layout.head_dim * element
 
     @classmethod
-    def fits(cls, caches: list[SessionCache], positions: list[int]) -> bool:
+    def fits(cls, segments: list[tuple[SessionCache, int, int]]) -> bool:
         """Whether one layer's gathered keys and values stay within
         ``LAYER_GATHER_LIMIT``."""
-        return cls.layer_bytes(caches, positions) <= LAYER_GATHER_LIMIT
+        return cls.layer_bytes(segments) <= LAYER_GATHER_LIMIT
 
     def _history(self, layer: int) -> torch.Tensor:
         """``[sessions, 2, kv_heads, longest, D]`` of ``layer`` (0-based, owned)."""
@@ -251,25 +277,46 @@ class DecodeAttention:
             self._gathered, self._chunk_start = gathered, start
         return self._gathered[:, layer - start]  # type: ignore[index]
 
+    def _laid_out(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[rows, ...]`` as ``[sessions * width, ...]`` (padding slots zero)."""
+        if self.width == 1:
+            return rows
+        padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
+        return padded.index_select(0, self._source)
+
     def __call__(
         self, block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor
     ) -> torch.Tensor:
-        rows, dim = qkv.shape[0], block.head_dim
-        kv_heads = block.heads // block.groups
-        new = qkv[:, block.q_width :].view(rows, 2, kv_heads, 1, dim)
+        sessions, width, dim = len(self.caches), self.width, block.head_dim
+        kv_heads, groups = block.heads // block.groups, block.groups
+        new = qkv[:, block.q_width :]
         self._new.append(new)
+        new_kv = self._laid_out(new).view(sessions, width, 2, kv_heads, dim)
         history = self._history(block.layer_index - self.first_layer)
-        keys_values = torch.cat([history, new], dim=3)
-        # The heads sharing a key/value head become that head's query rows.
-        query = query_key[:, : block.heads].reshape(rows, kv_heads, block.groups, dim)
+        keys_values = torch.cat([history, new_kv.permute(0, 2, 3, 1, 4)], dim=3)
+        # The heads sharing a key/value head become that head's query rows:
+        # [sessions, kv_heads, groups * width, D], rows ordered (group, position).
+        query = self._laid_out(query_key[:, : block.heads])
+        query = query.view(sessions, width, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+        query = query.reshape(sessions, kv_heads, groups * width, dim)
         mask = self.sliding if block.sliding else self.full
+        if groups > 1 and width > 1:
+            mask = mask.unsqueeze(2).expand(sessions, 1, groups, width, -1).flatten(2, 3)
         attended = F.scaled_dot_product_attention(
             query, keys_values[:, 0], keys_values[:, 1], attn_mask=mask, scale=block.scaling
         )
-        return attended.reshape(rows, block.heads * dim)
+        attended = attended.view(sessions, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4)
+        attended = attended.reshape(sessions * width, block.heads * dim)
+        return attended if width == 1 else attended.index_select(0, self._slots)
 
     def write_back(self) -> None:
-        """Write every layer's new key and value into each session's cache."""
-        new = torch.stack(self._new)  # [layers, sessions, 2, kv_heads, 1, D]
-        for row, (cache, position) in enumerate(zip(self.caches, self.positions, strict=True)):
-            cache.write_step(new[:, row], position)
+        """Write every layer's new keys and values into each session's cache."""
+        new = torch.stack(self._new)  # [layers, rows, 2 * kv_heads * D]
+        layout = self.caches[0].layout
+        row = 0
+        for cache, position, count in zip(self.caches, self.positions, self.counts, strict=True):
+            rows = new[:, row : row + count].view(
+                self.layer_count, count, 2, layout.kv_heads, layout.head_dim
+            )
+            cache.write_rows(rows.permute(0, 2, 3, 1, 4), position)
+            row += count

@@ -123,10 +123,10 @@ class SessionCache:
         ``[layers, 2, kv_heads, end, D]``."""
         return self._buffer[:, :, 0, :, :end]  # type: ignore[index]
 
-    def write_step(self, step: torch.Tensor, at: int) -> None:
-        """Write one position's keys and values of every owned layer (``[layers, 2,
-        kv_heads, 1, D]``) at ``at``."""
-        self._buffer[:, :, 0, :, at : at + 1].copy_(step)  # type: ignore[index]
+    def write_rows(self, rows: torch.Tensor, at: int) -> None:
+        """Write keys and values of every owned layer for positions ``at ..``
+        (``[layers, 2, kv_heads, count, D]``)."""
+        self._buffer[:, :, 0, :, at : at + rows.shape[3]].copy_(rows)  # type: ignore[index]
 
     def copy_prefix(self, source: SessionCache, length: int) -> None:
         """Start from the first ``length`` positions of ``source`` (keys, values and

@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mesh.errors import InvalidRequest, MeshError
-from mesh.runtime.batch_graphs import BatchDecodeGraphs, BucketStep, DecodeAttention
+from mesh.runtime.batch_graphs import BatchGraphs, BucketStep, FrameAttention
 from mesh.runtime.block import (
     DecoderBlock,
     SegmentRows,
@@ -84,9 +84,9 @@ class StageRuntime:
         # Single-token frames through a fixed-shape step (mesh/runtime/graphs.py):
         # None (off), or whether to capture it as a CUDA graph.
         self._graph_capture: bool | None = None
-        # Frames of several decode rows through per-bucket steps
-        # (mesh/runtime/batch_graphs.py), while the fixed-shape step is on.
-        self._batch_graphs: BatchDecodeGraphs | None = None
+        # Frames of up to 32 rows (other than one session's single token) through
+        # per-bucket steps (mesh/runtime/batch_graphs.py), while graphs are on.
+        self._batch_graphs: BatchGraphs | None = None
 
     # ---- description ------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class StageRuntime:
             opened, errors = self._open_spans(spans, prepared)
             if not opened:
                 return BatchOutput(None, {}, errors)
-            if len(opened) == 1:
+            if len(opened) == 1 and (opened[0][1].count == 1 or self._batch_graphs is None):
                 index, span, cache, row = opened[0]
                 rows = prepared[row : row + span.count]
                 out = self._run(cache, span.pos_start, rows, span.logits_wanted())
@@ -337,8 +337,8 @@ class StageRuntime:
         modules = self._modules
         if errors:
             prepared = torch.cat([prepared[row : row + span.count] for _, span, _, row in opened])
-        if self._batch_graphs is not None and all(span.count == 1 for _, span, _, _ in opened):
-            step = self._batch_graphs.step_for(len(opened))
+        if self._batch_graphs is not None:
+            step = self._batch_graphs.step_for(prepared.shape[0])
             if step is not None:
                 out = self._run_bucket(step, opened, prepared, errors)
                 if out is not None:
@@ -380,23 +380,24 @@ class StageRuntime:
         prepared: torch.Tensor,
         errors: dict[int, MeshError],
     ) -> BatchOutput | None:
-        """A frame of decode rows (one per session) through its bucket's step; None
-        when the step could not be captured (graphs are then off and the caller runs
-        the frame eagerly; no cache was written)."""
-        angles = [self._angles(span.pos_start, 1) for _, span, _, _ in opened]
+        """A frame of at most ``step.rows`` rows through its bucket's step; None when
+        the step could not be captured (graphs are then off and the caller runs the
+        frame eagerly; no cache was written)."""
+        angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
         cos = torch.cat([c for c, _ in angles])
         sin = torch.cat([s for _, s in angles])
         window = self._sliding_window
         parts: list[SegmentRows] = []
-        for row, (_, span, cache, _) in enumerate(opened):
-            masks = attention_masks(span.pos_start, 1, window, self._device)
+        row = 0
+        for _, span, cache, _ in opened:
+            masks = attention_masks(span.pos_start, span.count, window, self._device)
             cache.begin(span.pos_start)
-            parts.append(SegmentRows(cache, row, span.pos_start, 1, masks, window))
-
+            parts.append(SegmentRows(cache, row, span.pos_start, span.count, masks, window))
+            row += span.count
         batched = None
-        caches, positions = [part.cache for part in parts], [part.at for part in parts]
-        if not self._modules.row_invariant and DecodeAttention.fits(caches, positions):
-            batched = DecodeAttention(caches, positions, window)
+        segments = [(part.cache, part.at, part.count) for part in parts]
+        if not self._modules.row_invariant and FrameAttention.fits(segments):
+            batched = FrameAttention(segments, window)
 
         def attend(block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor) -> torch.Tensor:
             if batched is not None:
@@ -409,8 +410,7 @@ class StageRuntime:
             if not self._graph_capture or step.captured:
                 raise
             logger.warning(
-                "CUDA graph capture of %d-row decode frames failed (%s); running decode "
-                "steps eagerly",
+                "CUDA graph capture of %d-row frames failed (%s); running frames eagerly",
                 step.rows,
                 error,
             )
@@ -419,16 +419,14 @@ class StageRuntime:
         if batched is not None:
             batched.write_back()
         placed: dict[int, tuple[int, int]] = {}
-        wanted_rows: list[int] = []
-        for row, ((index, span, cache, _), part) in enumerate(zip(opened, parts, strict=True)):
-            cache.commit(part.at + 1)
-            if not self._is_last or span.logits_wanted():
-                placed[index] = (len(wanted_rows), 1)
-                wanted_rows.append(row)
-            else:
-                placed[index] = (len(wanted_rows), 0)
-        if len(wanted_rows) < len(opened):
-            out = out[wanted_rows]
+        kept: list[int] = []
+        for (index, span, _, _), part in zip(opened, parts, strict=True):
+            part.cache.commit(part.at + part.count)
+            wanted = span.logits_wanted() if self._is_last else part.count
+            placed[index] = (len(kept), wanted)
+            kept.extend(range(part.row + part.count - wanted, part.row + part.count))
+        if len(kept) < out.shape[0]:
+            out = out[kept]
         return BatchOutput(out, placed, errors)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -543,7 +541,8 @@ class StageRuntime:
 
     def enable_cuda_graphs(self) -> bool:
         """Replay single-token frames (decode steps) as CUDA graphs, one captured per
-        session and KV buffer size (mesh/runtime/graphs.py). Only on a CUDA device:
+        session and KV buffer size (mesh/runtime/graphs.py), and other frames of up
+        to 32 rows by bucket (mesh/runtime/batch_graphs.py). Only on a CUDA device:
         elsewhere it logs why and returns False. A step that cannot be captured, or
         whose replay disagrees with the eager step at warm-up, turns graphs off again
         with a logged reason."""
@@ -556,18 +555,18 @@ class StageRuntime:
         return True
 
     def use_static_decode(self, capture: bool) -> None:
-        """Run single-token frames through the fixed-shape step, and frames of several
-        sessions' decode rows through the step of their bucket, captured as CUDA
-        graphs when ``capture`` (CUDA only), else run as they are (any device; the
-        tests use it to check the steps' arithmetic)."""
+        """Run single-token frames through the fixed-shape step, and other frames of up
+        to 32 rows through the step of their bucket, captured as CUDA graphs when
+        ``capture`` (CUDA only), else run as they are (any device; the tests use it
+        to check the steps' arithmetic)."""
         if capture and self._device.type != "cuda":
             raise ValueError("capturing a CUDA graph needs a CUDA device")
         self._graph_capture = capture
         if any(block.experts is not None for block in self._blocks):
             # Routing picks experts by the data (shapes that change every step).
-            logger.info("decode frames of several sessions run eagerly (sparse experts)")
+            logger.info("frames other than single tokens run eagerly (sparse experts)")
             return
-        self._batch_graphs = BatchDecodeGraphs(self._bucket_step)
+        self._batch_graphs = BatchGraphs(self._bucket_step)
 
     def _bucket_step(self, rows: int) -> BucketStep:
         modules = self._modules

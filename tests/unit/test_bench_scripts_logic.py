@@ -310,3 +310,25 @@ def test_the_ceiling_replay_counts_rounds_drafts_and_time() -> None:
     alone = ceiling.replay(fresh, "default", round_s, 0)
     assert (alone.rounds, alone.accepted) == (59, 0)
     assert ceiling.summarise([alone], 0.010)["speedup"] <= 1.0
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_graph_bench_measures_every_mode_and_batch_on_a_cpu(
+    window: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a CPU the graph modes run the same pieces eagerly: the table and JSON have
+    every batch and mode, and the replayed path's logits equal the eager frame's."""
+    graph_bench = bench("graph_bench")
+    out = tmp_path / "graph.json"
+    shape = "--layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 256"
+    argv = [*shape.split(), "--device", "cpu", "--dtype", "float32", "--position", "12"]
+    argv += ["--batches", "1", "2", "5", "--repeats", "2", "--steps", "2"]
+    graph_bench.main([*argv, "--window", str(window), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [row["batch"] for row in result["rows"]] == [1, 2, 5]
+    assert result["window"] == window
+    for row in result["rows"]:
+        assert set(row["repeats_ms"]) == {"eager", "graphs", "one by one"}
+        assert all(len(times) == 2 for times in row["repeats_ms"].values())
+        assert row["max_logit_difference"] <= 1e-5 * max(row["logit_scale"], 1.0)
+    assert "| sessions |" in capsys.readouterr().out

@@ -5,6 +5,7 @@ is present."""
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from mesh.runtime import (
     invariant,
     load_stage_runtime,
 )
-from mesh.runtime.batch_graphs import DecodeAttention, bucket_for
+from mesh.runtime.batch_graphs import FrameAttention, bucket_for
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.sessions import CAPACITY_STEP_TOKENS
 from mesh.types import LayerRange
@@ -207,13 +208,13 @@ def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
     if how == "row-invariant":
         monkeypatch.setattr(invariant, "MODE", "on")
     batched_steps: list[int] = []
-    write_back = DecodeAttention.write_back
+    write_back = FrameAttention.write_back
 
-    def counted(self: DecodeAttention) -> None:
+    def counted(self: FrameAttention) -> None:
         batched_steps.append(len(self.caches))
         write_back(self)
 
-    monkeypatch.setattr(DecodeAttention, "write_back", counted)
+    monkeypatch.setattr(FrameAttention, "write_back", counted)
     model = tiny_model(family, **overrides)
     stages = chain(model)
     for stage in stages:
@@ -238,6 +239,66 @@ def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
             held[i] += 1
     assert stages[0]._batch_graphs.buckets() == [2, 4, 8, 16]  # noqa: SLF001
     assert bool(batched_steps) == (how in ("batched", "gathered layer by layer"))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "how"),
+    [
+        ("llama", {}, "batched"),
+        ("qwen3", {}, "batched"),
+        ("mistral", {"sliding_window": 5, "layer_types": None}, "batched"),
+        ("mistral", {"sliding_window": 5, "layer_types": None}, "gathered layer by layer"),
+        ("llama", {}, "row-invariant"),
+    ],
+)
+def test_mixed_frames_of_windows_and_prompt_chunks_run_by_bucket_as_alone(
+    family: str, overrides: dict, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frames of up to 32 rows mixing decode tokens, verify windows of 2-7 tokens,
+    rewinds and a new session's whole prompt, in random order, go through the step of
+    their row count's bucket; every row's logits equal the unsplit model's. A frame
+    of one session's window takes its bucket too; one over 32 rows runs eagerly."""
+    if how == "gathered layer by layer":
+        monkeypatch.setattr(batch_graphs, "GATHER_BYTES", 1)
+    if how == "row-invariant":
+        monkeypatch.setattr(invariant, "MODE", "on")
+    model = tiny_model(family, **overrides)
+    stages = chain(model)
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+    rng = random.Random(7)
+    sequences = {f"m{i}": tokens(60, seed=60 + i) for i in range(6)}
+    wants = {name: full_logits(model, sequence) for name, sequence in sequences.items()}
+    held = {name: 0 for name in sequences}
+    for name in list(sequences)[:4]:
+        held[name] = rng.randint(3, 12)
+        run_chain(stages, name, 0, sequences[name][: held[name]])
+    for step in range(14):
+        names = rng.sample(sorted(sequences), rng.randint(1, len(sequences)))
+        spans, inputs = [], []
+        for name in names:
+            at = max(0, held[name] - rng.choice([0, 0, 0, 2]))  # some rewind
+            count = 1 if at else rng.randint(4, 9)  # a new session: its whole prompt
+            if at and rng.random() < 0.5:
+                count = rng.randint(2, 7)  # a verify window
+            count = min(count, 60 - at)
+            spans.append(Span(name, at, count))
+            inputs.append(sequences[name][at : at + count])
+        frame = torch.cat(inputs)
+        got = batch_chain(stages, spans, frame)
+        for span, logits in zip(spans, got, strict=True):
+            want = wants[span.session_id][span.pos_start : span.pos_start + span.count]
+            assert max_diff(logits, want) <= TOLERANCE, (step, span)
+            held[span.session_id] = span.pos_start + span.count
+    buckets = stages[1]._batch_graphs.buckets()  # noqa: SLF001
+    assert len(buckets) >= 3, buckets
+    # One session's window alone, and a frame over the largest bucket.
+    window = Span("m0", held["m0"], 5)
+    got = batch_chain(stages, [window], sequences["m0"][held["m0"] : held["m0"] + 5])
+    assert max_diff(got[0], wants["m0"][held["m0"] : held["m0"] + 5]) <= TOLERANCE
+    long = tokens(40, seed=99)
+    got = batch_chain(stages, [Span("long", 0, 40)], long)
+    assert max_diff(got[0], full_logits(model, long)) <= TOLERANCE
 
 
 def test_a_bad_segment_is_refused_alone_in_a_bucketed_frame() -> None:
@@ -299,22 +360,23 @@ def test_bucketed_cuda_graphs_match_eager_frames_on_a_gpu(dtype: str) -> None:
     ]
     for stage in graphed:
         assert stage.enable_cuda_graphs() and stage.check_graphs()
-    sequences = [tokens(30, seed=50 + i) for i in range(6)]
+    sequences = [tokens(50, seed=50 + i) for i in range(6)]
     for stages in (graphed, eager):
         for i, sequence in enumerate(sequences):
             run_chain(stages, f"s{i}", 0, sequence[:10])
     tolerance = 1e-3 if dtype == "float32" else 5e-2
-    for position in range(10, 30):
-        members = range(6) if position % 3 else range(3)
-        spans = [Span(f"s{i}", position, 1) for i in members]
-        inputs = torch.stack([sequences[i][position] for i in members])
-        if position % 3 == 0:
-            for i in range(3, 6):  # the other sessions keep pace alone
-                for stages in (graphed, eager):
-                    run_chain(stages, f"s{i}", position, sequences[i][position : position + 1])
+    held = dict.fromkeys(range(6), 10)
+    for step in range(12):
+        # Decode frames of 3 or 6 sessions, and frames mixing windows of 3 tokens.
+        members = range(6) if step % 4 else range(3)
+        counts = {i: 3 if step % 2 and i % 2 else 1 for i in members}
+        spans = [Span(f"s{i}", held[i], counts[i]) for i in members]
+        inputs = torch.cat([sequences[i][held[i] : held[i] + counts[i]] for i in members])
         got = batch_chain(graphed, spans, inputs)
         want = batch_chain(eager, spans, inputs)
         scale = max(torch.cat(want).abs().max().item(), 1.0)
-        assert max_diff(torch.cat(got), torch.cat(want)) <= tolerance * scale, position
+        assert max_diff(torch.cat(got), torch.cat(want)) <= tolerance * scale, step
+        for i in members:
+            held[i] += counts[i]
     step = graphed[1]._batch_graphs.step_for(6)  # noqa: SLF001
     assert step is not None and step.captured and all(s.cuda_graphs for s in graphed)
