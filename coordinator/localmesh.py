@@ -106,6 +106,10 @@ class MeshProcesses:
         self.http_url = ""
 
     def _start_coordinator(self) -> subprocess.Popen:
+        # Where this start's lines begin in the (appended) log: a reused workdir's log
+        # holds earlier runs' addresses.
+        log = self.logs / "coordinator.log"
+        self._log_start = log.stat().st_size if log.exists() else 0
         if self.hosts is not None:
             listen = f"0.0.0.0:{NETNS_COORDINATOR_PORT}"
         else:
@@ -173,7 +177,10 @@ class MeshProcesses:
         return (self.logs / "coordinator.log").read_text(errors="replace")
 
     def _find_address(self) -> str:
-        for line in self.coordinator_log().splitlines():
+        with open(self.logs / "coordinator.log", "rb") as log:
+            log.seek(self._log_start)
+            lines = log.read().decode(errors="replace").splitlines()
+        for line in lines:
             if " listening on " in line:
                 return line.rsplit(" ", 1)[-1].strip()
         if self.coordinator.poll() is not None:

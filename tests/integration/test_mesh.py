@@ -242,3 +242,20 @@ def test_stale_term_bad_frame_and_dead_stage(mesh_factory, tiny_package_factory)
     assert len(stage_ranges(mesh)) == 2
     again = mesh_tokens(client, "tiny-llama")
     assert again == expected
+
+
+def test_a_reused_workdir_finds_the_coordinator_it_started(tiny_package_factory, tmp_path):
+    """The harness appends to its logs: an earlier run's address in a reused
+    workdir's coordinator log is not taken for the new coordinator's."""
+    workdir = tmp_path / "reused"
+    (workdir / "logs").mkdir(parents=True)
+    (workdir / "logs" / "coordinator.log").write_text(
+        "12:00:00 INFO coordinator listening on 127.0.0.1:9\n"
+    )
+    mesh = MeshProcesses(tiny_package_factory("llama", layers=2), workdir, 1)
+    try:
+        address = mesh.wait_address()
+        assert address != "127.0.0.1:9" and address.startswith("127.0.0.1:")
+        assert mesh.status().term >= 0  # the address answers: it is this coordinator's
+    finally:
+        mesh.close()
