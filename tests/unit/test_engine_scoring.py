@@ -245,7 +245,7 @@ def test_a_scored_token_outside_the_vocabulary_fails_its_segment_alone(
 
 
 def test_a_scored_prompt_goes_in_chunks_of_at_most_128_tokens() -> None:
-    from stage.frontend.engine_core import SCORED_CHUNK_TOKENS
+    from stage.frontend.engine_prompts import SCORED_CHUNK_TOKENS
 
     core, _ = core_with(prefill_chunk_tokens=512, step_tokens=512)
     pipe = FakePipeline()

@@ -169,6 +169,7 @@ PROTO_FREE = (
     "mesh.frames",
     "stage.engine",
     "stage.frontend.engine_core",
+    "stage.frontend.engine_prompts",
     "stage.frontend.engine_types",
 )
 WIRE = ("google", "grpc", "mesh.proto", "mesh.codec", "mesh.codec_data", "mesh.codec_tensor")
