@@ -157,7 +157,9 @@ class _NodeCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = self._families()
-        term, loaded_flag, index, layers, sessions, limit, kv, prefix, info, dropped = families
+        term, loaded_flag, index, layers, sessions, limit, kv, prefix, info, dropped, graphs = (
+            families
+        )
         node = self._node
         settings = node.settings
         info.add_metric([settings.node_id, settings.device], 1)
@@ -176,6 +178,9 @@ class _NodeCollector(Collector):
         kv.add_metric([], runtime.kv_bytes() if runtime is not None else 0)
         prefix.add_metric([], runtime.prefix_nbytes() if runtime is not None else 0)
         dropped.add_metric([], loaded.engine.dropped_segments if loaded is not None else 0)
+        replayed = runtime.graph_frames if runtime is not None else {"session": 0, "bucket": 0}
+        for path, count in replayed.items():
+            graphs.add_metric([path], count)
         return iter(families)
 
     @staticmethod
@@ -205,5 +210,11 @@ class _NodeCollector(Collector):
                 "mesh_stage_dropped_ahead_segments",
                 "Windows drafted ahead that this (last) stage dropped unrun since its load: "
                 "a verdict had refuted them.",
+            ),
+            GaugeMetricFamily(
+                "mesh_stage_graph_frames",
+                "Frames this stage ran through its CUDA graph steps since its load (--cuda-graphs; "
+                "path: session = one session's decode token, bucket = a frame of up to 32 rows).",
+                labels=("path",),
             ),
         ]

@@ -85,6 +85,8 @@ class StageRuntime(GraphSteps):
         # Frames of up to 32 rows (other than one session's single token) through
         # per-bucket steps (mesh/runtime/batch_graphs.py), while graphs are on.
         self._batch_graphs: BatchGraphs | None = None
+        # Frames run through those steps: "session" (one session's token), "bucket".
+        self.graph_frames = {"session": 0, "bucket": 0}
 
     # ---- description ------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class GraphSteps:
     # Frames of up to 32 rows (other than one session's single token) through
     # per-bucket steps, while graphs are on.
     _batch_graphs: BatchGraphs | None
+    graph_frames: dict[str, int]
 
     def _run_bucket(
         self,
@@ -95,6 +96,7 @@ class GraphSteps:
             return None
         if batched is not None:
             batched.write_back()
+        self.graph_frames["bucket"] += 1
         placed: dict[int, tuple[int, int]] = {}
         kept: list[int] = []
         for (index, span, _, _), part in zip(opened, parts, strict=True):
@@ -124,6 +126,7 @@ class GraphSteps:
             self._drop_graphs()
             return self._run(cache, pos_start, prepared, 1)
         cache.commit(pos_start + 1)
+        self.graph_frames["session"] += 1
         return output
 
     def _static_step(self, cache: SessionCache) -> StaticDecode:

@@ -99,6 +99,9 @@ def test_every_process_counts_what_the_requests_did(mesh: MeshProcesses) -> None
     stream.close()
     assert value(during, "mesh_stage_sessions") >= 1
     assert value(during, "mesh_stage_kv_bytes") > 0
+    # No CUDA graphs on a CPU stage: both paths read 0.
+    assert value(during, "mesh_stage_graph_frames", path="bucket") == 0
+    assert value(during, "mesh_stage_graph_frames", path="session") == 0
 
     def stage0_saw_everything() -> str | None:
         body = scrape(stage0)

@@ -29,6 +29,7 @@ STAGE_SERIES = {
     "mesh_stage_term",
     "mesh_stage_loads_total",
     "mesh_stage_releases_total",
+    "mesh_stage_graph_frames",
 }
 STAGE_ZERO_SERIES = STAGE_SERIES | {
     "mesh_http_requests_total",

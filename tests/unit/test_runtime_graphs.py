@@ -79,6 +79,7 @@ def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dic
     assert max_diff(torch.cat(got), want) <= TOLERANCE
     graph = stages[1]._sessions._sessions["s"].decode_graph  # noqa: SLF001
     assert isinstance(graph, DecodeGraph) and graph.capacity > CAPACITY_STEP_TOKENS
+    assert stages[1].graph_frames == {"session": length - prefill, "bucket": 0}
 
     # Rewind ten positions and decode them again: the same logits.
     again = [run_chain(stages, "s", p, sequence[p : p + 1]) for p in range(length - 10, length)]
@@ -239,6 +240,7 @@ def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
             held[i] += 1
     assert stages[0]._batch_graphs.buckets() == [2, 4, 8, 16]  # noqa: SLF001
     assert bool(batched_steps) == (how in ("batched", "gathered layer by layer"))
+    assert stages[1].graph_frames["bucket"] == len(rounds)
 
 
 @pytest.mark.parametrize(
