@@ -203,8 +203,9 @@ class GraphSteps:
             cache.decode_graph = None
 
     def check_graphs(self, tolerance: float = 1e-2) -> bool:
-        """Decode throw-away steps, one session's and a frame of two sessions' rows,
-        both replayed and eagerly; when they disagree by more than ``tolerance`` of
+        """Decode throw-away steps, one session's and a frame of two sessions' rows (or
+        of one session's two, when the stage may hold one session), both replayed and
+        eagerly; when they disagree by more than ``tolerance`` of
         the eager output's magnitude, or a step could not be captured, log it and turn
         graphs off. Returns whether graphs stay on."""
         first, second = "__graph-check__", "__graph-check-2__"
@@ -213,7 +214,10 @@ class GraphSteps:
             inputs = torch.randint(0, self._vocab_size, (4,), generator=generator)
         else:
             inputs = torch.randn(4, self._hidden_size, generator=generator).to(self._dtype)
-        batch = [Span(first, 2, 1), Span(second, 1, 1)]
+        # A frame of two sessions' tokens, or of one session's two (a stage that may
+        # hold one session).
+        two = self._sessions.max_sessions >= 2
+        batch = [Span(first, 2, 1), Span(second, 1, 1)] if two else [Span(first, 2, 2)]
 
         def steps() -> torch.Tensor:
             single = self.forward(first, 1, inputs[1:2])
@@ -222,7 +226,8 @@ class GraphSteps:
 
         try:
             self.forward(first, 0, inputs[:1])
-            self.forward(second, 0, inputs[:1])
+            if two:
+                self.forward(second, 0, inputs[:1])
             replayed = steps()
             capture, batch_graphs = self._graph_capture, self._batch_graphs
             if capture is None:

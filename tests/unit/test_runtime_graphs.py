@@ -339,6 +339,25 @@ def test_last_stage_rows_without_logits_in_a_bucketed_frame() -> None:
     assert max_diff(out.of(0), want) <= TOLERANCE and max_diff(out.of(2), want) <= TOLERANCE
 
 
+def test_the_load_time_check_fits_a_stage_of_one_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage that may hold one session checks a frame of that session's two tokens
+    instead of two sessions' frame; a skewed bucket step still turns graphs off."""
+    model = tiny_model("llama")
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    stage = build_stage_runtime(model.config, weights, SPLITS[2][1], max_sessions=1)
+    stage.use_static_decode(capture=False)
+    assert stage.check_graphs() and stage.sessions() == []
+    assert stage.graph_frames["bucket"] == 1  # the replayed frame (the eager one runs apart)
+    original = batch_graphs.BucketStep.__call__
+
+    def skewed(self, *args):  # noqa: ANN001, ANN202
+        return original(self, *args) + 1.0
+
+    monkeypatch.setattr(batch_graphs.BucketStep, "__call__", skewed)
+    assert not stage.check_graphs()
+    assert stage._batch_graphs is None and stage.sessions() == []  # noqa: SLF001
+
+
 def test_sparse_experts_keep_batched_decode_eager() -> None:
     stages = chain(tiny_model("qwen3_moe"))
     stages[0].use_static_decode(capture=False)
