@@ -259,6 +259,19 @@ def discover(
     return list(offers.values())
 
 
+def rediscover(
+    port: int, token: str | None, targets: Sequence[str] | None = None, wait_s: float = 1.0
+) -> str | None:
+    """One round of asking (``discover``): the address of the one coordinator that
+    answered, or None (nobody, or several: logged, the caller keeps what it has)."""
+    offers = discover(port, token, wait_s, targets)
+    if len(offers) > 1:
+        listed = ", ".join(f"{o.address} ({o.model_id})" for o in offers)
+        logger.warning("several coordinators answered on UDP port %s: %s", port, listed)
+        return None
+    return offers[0].address if offers else None
+
+
 def parse_auto(coordinator: str) -> int | None:
     """The UDP port of ``auto`` / ``auto:PORT``; None for a HOST:PORT."""
     if coordinator == "auto":

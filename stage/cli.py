@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from mesh.codec import JoinRequest
 from mesh.config import add_speculation_arguments
-from mesh.discovery import find_coordinator, parse_auto
+from mesh.discovery import find_coordinator, parse_auto, rediscover
 from mesh.doctor import add_doctor_arguments
 from mesh.errors import MeshError
 from mesh.grpc_util import bind, new_server
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     security = validate(security_from_args(args), serving=True)
     install(security)
     log_posture(security, f"stage {node_id}")
+    auto_port = parse_auto(stage.coordinator)
     stage = found_coordinator(stage, security.join_token)
     server = new_server(32)
     port = bind(server, stage.listen)
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_bytes=int(stage.prefix_cache_mb * 2**20),
         ),
         address,
-        remote=CoordinatorPackageSource(stage.coordinator, node_id),
+        remote=(package_source := CoordinatorPackageSource(stage.coordinator, node_id)),
     )
     metrics_host = split_host_port(stage.listen)[0]
     serve_metrics(node.metrics.registry, metrics_host, stage.metrics_port, who=f"stage {node_id}")
@@ -186,6 +188,13 @@ def run(args: argparse.Namespace) -> int:
         ),
         node.heartbeat,
         on_term=node.observe_coordinator_term,
+        # Found by discovery: found again if it comes back elsewhere.
+        relocate=(
+            None
+            if auto_port is None
+            else functools.partial(rediscover, auto_port, security.join_token)
+        ),
+        on_moved=lambda moved: setattr(package_source, "coordinator", moved),
     )
     node.on_newer_term(membership.poke)
     membership.start()

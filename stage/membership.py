@@ -20,13 +20,22 @@ DEFAULT_HEARTBEAT_S = 1.0
 # Retrying an unreachable coordinator: the wait doubles from the first to the last.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 5.0
+# With ``relocate`` (``--coordinator auto``): how long the coordinator may be
+# unreachable before the stage looks for one on its networks again, and how often.
+RELOCATE_AFTER_S = 15.0
 
 
 class Membership:
     """Joins with ``join_request`` and heartbeats until stopped; rejoins when the
     coordinator forgets the node or restarts. Every reply's term goes to
     ``on_term``. While the coordinator cannot be reached it retries with a doubling
-    wait (up to RETRY_MAX_S) and logs the outage once, not every beat."""
+    wait (up to RETRY_MAX_S) and logs the outage once, not every beat.
+
+    With ``relocate`` (a stage that found its coordinator by LAN discovery), an
+    outage of RELOCATE_AFTER_S makes it look again (``relocate`` returns the address
+    of the one coordinator answering, or None) every RELOCATE_AFTER_S; when one
+    answers at another address the stage joins it there and ``on_moved`` hears the
+    new address (the coordinator came back on another host or address)."""
 
     def __init__(
         self,
@@ -34,11 +43,16 @@ class Membership:
         join_request: Callable[[], JoinRequest],
         heartbeat: Callable[[], HeartbeatRequest],
         on_term: Callable[[int], None] | None = None,
+        relocate: Callable[[], str | None] | None = None,
+        on_moved: Callable[[str], None] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self._join_request = join_request
         self._heartbeat = heartbeat
         self._on_term = on_term
+        self._relocate = relocate
+        self._on_moved = on_moved
+        self._next_search = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._channel = channel(coordinator)
@@ -84,6 +98,35 @@ class Membership:
             logger.debug("%s to %s failed again: %s", what, self.coordinator, code.name)
         self._retry_s = min(RETRY_MAX_S, self._retry_s * 2)
 
+    def _moved(self) -> bool:
+        """After a long enough outage, look for the coordinator again; True when it
+        answered at another address, which this membership now uses."""
+        if self._relocate is None or self._outage_since is None or self._stop.is_set():
+            return False
+        now = time.monotonic()
+        if now - self._outage_since < RELOCATE_AFTER_S or now < self._next_search:
+            return False
+        self._next_search = now + RELOCATE_AFTER_S
+        address = self._relocate()
+        if not address or address == self.coordinator:
+            return False
+        logger.warning(
+            "coordinator %s unreachable for %.0fs; a coordinator answers at %s on this "
+            "network: joining it there",
+            self.coordinator,
+            now - self._outage_since,
+            address,
+        )
+        old = self._channel
+        self.coordinator = address
+        self._channel = channel(address)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        old.close()
+        if self._on_moved is not None:
+            self._on_moved(address)
+        self._retry_s = RETRY_FIRST_S
+        return True
+
     def _reachable(self) -> None:
         if self._outage_since is not None:
             logger.info(
@@ -125,7 +168,8 @@ class Membership:
             if not joined:
                 joined = self._join()
                 if not joined:
-                    self._wait(self._retry_s)
+                    if not self._moved():
+                        self._wait(self._retry_s)
                     continue
             try:
                 reply = HeartbeatReply.from_proto(
@@ -135,7 +179,10 @@ class Membership:
                 if self._stop.is_set():
                     return
                 self._unreachable("heartbeat", error)
-                self._wait(self._retry_s)
+                if self._moved():
+                    joined = False
+                else:
+                    self._wait(self._retry_s)
                 continue
             self._reachable()
             if not reply.known:

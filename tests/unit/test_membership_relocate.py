@@ -1,0 +1,138 @@
+"""A stage that found its coordinator by LAN discovery finds it again when it comes
+back at another address: real coordinator services over gRPC on two loopback
+addresses, real discovery over UDP, the stage's membership loop."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from coordinator.driver import LoadSettings
+from coordinator.model import read_model
+from coordinator.server import CoordinatorService, CoordinatorSettings, serve
+from mesh.codec import HeartbeatRequest, JoinRequest
+from mesh.discovery import DiscoveryResponder, rediscover
+from stage import membership
+from stage.membership import Membership
+
+TOKEN = "a-join-token-for-relocation-0123456789"
+
+
+def free_port(hosts: tuple[str, ...]) -> int:
+    """A port free for TCP and UDP on every host in ``hosts``."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((hosts[0], 0))
+            port = probe.getsockname()[1]
+        try:
+            for host in hosts:
+                for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                    with socket.socket(socket.AF_INET, kind) as sock:
+                        sock.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no common free port")
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def coordinator_at(package, host: str, port: int):
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id),
+        heartbeat_interval_s=0.2,
+    )
+    service = CoordinatorService(model, settings)
+    server, bound = serve(service, f"{host}:{port}")
+    assert bound == port
+    responder = DiscoveryResponder(
+        host, port, lambda: model.manifest.model_id, "", False, TOKEN, service.coordinator_id
+    )
+    assert responder.start()
+    return service, server, responder
+
+
+def test_a_discovered_coordinator_that_moves_is_joined_at_its_new_address(
+    tiny_package_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(membership, "RELOCATE_AFTER_S", 0.5)
+    package = tiny_package_factory("llama", layers=2)
+    hosts = ("127.0.0.2", "127.0.0.3")
+    port = free_port(hosts)
+    first, first_server, first_responder = coordinator_at(package, hosts[0], port)
+    moves: list[str] = []
+    searches: list[str | None] = []
+
+    def relocate() -> str | None:
+        found = rediscover(port, TOKEN, targets=list(hosts), wait_s=0.5)
+        searches.append(found)
+        return found
+
+    member = Membership(
+        f"{hosts[0]}:{port}",
+        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
+        lambda: HeartbeatRequest(node_id="worker", term=0, state="idle"),
+        relocate=relocate,
+        on_moved=moves.append,
+    )
+    member.start()
+    second = None
+    try:
+        assert member.joined.wait(10)
+        assert first.state.is_known("worker")
+        # While the coordinator answers, nothing is looked for.
+        time.sleep(1.0)
+        assert searches == []
+        # It goes away; it comes back on another address of the network.
+        first_server.stop(0)
+        first_responder.stop()
+        second, second_server, second_responder = coordinator_at(package, hosts[1], port)
+        assert wait_until(lambda: second.state.is_known("worker"), 15), searches
+        assert moves == [f"{hosts[1]}:{port}"]
+        assert member.coordinator == f"{hosts[1]}:{port}"
+        assert searches[-1] == f"{hosts[1]}:{port}"
+        # It keeps heartbeating there.
+        beat = second.state.node("worker").last_heartbeat_at
+        assert wait_until(lambda: second.state.node("worker").last_heartbeat_at > beat, 5)
+    finally:
+        member.stop()
+        if second is not None:
+            second_server.stop(0)
+            second_responder.stop()
+
+
+def test_without_discovery_a_stage_keeps_to_its_address(
+    tiny_package_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage given --coordinator HOST:PORT never looks elsewhere, however long the
+    outage (another coordinator answering discovery is not its coordinator)."""
+    monkeypatch.setattr(membership, "RELOCATE_AFTER_S", 0.2)
+    package = tiny_package_factory("llama", layers=2)
+    hosts = ("127.0.0.2", "127.0.0.3")
+    port = free_port(hosts)
+    other, other_server, other_responder = coordinator_at(package, hosts[1], port)
+    member = Membership(
+        f"{hosts[0]}:{port}",
+        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
+        lambda: HeartbeatRequest(node_id="worker", term=0, state="idle"),
+    )
+    member.start()
+    try:
+        time.sleep(2.0)
+        assert not member.joined.is_set() and not other.state.is_known("worker")
+        assert member.coordinator == f"{hosts[0]}:{port}"
+    finally:
+        member.stop()
+        other_server.stop(0)
+        other_responder.stop()
