@@ -55,7 +55,7 @@ def bucket_for(rows: int) -> int | None:
 
 
 class BucketStep:
-    """The pieces of one decode step over ``rows`` rows, at fixed addresses."""
+    """The pieces of one step over a frame of up to ``rows`` rows, at fixed addresses."""
 
     def __init__(
         self,
