@@ -3,6 +3,7 @@ the values (``samples``) that come close to valid for the routes under test."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,3 +27,13 @@ def json_values(samples: Sequence[Any]) -> st.SearchStrategy[Any]:
         ),
         max_leaves=12,
     )
+
+
+def token_budget(raw: bytes, names: Sequence[str], default: int) -> int:
+    """The most tokens a served body may have per choice: the largest positive
+    integer it gives any of ``names`` (the budget fields of its route), else the
+    server's ``default``."""
+    sent = json.loads(raw)
+    values = [sent.get(name) for name in names] if isinstance(sent, dict) else []
+    given = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return max(given, default=default)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, live_server
 from fuzz_support import json_values as fuzz_json_values
+from fuzz_support import token_budget
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -141,5 +142,6 @@ def test_no_body_produces_a_server_error(http: httpx.Client, request: tuple[str,
     else:
         reply = response.json()
         assert reply["choices"][0]["finish_reason"] in ("stop", "length")
-        # At most 3 tokens (the default budget, or less) per choice.
-        assert reply["usage"]["completion_tokens"] <= 3 * len(reply["choices"])
+        # At most the body's budget (else the default, 3) per choice.
+        budget = token_budget(raw, ["max_tokens", "max_completion_tokens"], 3)
+        assert reply["usage"]["completion_tokens"] <= budget * len(reply["choices"])

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, live_server
 from fuzz_support import json_values as fuzz_json_values
+from fuzz_support import token_budget
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -122,7 +123,11 @@ def test_no_body_produces_a_server_error(http: httpx.Client, request: tuple[str,
     elif path == "/apply-template":
         assert isinstance(response.json()["prompt"], str)
     elif path == "/v1/completions":
-        assert response.json()["usage"]["completion_tokens"] <= 3 * len(response.json()["choices"])
+        budget = token_budget(raw, ["max_tokens"], 3)
+        assert response.json()["usage"]["completion_tokens"] <= budget * len(
+            response.json()["choices"]
+        )
     else:
         answer = response.json()
-        assert answer["stop"] is True and answer["tokens_predicted"] <= 3, answer
+        budget = token_budget(raw, ["n_predict", "max_tokens"], 3)
+        assert answer["stop"] is True and answer["tokens_predicted"] <= budget, answer
