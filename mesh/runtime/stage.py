@@ -344,18 +344,7 @@ class StageRuntime(GraphSteps):
                 if out is not None:
                     return out
         hidden = modules.embed(prepared) if self._is_first else prepared  # type: ignore[misc]
-        angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
-        cos = torch.cat([c for c, _ in angles])
-        sin = torch.cat([s for _, s in angles])
-        parts: list[SegmentRows] = []
-        row = 0
-        for _, span, cache, _ in opened:
-            masks = attention_masks(span.pos_start, span.count, self._sliding_window, self._device)
-            cache.begin(span.pos_start)
-            parts.append(
-                SegmentRows(cache, row, span.pos_start, span.count, masks, self._sliding_window)
-            )
-            row += span.count
+        cos, sin, parts = self._segment_rows(opened)
         hidden = self._layers(hidden, cos, sin, parts)
         for part in parts:
             part.cache.commit(part.at + part.count)
@@ -372,6 +361,24 @@ class StageRuntime(GraphSteps):
             placed[index] = (out_row, wanted)
             out_row += wanted
         return BatchOutput(self._head(torch.cat(pieces)), placed, errors)
+
+    def _segment_rows(
+        self, opened: list[tuple[int, Span, SessionCache, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[SegmentRows]]:
+        """The rotary angles of a frame's rows and its segments' rows (masks, caches
+        cropped to where each segment starts), in the frame's order."""
+        angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
+        cos = torch.cat([c for c, _ in angles])
+        sin = torch.cat([s for _, s in angles])
+        window = self._sliding_window
+        parts: list[SegmentRows] = []
+        row = 0
+        for _, span, cache, _ in opened:
+            masks = attention_masks(span.pos_start, span.count, window, self._device)
+            cache.begin(span.pos_start)
+            parts.append(SegmentRows(cache, row, span.pos_start, span.count, masks, window))
+            row += span.count
+        return cos, sin, parts
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head over hidden rows ``[rows, hidden]`` of the last

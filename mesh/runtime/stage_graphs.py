@@ -16,7 +16,7 @@ import torch
 
 from mesh.errors import MeshError
 from mesh.runtime.batch_graphs import BatchGraphs, BucketStep, FrameAttention
-from mesh.runtime.block import DecoderBlock, SegmentRows, attend_segments, attention_masks
+from mesh.runtime.block import DecoderBlock, attend_segments
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.rotary import RotaryAngles
 from mesh.runtime.sessions import SessionCache, SessionTable
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class GraphSteps:
     """Graph-replayed steps of a ``StageRuntime`` (whose ``forward``,
-    ``forward_batch``, ``drop_session`` and ``_run`` they call)."""
+    ``forward_batch``, ``drop_session``, ``_run`` and ``_segment_rows`` they call)."""
 
     # Set by StageRuntime.__init__.
     _modules: StageModules
@@ -61,21 +61,11 @@ class GraphSteps:
         """A frame of at most ``step.rows`` rows through its bucket's step; None when
         the step could not be captured (graphs are then off and the caller runs the
         frame eagerly; no cache was written)."""
-        angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
-        cos = torch.cat([c for c, _ in angles])
-        sin = torch.cat([s for _, s in angles])
-        window = self._sliding_window
-        parts: list[SegmentRows] = []
-        row = 0
-        for _, span, cache, _ in opened:
-            masks = attention_masks(span.pos_start, span.count, window, self._device)
-            cache.begin(span.pos_start)
-            parts.append(SegmentRows(cache, row, span.pos_start, span.count, masks, window))
-            row += span.count
+        cos, sin, parts = self._segment_rows(opened)
         batched = None
         segments = [(part.cache, part.at, part.count) for part in parts]
         if not self._modules.row_invariant and FrameAttention.fits(segments):
-            batched = FrameAttention(segments, window)
+            batched = FrameAttention(segments, self._sliding_window)
 
         def attend(block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor) -> torch.Tensor:
             if batched is not None:

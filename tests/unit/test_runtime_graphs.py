@@ -47,6 +47,14 @@ def chain(model: AutoModelForCausalLM, device: str = "cpu") -> list[StageRuntime
     return [build_stage_runtime(model.config, weights, r, device=device) for r in SPLITS[2]]
 
 
+def static_chain(model: AutoModelForCausalLM) -> list[StageRuntime]:
+    """A 2-stage split whose graph steps run eagerly (the arithmetic CUDA replays)."""
+    stages = chain(model)
+    for stage in stages:
+        stage.use_static_decode(capture=False)
+    return stages
+
+
 def tokens(count: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 512, (count,), generator=torch.Generator().manual_seed(seed))
 
@@ -65,9 +73,7 @@ def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dic
     """Decode steps through the fixed-shape step on both stages of a split, across a
     KV buffer growth, after a rewind, and for a session that starts with one token."""
     model = tiny_model(family, **overrides)
-    stages = chain(model)
-    for stage in stages:
-        stage.use_static_decode(capture=False)
+    stages = static_chain(model)
     length = CAPACITY_STEP_TOKENS + 6
     sequence = tokens(length, seed=4)
     want = full_logits(model, sequence)
@@ -92,9 +98,7 @@ def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dic
 
 def test_static_decode_keeps_sessions_apart() -> None:
     model = tiny_model("llama")
-    stages = chain(model)
-    for stage in stages:
-        stage.use_static_decode(capture=False)
+    stages = static_chain(model)
     first, second = tokens(20, seed=5), tokens(20, seed=6)
     run_chain(stages, "a", 0, first[:10])
     run_chain(stages, "b", 0, second[:10])
@@ -136,9 +140,8 @@ def test_cuda_graph_replays_match_eager_decode_on_a_gpu() -> None:
 def test_the_load_time_check_turns_a_disagreeing_step_off(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stages = chain(tiny_model("llama"))
+    stages = static_chain(tiny_model("llama"))
     for stage in stages:
-        stage.use_static_decode(capture=False)
         assert stage.check_graphs()  # the same arithmetic: stays on
         assert stage.sessions() == []
     original = StaticDecode.run
@@ -217,10 +220,8 @@ def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
 
     monkeypatch.setattr(FrameAttention, "write_back", counted)
     model = tiny_model(family, **overrides)
-    stages = chain(model)
-    for stage in stages:
-        stage.use_static_decode(capture=False)
-        assert stage.row_invariant == (how == "row-invariant")
+    stages = static_chain(model)
+    assert all(stage.row_invariant == (how == "row-invariant") for stage in stages)
     count = 10
     sequences = [tokens(40, seed=30 + i) for i in range(count)]
     wants = [full_logits(model, sequence) for sequence in sequences]
@@ -265,9 +266,7 @@ def test_mixed_frames_of_windows_and_prompt_chunks_run_by_bucket_as_alone(
     if how == "row-invariant":
         monkeypatch.setattr(invariant, "MODE", "on")
     model = tiny_model(family, **overrides)
-    stages = chain(model)
-    for stage in stages:
-        stage.use_static_decode(capture=False)
+    stages = static_chain(model)
     rng = random.Random(7)
     sequences = {f"m{i}": tokens(60, seed=60 + i) for i in range(6)}
     wants = {name: full_logits(model, sequence) for name, sequence in sequences.items()}
@@ -305,9 +304,7 @@ def test_mixed_frames_of_windows_and_prompt_chunks_run_by_bucket_as_alone(
 
 def test_a_bad_segment_is_refused_alone_in_a_bucketed_frame() -> None:
     model = tiny_model("llama")
-    stages = chain(model)
-    for stage in stages:
-        stage.use_static_decode(capture=False)
+    stages = static_chain(model)
     first, second = tokens(20, seed=40), tokens(20, seed=41)
     run_chain(stages, "a", 0, first[:10])
     run_chain(stages, "b", 0, second[:10])
