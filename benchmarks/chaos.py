@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run each stage on a host of its own (network namespaces; needs root)",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=5.0,
+        help="the coordinator's --stall-timeout: a hang longer than this fails over",
+    )
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     parser.add_argument("--workloads", type=Path, default=None)
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         max_sessions=args.streams * 2,
         hosts=hosts,
+        coordinator_args=("--stall-timeout", f"{args.stall_timeout:g}"),
     )
     started = time.monotonic()
     try:

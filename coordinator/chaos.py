@@ -15,8 +15,12 @@ Faults: ``kill`` (SIGKILL a non-zero stage; it is started again after the round)
 stage: stopped and continued on a duty cycle for a few seconds), ``coordinator``
 (SIGKILL the coordinator, start a new one on the same address with the same state
 file), ``reset`` (the TCP connections between a non-zero stage and the other stages
-reset while every process stays up: loopback meshes) and, on network-namespace
-hosts, ``link`` (the link of a non-zero stage's host down for 1-10 s, then up).
+reset while every process stays up: loopback meshes), ``hang`` (the threads that
+read and process a non-zero stage's frames frozen for 2-30 s while the process and
+its heartbeats run on: a hung device call or lock, ``coordinator/thread_freeze.py``;
+the round's streams start once they are frozen, so that every one meets the hang)
+and, on network-namespace hosts, ``link`` (the link of a non-zero stage's host down
+for 1-10 s, then up).
 After each round the mesh is brought back to its full size before the next. Used by
 ``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
 """
@@ -36,7 +40,11 @@ from coordinator.localmesh import MeshProcesses, wait_for
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "reset", "link")
+FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "reset", "link", "hang")
+# The threads a ``hang`` freezes: a stage's frame readers and its frame worker (on
+# stage 0 the readers of answers only: its own compute stuck is not planned around).
+HANG_THREADS = ("data-reader", "stage-worker")
+HANG_THREADS_STAGE0 = ("data-reader",)
 # Link faults need hosts made of network namespaces (MeshProcesses(hosts=...)); reset
 # faults a loopback mesh (one network namespace: both ends of a connection visible).
 LOOPBACK_FAULT_KINDS = tuple(k for k in FAULT_KINDS if k != "link")
@@ -184,6 +192,8 @@ class ChaosRun:
             return Fault("link", target, round(self.rng.uniform(1.0, 10.0), 1))
         if kind == "reset":
             return Fault("reset", target)
+        if kind == "hang":
+            return Fault("hang", target, round(self.rng.uniform(2.0, 30.0), 1))
         return Fault("coordinator", "", round(self.rng.uniform(0.5, 4.0), 1))
 
     def round(self, fault: Fault) -> RoundRecord:
@@ -192,17 +202,27 @@ class ChaosRun:
         chosen = self.rng.sample(range(len(self.specs)), self.streams_per_round)
         started = [threading.Event() for _ in chosen]
         term_before = self.mesh.status().term
-        with ThreadPoolExecutor(len(chosen)) as pool:
+        # A hang starts before the streams (on a thread of its own, which must also
+        # end it): streams that finish within a few hundred milliseconds could end
+        # before it began, and a stage that hangs between requests is a case too.
+        hang = None
+        if fault.kind == "hang":
+            watcher = _RecoveryWatch(self.mesh, term_before)
+            hang = self._start_hang(fault)
+        with ThreadPoolExecutor(len(chosen) + 1) as pool:
             futures = [
                 pool.submit(run_stream, self.mesh.http_url, self.model, self.specs[i], started[n])
                 for n, i in enumerate(chosen)
             ]
-            for event in started:
-                event.wait(120)
-            time.sleep(self.rng.uniform(0.0, 0.5))
-            watcher = _RecoveryWatch(self.mesh, term_before)
-            self._inject(fault)
+            if hang is None:
+                for event in started:
+                    event.wait(120)
+                time.sleep(self.rng.uniform(0.0, 0.5))
+                watcher = _RecoveryWatch(self.mesh, term_before)
+                self._inject(fault)
             outcomes = [f.result(timeout=600) for f in futures]
+            if hang is not None:
+                hang.join()
         for index, outcome in zip(chosen, outcomes, strict=True):
             verdict = classify(outcome, self.expected[index])
             record.outcomes.append(verdict)
@@ -218,6 +238,33 @@ class ChaosRun:
         self._restore(fault)
         self.records.append(record)
         return record
+
+    def _start_hang(self, fault: Fault) -> threading.Thread:
+        """Freeze the target's frame threads on a thread of their own for the
+        fault's duration; return once they are frozen."""
+        logger.info("fault: %s", fault)
+        first = any(
+            s.node_id == fault.target and s.assigned and s.stage_index == 0
+            for s in self.mesh.status().stages
+        )
+        names = HANG_THREADS_STAGE0 if first else HANG_THREADS
+        frozen = threading.Event()
+        failed: list[BaseException] = []
+
+        def hang() -> None:
+            try:
+                self.mesh.hang_threads(fault.target, names, fault.duration_s, frozen)
+            except BaseException as error:  # noqa: BLE001 - re-raised by the round
+                failed.append(error)
+                frozen.set()
+
+        thread = threading.Thread(target=hang, name="chaos-hang", daemon=True)
+        thread.start()
+        frozen.wait()
+        if failed:
+            thread.join()
+            raise failed[0]
+        return thread
 
     def _inject(self, fault: Fault) -> None:
         logger.info("fault: %s", fault)

@@ -282,6 +282,7 @@ def up(args: argparse.Namespace) -> int:
         stage0_extra_bytes=stage0_extra_bytes(resolved, kv_sessions(coord, serving), max_tokens),
         rebalance_spread=coord.rebalance_spread,
         heartbeat_timeout_s=coord.heartbeat_timeout,
+        stall_timeout_s=coord.stall_timeout,
         forget_dead_after_s=coord.forget_dead_after,
         load_attempts=coord.load_attempts,
         term_floor=term_floor(coord.state_file),

@@ -12,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.netns_hosts import NetnsHosts
+from coordinator.thread_freeze import FrozenThreads, threads_named
 from mesh.codec import StatusReply
 from mesh.security import MeshSecurity
 
@@ -165,6 +167,27 @@ class MeshProcesses:
             subprocess.run(["ss", "-K", "src", local, "dst", peer], capture_output=True, check=True)
             reset += 1
         return reset
+
+    def hang_threads(
+        self,
+        node_id: str,
+        names: tuple[str, ...],
+        seconds: float,
+        frozen: threading.Event | None = None,
+    ) -> int:
+        """Freeze the threads named ``names`` of stage ``node_id`` for ``seconds``
+        while the rest of the process (its heartbeats) runs on
+        (``coordinator/thread_freeze.py``); ``frozen`` is set once they are. Returns
+        how many were frozen."""
+        pid = self.stages[node_id].pid
+        tids = threads_named(pid, names)
+        if not tids:
+            raise RuntimeError(f"stage {node_id} has no thread named {' or '.join(names)}")
+        with FrozenThreads(pid, tids):
+            if frozen is not None:
+                frozen.set()
+            time.sleep(seconds)
+        return len(tids)
 
     def kill_coordinator(self) -> None:
         self.coordinator.send_signal(signal.SIGKILL)

@@ -27,10 +27,19 @@ from dataclasses import dataclass, replace
 
 from coordinator.planner import NodeCapacity, Plan
 from mesh.errors import InvalidRequest, StaleTerm
+from mesh.frames import FrameProgress
 
 logger = logging.getLogger(__name__)
 
-HEALTH_STATES = ("alive", "dead")
+HEALTH_STATES = ("alive", "dead", "stalled")
+# The stall rule ("stalls" below): stage 0's oldest unanswered frame is overdue once
+# it has waited the configured floor, or this many times the round it should take
+# (or the longest recent round) if that is longer.
+STALL_ROUND_FACTOR = 10.0
+# A stage found stalled is left out of plans for this long, doubling with each
+# stall of the same node, up to the maximum.
+STALL_QUARANTINE_S = 30.0
+STALL_QUARANTINE_MAX_S = 600.0
 MESH_STATES = ("waiting", "loading", "serving", "failed")
 
 
@@ -65,6 +74,14 @@ class NodeRecord:
     # term only), and since when (the first heartbeat that said so).
     link_error: str = ""
     link_error_since: float = 0.0
+    # Frames of the current term through the stage (its last heartbeat's), and when
+    # that heartbeat came.
+    progress: FrameProgress = FrameProgress()
+    progress_at: float = 0.0
+    # Found stalled (its data path stuck while it heartbeats): how often, and until
+    # when it stays out of plans (health "stalled").
+    stalls: int = 0
+    stalled_until: float = 0.0
 
     @property
     def alive(self) -> bool:
@@ -163,6 +180,7 @@ class HeartbeatReceived:
     step_ms: float = 0.0
     step_frames: int = 0
     link_error: str = ""
+    progress: FrameProgress = FrameProgress()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +189,8 @@ class HeartbeatsChecked:
     timeout_s: float
     # Dead nodes silent for longer than this are forgotten (0: kept forever).
     forget_after_s: float = 0.0
+    # The stall rule's floor in seconds (0: the rule is off).
+    stall_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,9 +455,11 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
     known = state.node(event.node_id)
     if known is None:
         return state
+    # A stalled node heartbeats on; it stays out of plans until its quarantine ends.
+    stalled = known.health == "stalled" and event.now < known.stalled_until
     changes: dict[str, object] = {
         "last_heartbeat_at": event.now,
-        "health": "alive",
+        "health": "stalled" if stalled else "alive",
         "accepted_term": event.term,
         "active_sessions": event.active_sessions,
         "kv_bytes": event.kv_bytes,
@@ -453,12 +475,17 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
     broken = event.link_error if event.term == state.term else ""
     changes["link_error"] = broken
     changes["link_error_since"] = (known.link_error_since or event.now) if broken else 0.0
+    changes["progress"] = event.progress if event.term == state.term else FrameProgress()
+    changes["progress_at"] = event.now
     after = _update_node(state, event.node_id, **changes)
-    if known.alive:
+    if known.alive or stalled:
         return after
-    # A dead node is never assigned (its stage was dropped when it died), so it
-    # comes back unassigned and only a new plan can use it again.
-    logger.info("node %s is alive again (unassigned)", event.node_id)
+    # A dead (or stalled) node is never assigned (its stage was dropped when it was
+    # lost), so it comes back unassigned and only a new plan can use it again.
+    if known.health == "stalled":
+        logger.info("node %s: its stall quarantine is over; it may serve again", event.node_id)
+    else:
+        logger.info("node %s is alive again (unassigned)", event.node_id)
     return replace(after, membership_changed=True)
 
 
@@ -470,7 +497,7 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
             logger.info("forgetting node %s: silent for %.0f s", record.node_id, silent_s)
             after = replace(after, nodes=tuple(n for n in after.nodes if n is not record))
             continue
-        if not record.alive or silent_s <= event.timeout_s:
+        if record.health == "dead" or silent_s <= event.timeout_s:
             continue
         logger.warning(
             "node %s (%s) missed heartbeats for %.1f s; marking it dead",
@@ -481,7 +508,7 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
         reason = f"missed heartbeats for {silent_s:.1f} s (timeout {event.timeout_s:g} s)"
         after = _degrade_if_assigned(after, record.node_id, reason)
         after = replace(_update_node(after, record.node_id, health="dead"), membership_changed=True)
-    return _check_links(after, event)
+    return _check_stalls(_check_links(after, event), event)
 
 
 def _check_links(state: State, event: HeartbeatsChecked) -> State:
@@ -503,6 +530,69 @@ def _check_links(state: State, event: HeartbeatsChecked) -> State:
     return state
 
 
+def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
+    """Find a stage whose data path is stuck while it still heartbeats (a hung
+    thread or device, a port that drops the data links' packets) and plan again
+    without it.
+
+    Stage 0 says which frame has waited longest for its answer; the frame is
+    overdue after the larger of ``event.stall_timeout_s`` and ``STALL_ROUND_FACTOR``
+    times the round it should take (or the longest recent round). Frames pass the
+    stages in order and every stage reports the highest frame id it has finished,
+    so the first stage that has not finished the overdue frame holds it (or the
+    link into it does); when every stage has finished it, its answer is stuck on
+    the way back to stage 0 and the last stage (whose return link that is) is
+    blamed. The stage blamed is left out of plans for ``STALL_QUARANTINE_S``,
+    doubling with each stall of the same node. A frame stuck in stage 0's own
+    compute changes nothing here: the frontend cannot be planned away (its requests
+    end after their round timeout)."""
+    if event.stall_timeout_s <= 0 or state.mesh_state != "serving" or state.topology is None:
+        return state
+    stages = state.topology.stages
+    head = state.node(stages[0].node_id)
+    if head is None or head.accepted_term != state.term or not head.progress.waiting_frame:
+        return state
+    waiting = head.progress
+    waited = waiting.waiting_s + max(0.0, event.now - head.progress_at)
+    expected = max(waiting.expected_round_s, waiting.longest_round_s)
+    deadline = max(event.stall_timeout_s, STALL_ROUND_FACTOR * expected)
+    frame = waiting.waiting_frame
+    if waited < deadline or waiting.done < frame:
+        return state
+    waited_for = (
+        f"stage 0 has waited {waited:.1f} s for its answer (stall deadline {deadline:.1f} s)"
+    )
+    for previous, stage in zip(stages, stages[1:], strict=False):
+        record = state.node(stage.node_id)
+        if record is not None and record.progress.done < frame:
+            what = (
+                f"has not finished frame {frame}, which stage {previous.stage_index} passed "
+                f"on; {waited_for}: its frame processing, or the data link into it, is stuck"
+            )
+            return _stall(state, record, what, event.now)
+    last = state.node(stages[-1].node_id)
+    if last is None:
+        return state
+    what = f"finished frame {frame}, but {waited_for}: the return link to stage 0 is stuck"
+    return _stall(state, last, what, event.now)
+
+
+def _stall(state: State, record: NodeRecord, what: str, now: float) -> State:
+    """Fail the mesh over ``record``'s stage and keep that node out of plans for
+    its quarantine."""
+    quarantine = min(STALL_QUARANTINE_MAX_S, STALL_QUARANTINE_S * 2**record.stalls)
+    what = f"{what}; the node is left out of plans for {quarantine:.0f} s"
+    after = _degrade_if_assigned(state, record.node_id, what)
+    after = _update_node(
+        after,
+        record.node_id,
+        health="stalled",
+        stalls=record.stalls + 1,
+        stalled_until=now + quarantine,
+    )
+    return replace(after, membership_changed=True)
+
+
 def _load_started(state: State, event: LoadStarted) -> State:
     if event.term <= state.term:
         raise StaleTerm(
@@ -522,7 +612,15 @@ def _load_started(state: State, event: LoadStarted) -> State:
             f"{state.layer_count}; plan again with the model's footprint"
         )
     nodes = tuple(
-        replace(n, param_bytes=0, step_ms=0.0, step_frames=0, link_error="", link_error_since=0.0)
+        replace(
+            n,
+            param_bytes=0,
+            step_ms=0.0,
+            step_frames=0,
+            link_error="",
+            link_error_since=0.0,
+            progress=FrameProgress(),
+        )
         for n in state.nodes
     )
     return replace(

@@ -42,6 +42,9 @@ class CoordinatorSettings:
     max_stages: int = 0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = CoordinatorConfig.heartbeat_timeout
+    # Stage 0's oldest frame unanswered this long (or 10x its expected round) means
+    # a stage's data path is stuck (registry "stalls"); 0: never.
+    stall_timeout_s: float = CoordinatorConfig.stall_timeout
     # Dead nodes leave the registry (and `status`) after this long (0: never).
     forget_dead_after_s: float = CoordinatorConfig.forget_dead_after
     supervise_interval_s: float = 0.25
@@ -185,6 +188,7 @@ class CoordinatorService:
                     step_ms=request.step_ms,
                     step_frames=request.step_frames,
                     link_error=request.link_error,
+                    progress=request.progress,
                 ),
             )
             return HeartbeatReply(known=True, term=self.state.term)
@@ -228,6 +232,7 @@ class CoordinatorService:
                     now=time.monotonic(),
                     timeout_s=self.settings.heartbeat_timeout_s,
                     forget_after_s=self.settings.forget_dead_after_s,
+                    stall_timeout_s=self.settings.stall_timeout_s,
                 )
             )
             if before.topology is not None and after.topology is None and after.degraded:

@@ -96,7 +96,7 @@ def status_from_state(state: State, *, now: float, coordinator_id: str = "") -> 
                     layer_range=stage.layer_range if stage else None,
                     health=record.health,
                     # A dead node's last report says nothing about it now.
-                    state=record.stage_state if record.alive else "unreachable",
+                    state=record.stage_state if record.health != "dead" else "unreachable",
                     term=record.accepted_term,
                     heartbeat_age_s=max(0.0, now - record.last_heartbeat_at),
                     param_bytes=record.param_bytes,

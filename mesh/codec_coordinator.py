@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.codec_control import layer_range_from_proto, layer_range_to_proto
+from mesh.frames import FrameProgress
 from mesh.proto.v1 import coordinator_pb2
 from mesh.types import LayerRange
 
@@ -88,6 +89,7 @@ class HeartbeatRequest:
     step_frames: int = 0
     # A data link of the loaded pipeline that broke ("" while they work).
     link_error: str = ""
+    progress: FrameProgress = FrameProgress()
 
     def to_proto(self) -> coordinator_pb2.HeartbeatRequest:
         return coordinator_pb2.HeartbeatRequest(
@@ -100,6 +102,13 @@ class HeartbeatRequest:
             step_ms=self.step_ms,
             step_frames=self.step_frames,
             link_error=self.link_error,
+            progress=coordinator_pb2.FrameProgress(
+                done=self.progress.done,
+                waiting_frame=self.progress.waiting_frame,
+                waiting_s=self.progress.waiting_s,
+                expected_round_s=self.progress.expected_round_s,
+                longest_round_s=self.progress.longest_round_s,
+            ),
         )
 
     @classmethod
@@ -114,6 +123,13 @@ class HeartbeatRequest:
             pb.step_ms,
             pb.step_frames,
             pb.link_error,
+            FrameProgress(
+                done=pb.progress.done,
+                waiting_frame=pb.progress.waiting_frame,
+                waiting_s=pb.progress.waiting_s,
+                expected_round_s=pb.progress.expected_round_s,
+                longest_round_s=pb.progress.longest_round_s,
+            ),
         )
 
 

@@ -255,3 +255,23 @@ class FrameResult:
             object.__setattr__(self, "results", tuple(self.results))
         if not isinstance(self.timings, tuple):
             object.__setattr__(self, "timings", tuple(self.timings))
+
+
+@dataclass(frozen=True)
+class FrameProgress:
+    """How far the frames of its term have come through one stage (heartbeats carry
+    it; the coordinator finds a stage whose data path is stuck while it still
+    heartbeats by it: ``coordinator/registry.py``, "stalls").
+
+    ``done``: the highest frame id the stage has finished (passed on, answered or
+    failed; 0: none). Stage 0 alone fills the rest: ``waiting_frame``, the frame it
+    has waited longest for an answer to (0: none) and for ``waiting_s``;
+    ``expected_round_s``, what that frame's round should take (stage 0's own compute
+    time for it times the stage count; 0 while unknown); ``longest_round_s``, the
+    longest round among its recently answered frames."""
+
+    done: int = 0
+    waiting_frame: int = 0
+    waiting_s: float = 0.0
+    expected_round_s: float = 0.0
+    longest_round_s: float = 0.0

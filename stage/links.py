@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from mesh.codec import FrameAck, ack_from_proto
 from mesh.errors import Unavailable
 from mesh.grpc_util import channel
 from mesh.proto.v1 import data_pb2, data_pb2_grpc
+from mesh.threads import NamedThread
 from stage.tcp_data import KIND_FORWARD, KIND_RETURN, TcpLink, sleep_until
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class _StreamLink(ABC):
                 f"{name} link: cannot reach {address} within {CONNECT_TIMEOUT_S:.0f}s"
             ) from error
         self._stub = data_pb2_grpc.StageDataStub(self._channel)
-        self._thread = threading.Thread(target=self._run, name=f"{name}-link", daemon=True)
+        self._thread = NamedThread(target=self._run, name=f"{name}-link", daemon=True)
         self._thread.start()
 
     def _requests(self) -> Iterator:

@@ -13,6 +13,7 @@ from mesh.codec import HeartbeatReply, HeartbeatRequest, JoinReply, JoinRequest
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import active, unavailable_hint
+from mesh.threads import NamedThread
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Membership:
         self._retry_s = RETRY_FIRST_S
         self._outage_since: float | None = None
         self.joined = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+        self._thread = NamedThread(target=self._run, name="membership", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

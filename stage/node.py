@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,13 +25,23 @@ from mesh.codec import (
     result_to_proto,
 )
 from mesh.errors import InvalidRequest, MeshError, StaleTerm, Unavailable
-from mesh.frames import ErrorInfo, Frame, FrameAck, FrameResult, Segment, SegmentKind, SegmentResult
+from mesh.frames import (
+    ErrorInfo,
+    Frame,
+    FrameAck,
+    FrameProgress,
+    FrameResult,
+    Segment,
+    SegmentKind,
+    SegmentResult,
+)
 from mesh.grammar import TokenGrammars
 from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
 from mesh.runtime import load_stage_runtime
 from mesh.runtime.probe import probe_step
+from mesh.threads import NamedThread
 from mesh.types import DEFAULT_PREFIX_BYTES
 from stage.engine import StageEngine
 from stage.hardware import RecentSteps
@@ -43,6 +53,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_FRAME_TOKENS = 8192
 IDLE_SWEEP_S = 5.0
+# Stage 0 remembers its compute time for this many of its latest frames (what the
+# round of the frame it waits on should take, for the coordinator's stall rule).
+COMPUTE_TIMES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,17 @@ class NodeSettings:
     prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES
 
 
+@dataclass(frozen=True)
+class WaitingFrame:
+    """Stage 0's oldest frame of ``term`` still waiting for an answer: its id, when it
+    was sent (``time.perf_counter()``), and the longest recent round in seconds."""
+
+    term: int
+    frame_id: int
+    sent_at: float
+    longest_round_s: float
+
+
 @dataclass
 class _Work:
     frame: Frame
@@ -86,6 +110,18 @@ class LoadedStage:
     # Set when one of this load's data links broke (heartbeats carry it: the
     # coordinator plans again, and the new load opens new links).
     link_error: str = ""
+    # The highest frame id of this load's term the stage has finished, and (stage 0)
+    # its compute time for its latest frames, by frame id: heartbeats carry them.
+    frames_done: int = 0
+    compute_s: OrderedDict[int, float] = field(default_factory=OrderedDict)
+
+    def finished(self, frame_id: int, seconds: float) -> None:
+        """Frame ``frame_id`` of this term has left the stage after ``seconds``."""
+        self.frames_done = max(self.frames_done, frame_id)
+        if self.request.is_first:
+            self.compute_s[frame_id] = seconds
+            while len(self.compute_s) > COMPUTE_TIMES_KEPT:
+                self.compute_s.popitem(last=False)
 
 
 class StageNode:
@@ -119,13 +155,15 @@ class StageNode:
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
         self._on_newer_term: Callable[[], None] | None = None
+        # Stage 0's frame that waits longest for an answer (its scheduler sets it).
+        self.waiting: WaitingFrame | None = None
         self.metrics = metrics if metrics is not None else StageMetrics()
         self.metrics.watch(self)
         # Compute time of the last frames, for the coordinator's rebalance.
         self.steps = RecentSteps()
-        self._worker = threading.Thread(target=self._work_loop, name="stage-worker", daemon=True)
+        self._worker = NamedThread(target=self._work_loop, name="stage-worker", daemon=True)
         self._worker.start()
-        self._sweeper = threading.Thread(target=self._sweep_loop, name="idle-sweep", daemon=True)
+        self._sweeper = NamedThread(target=self._sweep_loop, name="idle-sweep", daemon=True)
         self._sweeper.start()
 
     # ---- stage-0 hooks -----------------------------------------------------------
@@ -363,6 +401,25 @@ class StageNode:
             step_ms=step_ms,
             step_frames=step_frames,
             link_error=loaded.link_error if loaded is not None else "",
+            progress=self.progress(),
+        )
+
+    def progress(self) -> FrameProgress:
+        """How far this term's frames have come here (``FrameProgress``)."""
+        loaded = self.loaded
+        if loaded is None:
+            return FrameProgress()
+        done = loaded.frames_done
+        waiting = self.waiting
+        if not loaded.request.is_first or waiting is None or waiting.term != loaded.request.term:
+            return FrameProgress(done=done)
+        compute_s = loaded.compute_s.get(waiting.frame_id, 0.0)
+        return FrameProgress(
+            done=done,
+            waiting_frame=waiting.frame_id,
+            waiting_s=max(0.0, time.perf_counter() - waiting.sent_at),
+            expected_round_s=compute_s * loaded.request.stage_count,
+            longest_round_s=waiting.longest_round_s,
         )
 
     def manifest(self) -> PackageManifest | None:
@@ -404,11 +461,15 @@ class StageNode:
 
     def _run(self, work: _Work) -> None:
         """Process ``work`` (the caller set ``_busy``), then let the next frame go."""
+        started = time.perf_counter()
         try:
             self._process(work)
         except Exception:  # noqa: BLE001 - the stage must survive any frame
             logger.exception("frame worker failed on frame %s", work.frame.frame_id)
         finally:
+            loaded = self.loaded
+            if loaded is not None and work.frame.term == loaded.request.term:
+                loaded.finished(work.frame.frame_id, time.perf_counter() - started)
             with self._frames:
                 self._busy = False
                 if self._pending:

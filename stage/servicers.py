@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -31,6 +30,7 @@ from mesh.codec import (
 from mesh.errors import InvalidRequest, MeshError, Unavailable
 from mesh.grpc_util import abort_with, rpc_status_name
 from mesh.proto.v1 import data_pb2, data_pb2_grpc, stage_pb2, stage_pb2_grpc
+from mesh.threads import NamedThread
 from stage.node import StageNode
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
 
     def Forward(self, request_iterator: Iterator[data_pb2.Frame], context) -> Iterator:
         acks: queue.SimpleQueue = queue.SimpleQueue()
-        reader = threading.Thread(
-            target=self._read_frames, args=(request_iterator, acks), daemon=True
+        reader = NamedThread(
+            target=self._read_frames, args=(request_iterator, acks), name="data-reader", daemon=True
         )
         reader.start()
         while True:

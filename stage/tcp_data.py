@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from mesh.errors import Unavailable
 from mesh.netaddr import split_host_port, url_host
 from mesh.security import REFUSED_MESSAGE, MeshSecurity, active, check_token
+from mesh.threads import NamedThread
 
 if TYPE_CHECKING:
     from stage.metrics import LinkTraffic
@@ -148,7 +149,7 @@ class TcpDataServer:
         self._closed = False
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept_loop, name="data-accept", daemon=True)
+        self._thread = NamedThread(target=self._accept_loop, name="data-accept", daemon=True)
 
     @property
     def tls(self) -> bool:
@@ -179,7 +180,7 @@ class TcpDataServer:
                     return
                 time.sleep(0.05)
                 continue
-            threading.Thread(
+            NamedThread(
                 target=self._serve, args=(sock, peer), name="data-reader", daemon=True
             ).start()
 
@@ -300,10 +301,8 @@ class TcpLink:
         self._delayed: queue.SimpleQueue | None = None
         if delay_s > 0:
             self._delayed = queue.SimpleQueue()
-            threading.Thread(
-                target=self._send_delayed, name=f"{self.name}-delay", daemon=True
-            ).start()
-        threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
+            NamedThread(target=self._send_delayed, name=f"{self.name}-delay", daemon=True).start()
+        NamedThread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
 
     def _connect(
         self, endpoint: str, kind: int, tls: bool, security: MeshSecurity

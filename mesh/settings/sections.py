@@ -65,6 +65,13 @@ class CoordinatorConfig:
     max_tokens_per_session: int = setting(0, "positions per session (0: context)", minimum=0)
     stage_threads: int = setting(0, "torch threads per local stage (0: cores / stages)", minimum=0)
     heartbeat_timeout: float = setting(3.0, "seconds without a heartbeat: dead", minimum=0.1)
+    stall_timeout: float = setting(
+        20.0,
+        "seconds stage 0 may wait for a frame's answer (or 10 times the round it should "
+        "take, if longer) before the stage holding it is taken as stuck while it still "
+        "heartbeats, planned around and left out of plans for a while (0: never)",
+        minimum=0,
+    )
     forget_dead_after: float = setting(
         600.0, "seconds after which a dead node leaves the registry (0: never)", minimum=0
     )

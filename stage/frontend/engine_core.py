@@ -54,6 +54,9 @@ from stage.frontend.step_cost import StepCostFit, acceptance, paying_window, row
 
 logger = logging.getLogger(__name__)
 
+# Answered rounds the stall rule's "longest recent round" looks back over.
+ROUNDS_KEPT = 64
+
 
 class EngineCore(PromptSteps):
     """The step loop's state and decisions; see the module docstring."""
@@ -85,6 +88,9 @@ class EngineCore(PromptSteps):
         self.cached_tokens_total = 0
         self._ends: list[Segment] = []
         self._next_frame_id = 1
+        # Rounds (seconds from send to answer) of the latest answered frames of the
+        # current term, for the coordinator's stall rule (``oldest_unanswered``).
+        self.rounds: deque[float] = deque(maxlen=ROUNDS_KEPT)
 
     def set_limits(self, limits: EngineLimits) -> None:
         """New limits (stage 0's serving settings arrive with every Load). Requests
@@ -446,6 +452,8 @@ class EngineCore(PromptSteps):
     def on_result(self, result: FrameResult) -> list[Outcome]:
         """Apply the answers of one frame (or the failures of some of its segments)."""
         sent = self.frames.get(result.frame_id)
+        if sent is not None and self.info is not None and sent.term == self.info.term:
+            self.rounds.append(self.clock() - sent.sent_at)
         if sent is not None and result.timings and sent.term == result.term:
             # The last stage's answer: the cost of a frame of decode and verify rows on
             # its slowest stage (prompt chunks run in another regime of the kernels).
@@ -574,6 +582,19 @@ class EngineCore(PromptSteps):
         elif flight.segment.kind is not SegmentKind.PREFILL:
             ahead.settle(tracked, flight, answer.accepted_count, self.ahead)
         return Outcome(run.request.request_id, event=event)
+
+    def oldest_unanswered(self) -> tuple[int, float, float] | None:
+        """The oldest frame of the current term still waiting for its answer: its id,
+        when it was sent (this core's clock) and the longest of the latest rounds (0:
+        none answered yet); None when nothing of this term is in the pipe."""
+        info = self.info
+        if info is None:
+            return None
+        current = [f for f in self.frames.values() if f.term == info.term]
+        if not current:
+            return None
+        oldest = min(current, key=lambda f: f.frame_id)
+        return oldest.frame_id, oldest.sent_at, max(self.rounds, default=0.0)
 
     def in_flight_sessions(self) -> Iterator[str]:
         for request_id, tracked in self.running.items():

@@ -31,7 +31,7 @@ from stage.frontend.engine_metrics import EngineMetrics
 from stage.frontend.engine_types import EngineLimits, Outcome, PipelineInfo
 from stage.frontend.request_run import RequestRun
 from stage.frontend.status import PipelineActivity
-from stage.node import LoadedStage, StageNode
+from stage.node import LoadedStage, StageNode, WaitingFrame
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,24 @@ class PipelineScheduler:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self._dispatch(self.core.expire())
-            self._pump()
+            try:
+                self._dispatch(self.core.expire())
+                self._pump()
+                self._note_waiting()
+            except Exception:  # noqa: BLE001 - the timer must outlive any one tick
+                # An exception here would end the task silently, and with it every
+                # round timeout and recovery deadline of this process.
+                logger.exception("the engine's timer tick failed; it goes on")
+
+    def _note_waiting(self) -> None:
+        """Tell the node (for its heartbeats) which frame has waited longest for an
+        answer."""
+        info, waiting = self.core.info, self.core.oldest_unanswered()
+        if info is None or waiting is None:
+            self.node.waiting = None
+            return
+        frame_id, sent_at, longest_s = waiting
+        self.node.waiting = WaitingFrame(info.term, frame_id, sent_at, longest_s)
 
     def _pump(self) -> None:
         """Submit frames while the core has work and the pipe has room; new prompts

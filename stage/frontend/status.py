@@ -200,7 +200,17 @@ def coordinator_changes(before: StatusReply | None, after: StatusReply) -> list[
                     + (f"; it held {held}" if held else ""),
                 )
             )
-        elif old.health == "dead" and node.health == "alive":
+        elif old.health == "alive" and node.health == "stalled":
+            held = f"stage {old.stage_index}, layers {old.layer_range}" if old.assigned else ""
+            changes.append(
+                (
+                    "failover" if old.assigned else "node",
+                    f"node {node.node_id} ({node.address}) stopped passing frames on"
+                    + (f"; it held {held}" if held else "")
+                    + " (left out of plans for a while)",
+                )
+            )
+        elif old.health in ("dead", "stalled") and node.health == "alive":
             changes.append(("node", f"node {node.node_id} ({node.address}) is back"))
     if before is not None and before.state != after.state:
         changes.append(("mesh", f"mesh state {before.state} -> {after.state}"))

@@ -20,12 +20,21 @@ from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.errors import MeshError
 
 MODEL = "tiny-llama"
+# The coordinator's stall timeout here: a stage that stops passing frames on for this
+# long while it heartbeats is planned around.
+STALL_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_package_factory):
     package = tiny_package_factory("llama", layers=6)
-    mesh = MeshProcesses(package, tmp_path_factory.mktemp("chaos"), 3, max_sessions=8)
+    mesh = MeshProcesses(
+        package,
+        tmp_path_factory.mktemp("chaos"),
+        3,
+        max_sessions=8,
+        coordinator_args=("--stall-timeout", str(STALL_TIMEOUT_S)),
+    )
     try:
         mesh.start().wait_serving()
         run = ChaosRun(mesh, MODEL, default_specs(6, 160, random.Random(7)), random.Random(11))
@@ -83,6 +92,32 @@ def test_a_killed_stage_fails_over_and_the_mesh_grows_back(chaos: ChaosRun):
     # The restarted stage took its place back: the mesh serves on 3 stages again.
     assigned = [s.node_id for s in chaos.mesh.status().stages if s.assigned]
     assert target in assigned and len(assigned) == 3
+
+
+def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(
+    chaos: ChaosRun,
+):
+    """The threads that read and process a stage's frames hang (ptrace-stopped while
+    blocked, as a hung device call would leave them) and the process heartbeats on:
+    no heartbeat timeout can see it. Stage 0's oldest frame goes unanswered past
+    the stall timeout, the coordinator finds the stage that has not passed it on,
+    plans again without it and keeps it out for a while; the streams resume on the
+    new pipeline with the same text. Before, they waited for the threads (forever,
+    for a hang that does not end)."""
+    target = middle_stage(chaos)
+    record = chaos.round(Fault("hang", target, 3 * STALL_TIMEOUT_S))
+    assert record.failover, "a hang three times the stall timeout ends the term"
+    assert_no_corruption(chaos, record)
+    log = chaos.mesh.coordinator_log()
+    assert f"({target} at" in log and "has not finished frame" in log
+    assert "left out of plans" in log and "its stall quarantine is over" in log
+    # The answers stage 0 waits for stuck on their way back (its answer reader
+    # hangs): every stage passed the frame, so the last stage's return link is
+    # blamed, and the new load gives stage 0 a new reader.
+    record = chaos.round(Fault("hang", "stage-0", 3 * STALL_TIMEOUT_S))
+    assert record.failover
+    assert_no_corruption(chaos, record)
+    assert "the return link to stage 0 is stuck" in chaos.mesh.coordinator_log()
 
 
 def test_data_links_reset_between_live_stages_are_opened_again_by_a_new_load(chaos: ChaosRun):

@@ -271,7 +271,8 @@ def test_sampling_unset_top_p_means_no_filtering() -> None:
 
 def test_every_proto_message_has_a_codec_type() -> None:
     # Setting: (key, JSON value, origin) triples inside StageLoadRequest.serving.
-    mapped_elsewhere = {"Tensor", "SamplingParams", "LayerRange", "Setting"}
+    # FrameProgress: inside HeartbeatRequest (mesh.frames.FrameProgress).
+    mapped_elsewhere = {"Tensor", "SamplingParams", "LayerRange", "Setting", "FrameProgress"}
     # The data plane's values are proto-free (mesh/frames.py); functions encode them.
     data_plane = {
         "Frame": (frame_to_proto, frame_from_proto),

@@ -31,6 +31,7 @@ from mesh.codec import (
     WireDType,
 )
 from mesh.errors import InvalidRequest
+from mesh.frames import FrameProgress
 from mesh.proto.v1 import coordinator_pb2, stage_pb2
 from mesh.types import LayerRange
 
@@ -106,6 +107,15 @@ COORDINATOR_MESSAGES = [
     HeartbeatRequest("node-b", term=7, state="serving", active_sessions=3),
     HeartbeatRequest("node-c", 7, "serving", 1, kv_bytes=3 << 33, prefix_bytes=5 << 20),
     HeartbeatRequest("node-d", 7, "serving", step_ms=12.5, step_frames=64),
+    HeartbeatRequest("node-e", 7, "serving", progress=FrameProgress(done=41)),
+    HeartbeatRequest(
+        "head",
+        7,
+        "serving",
+        progress=FrameProgress(
+            done=44, waiting_frame=42, waiting_s=2.5, expected_round_s=0.25, longest_round_s=1.5
+        ),
+    ),
     HeartbeatReply(known=False, term=7),
     StatusRequest(),
     StageStatus("node-z", "10.0.0.9:7071"),

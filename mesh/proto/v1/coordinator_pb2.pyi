@@ -72,7 +72,7 @@ class JoinReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames", "link_error")
+    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames", "link_error", "progress")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class HeartbeatRequest(_message.Message):
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LINK_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     term: int
     state: str
@@ -91,7 +92,22 @@ class HeartbeatRequest(_message.Message):
     step_ms: float
     step_frames: int
     link_error: str
-    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ..., link_error: _Optional[str] = ...) -> None: ...
+    progress: FrameProgress
+    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ..., link_error: _Optional[str] = ..., progress: _Optional[_Union[FrameProgress, _Mapping]] = ...) -> None: ...
+
+class FrameProgress(_message.Message):
+    __slots__ = ("done", "waiting_frame", "waiting_s", "expected_round_s", "longest_round_s")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FRAME_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_ROUND_S_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_ROUND_S_FIELD_NUMBER: _ClassVar[int]
+    done: int
+    waiting_frame: int
+    waiting_s: float
+    expected_round_s: float
+    longest_round_s: float
+    def __init__(self, done: _Optional[int] = ..., waiting_frame: _Optional[int] = ..., waiting_s: _Optional[float] = ..., expected_round_s: _Optional[float] = ..., longest_round_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "term")

@@ -68,7 +68,7 @@
   function stateClass(state) {
     if (state === "serving" || state === "alive") return "badge ok";
     if (state === "loading" || state === "waiting") return "badge warn";
-    if (state === "failed" || state === "dead" || state === "unreachable") return "badge bad";
+    if (state === "failed" || state === "dead" || state === "stalled" || state === "unreachable") return "badge bad";
     return "badge";
   }
 
@@ -77,7 +77,7 @@
       const tr = document.createElement("tr");
       const state = document.createElement("td");
       const badge = document.createElement("span");
-      badge.className = stateClass(stage.health === "dead" ? "dead" : stage.state);
+      badge.className = stateClass(stage.health === "alive" ? stage.state : stage.health);
       badge.textContent = stage.health === "alive" ? stage.state : stage.health + " / " + stage.state;
       state.appendChild(badge);
       tr.append(
