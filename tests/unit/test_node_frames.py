@@ -21,9 +21,10 @@ from mesh.codec import (
     WireDType,
 )
 from mesh.codec_data import result_from_proto
+from mesh.frames import FrameProgress
 from mesh.types import LayerRange, SamplingParams
 from stage import node as node_module
-from stage.node import NodeSettings, StageNode
+from stage.node import LoadedStage, NodeSettings, StageNode, WaitingFrame
 
 
 class RecordingLink:
@@ -128,3 +129,65 @@ def test_frames_that_find_the_stage_busy_wait_and_keep_their_order(last_stage) -
     # The stage is idle again: the next frame is processed by its receiver.
     node.accept_frame(frame(node, 5), None)
     assert link.sent[-1] == (5, threading.current_thread().name)
+
+
+def test_heartbeats_carry_the_highest_frame_the_stage_has_finished(last_stage) -> None:
+    """Frames that wait stay unfinished in the progress the coordinator's stall rule
+    reads; an old term's frame never counts."""
+    node, link = last_stage
+    assert node.heartbeat().progress == FrameProgress()
+    node.accept_frame(frame(node, 7), None)
+    assert node.heartbeat().progress == FrameProgress(done=7)
+    link.hold.clear()
+    busy = threading.Thread(target=node.accept_frame, args=(frame(node, 8), None))
+    busy.start()
+    assert link.entered.wait(timeout=30)
+    node.accept_frame(frame(node, 9), None)  # queued behind frame 8
+    assert node.heartbeat().progress.done == 7
+    link.hold.set()
+    busy.join(timeout=30)
+    deadline = time.monotonic() + 30
+    while node.heartbeat().progress.done != 9:
+        assert time.monotonic() < deadline, node.heartbeat().progress
+        time.sleep(0.01)
+    stale = frame(node, 12)
+    node.accept_frame(Frame(2, 12, stale.segments, stale.hidden), None)
+    assert node.heartbeat().progress.done == 9
+    # Only stage 0 says what it waits for: a last stage ignores a snapshot.
+    node.waiting = WaitingFrame(3, 10, time.perf_counter() - 5.0, 0.5)
+    assert node.heartbeat().progress == FrameProgress(done=9)
+
+
+def test_stage_0_reports_the_frame_it_waits_on_with_the_round_it_should_take(tmp_path) -> None:
+    node = StageNode(NodeSettings(node_id="n0", cache_dir=tmp_path / "cache"), "127.0.0.1:1")
+    try:
+        request = StageLoadRequest(
+            term=4,
+            stage_index=0,
+            stage_count=3,
+            layer_range=LayerRange(0, 1),
+            package_ref="p",
+            manifest_sha256="",
+            downstream=None,
+            return_endpoint="",
+            wire_dtype=WireDType.F32,
+        )
+        loaded = LoadedStage(request=request, engine=None, package_dir=tmp_path)
+        for frame_id, seconds in ((5, 0.2), (6, 0.4)):
+            loaded.finished(frame_id, seconds)
+        node.loaded = loaded
+        node.waiting = WaitingFrame(4, 6, time.perf_counter() - 2.0, 1.5)
+        progress = node.progress()
+        assert (progress.done, progress.waiting_frame) == (6, 6)
+        assert 2.0 <= progress.waiting_s < 10.0
+        assert progress.expected_round_s == pytest.approx(1.2)  # 0.4 s x 3 stages
+        assert progress.longest_round_s == 1.5
+        # A snapshot of another term, or none: nothing is waited on.
+        node.waiting = WaitingFrame(3, 6, time.perf_counter(), 1.5)
+        assert node.progress() == FrameProgress(done=6)
+        for frame_id in range(7, 7 + node_module.COMPUTE_TIMES_KEPT):
+            loaded.finished(frame_id, 0.1)
+        assert 5 not in loaded.compute_s and len(loaded.compute_s) == node_module.COMPUTE_TIMES_KEPT
+    finally:
+        node.loaded = None
+        node.stop()
