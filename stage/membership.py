@@ -166,30 +166,40 @@ class Membership:
     def _run(self) -> None:
         joined = False
         while not self._stop.is_set():
-            if not joined:
-                joined = self._join()
-                if not joined:
-                    if not self._moved():
-                        self._wait(self._retry_s)
-                    continue
             try:
-                reply = HeartbeatReply.from_proto(
-                    self._stub.Heartbeat(self._heartbeat().to_proto(), timeout=CONTROL_DEADLINE_S)
-                )
-            except grpc.RpcError as error:
-                if self._stop.is_set():
-                    return
-                self._unreachable("heartbeat", error)
-                if self._moved():
-                    joined = False
-                else:
-                    self._wait(self._retry_s)
-                continue
-            self._reachable()
-            if not reply.known:
-                logger.info("coordinator does not know this node; joining again")
-                joined = False
-                continue
-            if self._on_term is not None:
-                self._on_term(reply.term)
-            self._wait(self._interval_s)
+                joined = self._step(joined)
+            except Exception:  # noqa: BLE001 - the heartbeat must outlive any one beat
+                # An exception here would end the thread silently: the coordinator
+                # would take this live stage for dead, forever.
+                logger.exception("heartbeat to %s failed; trying again", self.coordinator)
+                self._wait(self._retry_s)
+
+    def _step(self, joined: bool) -> bool:
+        """One join attempt or one heartbeat (and the wait after it); whether the
+        node is joined afterwards."""
+        if not joined:
+            if self._join():
+                return True
+            if not self._moved():
+                self._wait(self._retry_s)
+            return False
+        try:
+            reply = HeartbeatReply.from_proto(
+                self._stub.Heartbeat(self._heartbeat().to_proto(), timeout=CONTROL_DEADLINE_S)
+            )
+        except grpc.RpcError as error:
+            if self._stop.is_set():
+                return True
+            self._unreachable("heartbeat", error)
+            if self._moved():
+                return False
+            self._wait(self._retry_s)
+            return True
+        self._reachable()
+        if not reply.known:
+            logger.info("coordinator does not know this node; joining again")
+            return False
+        if self._on_term is not None:
+            self._on_term(reply.term)
+        self._wait(self._interval_s)
+        return True

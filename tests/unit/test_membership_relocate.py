@@ -136,3 +136,40 @@ def test_without_discovery_a_stage_keeps_to_its_address(
         member.stop()
         other_server.stop(0)
         other_responder.stop()
+
+
+def test_a_heartbeat_that_raises_does_not_end_the_heartbeats(
+    tiny_package_factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug or a race in what a beat reports (the node's tables read while a release
+    runs, say) costs that beat, not the thread: before, the exception ended the
+    membership thread silently and the coordinator took the live stage for dead."""
+    monkeypatch.setattr(membership, "RETRY_FIRST_S", 0.1)
+    package = tiny_package_factory("llama", layers=2)
+    host = "127.0.0.2"
+    port = free_port((host,))
+    service, server, responder = coordinator_at(package, host, port)
+    calls = {"n": 0}
+
+    def heartbeat() -> HeartbeatRequest:
+        calls["n"] += 1
+        if calls["n"] in (2, 3):
+            raise RuntimeError("dictionary changed size during iteration")
+        return HeartbeatRequest(node_id="worker", term=0, state="idle")
+
+    member = Membership(
+        f"{host}:{port}",
+        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
+        heartbeat,
+    )
+    member.start()
+    try:
+        assert member.joined.wait(10)
+        assert wait_until(lambda: calls["n"] >= 6, 30), calls
+        beat = service.state.node("worker").last_heartbeat_at
+        assert wait_until(lambda: service.state.node("worker").last_heartbeat_at > beat, 10)
+        assert "dictionary changed size during iteration" in caplog.text
+    finally:
+        member.stop()
+        server.stop(0)
+        responder.stop()
