@@ -226,23 +226,32 @@ class CoordinatorService:
             self._changed.clear()
             if self._stop.is_set():
                 return
-            before = self.state
-            after = self.apply(
-                registry.HeartbeatsChecked(
-                    now=time.monotonic(),
-                    timeout_s=self.settings.heartbeat_timeout_s,
-                    forget_after_s=self.settings.forget_dead_after_s,
-                    stall_timeout_s=self.settings.stall_timeout_s,
-                )
+            try:
+                self._supervise_once()
+            except Exception:  # noqa: BLE001 - supervision must outlive any one pass
+                # An exception here would end the thread silently: no stage would
+                # ever be found dead or stalled again, no load retried.
+                logger.exception("supervision pass failed; the next one goes on")
+
+    def _supervise_once(self) -> None:
+        """Check heartbeats and progress, then load, grow or rebalance as needed."""
+        before = self.state
+        after = self.apply(
+            registry.HeartbeatsChecked(
+                now=time.monotonic(),
+                timeout_s=self.settings.heartbeat_timeout_s,
+                forget_after_s=self.settings.forget_dead_after_s,
+                stall_timeout_s=self.settings.stall_timeout_s,
             )
-            if before.topology is not None and after.topology is None and after.degraded:
-                self._release_survivors(before)
-            if self._should_load(after):
-                self._load_once()
-            elif self._should_regrow(after):
-                self._load_once(grow_from=len(after.topology.stages))
-            elif self._should_rebalance(after):
-                self._rebalance(after)
+        )
+        if before.topology is not None and after.topology is None and after.degraded:
+            self._release_survivors(before)
+        if self._should_load(after):
+            self._load_once()
+        elif self._should_regrow(after):
+            self._load_once(grow_from=len(after.topology.stages))
+        elif self._should_rebalance(after):
+            self._rebalance(after)
 
     def _should_load(self, state: registry.State) -> bool:
         if self.gave_up is not None:

@@ -584,7 +584,10 @@ class StageNode:
             loaded = self.loaded
             if loaded is None or loaded.request.session_idle_timeout_s <= 0:
                 continue
-            loaded.engine.expire_idle(loaded.request.session_idle_timeout_s)
+            try:
+                loaded.engine.expire_idle(loaded.request.session_idle_timeout_s)
+            except Exception:  # noqa: BLE001 - the sweep must outlive any one pass
+                logger.exception("idle session sweep failed; the next one goes on")
 
 
 def inventory_reply(term: int, inv: SliceInventory) -> InventoryReply:
