@@ -14,13 +14,14 @@ Faults: ``kill`` (SIGKILL a non-zero stage; it is started again after the round)
 ``stop`` (SIGSTOP a non-zero stage for 1-15 s, then SIGCONT), ``throttle`` (a slow
 stage: stopped and continued on a duty cycle for a few seconds), ``coordinator``
 (SIGKILL the coordinator, start a new one on the same address with the same state
-file), ``reset`` (the TCP connections between a non-zero stage and the other stages
-reset while every process stays up: loopback meshes), ``hang`` (the threads that
-read and process a non-zero stage's frames frozen for 2-30 s while the process and
-its heartbeats run on: a hung device call or lock, ``coordinator/thread_freeze.py``;
-the round's streams start once they are frozen, so that every one meets the hang)
-and, on network-namespace hosts, ``link`` (the link of a non-zero stage's host down
-for 1-10 s, then up).
+file), ``pause`` (SIGSTOP the coordinator for 1-12 s, then SIGCONT: a paused VM or
+a starved host; nothing should fail over), ``reset`` (the TCP connections between a
+non-zero stage and the other stages reset while every process stays up: loopback
+meshes), ``hang`` (the threads that read and process a non-zero stage's frames
+frozen for 2-30 s while the process and its heartbeats run on: a hung device call
+or lock, ``coordinator/thread_freeze.py``; the round's streams start once they are
+frozen, so that every one meets the hang) and, on network-namespace hosts, ``link``
+(the link of a non-zero stage's host down for 1-10 s, then up).
 After each round the mesh is brought back to its full size before the next. Used by
 ``tests/integration/test_chaos.py`` and ``benchmarks/chaos.py``.
 """
@@ -40,7 +41,7 @@ from coordinator.localmesh import MeshProcesses, wait_for
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "reset", "link", "hang")
+FAULT_KINDS = ("kill", "stop", "throttle", "coordinator", "reset", "link", "hang", "pause")
 # The threads a ``hang`` freezes: a stage's frame readers and its frame worker (on
 # stage 0 the readers of answers only: its own compute stuck is not planned around).
 HANG_THREADS = ("data-reader", "stage-worker")
@@ -194,6 +195,8 @@ class ChaosRun:
             return Fault("reset", target)
         if kind == "hang":
             return Fault("hang", target, round(self.rng.uniform(2.0, 30.0), 1))
+        if kind == "pause":
+            return Fault("pause", "", round(self.rng.uniform(1.0, 12.0), 1))
         return Fault("coordinator", "", round(self.rng.uniform(0.5, 4.0), 1))
 
     def round(self, fault: Fault) -> RoundRecord:
@@ -289,6 +292,10 @@ class ChaosRun:
         elif fault.kind == "reset":
             if not mesh.reset_links(fault.target):
                 raise RuntimeError(f"no connection of {fault.target} to another stage to reset")
+        elif fault.kind == "pause":
+            mesh.coordinator.send_signal(signal.SIGSTOP)
+            time.sleep(fault.duration_s)
+            mesh.coordinator.send_signal(signal.SIGCONT)
         elif fault.kind == "coordinator":
             mesh.kill_coordinator()
             time.sleep(fault.duration_s)

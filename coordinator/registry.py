@@ -191,6 +191,10 @@ class HeartbeatsChecked:
     forget_after_s: float = 0.0
     # The stall rule's floor in seconds (0: the rule is off).
     stall_timeout_s: float = 0.0
+    # Silence (and waits, and link reports) count only from this time on: when the
+    # coordinator itself was stopped or starved (its own checks ran late), what it
+    # did not hear meanwhile says nothing about the stages.
+    judged_from: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -497,7 +501,8 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
             logger.info("forgetting node %s: silent for %.0f s", record.node_id, silent_s)
             after = replace(after, nodes=tuple(n for n in after.nodes if n is not record))
             continue
-        if record.health == "dead" or silent_s <= event.timeout_s:
+        judged_s = event.now - max(record.last_heartbeat_at, event.judged_from)
+        if record.health == "dead" or judged_s <= event.timeout_s:
             continue
         logger.warning(
             "node %s (%s) missed heartbeats for %.1f s; marking it dead",
@@ -523,7 +528,7 @@ def _check_links(state: State, event: HeartbeatsChecked) -> State:
         record = state.node(stage.node_id)
         if record is None or not record.link_error or record.link_error_since <= 0:
             continue
-        if event.now - record.link_error_since < event.timeout_s:
+        if event.now - max(record.link_error_since, event.judged_from) < event.timeout_s:
             continue
         what = f"reports a broken data link ({record.link_error})"
         return _degrade_if_assigned(state, record.node_id, what)
@@ -553,7 +558,7 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
     if head is None or head.accepted_term != state.term or not head.progress.waiting_frame:
         return state
     waiting = head.progress
-    waited = waiting.waiting_s + max(0.0, event.now - head.progress_at)
+    waited = waiting.waiting_s + max(0.0, event.now - max(head.progress_at, event.judged_from))
     expected = max(waiting.expected_round_s, waiting.longest_round_s)
     deadline = max(event.stall_timeout_s, STALL_ROUND_FACTOR * expected)
     frame = waiting.waiting_frame

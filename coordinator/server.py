@@ -110,6 +110,9 @@ class CoordinatorService:
             settings.rebalance_spread, settings.rebalance_min_frames, settings.rebalance_check_s
         )
         self._served_once = False
+        # Heartbeats are judged from this time on (set when this process was found
+        # to have stopped running for longer than a heartbeat timeout).
+        self._judged_from = 0.0
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
         self.metrics = CoordinatorMetrics()
@@ -221,17 +224,32 @@ class CoordinatorService:
     # ---- supervision -------------------------------------------------------------
 
     def _supervise(self) -> None:
+        last_pass = time.monotonic()
         while not self._stop.is_set():
             self._changed.wait(self.settings.supervise_interval_s)
             self._changed.clear()
             if self._stop.is_set():
                 return
+            now = time.monotonic()
+            if now - last_pass > self.settings.heartbeat_timeout_s:
+                # This process did not run for a while (stopped, a paused VM, a
+                # starved host): the heartbeats it missed meanwhile were not the
+                # stages' fault. Judge silence from now on.
+                logger.warning(
+                    "the coordinator's checks ran %.1f s late (was it stopped or starved?); "
+                    "judging the stages' heartbeats from now on",
+                    now - last_pass,
+                )
+                self._judged_from = now
             try:
                 self._supervise_once()
             except Exception:  # noqa: BLE001 - supervision must outlive any one pass
                 # An exception here would end the thread silently: no stage would
                 # ever be found dead or stalled again, no load retried.
                 logger.exception("supervision pass failed; the next one goes on")
+            # From the end of a pass: a pass that loads may take minutes (heartbeats
+            # are taken meanwhile); only a wait that overran means a stopped process.
+            last_pass = time.monotonic()
 
     def _supervise_once(self) -> None:
         """Check heartbeats and progress, then load, grow or rebalance as needed."""
@@ -242,6 +260,7 @@ class CoordinatorService:
                 timeout_s=self.settings.heartbeat_timeout_s,
                 forget_after_s=self.settings.forget_dead_after_s,
                 stall_timeout_s=self.settings.stall_timeout_s,
+                judged_from=self._judged_from,
             )
         )
         if before.topology is not None and after.topology is None and after.degraded:

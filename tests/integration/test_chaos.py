@@ -120,6 +120,20 @@ def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(
     assert "the return link to stage 0 is stuck" in chaos.mesh.coordinator_log()
 
 
+def test_a_paused_coordinator_fails_nothing_over(chaos: ChaosRun):
+    """The coordinator stopped for 8 s (a paused VM, a starved host) heard no
+    heartbeat meanwhile; the stages were fine all along. It judges their silence from
+    when it runs again: no stage is taken for dead, the term stays, every stream
+    keeps its text (before, it woke, saw every stage silent and failed them all
+    over)."""
+    term = chaos.mesh.status().term
+    record = chaos.round(Fault("pause", "", 8.0))
+    assert not record.failover, "nothing failed: nothing fails over"
+    assert_no_corruption(chaos, record)
+    assert chaos.mesh.status().term == term
+    assert "judging the stages' heartbeats from now on" in chaos.mesh.coordinator_log()
+
+
 def test_data_links_reset_between_live_stages_are_opened_again_by_a_new_load(chaos: ChaosRun):
     """Every process stays up and heartbeats; only the TCP connections between a
     stage and its neighbours are reset. The stage reports the broken link in its

@@ -185,3 +185,27 @@ def test_a_stalled_node_that_goes_silent_is_dead() -> None:
     state = beats(state, 110.0, {"a": FrameProgress(), "c": FrameProgress()})
     state = check(state, 110.0)
     assert state.node("b").health == "dead"
+
+
+def test_a_coordinator_that_was_stopped_judges_silence_from_when_it_resumed() -> None:
+    """Stopped for 30 s (SIGSTOP, a paused VM), the coordinator heard nobody, and
+    neither stage 0's wait nor the stages' silence over that time is theirs: from
+    ``judged_from`` on they get a heartbeat timeout (or stall deadline) again."""
+    state = serving("a", "b", "c")
+    busy = {"a": waiting(42, 0.5), "b": FrameProgress(done=41), "c": FrameProgress(done=41)}
+    state = beats(state, 100.0, busy)
+    resumed = 130.0
+    checked = apply(
+        state,
+        HeartbeatsChecked(now=resumed, timeout_s=3.0, stall_timeout_s=STALL_S, judged_from=resumed),
+    )
+    assert checked.mesh_state == "serving"
+    assert all(n.health == "alive" for n in checked.nodes)
+    # Without it, every stage would have been taken for dead.
+    assert check(state, resumed).mesh_state == "failed"
+    # The grace is a heartbeat timeout: a stage still silent then is dead.
+    later = apply(
+        checked,
+        HeartbeatsChecked(now=resumed + 3.5, timeout_s=3.0, judged_from=resumed),
+    )
+    assert later.node("b").health == "dead"
