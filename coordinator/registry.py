@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 from coordinator.planner import NodeCapacity, Plan
@@ -78,6 +79,8 @@ class NodeRecord:
     # that heartbeat came.
     progress: FrameProgress = FrameProgress()
     progress_at: float = 0.0
+    # When the bytes it reads from its data links were last seen to grow.
+    received_at: float = 0.0
     # Found stalled (its data path stuck while it heartbeats): how often, and until
     # when it stays out of plans (health "stalled").
     stalls: int = 0
@@ -194,7 +197,7 @@ class HeartbeatsChecked:
     # Silence (and waits, and link reports) count only from this time on: when the
     # coordinator itself was stopped or starved (its own checks ran late), what it
     # did not hear meanwhile says nothing about the stages.
-    judged_from: float = 0.0
+    judged_from: float = -math.inf
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -427,6 +430,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             http_url=event.http_url,
             joined_at=event.now,
             last_heartbeat_at=event.now,
+            received_at=event.now,
             accepted_term=event.term,
         )
         logger.debug("node %s joined from %s (%s)", event.node_id, event.address, event.device)
@@ -481,6 +485,8 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
     changes["link_error_since"] = (known.link_error_since or event.now) if broken else 0.0
     changes["progress"] = event.progress if event.term == state.term else FrameProgress()
     changes["progress_at"] = event.now
+    if event.progress.received != known.progress.received:
+        changes["received_at"] = event.now
     after = _update_node(state, event.node_id, **changes)
     if known.alive or stalled:
         return after
@@ -570,16 +576,24 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
     for previous, stage in zip(stages, stages[1:], strict=False):
         record = state.node(stage.node_id)
         if record is not None and record.progress.done < frame:
+            if _receiving(record, event, deadline):
+                return state
             what = (
                 f"has not finished frame {frame}, which stage {previous.stage_index} passed "
                 f"on; {waited_for}: its frame processing, or the data link into it, is stuck"
             )
             return _stall(state, record, what, event.now)
     last = state.node(stages[-1].node_id)
-    if last is None:
+    if last is None or _receiving(head, event, deadline):
         return state
     what = f"finished frame {frame}, but {waited_for}: the return link to stage 0 is stuck"
     return _stall(state, last, what, event.now)
+
+
+def _receiving(record: NodeRecord, event: HeartbeatsChecked, deadline: float) -> bool:
+    """Whether ``record``'s process read bytes from its data links within the last
+    ``deadline`` seconds: a frame on its way over a slow link, not a stuck stage."""
+    return event.now - max(record.received_at, event.judged_from) < deadline
 
 
 def _stall(state: State, record: NodeRecord, what: str, now: float) -> State:

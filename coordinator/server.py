@@ -4,6 +4,7 @@ plans and loads the pipeline (and plans again when a stage is lost)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -112,7 +113,7 @@ class CoordinatorService:
         self._served_once = False
         # Heartbeats are judged from this time on (set when this process was found
         # to have stopped running for longer than a heartbeat timeout).
-        self._judged_from = 0.0
+        self._judged_from = -math.inf
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
         self.metrics = CoordinatorMetrics()

@@ -108,6 +108,7 @@ class HeartbeatRequest:
                 waiting_s=self.progress.waiting_s,
                 expected_round_s=self.progress.expected_round_s,
                 longest_round_s=self.progress.longest_round_s,
+                received=self.progress.received,
             ),
         )
 
@@ -129,6 +130,7 @@ class HeartbeatRequest:
                 waiting_s=pb.progress.waiting_s,
                 expected_round_s=pb.progress.expected_round_s,
                 longest_round_s=pb.progress.longest_round_s,
+                received=pb.progress.received,
             ),
         )
 

@@ -47,6 +47,7 @@ from stage.engine import StageEngine
 from stage.hardware import RecentSteps
 from stage.links import DataLink, open_forward_link, open_return_link
 from stage.metrics import StageMetrics
+from stage.tcp_data import received_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -407,14 +408,16 @@ class StageNode:
     def progress(self) -> FrameProgress:
         """How far this term's frames have come here (``FrameProgress``)."""
         loaded = self.loaded
+        received = received_bytes()
         if loaded is None:
-            return FrameProgress()
+            return FrameProgress(received=received)
         done = loaded.frames_done
         waiting = self.waiting
         if not loaded.request.is_first or waiting is None or waiting.term != loaded.request.term:
-            return FrameProgress(done=done)
+            return FrameProgress(done=done, received=received)
         compute_s = loaded.compute_s.get(waiting.frame_id, 0.0)
         return FrameProgress(
+            received=received,
             done=done,
             waiting_frame=waiting.frame_id,
             waiting_s=max(0.0, time.perf_counter() - waiting.sent_at),

@@ -76,6 +76,20 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+class _ReceivedBytes:
+    """Bytes this process has read from its data links: heartbeats carry it, so that
+    a frame still arriving over a slow link is not taken for a stuck stage. Updated
+    without a lock (a lost increment only delays the figure; it never stops
+    growing while bytes arrive)."""
+
+    total = 0
+
+
+def received_bytes() -> int:
+    """Bytes read from this process's framed TCP data links so far."""
+    return _ReceivedBytes.total
+
+
 def _read_exact(sock: socket.socket, size: int) -> memoryview:
     buffer = memoryview(bytearray(size))
     got = 0
@@ -84,6 +98,7 @@ def _read_exact(sock: socket.socket, size: int) -> memoryview:
         if not count:
             raise EOFError("the peer closed the connection")
         got += count
+        _ReceivedBytes.total += count
     return buffer
 
 

@@ -42,7 +42,7 @@ def serving(*node_ids: str) -> State:
                 device="cpu",
                 memory_bytes=8 << 30,
                 frontend=i == 0,
-                now=0.0,
+                now=-1000.0,  # long before the checks below
             ),
         )
     plan = plan_layers(planner_nodes(state), FOOTPRINT)
@@ -209,3 +209,40 @@ def test_a_coordinator_that_was_stopped_judges_silence_from_when_it_resumed() ->
         HeartbeatsChecked(now=resumed + 3.5, timeout_s=3.0, judged_from=resumed),
     )
     assert later.node("b").health == "dead"
+
+
+def test_a_frame_still_arriving_over_a_slow_link_is_not_a_stall() -> None:
+    """A big prompt chunk crossing a slow link takes longer than the deadline: the
+    stage that has not finished it is reading its bytes all along (its ``received``
+    grows), so it is not blamed; once the bytes stop for a deadline, it is."""
+    state = serving("a", "b")
+    arriving = 0
+    for now in range(30, 61, 2):
+        arriving += 1 << 20
+        state = beats(
+            state,
+            float(now),
+            {"a": waiting(7, now - 29.0), "b": FrameProgress(done=6, received=arriving)},
+        )
+        state = check(state, now + 0.5)
+        assert state.mesh_state == "serving", now
+    # The bytes stop: the deadline runs from the last time they grew.
+    for now in range(62, 100, 2):
+        state = beats(
+            state,
+            float(now),
+            {"a": waiting(7, now - 29.0), "b": FrameProgress(done=6, received=arriving)},
+        )
+        state = check(state, now + 0.5)
+        if state.mesh_state != "serving":
+            break
+    assert state.node("b").health == "stalled" and now >= 60 + STALL_S
+    # The same for an answer on its way back: stage 0's own bytes.
+    state = serving("a", "b")
+    for now, read in ((40, 1), (42, 2), (44, 3)):
+        state = beats(
+            state,
+            float(now),
+            {"a": waiting(7, 25.0 + now - 40, received=read), "b": FrameProgress(done=9)},
+        )
+        assert check(state, now + 0.5).mesh_state == "serving"
