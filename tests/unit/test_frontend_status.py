@@ -254,3 +254,15 @@ def test_without_the_coordinator_the_document_shows_what_stage_0_knows() -> None
     assert doc["speculation"]["strategy"] == "" and doc["speculation"]["accept_rate"] is None
     idle = status_document(local(layer_range=None, ready=False), None, "", activity_of(1), [], 5)
     assert idle["stages"] == []
+
+
+def test_a_stalled_node_is_a_failover_and_its_return_a_node_event() -> None:
+    first = reply(node("head", 0), node("w1", 1))
+    stalled = reply(node("head", 0), node("w1", None, "stalled"), state="loading")
+    assert coordinator_changes(first, stalled)[0] == (
+        "failover",
+        "node w1 (10.0.0.2:7071) stopped passing frames on; it held stage 1, layers [3, 6) "
+        "(left out of plans for a while)",
+    )
+    back = reply(node("head", 0), node("w1", 1), term=2)
+    assert ("node", "node w1 (10.0.0.2:7071) is back") in coordinator_changes(stalled, back)
