@@ -470,9 +470,12 @@ class StageNode:
         except Exception:  # noqa: BLE001 - the stage must survive any frame
             logger.exception("frame worker failed on frame %s", work.frame.frame_id)
         finally:
+            # A frame that failed is finished too (computed ones are marked as soon
+            # as they are computed, in _process).
             loaded = self.loaded
             if loaded is not None and work.frame.term == loaded.request.term:
-                loaded.finished(work.frame.frame_id, time.perf_counter() - started)
+                if loaded.frames_done < work.frame.frame_id:
+                    loaded.finished(work.frame.frame_id, time.perf_counter() - started)
             with self._frames:
                 self._busy = False
                 if self._pending:
@@ -498,6 +501,10 @@ class StageNode:
             queued_s = time.monotonic() - work.received_at
             started = time.perf_counter()
             output = loaded.engine.process(frame, queued_s=queued_s)
+            # Finished here, before it is sent on: a send that blocks waits on the
+            # next stage (a stuck receiver fills the link), which the stall rule
+            # must blame, not this one.
+            loaded.finished(frame.frame_id, time.perf_counter() - started)
             self.metrics.frame_done(frame, queued_s, time.perf_counter() - started)
             if any(segment.kind.computes for segment in frame.segments):
                 self.steps.observe((time.perf_counter() - started) * 1000.0)

@@ -132,18 +132,22 @@ def test_frames_that_find_the_stage_busy_wait_and_keep_their_order(last_stage) -
 
 
 def test_heartbeats_carry_the_highest_frame_the_stage_has_finished(last_stage) -> None:
-    """Frames that wait stay unfinished in the progress the coordinator's stall rule
-    reads; an old term's frame never counts."""
+    """Frames that wait for this stage stay unfinished in the progress the
+    coordinator's stall rule reads, a frame computed and waiting on its send is
+    finished, an old term's frame never counts."""
     node, link = last_stage
     assert node.heartbeat().progress == FrameProgress()
     node.accept_frame(frame(node, 7), None)
     assert node.heartbeat().progress == FrameProgress(done=7)
     link.hold.clear()
+    link.entered.clear()  # frame 7's send set it
     busy = threading.Thread(target=node.accept_frame, args=(frame(node, 8), None))
     busy.start()
     assert link.entered.wait(timeout=30)
     node.accept_frame(frame(node, 9), None)  # queued behind frame 8
-    assert node.heartbeat().progress.done == 7
+    # Frame 8 is computed and waits on its send (the link, the next hop): finished
+    # here. Frame 9 waits for this stage: not.
+    assert node.heartbeat().progress.done == 8
     link.hold.set()
     busy.join(timeout=30)
     deadline = time.monotonic() + 30
