@@ -41,6 +41,8 @@ STALL_ROUND_FACTOR = 10.0
 # stall of the same node, up to the maximum.
 STALL_QUARANTINE_S = 30.0
 STALL_QUARANTINE_MAX_S = 600.0
+# How the error a stuck stage 0 sets begins (cleared when it computes again).
+STAGE0_STUCK = "stage 0 is stuck:"
 MESH_STATES = ("waiting", "loading", "serving", "failed")
 
 
@@ -555,20 +557,33 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
     the way back to stage 0 and the last stage (whose return link that is) is
     blamed. The stage blamed is left out of plans for ``STALL_QUARANTINE_S``,
     doubling with each stall of the same node. A frame stuck in stage 0's own
-    compute changes nothing here: the frontend cannot be planned away (its requests
-    end after their round timeout)."""
+    compute cannot be planned around (the frontend is stage 0; its requests end
+    after their round timeout): the mesh's error says so until it computes again."""
     if event.stall_timeout_s <= 0 or state.mesh_state != "serving" or state.topology is None:
         return state
     stages = state.topology.stages
     head = state.node(stages[0].node_id)
     if head is None or head.accepted_term != state.term or not head.progress.waiting_frame:
-        return state
+        return _stage0_unstuck(state)
     waiting = head.progress
     waited = waiting.waiting_s + max(0.0, event.now - max(head.progress_at, event.judged_from))
     expected = max(waiting.expected_round_s, waiting.longest_round_s)
     deadline = max(event.stall_timeout_s, STALL_ROUND_FACTOR * expected)
     frame = waiting.waiting_frame
-    if waited < deadline or waiting.done < frame:
+    if waited < deadline:
+        return _stage0_unstuck(state)
+    if waiting.done < frame:
+        # Nothing to plan around, but the operator must know: the mesh looks fine
+        # from every heartbeat while no request progresses.
+        error = (
+            f"{STAGE0_STUCK} {head.node_id} at {head.address} has not computed frame "
+            f"{frame} (stall deadline {deadline:.0f} s): its frame processing is stuck "
+            "(a hung device call or thread); its requests end after their round "
+            "timeout. Restart that process"
+        )
+        if state.error != error:
+            logger.error("%s", error)
+            return replace(state, error=error)
         return state
     waited_for = (
         f"stage 0 has waited {waited:.1f} s for its answer (stall deadline {deadline:.1f} s)"
@@ -588,6 +603,14 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
         return state
     what = f"finished frame {frame}, but {waited_for}: the return link to stage 0 is stuck"
     return _stall(state, last, what, event.now)
+
+
+def _stage0_unstuck(state: State) -> State:
+    """Clear the error a stuck stage 0 left once nothing is overdue."""
+    if state.error.startswith(STAGE0_STUCK):
+        logger.info("stage 0 computes frames again")
+        return replace(state, error="")
+    return state
 
 
 def _receiving(record: NodeRecord, event: HeartbeatsChecked, deadline: float) -> bool:

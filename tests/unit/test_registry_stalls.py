@@ -246,3 +246,18 @@ def test_a_frame_still_arriving_over_a_slow_link_is_not_a_stall() -> None:
             {"a": waiting(7, 25.0 + now - 40, received=read), "b": FrameProgress(done=9)},
         )
         assert check(state, now + 0.5).mesh_state == "serving"
+
+
+def test_stage_0_stuck_in_its_own_compute_is_an_error_not_a_failover() -> None:
+    """Stage 0 is the frontend: it cannot be planned away. The status says so (the
+    mesh looks fine from every heartbeat), and stops saying so once it computes
+    again."""
+    state = serving("a", "b")
+    own = {"a": waiting(7, 30.0, done=6), "b": FrameProgress(done=6)}
+    stuck = check(beats(state, 50.0, own), 50.0)
+    assert stuck.mesh_state == "serving" and stuck.topology is not None
+    assert stuck.error.startswith("stage 0 is stuck: a at 10.0.0.1:7071 has not computed frame 7")
+    assert all(n.health == "alive" for n in stuck.nodes)
+    assert check(stuck, 50.5).error == stuck.error
+    moving = {"a": waiting(9, 0.2, done=9), "b": FrameProgress(done=8)}
+    assert check(beats(stuck, 51.0, moving), 51.0).error == ""
