@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 
@@ -118,6 +119,38 @@ def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(
     assert record.failover
     assert_no_corruption(chaos, record)
     assert "the return link to stage 0 is stuck" in chaos.mesh.coordinator_log()
+
+
+def test_stage_0_stuck_in_its_own_compute_shows_in_the_status_and_clears(chaos: ChaosRun):
+    """Stage 0's frame worker hangs: nothing can be planned around the frontend, but
+    `status` says what is wrong while every heartbeat looks fine; when the worker
+    comes back the request goes on with its text and the error clears."""
+    from coordinator.chaos import run_stream
+
+    spec = chaos.specs[0]
+    errors: list[str] = []
+    hang = threading.Thread(
+        target=chaos.mesh.hang_threads,
+        args=("stage-0", ("stage-worker",), 3 * STALL_TIMEOUT_S),
+        daemon=True,
+    )
+    hang.start()
+
+    def watch() -> None:
+        while hang.is_alive():
+            error = chaos.mesh.status().error
+            if error:
+                errors.append(error)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    outcome = run_stream(chaos.mesh.http_url, MODEL, spec)
+    hang.join()
+    watcher.join()
+    assert outcome == chaos.expected[0]
+    assert any(e.startswith("stage 0 is stuck: stage-0 at") for e in errors), errors
+    wait_for(lambda: not chaos.mesh.status().error, 10, "the error to clear")
 
 
 def test_a_paused_coordinator_fails_nothing_over(chaos: ChaosRun):
