@@ -428,13 +428,16 @@ def _announce(
     lines.append(f"Topology: mesh-coordinator status --coordinator {address}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
-    update_state(
-        state_file,
-        coordinator=address,
-        http_url=url,
-        term=status.term,
-        model_id=status.model_id,
-    )
+    try:
+        update_state(
+            state_file,
+            coordinator=address,
+            http_url=url,
+            term=status.term,
+            model_id=status.model_id,
+        )
+    except OSError as error:
+        logger.error("cannot write the state file %s: %s", state_file, error)
 
 
 def _terminate(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:

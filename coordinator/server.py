@@ -388,7 +388,13 @@ class CoordinatorService:
             )
         term = registry.next_term(state)
         if self._on_term is not None:
-            self._on_term(term)
+            try:
+                self._on_term(term)
+            except OSError as error:
+                # A full or read-only disk must not stop the mesh from failing over:
+                # the file only helps a restarted coordinator, which also goes above
+                # every term its stages report.
+                logger.error("cannot record term %s in the state file: %s", term, error)
         logger.info("term %s: loading\n%s", term, plan.describe())
         self.apply(registry.LoadStarted(term=term, plan=plan))
         try:

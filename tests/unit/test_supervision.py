@@ -48,3 +48,33 @@ def test_supervision_goes_on_after_a_pass_raises(
         assert "supervision pass failed" in caplog.text
     finally:
         service.stop()
+
+
+def test_a_state_file_that_cannot_be_written_does_not_stop_a_load(
+    tiny_package_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full or read-only disk on the head: the term cannot be recorded, and the
+    load goes on (before, the error ended the attempt before any stage heard of it,
+    every attempt again: a mesh that lost a stage never served again)."""
+    package = tiny_package_factory("llama", layers=2)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+
+    def full_disk(term: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    service = CoordinatorService(model, settings, on_term=full_disk)
+    service.join(
+        JoinRequest(
+            node_id="head",
+            address="127.0.0.1:1",
+            device="cpu",
+            memory_bytes=8 << 30,
+            frontend=True,
+        )
+    )
+    service._load_once()
+    assert service.state.term == 1  # the load started (and failed: nobody listens there)
+    assert "cannot record term 1 in the state file" in caplog.text
