@@ -76,7 +76,7 @@ def _message(data: bytes, kind: str) -> dict[str, object] | None:
     """The JSON object of a datagram of ``kind`` and this version, or None."""
     try:
         fields = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested too deep
         return None
     if not isinstance(fields, dict) or fields.get("kind") != kind or fields.get("v") != VERSION:
         return None
@@ -205,15 +205,19 @@ class DiscoveryResponder:
                 continue
             except OSError:
                 return
-            answer = answer_for(
-                query,
-                self._port,
-                self._model_id(),
-                self._advertise,
-                self._tls,
-                self._token,
-                self._id,
-            )
+            try:
+                answer = answer_for(
+                    query,
+                    self._port,
+                    self._model_id(),
+                    self._advertise,
+                    self._tls,
+                    self._token,
+                    self._id,
+                )
+            except Exception:  # noqa: BLE001 - one datagram must not end the answers
+                logger.exception("discovery query from %s could not be answered", source[0])
+                continue
             if answer is None:
                 continue
             try:

@@ -63,7 +63,7 @@ def test_with_a_token_only_a_coordinator_that_knows_it_is_joined() -> None:
     [
         b"", b"\xff\xfe", b"[]", b"{}", b'{"kind": "mesh-discover", "v": 2, "nonce": "' + b"a" * 32
         + b'"}', b'{"kind": "mesh-discover", "v": 1, "nonce": "short"}',
-        b'{"kind": "mesh-discover", "v": 1, "nonce": 5}',
+        b'{"kind": "mesh-discover", "v": 1, "nonce": 5}', b"[" * 60000, b'{"a":' * 20000,
     ],
 )  # fmt: skip
 def test_anything_but_a_query_gets_no_answer(datagram) -> None:
@@ -123,3 +123,22 @@ def test_nobody_answering_is_an_error_that_says_what_to_do() -> None:
     with pytest.raises(InvalidRequest, match="no coordinator answered") as raised:
         find_coordinator(port, None, 0.5, targets=["127.0.0.1"], round_s=0.2)
     assert "--coordinator HOST:PORT" in str(raised.value)
+
+
+def test_a_hostile_datagram_does_not_silence_the_responder() -> None:
+    """Garbage on the discovery port (JSON nested deeper than the parser's stack, not
+    UTF-8) is dropped; the next query is answered (before, a deeply nested datagram
+    ended the responder's thread: no stage could find the coordinator again)."""
+    import socket
+
+    port = _free_udp_port("127.0.0.2")
+    responder = DiscoveryResponder("127.0.0.2", port, lambda: "model-a", "", False, None)
+    assert responder.start()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for junk in (b"[" * 60000, b"\xff" * 100):
+                sock.sendto(junk, ("127.0.0.2", port))
+        offers = discover(port, None, 1.0, targets=["127.0.0.2"])
+        assert [o.model_id for o in offers] == ["model-a"]
+    finally:
+        responder.stop()
