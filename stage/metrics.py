@@ -173,10 +173,12 @@ class _NodeCollector(Collector):
             layers.add_metric([], span.end - span.start)
         else:
             layers.add_metric([], 0)
-        sessions.add_metric([], len(runtime.sessions()) if runtime is not None else 0)
+        # Never waits for a step (a scrape during a long prompt chunk would).
+        stats = runtime.stats() if runtime is not None else None
+        sessions.add_metric([], stats.sessions if stats is not None else 0)
         limit.add_metric([], runtime.max_sessions if runtime is not None else 0)
-        kv.add_metric([], runtime.kv_bytes() if runtime is not None else 0)
-        prefix.add_metric([], runtime.prefix_nbytes() if runtime is not None else 0)
+        kv.add_metric([], stats.kv_bytes if stats is not None else 0)
+        prefix.add_metric([], stats.prefix_bytes if stats is not None else 0)
         dropped.add_metric([], loaded.engine.dropped_segments if loaded is not None else 0)
         replayed = runtime.graph_frames if runtime is not None else {"session": 0, "bucket": 0}
         for path, count in replayed.items():

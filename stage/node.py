@@ -41,6 +41,7 @@ from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
 from mesh.runtime import load_stage_runtime
 from mesh.runtime.probe import probe_step
+from mesh.runtime.stage import RuntimeStats
 from mesh.threads import NamedThread
 from mesh.types import DEFAULT_PREFIX_BYTES
 from stage.engine import StageEngine
@@ -383,22 +384,23 @@ class StageNode:
         self._enqueue(None)
 
     def active_sessions(self) -> int:
+        """Sessions this stage holds (never waits for a step: ``RuntimeStats``)."""
         loaded = self.loaded
-        return loaded.engine.session_count() if loaded is not None else 0
+        return loaded.engine.runtime.stats().sessions if loaded is not None else 0
 
     def heartbeat(self) -> HeartbeatRequest:
         """What this node tells the coordinator every beat: its term and state, and
         its sessions and the KV cache they (and the kept prefixes) hold."""
         loaded = self.loaded
-        runtime = loaded.engine.runtime if loaded is not None else None
+        stats = loaded.engine.runtime.stats() if loaded is not None else RuntimeStats()
         step_ms, step_frames = self.steps.mean()
         return HeartbeatRequest(
             node_id=self.settings.node_id,
             term=self.term,
             state=self.state,
-            active_sessions=self.active_sessions(),
-            kv_bytes=runtime.kv_bytes() if runtime is not None else 0,
-            prefix_bytes=runtime.prefix_nbytes() if runtime is not None else 0,
+            active_sessions=stats.sessions,
+            kv_bytes=stats.kv_bytes,
+            prefix_bytes=stats.prefix_bytes,
             step_ms=step_ms,
             step_frames=step_frames,
             link_error=loaded.link_error if loaded is not None else "",

@@ -14,6 +14,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
@@ -38,6 +39,16 @@ from mesh.types import LayerRange, SamplingParams
 
 logger = logging.getLogger(__name__)
 NATIVE_LINEARS = (NativeInt4Linear, NativeInt8Linear)
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """What a stage's sessions hold: how many, and the bytes of their KV caches and
+    of the kept prefixes."""
+
+    sessions: int = 0
+    kv_bytes: int = 0
+    prefix_bytes: int = 0
 
 
 class StageRuntime(GraphSteps):
@@ -66,6 +77,7 @@ class StageRuntime(GraphSteps):
         self._vocab_size = int(config.vocab_size)
         self._param_bytes = modules.param_bytes()
         self._lock = threading.Lock()
+        self._stats = RuntimeStats()
         self._sessions = SessionTable(
             kv_layout(config, layer_range, device, self._dtype),
             max_sessions=max_sessions,
@@ -148,6 +160,23 @@ class StageRuntime(GraphSteps):
         """Bytes currently allocated to the KV caches of all sessions."""
         with self._lock:
             return self._sessions.kv_bytes()
+
+    def stats(self) -> RuntimeStats:
+        """The sessions' count and bytes, without waiting: while a step holds the
+        runtime (a long prompt chunk can take seconds), the figures of the last call
+        that found it free. Heartbeats and metrics read this: a heartbeat that waited
+        for a forward pass would make the coordinator take a busy stage for dead."""
+        if not self._lock.acquire(blocking=False):
+            return self._stats
+        try:
+            self._stats = RuntimeStats(
+                len(self._sessions.ids()),
+                self._sessions.kv_bytes(),
+                self._sessions.prefix_nbytes(),
+            )
+        finally:
+            self._lock.release()
+        return self._stats
 
     # ---- sessions ---------------------------------------------------------------
 

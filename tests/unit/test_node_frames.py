@@ -195,3 +195,37 @@ def test_stage_0_reports_the_frame_it_waits_on_with_the_round_it_should_take(tmp
     finally:
         node.loaded = None
         node.stop()
+
+
+def test_a_heartbeat_never_waits_for_a_step(last_stage) -> None:
+    """A long prompt chunk holds the runtime for seconds: a heartbeat (or a metrics
+    scrape) that waited for it made the coordinator take a busy stage for dead, fail
+    it over, re-read the prompt and time out again (seen with a 4,160-token tools
+    prompt on a loaded 2-core machine). It reports the last figures instead."""
+    node, _ = last_stage
+    node.accept_frame(frame(node, 1), None)
+    before = node.heartbeat()
+    assert before.active_sessions == 1 and before.kv_bytes > 0
+    runtime = node.loaded.engine.runtime
+    held = threading.Event()
+    release = threading.Event()
+
+    def long_step() -> None:
+        with runtime._lock:  # what forward_batch holds for a whole step
+            held.set()
+            release.wait(timeout=30)
+
+    stepper = threading.Thread(target=long_step)
+    stepper.start()
+    try:
+        assert held.wait(timeout=10)
+        beat: list = []
+        reader = threading.Thread(target=lambda: beat.append(node.heartbeat()))
+        reader.start()
+        reader.join(timeout=5)
+        assert beat, "the heartbeat waited for the step"
+        assert (beat[0].active_sessions, beat[0].kv_bytes) == (1, before.kv_bytes)
+        assert node.active_sessions() == 1
+    finally:
+        release.set()
+        stepper.join(timeout=10)
