@@ -567,7 +567,7 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
         return _stage0_unstuck(state)
     waiting = head.progress
     waited = waiting.waiting_s + max(0.0, event.now - max(head.progress_at, event.judged_from))
-    expected = max(waiting.expected_round_s, waiting.longest_round_s)
+    expected = max(_expected_round(state, waiting.waiting_compute_s), waiting.longest_round_s)
     deadline = max(event.stall_timeout_s, STALL_ROUND_FACTOR * expected)
     frame = waiting.waiting_frame
     if waited < deadline:
@@ -603,6 +603,20 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
         return state
     what = f"finished frame {frame}, but {waited_for}: the return link to stage 0 is stuck"
     return _stall(state, last, what, event.now)
+
+
+def _expected_round(state: State, compute_s: float) -> float:
+    """The round a frame should take, from stage 0's own compute time for it: each
+    stage takes that times its measured step time over stage 0's (at least 1: the
+    stages are planned to take about as long; a slower device, or a split that
+    memory forced, takes longer), or the stage count times it while step times are
+    unknown."""
+    stages = state.topology.stages if state.topology is not None else ()
+    steps = [state.node(s.node_id) for s in stages]
+    times = [r.step_ms if r is not None else 0.0 for r in steps]
+    if not times or min(times) <= 0.0:
+        return compute_s * max(1, len(stages))
+    return compute_s * sum(max(1.0, t / times[0]) for t in times)
 
 
 def _stage0_unstuck(state: State) -> State:

@@ -266,8 +266,9 @@ class FrameProgress:
     ``done``: the highest frame id the stage has finished (passed on, answered or
     failed; 0: none). Stage 0 alone fills the rest: ``waiting_frame``, the frame it
     has waited longest for an answer to (0: none) and for ``waiting_s``;
-    ``expected_round_s``, what that frame's round should take (stage 0's own compute
-    time for it times the stage count; 0 while unknown); ``longest_round_s``, the
+    ``waiting_compute_s``, stage 0's own compute time for that frame (0 while
+    unknown; the coordinator scales it by the stages' step times into the round the
+    frame should take); ``longest_round_s``, the
     longest round among its recently answered frames. ``received``: bytes the
     process has read from its framed TCP data links so far (it grows while a frame
     is on its way over a slow link; only its changes mean anything)."""
@@ -275,6 +276,6 @@ class FrameProgress:
     done: int = 0
     waiting_frame: int = 0
     waiting_s: float = 0.0
-    expected_round_s: float = 0.0
+    waiting_compute_s: float = 0.0
     longest_round_s: float = 0.0
     received: int = 0

@@ -423,7 +423,7 @@ class StageNode:
             done=done,
             waiting_frame=waiting.frame_id,
             waiting_s=max(0.0, time.perf_counter() - waiting.sent_at),
-            expected_round_s=compute_s * loaded.request.stage_count,
+            waiting_compute_s=compute_s,
             longest_round_s=waiting.longest_round_s,
         )
 

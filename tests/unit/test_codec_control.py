@@ -113,7 +113,7 @@ COORDINATOR_MESSAGES = [
         7,
         "serving",
         progress=FrameProgress(
-            done=44, waiting_frame=42, waiting_s=2.5, expected_round_s=0.25, longest_round_s=1.5
+            done=44, waiting_frame=42, waiting_s=2.5, waiting_compute_s=0.25, longest_round_s=1.5
         ),
     ),
     HeartbeatReply(known=False, term=7),

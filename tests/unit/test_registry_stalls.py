@@ -122,7 +122,7 @@ def test_the_deadline_grows_with_the_round_the_frame_should_take() -> None:
     # A long prompt chunk: stage 0 took 3 s for its part, so the round should take
     # 6 s on two stages, and the frame gets 10 times that.
     assert 6.0 * STALL_ROUND_FACTOR == 60.0
-    long_chunk = {"a": waiting(7, 59.0, expected_round_s=6.0), "b": FrameProgress(done=6)}
+    long_chunk = {"a": waiting(7, 59.0, waiting_compute_s=3.0), "b": FrameProgress(done=6)}
     assert check(beats(state, 50.0, long_chunk), 50.0).mesh_state == "serving"
     assert check(beats(state, 50.0, long_chunk), 51.5).mesh_state == "failed"
     # So does the longest recent round (4 s: 40 s).
@@ -261,3 +261,29 @@ def test_stage_0_stuck_in_its_own_compute_is_an_error_not_a_failover() -> None:
     assert check(stuck, 50.5).error == stuck.error
     moving = {"a": waiting(9, 0.2, done=9), "b": FrameProgress(done=8)}
     assert check(beats(stuck, 51.0, moving), 51.0).error == ""
+
+
+def test_a_slower_stage_gets_the_time_its_step_times_say() -> None:
+    """Stage 0 on a fast device took 3 s for its part of a frame; stage 1 takes ten
+    times as long per frame (a CPU behind a GPU, a split memory forced): the round
+    should take 3 + 30 s, and the frame gets ten times that."""
+    state = serving("a", "b")
+
+    def beat(state: State, now: float, waited_s: float) -> State:
+        progress = {"a": waiting(7, waited_s, waiting_compute_s=3.0), "b": FrameProgress(done=6)}
+        for node_id, step_ms in (("a", 5.0), ("b", 50.0)):
+            event = HeartbeatReceived(
+                node_id=node_id,
+                now=now,
+                term=state.term,
+                stage_state="serving",
+                step_ms=step_ms,
+                progress=progress[node_id],
+            )
+            state = apply(state, event)
+        return state
+
+    assert check(beat(state, 50.0, 329.0), 50.0).mesh_state == "serving"  # 10 x 33 s
+    late = check(beat(state, 50.0, 331.0), 50.0)
+    assert late.mesh_state == "failed" and "has not finished frame 7" in late.error
+    assert "stall deadline 330 s" in late.error or "stall deadline 330.0 s" in late.error

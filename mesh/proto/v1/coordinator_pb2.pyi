@@ -96,20 +96,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ..., link_error: _Optional[str] = ..., progress: _Optional[_Union[FrameProgress, _Mapping]] = ...) -> None: ...
 
 class FrameProgress(_message.Message):
-    __slots__ = ("done", "waiting_frame", "waiting_s", "expected_round_s", "longest_round_s", "received")
+    __slots__ = ("done", "waiting_frame", "waiting_s", "waiting_compute_s", "longest_round_s", "received")
     DONE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FRAME_FIELD_NUMBER: _ClassVar[int]
     WAITING_S_FIELD_NUMBER: _ClassVar[int]
-    EXPECTED_ROUND_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     LONGEST_ROUND_S_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     done: int
     waiting_frame: int
     waiting_s: float
-    expected_round_s: float
+    waiting_compute_s: float
     longest_round_s: float
     received: int
-    def __init__(self, done: _Optional[int] = ..., waiting_frame: _Optional[int] = ..., waiting_s: _Optional[float] = ..., expected_round_s: _Optional[float] = ..., longest_round_s: _Optional[float] = ..., received: _Optional[int] = ...) -> None: ...
+    def __init__(self, done: _Optional[int] = ..., waiting_frame: _Optional[int] = ..., waiting_s: _Optional[float] = ..., waiting_compute_s: _Optional[float] = ..., longest_round_s: _Optional[float] = ..., received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "term")
