@@ -607,16 +607,27 @@ def _check_stalls(state: State, event: HeartbeatsChecked) -> State:
 
 def _expected_round(state: State, compute_s: float) -> float:
     """The round a frame should take, from stage 0's own compute time for it: each
-    stage takes that times its measured step time over stage 0's (at least 1: the
-    stages are planned to take about as long; a slower device, or a split that
-    memory forced, takes longer), or the stage count times it while step times are
-    unknown."""
+    stage takes that times its cost over stage 0's, at least 1 (the planner gives
+    the stages about equal times; a slower device, or a split that memory forced,
+    takes longer). A stage's cost is its load-time probe (one layer times its
+    layers, plus the LM head on the last stage), else its measured step time; the
+    stage count times it when neither is known."""
     stages = state.topology.stages if state.topology is not None else ()
-    steps = [state.node(s.node_id) for s in stages]
-    times = [r.step_ms if r is not None else 0.0 for r in steps]
-    if not times or min(times) <= 0.0:
-        return compute_s * max(1, len(stages))
-    return compute_s * sum(max(1.0, t / times[0]) for t in times)
+    if not stages:
+        return compute_s
+    last = stages[-1].node_id
+    records = [state.node(s.node_id) for s in stages]
+    probes = [
+        r.layer_ms * len(s.layer_range) + (r.head_ms if s.node_id == last else 0.0)
+        if r is not None
+        else 0.0
+        for r, s in zip(records, stages, strict=True)
+    ]
+    steps = [r.step_ms if r is not None else 0.0 for r in records]
+    for costs in (probes, steps):
+        if min(costs) > 0.0:
+            return compute_s * sum(max(1.0, c / costs[0]) for c in costs)
+    return compute_s * len(stages)
 
 
 def _stage0_unstuck(state: State) -> State:

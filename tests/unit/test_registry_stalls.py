@@ -287,3 +287,33 @@ def test_a_slower_stage_gets_the_time_its_step_times_say() -> None:
     late = check(beat(state, 50.0, 331.0), 50.0)
     assert late.mesh_state == "failed" and "has not finished frame 7" in late.error
     assert "stall deadline 330 s" in late.error or "stall deadline 330.0 s" in late.error
+
+
+def test_before_any_step_time_the_load_probes_say_what_a_stage_costs() -> None:
+    """The first long prompt after a load: no step time is measured yet, but every
+    stage timed a layer (and the head) on its device when it loaded."""
+    state = apply(State(), ModelSelected(model_id="m", package_ref="pkg", layer_count=30))
+    for i, node_id in enumerate(("a", "b")):
+        joined = NodeJoined(
+            node_id=node_id,
+            address=f"10.0.0.{i + 1}:7071",
+            device="cpu",
+            memory_bytes=8 << 30,
+            frontend=i == 0,
+            now=-1000.0,
+        )
+        state = apply(state, joined)
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)  # 15 + 15 layers
+    state = apply(state, LoadStarted(term=next_term(state), plan=plan))
+    for node_id, layer_ms in (("a", 1.0), ("b", 10.0)):
+        ready = StageReady(
+            node_id=node_id, param_bytes=1, term=state.term, layer_ms=layer_ms, head_ms=5.0
+        )
+        state = apply(state, ready)
+    state = apply(state, LoadSucceeded(term=state.term))
+    # Stage 1 costs 15 x 10 + 5 = 155 ms against stage 0's 15 ms: a round of 1 s of
+    # stage 0 compute should take 1 + 10.3 s, and gets ten times that.
+    slow = {"a": waiting(7, 110.0, waiting_compute_s=1.0), "b": FrameProgress(done=6)}
+    assert check(beats(state, 50.0, slow), 50.0).mesh_state == "serving"
+    slower = {"a": waiting(7, 115.0, waiting_compute_s=1.0), "b": FrameProgress(done=6)}
+    assert check(beats(state, 50.0, slower), 50.0).mesh_state == "failed"
