@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_graphs=stage.cuda_graphs,
             inline_frames=stage.inline_frames,
             prefix_cache_bytes=int(stage.prefix_cache_mb * 2**20),
+            stuck_exit_after_s=stage.stuck_exit_after,
         ),
         address,
         remote=(package_source := CoordinatorPackageSource(stage.coordinator, node_id)),

@@ -5,6 +5,7 @@ call into this class with decoded messages only."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -55,6 +56,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_FRAME_TOKENS = 8192
 IDLE_SWEEP_S = 5.0
+# The exit status of a stage that ends itself because a frame is stuck
+# (EX_SOFTWARE): its service manager starts it again.
+STUCK_EXIT_STATUS = 70
 # Stage 0 remembers its compute time for this many of its latest frames (what the
 # round of the frame it waits on should take, for the coordinator's stall rule).
 COMPUTE_TIMES_KEPT = 64
@@ -79,6 +83,9 @@ class NodeSettings:
     # Bytes of kept prefixes (the prefix cache) this stage holds at most
     # (mesh-stage join --prefix-cache-mb).
     prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES
+    # Exit when one frame has been processing this long (0: never;
+    # mesh-stage join --stuck-exit-after).
+    stuck_exit_after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,9 @@ class StageNode:
         self._on_newer_term: Callable[[], None] | None = None
         # Stage 0's frame that waits longest for an answer (its scheduler sets it).
         self.waiting: WaitingFrame | None = None
+        # The frame being processed now and since when (the stuck-frame watchdog).
+        self._processing: tuple[int, float] | None = None
+        self._exit: Callable[[int], None] = os._exit
         self.metrics = metrics if metrics is not None else StageMetrics()
         self.metrics.watch(self)
         # Compute time of the last frames, for the coordinator's rebalance.
@@ -467,11 +477,13 @@ class StageNode:
     def _run(self, work: _Work) -> None:
         """Process ``work`` (the caller set ``_busy``), then let the next frame go."""
         started = time.perf_counter()
+        self._processing = (work.frame.frame_id, time.monotonic())
         try:
             self._process(work)
         except Exception:  # noqa: BLE001 - the stage must survive any frame
             logger.exception("frame worker failed on frame %s", work.frame.frame_id)
         finally:
+            self._processing = None
             # A frame that failed is finished too (computed ones are marked as soon
             # as they are computed, in _process).
             loaded = self.loaded
@@ -591,8 +603,34 @@ class StageNode:
         logger.warning("return link to stage 0 broke: %s", error)
         loaded.link_error = loaded.link_error or f"stage {index} cannot reach stage 0: {error}"
 
+    def _check_stuck(self) -> None:
+        """End the process when one frame has been processing for longer than
+        ``stuck_exit_after_s``: a device call or a deadlock that never returns is
+        cleared only by a restart, which its service manager (or ``up``) does."""
+        limit = self.settings.stuck_exit_after_s
+        processing = self._processing
+        if limit <= 0 or processing is None:
+            return
+        frame_id, since = processing
+        stuck_s = time.monotonic() - since
+        if stuck_s < limit:
+            return
+        logger.critical(
+            "frame %s has been processing for %.0f s (--stuck-exit-after %.0f): its "
+            "thread is stuck (a hung device call or a deadlock); exiting with status %d "
+            "so that this stage is started again",
+            frame_id,
+            stuck_s,
+            limit,
+            STUCK_EXIT_STATUS,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit(STUCK_EXIT_STATUS)
+
     def _sweep_loop(self) -> None:
         while not self._stopping.wait(IDLE_SWEEP_S):
+            self._check_stuck()
             loaded = self.loaded
             if loaded is None or loaded.request.session_idle_timeout_s <= 0:
                 continue

@@ -170,6 +170,14 @@ class StageConfig:
         "(costs float32/bfloat16 10-30%%); off: the previous kernels",
         choices=ROW_INVARIANT,
     )
+    stuck_exit_after: float = setting(
+        600.0,
+        "exit (status 70) when one frame has been processing this many seconds: a hung "
+        "device call or deadlock that only a restart clears (the coordinator has planned "
+        "around the stage long before; systemd, Kubernetes or `up` start it again). 0: "
+        "never",
+        minimum=0,
+    )
     inline_frames: bool = setting(
         True,
         "process a frame that arrives while the stage is idle on the thread that received "
@@ -285,6 +293,7 @@ LOCAL_STAGE_FIELDS = (
     "row_invariant",
     "cuda_graphs",
     "inline_frames",
+    "stuck_exit_after",
     "prefix_cache_mb",
     "inject_delay_ms",
     "data_transport",

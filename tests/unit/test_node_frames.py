@@ -229,3 +229,34 @@ def test_a_heartbeat_never_waits_for_a_step(last_stage) -> None:
     finally:
         release.set()
         stepper.join(timeout=10)
+
+
+def test_a_stage_whose_frame_is_stuck_past_the_limit_exits_to_be_restarted(last_stage) -> None:
+    """A frame that never finishes (a hung device call, a deadlock) is cleared only by
+    a restart: past ``--stuck-exit-after`` the stage exits with status 70, and its
+    service manager (or ``up``) starts it again. A frame that finishes in time, or a
+    limit of 0, changes nothing."""
+    from dataclasses import replace as replaced
+
+    node, link = last_stage
+    exits: list[int] = []
+    node._exit = exits.append
+    node.settings = replaced(node.settings, stuck_exit_after_s=0.3)
+    link.hold.clear()
+    link.entered.clear()
+    stuck = threading.Thread(target=node.accept_frame, args=(frame(node, 1), None))
+    stuck.start()
+    assert link.entered.wait(timeout=30)
+    node._check_stuck()
+    assert exits == []  # not yet past the limit
+    time.sleep(0.4)
+    node.settings = replaced(node.settings, stuck_exit_after_s=0.0)
+    node._check_stuck()
+    assert exits == []  # the watchdog off
+    node.settings = replaced(node.settings, stuck_exit_after_s=0.3)
+    node._check_stuck()
+    assert exits == [node_module.STUCK_EXIT_STATUS]
+    link.hold.set()
+    stuck.join(timeout=30)
+    node._check_stuck()
+    assert exits == [node_module.STUCK_EXIT_STATUS]  # nothing processing now
