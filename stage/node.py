@@ -177,6 +177,8 @@ class StageNode:
         self._worker.start()
         self._sweeper = NamedThread(target=self._sweep_loop, name="idle-sweep", daemon=True)
         self._sweeper.start()
+        if settings.stuck_exit_after_s > 0:
+            NamedThread(target=self._stuck_loop, name="stuck-watch", daemon=True).start()
 
     # ---- stage-0 hooks -----------------------------------------------------------
 
@@ -628,9 +630,14 @@ class StageNode:
             handler.flush()
         self._exit(STUCK_EXIT_STATUS)
 
-    def _sweep_loop(self) -> None:
+    def _stuck_loop(self) -> None:
+        # A thread of its own: the idle sweep waits for the runtime, which a stuck
+        # step holds.
         while not self._stopping.wait(IDLE_SWEEP_S):
             self._check_stuck()
+
+    def _sweep_loop(self) -> None:
+        while not self._stopping.wait(IDLE_SWEEP_S):
             loaded = self.loaded
             if loaded is None or loaded.request.session_idle_timeout_s <= 0:
                 continue

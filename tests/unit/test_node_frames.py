@@ -260,3 +260,24 @@ def test_a_stage_whose_frame_is_stuck_past_the_limit_exits_to_be_restarted(last_
     stuck.join(timeout=30)
     node._check_stuck()
     assert exits == [node_module.STUCK_EXIT_STATUS]  # nothing processing now
+
+
+def test_the_stuck_frame_watch_runs_on_a_thread_of_its_own(tmp_path, monkeypatch) -> None:
+    """Not on the idle sweep, which waits for the runtime a stuck step holds."""
+    monkeypatch.setattr(node_module, "IDLE_SWEEP_S", 0.05)
+    settings = NodeSettings(node_id="n9", cache_dir=tmp_path / "cache", stuck_exit_after_s=0.2)
+    node = StageNode(settings, "127.0.0.1:1")
+    exits: list[int] = []
+    node._exit = exits.append
+    try:
+        names = {t.name for t in threading.enumerate()}
+        assert "stuck-watch" in names
+        node._processing = (5, time.monotonic() - 10.0)
+        deadline = time.monotonic() + 10
+        while not exits:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert exits[0] == node_module.STUCK_EXIT_STATUS
+    finally:
+        node._processing = None
+        node.stop()
