@@ -35,6 +35,10 @@ from mesh.settings.sections import CoordinatorConfig
 
 logger = logging.getLogger(__name__)
 
+# The longest a stage waits between heartbeat attempts after failed ones
+# (stage/membership.py RETRY_MAX_S; the coordinator does not import stage code).
+STAGE_RETRY_MAX_S = 5.0
+
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
@@ -241,7 +245,9 @@ class CoordinatorService:
                     "judging the stages' heartbeats from now on",
                     now - last_pass,
                 )
-                self._judged_from = now
+                # Beyond a heartbeat timeout from now: a stage whose heartbeats failed
+                # meanwhile waits up to its longest retry pause before the next one.
+                self._judged_from = now + STAGE_RETRY_MAX_S
             try:
                 self._supervise_once()
             except Exception:  # noqa: BLE001 - supervision must outlive any one pass

@@ -78,3 +78,13 @@ def test_a_state_file_that_cannot_be_written_does_not_stop_a_load(
     service._load_once()
     assert service.state.term == 1  # the load started (and failed: nobody listens there)
     assert "cannot record term 1 in the state file" in caplog.text
+
+
+def test_the_grace_after_a_pause_covers_a_stage_s_longest_retry_wait() -> None:
+    """After its own pause the coordinator waits a heartbeat timeout beyond the longest
+    pause a stage makes between failed heartbeats (its heartbeats failed while the
+    coordinator was stopped): the two constants must agree."""
+    from coordinator import server
+    from stage import membership
+
+    assert server.STAGE_RETRY_MAX_S >= membership.RETRY_MAX_S
