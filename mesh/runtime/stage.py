@@ -51,6 +51,26 @@ class RuntimeStats:
     prefix_bytes: int = 0
 
 
+class _StatsLock:
+    """The runtime's lock. Whoever releases it records the sessions' figures first
+    (``RuntimeStats``), so that readers which must never wait for a step (heartbeats,
+    metrics scrapes) read figures as of the last release."""
+
+    def __init__(self, record: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._record = record
+
+    def __enter__(self) -> _StatsLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._record()
+        finally:
+            self._lock.release()
+
+
 class StageRuntime(GraphSteps):
     """The owned layers of one stage (plus embed / norm / head at the ends) and its sessions."""
 
@@ -76,8 +96,8 @@ class StageRuntime(GraphSteps):
         self._hidden_size = int(config.hidden_size)
         self._vocab_size = int(config.vocab_size)
         self._param_bytes = modules.param_bytes()
-        self._lock = threading.Lock()
         self._stats = RuntimeStats()
+        self._lock = _StatsLock(self._record_stats)
         self._sessions = SessionTable(
             kv_layout(config, layer_range, device, self._dtype),
             max_sessions=max_sessions,
@@ -162,21 +182,19 @@ class StageRuntime(GraphSteps):
             return self._sessions.kv_bytes()
 
     def stats(self) -> RuntimeStats:
-        """The sessions' count and bytes, without waiting: while a step holds the
-        runtime (a long prompt chunk can take seconds), the figures of the last call
-        that found it free. Heartbeats and metrics read this: a heartbeat that waited
-        for a forward pass would make the coordinator take a busy stage for dead."""
-        if not self._lock.acquire(blocking=False):
-            return self._stats
-        try:
-            self._stats = RuntimeStats(
-                len(self._sessions.ids()),
-                self._sessions.kv_bytes(),
-                self._sessions.prefix_nbytes(),
-            )
-        finally:
-            self._lock.release()
+        """The sessions' count and bytes as of the last time the runtime was
+        released, without waiting: heartbeats and metrics read this while a step may
+        hold the runtime for seconds (a long prompt chunk); a heartbeat that waited
+        for it would make the coordinator take a busy stage for dead."""
         return self._stats
+
+    def _record_stats(self) -> None:
+        # Called with the lock held, by whoever releases it.
+        self._stats = RuntimeStats(
+            len(self._sessions.ids()),
+            self._sessions.kv_bytes(),
+            self._sessions.prefix_nbytes(),
+        )
 
     # ---- sessions ---------------------------------------------------------------
 

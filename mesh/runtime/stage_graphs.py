@@ -10,7 +10,7 @@ for size; it uses the runtime's modules, sessions and lock.
 from __future__ import annotations
 
 import logging
-import threading
+from typing import Any
 
 import torch
 
@@ -35,7 +35,7 @@ class GraphSteps:
     _blocks: list[DecoderBlock]
     _sessions: SessionTable
     _angles: RotaryAngles
-    _lock: threading.Lock
+    _lock: Any
     _device: torch.device
     _dtype: torch.dtype
     _is_first: bool
