@@ -102,14 +102,7 @@ class HeartbeatRequest:
             step_ms=self.step_ms,
             step_frames=self.step_frames,
             link_error=self.link_error,
-            progress=coordinator_pb2.FrameProgress(
-                done=self.progress.done,
-                waiting_frame=self.progress.waiting_frame,
-                waiting_s=self.progress.waiting_s,
-                waiting_compute_s=self.progress.waiting_compute_s,
-                longest_round_s=self.progress.longest_round_s,
-                received=self.progress.received,
-            ),
+            progress=coordinator_pb2.FrameProgress(**vars(self.progress)),
         )
 
     @classmethod
@@ -125,12 +118,7 @@ class HeartbeatRequest:
             pb.step_frames,
             pb.link_error,
             FrameProgress(
-                done=pb.progress.done,
-                waiting_frame=pb.progress.waiting_frame,
-                waiting_s=pb.progress.waiting_s,
-                waiting_compute_s=pb.progress.waiting_compute_s,
-                longest_round_s=pb.progress.longest_round_s,
-                received=pb.progress.received,
+                **{f: getattr(pb.progress, f) for f in FrameProgress.__dataclass_fields__}
             ),
         )
 
