@@ -475,7 +475,9 @@ def machine_info(threads: int) -> dict[str, Any]:
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "gpu": "cuda" if torch.cuda.is_available() else "none",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "stage_device": os.environ.get("MESH_STAGE_DEVICE", "cpu"),
+        "cuda_graphs": os.environ.get("MESH_STAGE_CUDA_GRAPHS", "false"),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -554,6 +556,17 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="coordinator heartbeat timeout in seconds (0: its default); generous, so a "
         "starved process on a busy machine does not trigger a reload mid-measurement",
     )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="torch device of every stage process, e.g. cuda:0 (default: the stages' own "
+        "setting, cpu unless MESH_STAGE_DEVICE says otherwise)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the stages replay decode steps as CUDA graphs (with a CUDA --device)",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -573,6 +586,12 @@ def configure(args: argparse.Namespace) -> None:
         raise SystemExit("--repeats must be at least 1")
     if args.threads < 1:
         raise SystemExit("--threads must be at least 1: a fair comparison fixes the count")
+    # Every stage process a benchmark starts inherits this environment (the stages'
+    # own settings tree reads it), so each benchmark's meshes follow these two options.
+    if getattr(args, "device", None):
+        os.environ["MESH_STAGE_DEVICE"] = args.device
+    if getattr(args, "cuda_graphs", False):
+        os.environ["MESH_STAGE_CUDA_GRAPHS"] = "true"
 
 
 def emit(text: str) -> None:

@@ -89,11 +89,13 @@ def stream_one(
     first = last = None
     usage = None
     timings: dict[str, Any] = {}
+    parts: list[str] = []
     for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].delta.content:
             first = first if first is not None else now
             last = now
+            parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
         extra = (chunk.model_extra or {}).get("timings")
@@ -104,6 +106,7 @@ def stream_one(
     decode_s = (last - first) if first is not None and last is not None else 0.0
     return {
         "id": request.request_id,
+        "text": "".join(parts),
         "started": started,
         "ended": ended,
         "completion_tokens": tokens,
@@ -341,7 +344,32 @@ def summarize(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     ratio(p["aggregate_tokens_per_s"], solo["aggregate_tokens_per_s"])
                 )
         row["aggregate_ratio_per_repeat"] = spread(per_repeat)
+    _same_text(rows, passes)
     return rows
+
+
+def _same_text(rows: list[dict[str, Any]], passes: list[dict[str, Any]]) -> None:
+    """``same_text_as_1_stream`` of every row: ``[equal, compared]``, the requests of
+    its passes whose text (greedy) equals the same request's first text at 1 stream.
+    Batched steps must not change a request's tokens: a count below ``compared``
+    says they did (the 1-stream passes are compared with their first repeat, too)."""
+    alone: dict[tuple[str, str], str] = {}
+    for p in sorted(passes, key=lambda p: p["repeat"]):
+        if p["concurrency"] == 1:
+            for r in p["results"]:
+                alone.setdefault((p["workload"], r["id"]), r["text"])
+    for row in rows:
+        equal = compared = 0
+        for p in passes:
+            if p["workload"] != row["workload"] or p["concurrency"] != row["concurrency"]:
+                continue
+            for r in p["results"]:
+                reference = alone.get((p["workload"], r["id"]))
+                if reference is None:
+                    continue
+                compared += 1
+                equal += r["text"] == reference
+        row["same_text_as_1_stream"] = [equal, compared]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -356,10 +384,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         "TTFT s (max)",
         "tok/s per stream",
         "tokens/request",
+        "same text as 1 stream",
     ]
     body = []
     for row in rows:
         per_repeat = row.get("aggregate_ratio_per_repeat") or {}
+        equal, compared = row.get("same_text_as_1_stream", (0, 0))
         body.append(
             [
                 row["workload"],
@@ -371,6 +401,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 fmt(row["ttft_s"]["max"]),
                 fmt(row["stream_tokens_per_s"]["median"]),
                 fmt(row["completion_tokens_per_request"], 0),
+                f"{equal}/{compared}" if compared else "-",
             ]
         )
     return render_table(headers, body)

@@ -41,9 +41,18 @@ GATHER_BYTES = 256 << 20
 # A frame whose one layer of gathered keys and values would pass this (many sessions
 # at long contexts) attends per session instead (``FrameAttention.fits``).
 LAYER_GATHER_LIMIT = 1 << 30
+# The gathered key length is rounded up to a multiple of this (masked slots), so that
+# frames of neighbouring lengths share shapes: the allocator reuses their blocks, and
+# an attention backend that prepares per shape prepares far fewer.
+KEY_BLOCK = 64
 
 Attend = Callable[[DecoderBlock, torch.Tensor, torch.Tensor], torch.Tensor]
 Head = tuple[torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor], bool]
+
+
+def key_length(keys: int) -> int:
+    """``keys`` rounded up to a multiple of ``KEY_BLOCK``."""
+    return -(-keys // KEY_BLOCK) * KEY_BLOCK
 
 
 def bucket_for(rows: int) -> int | None:
@@ -189,13 +198,18 @@ class FrameAttention:
     session and layer, which costs more than a step's graphs on a GPU).
 
     The sessions' keys and values before this frame are gathered once into one
-    zero-padded tensor ``[sessions, layers, 2, kv_heads, longest, D]`` (in chunks of
-    layers within ``budget_bytes``, default ``GATHER_BYTES``). Each layer lays the
-    frame's rows out as ``[sessions, widest segment]`` (padding slots zero), appends
-    their keys and values after the history, and attends under one mask that keeps
-    each row to its own session's earlier positions, its segment's rows up to its
-    own, and the window of sliding layers. The frame's keys and values are written
-    into the sessions' caches once, after the last layer (``write_back``)."""
+    zero-padded tensor ``[sessions, layers, 2, kv_heads, length, D]`` (``length``: the
+    longest history plus the widest segment, rounded up to ``KEY_BLOCK``; in chunks of
+    layers within ``budget_bytes``, default ``GATHER_BYTES``). Each layer
+    lays the frame's rows out as ``[sessions, widest segment]`` (padding slots zero),
+    writes each segment's new keys and values right after its own session's history
+    (its positions ``at ..``, as the session's own cache holds them), and attends under
+    one mask that keeps each row to its session's positions up to its own and the
+    window of sliding layers. Every session's keys thus sit where its own cache holds
+    them, followed only by masked slots, as in the one-session step
+    (mesh/runtime/graphs.py), whatever else the frame holds. The frame's keys and
+    values are written into the sessions' caches once, after the last layer
+    (``write_back``)."""
 
     def __init__(
         self,
@@ -212,6 +226,7 @@ class FrameAttention:
         self.layer_count = layout.layer_count
         self.longest = max(self.positions)
         self.width = max(self.counts)
+        self.length = key_length(self.longest + self.width)
         self.rows = sum(self.counts)
         device = layout.device
         per_layer = self.layer_bytes(segments)
@@ -227,24 +242,32 @@ class FrameAttention:
         source = torch.full((sessions * width,), self.rows, dtype=torch.long)
         source[slots] = torch.arange(self.rows)
         self._source = source.to(device)
+        # Where each row's keys and values go in the gathered tensor: its session, and
+        # the row's own position.
+        self._row_session = torch.tensor(
+            [b for b, count in enumerate(self.counts) for _ in range(count)], device=device
+        )
+        self._row_position = torch.tensor(
+            [at + c for at, count in zip(self.positions, self.counts, strict=True)
+             for c in range(count)],
+            device=device,
+        )  # fmt: skip
         self.full, self.sliding = self._masks(window, layout.device)
         self._new: list[torch.Tensor] = []
 
     def _masks(self, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[sessions, 1, width, longest + width]`` boolean masks (True = attend) of
-        full and sliding layers."""
+        """``[sessions, 1, width, length]`` boolean masks (True = attend) of
+        full and sliding layers. A padding slot attends as its segment's last row (so
+        no row of the mask is empty; its output is dropped)."""
         at = torch.tensor(self.positions, device=device).view(-1, 1, 1)
         count = torch.tensor(self.counts, device=device).view(-1, 1, 1)
         row = torch.arange(self.width, device=device).view(1, -1, 1)
-        history = torch.arange(self.longest, device=device).view(1, 1, -1)
-        new = torch.arange(self.width, device=device).view(1, 1, -1)
-        sessions = len(self.positions)
-        shape = (sessions, self.width, self.longest)
-        full = torch.cat([(history < at).expand(shape), (new <= row) & (new < count)], dim=-1)
+        query = at + torch.minimum(row, count - 1)
+        keys = torch.arange(self.length, device=device).view(1, 1, -1)
+        full = keys <= query
         sliding = full
         if window is not None:
-            keys = torch.cat([history.expand(sessions, 1, -1), at + new], dim=-1)
-            sliding = full & (at + row - keys < window)
+            sliding = full & (query - keys < window)
         return full.unsqueeze(1), sliding.unsqueeze(1)
 
     @staticmethod
@@ -252,8 +275,8 @@ class FrameAttention:
         """Bytes of one layer's gathered keys and values for these segments."""
         layout = segments[0][0].layout
         element = torch.empty((), dtype=layout.dtype).element_size()
-        longest = max(at for _, at, _ in segments)
-        return len(segments) * 2 * layout.kv_heads * longest * layout.head_dim * element
+        length = key_length(max(at for _, at, _ in segments) + max(c for _, _, c in segments))
+        return len(segments) * 2 * layout.kv_heads * length * layout.head_dim * element
 
     @classmethod
     def fits(cls, segments: list[tuple[SessionCache, int, int]]) -> bool:
@@ -262,12 +285,13 @@ class FrameAttention:
         return cls.layer_bytes(segments) <= LAYER_GATHER_LIMIT
 
     def _history(self, layer: int) -> torch.Tensor:
-        """``[sessions, 2, kv_heads, longest, D]`` of ``layer`` (0-based, owned)."""
+        """``[sessions, 2, kv_heads, length, D]`` of ``layer`` (0-based, owned): each
+        session's history, zeros after it."""
         start = layer - layer % self.chunk
         if self._chunk_start != start:
             count = min(self.chunk, self.layer_count - start)
             layout = self.caches[0].layout
-            shape = (len(self.caches), count, 2, layout.kv_heads, self.longest, layout.head_dim)
+            shape = (len(self.caches), count, 2, layout.kv_heads, self.length, layout.head_dim)
             gathered = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
             for row, (cache, position) in enumerate(zip(self.caches, self.positions, strict=True)):
                 if position:
@@ -291,9 +315,8 @@ class FrameAttention:
         kv_heads, groups = block.heads // block.groups, block.groups
         new = qkv[:, block.q_width :]
         self._new.append(new)
-        new_kv = self._laid_out(new).view(sessions, width, 2, kv_heads, dim)
-        history = self._history(block.layer_index - self.first_layer)
-        keys_values = torch.cat([history, new_kv.permute(0, 2, 3, 1, 4)], dim=3)
+        keys_values = self._history(block.layer_index - self.first_layer)
+        keys_values[self._row_session, :, :, self._row_position] = new.view(-1, 2, kv_heads, dim)
         # The heads sharing a key/value head become that head's query rows:
         # [sessions, kv_heads, groups * width, D], rows ordered (group, position).
         query = self._laid_out(query_key[:, : block.heads])

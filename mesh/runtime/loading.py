@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from transformers import PretrainedConfig
 
 from mesh.errors import PackageError
@@ -27,6 +28,18 @@ def _is_sliding(config: PretrainedConfig, layer_index: int, window: int | None) 
     return not layer_types or layer_types[layer_index] == "sliding_attention"
 
 
+def prepare_cuda_attention() -> None:
+    """Keep PyTorch's attention off its cuDNN backend in this process.
+
+    That backend prepares a cuDNN graph for every new query/key shape (kept by
+    shape). A serving stage's key lengths grow by one position at every decode step
+    and its frames mix sessions of every length, so new shapes never stop coming (see
+    docs/benchmarks.md, "A mesh on a GPU", for the slow phase this matches). The
+    flash, memory-efficient and math backends prepare nothing per shape, and PyTorch
+    picks among them as before."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def build_stage_runtime(
     config: PretrainedConfig,
     weights: WeightSource,
@@ -43,6 +56,8 @@ def build_stage_runtime(
     ``scheme`` says (None: plain tensors)."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
+    if torch_device.type == "cuda":
+        prepare_cuda_attention()
     window = sliding_window(config)
     sliding = frozenset(i for i in layer_range if _is_sliding(config, i, window))
     modules = build_stage_modules(

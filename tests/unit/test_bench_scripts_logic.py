@@ -215,9 +215,13 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
     assert longer == ["r0", "r1", "r2", "r3", "r0", "r1"]
     assert len(serving.pass_requests(requests, 1, per_stream=3)) == 4
 
-    def one_pass(concurrency: int, repeat: int, aggregate: float) -> dict:
+    def one_pass(concurrency: int, repeat: int, aggregate: float, flipped: int = 0) -> dict:
         result = {"ttft_s": 0.2 * concurrency, "stream_tokens_per_s": aggregate / concurrency}
         result.update(completion_tokens=10, server_predicted_per_second=5.0)
+        results = [
+            dict(result, id=f"r{i % 2}", text=f"text {i % 2}" + " flipped" * (i < flipped))
+            for i in range(concurrency)
+        ]
         return {
             "workload": "w",
             "concurrency": concurrency,
@@ -226,11 +230,11 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
             "stage_busy_fraction": {"0": 0.5, "1": 0.6},
             "cpu_cores_used": {"coordinator": 0.01, "0": 0.7, "1": 0.8, "client": 0.1},
             "runqueue_wait_fraction": {"coordinator": 0.0, "0": 0.05, "1": 0.25},
-            "results": [result] * concurrency,
+            "results": results,
         }
 
     passes = [
-        one_pass(1, 0, 4.0), one_pass(4, 0, 6.0),
+        one_pass(1, 0, 4.0), one_pass(4, 0, 6.0, flipped=1),
         one_pass(1, 1, 2.0), one_pass(4, 1, 4.0),
         one_pass(1, 2, 3.0), one_pass(4, 2, 3.0),
     ]  # fmt: skip
@@ -242,6 +246,11 @@ def test_serving_passes_keep_every_stream_busy_and_ratios_use_one_stream():
     assert four["aggregate_ratio_per_repeat"]["median"] == pytest.approx(1.5)
     assert four["ttft_s"]["median"] == pytest.approx(0.8)
     assert "1.33" in serving.table(rows)
+    # Texts: every request against its own text at 1 stream (r1 never ran alone, so
+    # it is not compared); one of the six r0 under 4 streams flipped.
+    assert solo["same_text_as_1_stream"] == [3, 3]
+    assert four["same_text_as_1_stream"] == [5, 6]
+    assert "5/6" in serving.table(rows)
     resources = serving.resource_table(rows)
     assert "0.70 / 0.80" in resources and "0.05 / 0.25" in resources and "50% / 60%" in resources
 
@@ -332,3 +341,23 @@ def test_graph_bench_measures_every_mode_and_batch_on_a_cpu(
         assert all(len(times) == 2 for times in row["repeats_ms"].values())
         assert row["max_logit_difference"] <= 1e-5 * max(row["logit_scale"], 1.0)
     assert "| sessions |" in capsys.readouterr().out
+
+
+def test_graph_invariance_compares_every_mode_with_a_session_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a CPU in float32 every mode stays within rounding of the session alone, and
+    the per-session attention modes are exact; the table and JSON name every mode."""
+    invariance = bench("graph_invariance")
+    out = tmp_path / "invariance.json"
+    shape = "--layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 256"
+    invariance.main([*shape.split(), "--device", "cpu", "--dtype", "float32", "--tokens", "3",
+                     "--json", str(out)])  # fmt: skip
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(invariance.MODES)
+    for row in rows.values():
+        assert row["positions"] == 8 * 3 and row["argmax_flips"] == 0
+        assert row["max_logit_difference"] <= 1e-4 * max(row["logit_scale"], 1.0)
+    assert rows["alone eager"]["max_logit_difference"] == 0.0
+    assert rows["batch graphs, attention per session"]["max_logit_difference"] <= 1e-4
+    assert "| batch graphs, attention per session |" in capsys.readouterr().out

@@ -24,7 +24,7 @@ from mesh.runtime import (
     invariant,
     load_stage_runtime,
 )
-from mesh.runtime.batch_graphs import FrameAttention, bucket_for
+from mesh.runtime.batch_graphs import FrameAttention, bucket_for, key_length
 from mesh.runtime.graphs import DecodeGraph, StaticDecode
 from mesh.runtime.sessions import CAPACITY_STEP_TOKENS
 from mesh.types import LayerRange
@@ -363,6 +363,17 @@ def test_sparse_experts_keep_batched_decode_eager() -> None:
 
 def test_buckets() -> None:
     assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 9, 32, 33)] == [2, 2, 4, 4, 8, 16, 32, None]
+    # Gathered keys come in blocks, so frames of neighbouring lengths share shapes.
+    assert [key_length(n) for n in (1, 63, 64, 65, 200)] == [64, 64, 64, 128, 256]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_stage_keeps_attention_off_the_per_shape_cudnn_backend() -> None:
+    model = tiny_model("llama")
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    build_stage_runtime(model.config, weights, SPLITS[2][0], device="cuda", dtype="bfloat16")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
