@@ -325,7 +325,9 @@ class StageRuntime(GraphSteps):
                 raise InvalidRequest(
                     f"the frame's tensor has {prepared.shape[0]} rows, its segments {total}"
                 )
-            opened, errors = self._open_spans(spans, prepared)
+            # Token ids are checked where they arrived (the wire's CPU tensor): on a GPU,
+            # reading a minimum off the device would wait for every queued kernel.
+            opened, errors = self._open_spans(spans, inputs if self._is_first else None)
             if not opened:
                 return BatchOutput(None, {}, errors)
             if len(opened) == 1 and (opened[0][1].count == 1 or self._batch_graphs is None):
@@ -336,8 +338,10 @@ class StageRuntime(GraphSteps):
             return self._run_spans(opened, prepared, errors)
 
     def _open_spans(
-        self, spans: Sequence[Span], prepared: torch.Tensor
+        self, spans: Sequence[Span], ids: torch.Tensor | None
     ) -> tuple[list[tuple[int, Span, SessionCache, int]], dict[int, MeshError]]:
+        """Each span's session opened for the frame (or its error); ``ids``, the
+        frame's token ids on the first stage, are checked span by span."""
         opened: list[tuple[int, Span, SessionCache, int]] = []
         errors: dict[int, MeshError] = {}
         seen: set[str] = set()
@@ -351,8 +355,8 @@ class StageRuntime(GraphSteps):
                         f"session {span.session_id} has two segments in one frame; "
                         "send its next segment in a later frame"
                     )
-                if self._is_first:
-                    self._check_ids(prepared[row : row + span.count])
+                if ids is not None:
+                    self._check_ids(ids[row : row + span.count])
                 cache = self._sessions.open_for_frame(
                     span.session_id, span.pos_start, span.count, span.creates, span.prefix_from
                 )
@@ -457,10 +461,9 @@ class StageRuntime(GraphSteps):
                 )
             if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
                 raise InvalidRequest(f"token ids must be integers, got {inputs.dtype}")
-            ids = inputs.to(device=self._device, dtype=torch.long)
             if check_ids:
-                self._check_ids(ids)
-            return ids
+                self._check_ids(inputs)  # where they arrived: no wait on a GPU
+            return inputs.to(device=self._device, dtype=torch.long)
         if inputs.dim() != 2 or inputs.shape[0] == 0 or inputs.shape[1] != self._hidden_size:
             raise InvalidRequest(
                 f"stage {self._layer_range} takes hidden states of shape "
