@@ -44,17 +44,22 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    """Await ``work``; if the client disconnects first, cancel it and raise
+    ClientDisconnected. ``work`` may be a coroutine or any future, ``asyncio.gather``'s
+    too: a cancelled gather ends with a CancelledError *result*, not cancelled."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        left = not task.done()
+        if left:
             task.cancel()
         await asyncio.wait({task, watcher})
-    if task.cancelled():
+    if left:
+        if not task.cancelled():
+            task.exception()  # retrieved: asyncio would log it as never retrieved
         raise ClientDisconnected()
     return task.result()
 

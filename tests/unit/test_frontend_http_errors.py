@@ -7,6 +7,8 @@ catch-all 500 handler.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import socket
 import threading
@@ -26,6 +28,7 @@ from frontend_support import (
 )
 
 from mesh.errors import Unavailable
+from stage.frontend.streaming import ClientDisconnected, until_disconnect
 from stage.frontend.telemetry import FrontendMetrics
 
 CHAT = "/v1/chat/completions"
@@ -513,6 +516,53 @@ def test_disconnect_during_non_streaming_request_cancels_it(http, backend, base_
             break
         time.sleep(0.05)
     assert metric_value(metrics, "mesh_http_requests_total", label)
+
+
+def test_a_client_leaving_a_gathered_answer_is_a_disconnect_not_an_error() -> None:
+    """A non-streaming answer waits on ``asyncio.gather`` of its choices; a cancelled
+    gather ends with a CancelledError result rather than cancelled, which once escaped
+    as an unhandled error (a traceback in the log) instead of a 499."""
+
+    async def scenario() -> tuple[list[int], bool]:
+        messages: asyncio.Queue = asyncio.Queue()
+        stopped: list[str] = []
+
+        async def choice(name: str) -> int:
+            try:
+                await asyncio.sleep(60)
+            finally:
+                stopped.append(name)
+            return 0
+
+        async def quick() -> int:
+            return 7
+
+        done = await until_disconnect(messages.get, asyncio.gather(quick(), quick()))
+        waiting = asyncio.ensure_future(
+            until_disconnect(messages.get, asyncio.gather(choice("a"), choice("b")))
+        )
+        await asyncio.sleep(0.01)
+        await messages.put({"type": "http.disconnect"})
+        try:
+            await waiting
+        except ClientDisconnected:
+            return done, sorted(stopped) == ["a", "b"]
+        raise AssertionError("no ClientDisconnected")
+
+    unhandled: list[dict] = []
+
+    def run() -> tuple[list[int], bool]:
+        loop = asyncio.new_event_loop()
+        loop.set_exception_handler(lambda _, context: unhandled.append(context))
+        try:
+            return loop.run_until_complete(scenario())
+        finally:
+            loop.close()
+
+    done, both_stopped = run()
+    gc.collect()  # a future whose exception nobody read reports it when collected
+    assert done == [7, 7] and both_stopped
+    assert not unhandled, unhandled
 
 
 def test_client_leaving_during_the_body_upload_is_not_a_server_error(http, base_url) -> None:
