@@ -13,6 +13,10 @@ ends when the queue is empty and every stream is done. Aggregate tokens/s of
 a pass is its completion tokens over its wall time. Each repeat runs every
 (concurrency, workload) pass, visiting the concurrencies in a shifted order, after
 one warm-up request per workload. The baseline is 1 stream in the same run.
+Requests are greedy, so each request's text under several streams is compared with
+its own text at 1 stream ("same text as 1 stream": batched steps must not change a
+request's tokens). ``--device cuda:0`` (and ``--cuda-graphs``) put the stages on a
+GPU (see ``scripts/gpu_mesh_check.sh``).
 
     .venv/bin/python benchmarks/serving_bench.py --repeats 3
 """
