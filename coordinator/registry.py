@@ -41,6 +41,9 @@ STALL_ROUND_FACTOR = 10.0
 # stall of the same node, up to the maximum.
 STALL_QUARANTINE_S = 30.0
 STALL_QUARANTINE_MAX_S = 600.0
+# A node's earlier stalls are forgotten once it has gone this long after its last
+# quarantine without stalling: the next stall starts from STALL_QUARANTINE_S again.
+STALL_MEMORY_S = 3600.0
 # How the error a stuck stage 0 sets begins (cleared when it computes again).
 STAGE0_STUCK = "stage 0 is stuck:"
 MESH_STATES = ("waiting", "loading", "serving", "failed")
@@ -647,14 +650,16 @@ def _receiving(record: NodeRecord, event: HeartbeatsChecked, deadline: float) ->
 def _stall(state: State, record: NodeRecord, what: str, now: float) -> State:
     """Fail the mesh over ``record``'s stage and keep that node out of plans for
     its quarantine."""
-    quarantine = min(STALL_QUARANTINE_MAX_S, STALL_QUARANTINE_S * 2**record.stalls)
+    # Stalls long past (STALL_MEMORY_S after the last quarantine ended) are forgiven.
+    stalls = record.stalls if now - record.stalled_until < STALL_MEMORY_S else 0
+    quarantine = min(STALL_QUARANTINE_MAX_S, STALL_QUARANTINE_S * 2**stalls)
     what = f"{what}; the node is left out of plans for {quarantine:.0f} s"
     after = _degrade_if_assigned(state, record.node_id, what)
     after = _update_node(
         after,
         record.node_id,
         health="stalled",
-        stalls=record.stalls + 1,
+        stalls=stalls + 1,
         stalled_until=now + quarantine,
     )
     return replace(after, membership_changed=True)

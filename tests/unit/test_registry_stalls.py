@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from coordinator.planner import ModelFootprint, plan_layers
 from coordinator.registry import (
+    STALL_MEMORY_S,
     STALL_QUARANTINE_S,
     STALL_ROUND_FACTOR,
     HeartbeatReceived,
@@ -176,6 +177,20 @@ def test_the_quarantine_ends_after_its_time_and_doubles_on_the_next_stall() -> N
     record = state.node("b")
     assert (record.health, record.stalls) == ("stalled", 2)
     assert record.stalled_until == 200.0 + 2 * STALL_QUARANTINE_S
+    # Back in, and clean for longer than the stall memory: the next stall starts over.
+    free = record.stalled_until + 1.0
+    state = beats(state, free, {"a": FrameProgress(), "b": FrameProgress(), "c": FrameProgress()})
+    plan = plan_layers(planner_nodes(state), FOOTPRINT)
+    state = apply(state, LoadStarted(term=next_term(state), plan=plan))
+    for node_id in ("a", "b", "c"):
+        state = apply(state, StageReady(node_id=node_id, param_bytes=1, term=state.term))
+    state = apply(state, LoadSucceeded(term=state.term))
+    much_later = record.stalled_until + STALL_MEMORY_S + 10.0
+    stuck = {"a": waiting(300, 25.0), "b": FrameProgress(done=290), "c": FrameProgress(done=290)}
+    state = check(beats(state, much_later, stuck), much_later)
+    record = state.node("b")
+    assert (record.health, record.stalls) == ("stalled", 1)
+    assert record.stalled_until == much_later + STALL_QUARANTINE_S
 
 
 def test_a_stalled_node_that_goes_silent_is_dead() -> None:
