@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -361,3 +362,24 @@ def test_graph_invariance_compares_every_mode_with_a_session_alone(
     assert rows["alone eager"]["max_logit_difference"] == 0.0
     assert rows["batch graphs, attention per session"]["max_logit_difference"] <= 1e-4
     assert "| batch graphs, attention per session |" in capsys.readouterr().out
+
+
+def test_the_device_options_reach_every_stage_a_benchmark_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--device``/``--cuda-graphs`` become the stages' own settings through the
+    environment they inherit, and the machine record says which device ran."""
+    serving = bench("serving_bench")
+    common = bench("common")
+    monkeypatch.delenv("MESH_STAGE_DEVICE", raising=False)
+    monkeypatch.delenv("MESH_STAGE_CUDA_GRAPHS", raising=False)
+    plain = serving.parse_args([])
+    common.configure(plain)
+    assert "MESH_STAGE_DEVICE" not in os.environ
+    assert common.machine_info(1)["stage_device"] == "cpu"
+    args = serving.parse_args(["--device", "cuda:1", "--cuda-graphs"])
+    common.configure(args)
+    assert os.environ["MESH_STAGE_DEVICE"] == "cuda:1"
+    assert os.environ["MESH_STAGE_CUDA_GRAPHS"] == "true"
+    machine = common.machine_info(1)
+    assert (machine["stage_device"], machine["cuda_graphs"]) == ("cuda:1", "true")
