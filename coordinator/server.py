@@ -115,6 +115,8 @@ class CoordinatorService:
             settings.rebalance_spread, settings.rebalance_min_frames, settings.rebalance_check_s
         )
         self._served_once = False
+        # (node id, address) of processes told their node id was taken (logged once).
+        self._superseded_seen: set[tuple[str, str]] = set()
         # Heartbeats are judged from this time on (set when this process was found
         # to have stopped running for longer than a heartbeat timeout).
         self._judged_from = -math.inf
@@ -183,6 +185,16 @@ class CoordinatorService:
         with self._lock:
             if not self.state.is_known(request.node_id):
                 return HeartbeatReply(known=False, term=self.state.term)
+            record = self.state.node(request.node_id)
+            if request.address and record is not None and request.address != record.address:
+                # The node id belongs to the process that joined last; once that one
+                # is dead, a process still beating with the id joins again and takes it.
+                if record.health == "dead":
+                    return HeartbeatReply(known=False, term=self.state.term)
+                self._superseded(request.node_id, request.address, record.address)
+                return HeartbeatReply(
+                    known=True, term=self.state.term, superseded_by=record.address
+                )
             self.state = registry.apply(
                 self.state,
                 registry.HeartbeatReceived(
@@ -200,6 +212,23 @@ class CoordinatorService:
                 ),
             )
             return HeartbeatReply(known=True, term=self.state.term)
+
+    def _superseded(self, node_id: str, address: str, current: str) -> None:
+        """Log, once per process, a heartbeat from a process the node id was taken
+        from (two processes with one node id, or an old one living on)."""
+        if (node_id, address) in self._superseded_seen:
+            return
+        self._superseded_seen.add((node_id, address))
+        logger.warning(
+            "node %s: a process at %s heartbeats with this node id, which the process "
+            "at %s took by joining later; its heartbeats are not counted and it was told to "
+            "serve nothing (it takes the id back if that process dies). Two processes must "
+            "not share a node id: give each stage its own --node-id (or --cache-dir, from "
+            "which the default id is made)",
+            node_id,
+            address,
+            current,
+        )
 
     def status(self) -> StatusReply:
         now = time.monotonic()

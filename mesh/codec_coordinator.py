@@ -90,6 +90,8 @@ class HeartbeatRequest:
     # A data link of the loaded pipeline that broke ("" while they work).
     link_error: str = ""
     progress: FrameProgress = FrameProgress()
+    # The address this process joined with ("": not said; counted as the node's).
+    address: str = ""
 
     def to_proto(self) -> coordinator_pb2.HeartbeatRequest:
         return coordinator_pb2.HeartbeatRequest(
@@ -103,6 +105,7 @@ class HeartbeatRequest:
             step_frames=self.step_frames,
             link_error=self.link_error,
             progress=coordinator_pb2.FrameProgress(**vars(self.progress)),
+            address=self.address,
         )
 
     @classmethod
@@ -120,22 +123,28 @@ class HeartbeatRequest:
             FrameProgress(
                 **{f: getattr(pb.progress, f) for f in FrameProgress.__dataclass_fields__}
             ),
+            pb.address,
         )
 
 
 @dataclass(frozen=True)
 class HeartbeatReply:
-    """``known`` is False when the coordinator does not know the node: join again."""
+    """``known`` is False when the coordinator does not know the node: join again.
+    ``superseded_by`` is the address of a process that joined with this node id
+    after this one: this one's heartbeats no longer count."""
 
     known: bool
     term: int
+    superseded_by: str = ""
 
     def to_proto(self) -> coordinator_pb2.HeartbeatReply:
-        return coordinator_pb2.HeartbeatReply(known=self.known, term=self.term)
+        return coordinator_pb2.HeartbeatReply(
+            known=self.known, term=self.term, superseded_by=self.superseded_by
+        )
 
     @classmethod
     def from_proto(cls, pb: coordinator_pb2.HeartbeatReply) -> HeartbeatReply:
-        return cls(pb.known, pb.term)
+        return cls(pb.known, pb.term, pb.superseded_by)
 
 
 @dataclass(frozen=True)

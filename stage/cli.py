@@ -196,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
             else functools.partial(rediscover, auto_port, security.join_token)
         ),
         on_moved=lambda moved: setattr(package_source, "coordinator", moved),
+        # Another process joined with this node id: serve nothing more.
+        on_superseded=lambda taken_by: node.release(
+            node.term, f"node id {node_id} was taken by the process at {taken_by}"
+        ),
     )
     node.on_newer_term(membership.poke)
     membership.start()

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
@@ -46,6 +47,7 @@ class Membership:
         on_term: Callable[[int], None] | None = None,
         relocate: Callable[[], str | None] | None = None,
         on_moved: Callable[[str], None] | None = None,
+        on_superseded: Callable[[str], None] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self._join_request = join_request
@@ -53,6 +55,11 @@ class Membership:
         self._on_term = on_term
         self._relocate = relocate
         self._on_moved = on_moved
+        self._on_superseded = on_superseded
+        # The address of the last Join, sent with every heartbeat; and, once another
+        # process has joined with this node id, that process's address.
+        self._address = ""
+        self.superseded_by = ""
         self._next_search = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -150,6 +157,7 @@ class Membership:
             self._unreachable("join", error)
             return False
         self._reachable()
+        self._address = request.address
         if reply.heartbeat_interval_ms:
             self._interval_s = reply.heartbeat_interval_ms / 1000.0
         logger.info(
@@ -174,6 +182,24 @@ class Membership:
                 logger.exception("heartbeat to %s failed; trying again", self.coordinator)
                 self._wait(self._retry_s)
 
+    def _give_up_id(self, node_id: str, taken_by: str) -> None:
+        """Another process joined with this node id after this one: serve nothing, and
+        keep heartbeating without taking the id back (which would only pass it to and
+        fro); the coordinator asks this process to join again once that one is dead."""
+        if self.superseded_by == taken_by:
+            return
+        self.superseded_by = taken_by
+        logger.error(
+            "the process at %s joined the coordinator as node %s after this one; this "
+            "process serves nothing while that one lives (it takes the id back if that "
+            "process dies). Two processes must not share a node id: give each stage its "
+            "own --node-id (or --cache-dir, from which the default id is made)",
+            taken_by,
+            node_id,
+        )
+        if self._on_superseded is not None:
+            self._on_superseded(taken_by)
+
     def _step(self, joined: bool) -> bool:
         """One join attempt or one heartbeat (and the wait after it); whether the
         node is joined afterwards."""
@@ -183,9 +209,10 @@ class Membership:
             if not self._moved():
                 self._wait(self._retry_s)
             return False
+        beat = replace(self._heartbeat(), address=self._address)
         try:
             reply = HeartbeatReply.from_proto(
-                self._stub.Heartbeat(self._heartbeat().to_proto(), timeout=CONTROL_DEADLINE_S)
+                self._stub.Heartbeat(beat.to_proto(), timeout=CONTROL_DEADLINE_S)
             )
         except grpc.RpcError as error:
             if self._stop.is_set():
@@ -199,6 +226,13 @@ class Membership:
         if not reply.known:
             logger.info("coordinator does not know this node; joining again")
             return False
+        if reply.superseded_by:
+            self._give_up_id(beat.node_id, reply.superseded_by)
+            self._wait(self._interval_s)
+            return True
+        if self.superseded_by:
+            logger.info("node %s is this process's again", beat.node_id)
+            self.superseded_by = ""
         if self._on_term is not None:
             self._on_term(reply.term)
         self._wait(self._interval_s)

@@ -117,6 +117,8 @@ COORDINATOR_MESSAGES = [
         ),
     ),
     HeartbeatReply(known=False, term=7),
+    HeartbeatReply(known=True, term=8, superseded_by="10.0.0.3:7071"),
+    HeartbeatRequest("node-f", 8, "idle", address="10.0.0.2:7071"),
     StatusRequest(),
     StageStatus("node-z", "10.0.0.9:7071"),
     StatusReply(

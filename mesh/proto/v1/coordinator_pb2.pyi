@@ -72,7 +72,7 @@ class JoinReply(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames", "link_error", "progress")
+    __slots__ = ("node_id", "term", "state", "active_sessions", "kv_bytes", "prefix_bytes", "step_ms", "step_frames", "link_error", "progress", "address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class HeartbeatRequest(_message.Message):
     STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
     LINK_ERROR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     term: int
     state: str
@@ -93,7 +94,8 @@ class HeartbeatRequest(_message.Message):
     step_frames: int
     link_error: str
     progress: FrameProgress
-    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ..., link_error: _Optional[str] = ..., progress: _Optional[_Union[FrameProgress, _Mapping]] = ...) -> None: ...
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., term: _Optional[int] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., step_ms: _Optional[float] = ..., step_frames: _Optional[int] = ..., link_error: _Optional[str] = ..., progress: _Optional[_Union[FrameProgress, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class FrameProgress(_message.Message):
     __slots__ = ("done", "waiting_frame", "waiting_s", "waiting_compute_s", "longest_round_s", "received")
@@ -112,12 +114,14 @@ class FrameProgress(_message.Message):
     def __init__(self, done: _Optional[int] = ..., waiting_frame: _Optional[int] = ..., waiting_s: _Optional[float] = ..., waiting_compute_s: _Optional[float] = ..., longest_round_s: _Optional[float] = ..., received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "term")
+    __slots__ = ("known", "term", "superseded_by")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_BY_FIELD_NUMBER: _ClassVar[int]
     known: bool
     term: int
-    def __init__(self, known: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...
+    superseded_by: str
+    def __init__(self, known: _Optional[bool] = ..., term: _Optional[int] = ..., superseded_by: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
