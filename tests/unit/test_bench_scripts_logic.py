@@ -371,8 +371,11 @@ def test_the_device_options_reach_every_stage_a_benchmark_starts(
     environment they inherit, and the machine record says which device ran."""
     serving = bench("serving_bench")
     common = bench("common")
-    monkeypatch.delenv("MESH_STAGE_DEVICE", raising=False)
-    monkeypatch.delenv("MESH_STAGE_CUDA_GRAPHS", raising=False)
+    # Set, then removed: the monkeypatch then restores the variables' absence after
+    # the test (configure() below writes os.environ itself).
+    for name in ("MESH_STAGE_DEVICE", "MESH_STAGE_CUDA_GRAPHS"):
+        monkeypatch.setenv(name, "unset by the test")
+        monkeypatch.delenv(name)
     plain = serving.parse_args([])
     common.configure(plain)
     assert "MESH_STAGE_DEVICE" not in os.environ
