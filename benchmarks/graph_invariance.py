@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from common import emit, machine_info, render_table, write_json
+from graph_bench import set_mode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mesh.runtime.batch_graphs as batch_graphs
@@ -69,17 +70,6 @@ def build(args: argparse.Namespace) -> StageRuntime:
     )
 
 
-def set_mode(runtime: StageRuntime, graphs: bool, device: str) -> None:
-    runtime.disable_graphs()
-    if not graphs:
-        return
-    if device.startswith("cuda"):
-        if not (runtime.enable_cuda_graphs() and runtime.check_graphs()):
-            raise RuntimeError("CUDA graphs could not be turned on (see the log)")
-    else:
-        runtime.use_static_decode(capture=False)
-
-
 def decode(
     runtime: StageRuntime,
     args: argparse.Namespace,
@@ -89,7 +79,7 @@ def decode(
 ) -> torch.Tensor:
     """``[sessions, tokens, vocab]`` logits of the forced tokens in ``mode``."""
     batched, graphs, gathered = mode
-    set_mode(runtime, graphs, args.device)
+    set_mode(runtime, "graphs" if graphs else "eager", args.device)
     fits = batch_graphs.FrameAttention.fits
     if not gathered:
         batch_graphs.FrameAttention.fits = classmethod(lambda cls, segments: False)  # type: ignore[method-assign]
