@@ -78,6 +78,11 @@ class ChatMessage(_Body):
             raise ValueError(f"a {self.role!r} message needs 'content'")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an 'assistant' message may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError(
+                "a 'tool' message needs 'tool_call_id': the id of the assistant's tool "
+                "call it answers"
+            )
         return self
 
     def text(self) -> str:

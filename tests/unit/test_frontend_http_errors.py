@@ -129,6 +129,18 @@ def with_(body: dict, **changes) -> dict:
             "messages",
         ),
         (CHAT, with_(OK_CHAT, parallel_tool_calls=False), "parallel_tool_calls"),
+        (
+            CHAT,
+            with_(
+                OK_CHAT,
+                messages=[
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                    {"role": "tool", "content": "42"},
+                ],
+            ),
+            "messages",
+        ),
         (CHAT, with_(OK_CHAT, frobnicate=1), "frobnicate"),
         (COMPLETIONS, with_(OK_COMPLETION, typical_p=0.5), "typical_p"),
         (CHAT, with_(OK_CHAT, presence_penalty=2.5), "presence_penalty"),
