@@ -5,7 +5,8 @@ and two stages' membership loops."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+
+from polling import wait_until
 
 from coordinator import registry
 from coordinator.driver import LoadSettings
@@ -13,15 +14,6 @@ from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from mesh.codec import HeartbeatRequest, JoinRequest
 from stage.membership import Membership
-
-
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def member(coordinator: str, address: str, taken: list[str]) -> Membership:

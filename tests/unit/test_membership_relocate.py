@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
 
 import pytest
+from polling import wait_until
 
 from coordinator.driver import LoadSettings
 from coordinator.model import read_model
@@ -36,15 +36,6 @@ def free_port(hosts: tuple[str, ...]) -> int:
             continue
         return port
     raise RuntimeError("no common free port")
-
-
-def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def coordinator_at(package, host: str, port: int):
