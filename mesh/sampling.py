@@ -10,12 +10,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mesh.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
+# top-p first looks for its tokens among those at least this fraction of the likeliest
+# token's probability (then a smaller one), sorting only them; it sorts the whole
+# vocabulary only when their mass falls short of top_p (a flat distribution).
+NUCLEUS_FLOORS = (2.0**-10, 2.0**-20)
+# Below this many tokens top-p sorts the whole vocabulary (as fast there).
+NUCLEUS_SORT_BELOW = 4096
+# The candidates' mass must pass top_p by this much: the exclusive prefix sums of the
+# whole sorted vocabulary (which decide what is kept) then pass it too, whatever
+# their rounding beyond the candidates.
+NUCLEUS_MARGIN = 1e-6
+
+
+def first_maxima(logits: torch.Tensor) -> list[int]:
+    """The index of the first maximum of each row of ``logits`` (``[rows, V]``; a 1-D
+    vector gives one), as ``torch.argmax`` chooses (a NaN counts as the maximum). On
+    a CPU through numpy, whose vectorised argmax takes 16 us where torch's takes 450
+    us over 4 rows of a 49,152-token vocabulary (one thread, this project's 2-core
+    test VM): it runs for every token served."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        found = logits.detach().numpy().argmax(axis=-1)
+        return [int(found)] if logits.dim() == 1 else [int(i) for i in found]
+    found = torch.argmax(logits, dim=-1)
+    return [int(found)] if logits.dim() == 1 else found.tolist()
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -74,12 +98,56 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        probs = probs / probs.sum()
+        probs = nucleus(probs, params.top_p)
     return probs
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` (1-D) kept to its likeliest tokens: in descending order, a token is
+    kept while the mass before it is below ``top_p``; renormalised. Exactly the
+    result of sorting the whole vocabulary (its prefix sums are the same numbers),
+    found by sorting only the tokens above a floor when their mass passes ``top_p``
+    (``_likeliest``; a 49,152-token torch sort takes 4.7 ms on one core of the test
+    VM, longer than a small model's decode step on a GPU). Which of several tokens
+    of exactly equal probability at the boundary is kept follows the sort's order
+    (deterministic: numpy's here, torch's before, so such a tie may now keep another
+    of the equal tokens)."""
+    ordered = _likeliest(probs, top_p)
+    if ordered is None:
+        values, order = torch.sort(probs, descending=True)
+        total = torch.cumsum(values, dim=-1)
+    else:
+        values, order, total = ordered
+    values = values.masked_fill(total - values >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter(0, order, values)
+    return kept / kept.sum()
+
+
+def _likeliest(
+    probs: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The tokens above a floor of ``probs`` (a CPU float32 vector) in descending
+    order (values, indices, running sums) when their mass passes ``top_p``: every
+    token top-p keeps is among them. None when no floor gives that (or the vector is
+    not on a CPU), for the caller to sort everything. Sorted by numpy (its argsort
+    takes 0.75 ms over a 49,152-token vocabulary where torch's sort takes 4.7 ms)."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+        return None
+    if probs.numel() < NUCLEUS_SORT_BELOW:
+        return None
+    array = probs.detach().numpy()
+    top = float(array.max())
+    for floor in NUCLEUS_FLOORS:
+        index = np.flatnonzero(array >= top * floor)
+        if index.size == 0:
+            return None  # NaN
+        index = index[np.argsort(-array[index], kind="quicksort")]
+        order = torch.from_numpy(index)
+        values = probs[order]
+        total = torch.cumsum(values, dim=-1)
+        if float(total[-1]) >= top_p + NUCLEUS_MARGIN:
+            return values, order, total
+    return None
 
 
 def sample_token(
@@ -89,7 +157,7 @@ def sample_token(
     is every token id before that position (used by penalties only)."""
     logits = adjust_logits(logits, params, history)
     if params.greedy:
-        return int(torch.argmax(logits).item())
+        return first_maxima(logits)[0]
     probs = token_probs(logits, params)
     generator = torch.Generator().manual_seed(position_seed(params.seed, position))
     draw = torch.rand((), generator=generator, dtype=torch.float64).item()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mesh.errors import Fatal
-from mesh.sampling import sample_token
+from mesh.sampling import first_maxima, sample_token
 from mesh.types import SamplingParams
 
 
@@ -58,7 +58,7 @@ def verify_window(
     drafts = [int(t) for t in window_tokens[1:]]
     if params.greedy and not params.adjusts_logits:
         # Same choice as sample_token (first maximum), one argmax for all rows.
-        draws = torch.argmax(logits, dim=-1).tolist()
+        draws = first_maxima(logits)
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == draws[accepted]:
             accepted += 1

@@ -364,6 +364,21 @@ def test_graph_invariance_compares_every_mode_with_a_session_alone(
     assert "| batch graphs, attention per session |" in capsys.readouterr().out
 
 
+def test_sampling_bench_times_every_choice_against_the_plain_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every choice on every logits shape, and a verify window's rows, timed both
+    ways with the same tokens; the plain computation is the definition."""
+    sampling = bench("sampling_bench")
+    out = tmp_path / "sampling.json"
+    sampling.main(["--vocab", "5000", "--repeats", "2", "--calls", "3", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 * len(sampling.CHOICES) + 2
+    assert all(row["same_tokens"] for row in rows)
+    assert all(len(row["repeats_us"]["this"]) == 2 and row["speedup"] > 0 for row in rows)
+    assert "| 5000  | peaked | top_p 0.95" in capsys.readouterr().out
+
+
 def test_the_device_options_reach_every_stage_a_benchmark_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
