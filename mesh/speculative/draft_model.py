@@ -18,6 +18,7 @@ import torch
 
 from mesh.config import DraftRef
 from mesh.errors import PackageError, Unavailable
+from mesh.sampling import first_maxima
 from mesh.speculative.drafter import Drafter
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class DraftModelDrafter(Drafter):
         logits = self._forward(self._tokens[len(self._cache_tokens) :])
         proposal: list[int] = []
         while True:
-            token = int(torch.argmax(logits).item())
+            token = first_maxima(logits)[0]
             if self.p_min > 0.0 and float(torch.softmax(logits, -1)[token]) < self.p_min:
                 break
             proposal.append(token)
