@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from common import emit, machine_info, render_table, write_json
 
-from mesh.sampling import first_maxima, position_seed, sample_token
+from mesh.sampling import draw_token, first_maxima, sample_token
 from mesh.types import SamplingParams
 
 CHOICES: dict[str, dict[str, Any]] = {
@@ -52,7 +52,8 @@ def logits_of(shape: str, vocab: int) -> torch.Tensor:
 
 
 def plain_choice(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """The same choice computed the plain way (the baseline)."""
+    """The same choice computed the plain way (the baseline): ``torch.argmax``, and
+    top-p by sorting the whole vocabulary."""
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits / params.temperature
@@ -69,14 +70,7 @@ def plain_choice(logits: torch.Tensor, params: SamplingParams, position: int) ->
         values = values.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, values)
         probs = probs / probs.sum()
-    generator = torch.Generator().manual_seed(position_seed(params.seed, position))
-    draw = torch.rand((), generator=generator, dtype=torch.float64).item()
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
-    index = int(torch.searchsorted(cdf, torch.tensor([draw * float(cdf[-1])])).item())
-    index = min(index, probs.numel() - 1)
-    while probs[index] == 0.0 and index > 0:
-        index -= 1
-    return index
+    return draw_token(probs, params.seed, position)  # the draw itself is shared
 
 
 def per_call_us(call: Callable[[int], Any], calls: int) -> float:

@@ -158,8 +158,14 @@ def sample_token(
     logits = adjust_logits(logits, params, history)
     if params.greedy:
         return first_maxima(logits)[0]
-    probs = token_probs(logits, params)
-    generator = torch.Generator().manual_seed(position_seed(params.seed, position))
+    return draw_token(token_probs(logits, params), params.seed, position)
+
+
+def draw_token(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The token drawn from ``probs`` (1-D, CPU) for absolute ``position`` with the
+    request's ``seed``: the same draw for the same (seed, position), never a token of
+    probability 0."""
+    generator = torch.Generator().manual_seed(position_seed(seed, position))
     draw = torch.rand((), generator=generator, dtype=torch.float64).item()
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
     index = int(torch.searchsorted(cdf, torch.tensor([draw * float(cdf[-1])])).item())
