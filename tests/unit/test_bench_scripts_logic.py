@@ -401,3 +401,20 @@ def test_the_device_options_reach_every_stage_a_benchmark_starts(
     assert os.environ["MESH_STAGE_CUDA_GRAPHS"] == "true"
     machine = common.machine_info(1)
     assert (machine["stage_device"], machine["cuda_graphs"]) == ("cuda:1", "true")
+
+
+def test_split_bench_times_the_whole_the_halves_and_the_gaps(
+    tiny_package_factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The two halves give the whole model's logits, and every step and gap is timed."""
+    split = bench("split_bench")
+    out = tmp_path / "split.json"
+    package = tiny_package_factory("llama", layers=4)
+    split.main(["--package", str(package), "--repeats", "2", "--gaps-ms", "0", "1",
+                "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["max_logit_difference"] <= 1e-4 * max(result["logit_scale"], 1.0)
+    assert set(result["back_to_back_ms"]) == {"whole", "split", "first half", "second half"}
+    assert list(result["after_gap"]) == ["0 ms sleep", "1 ms sleep", "1 ms spin"]
+    assert all(ms > 0 for ms in result["back_to_back_ms"].values())
+    assert "| 1 ms spin" in capsys.readouterr().out
