@@ -18,8 +18,9 @@ a repeat; the figure is the median over repeats of the per-call time. Candidates
   scale per call);
 - int4 and int8 on the stage's own kernels (``NativeInt4Linear``,
   ``NativeInt8Linear``, mesh/runtime/qkernels.py; activations in two int8 parts per
-  block of 32, VNNI dot products, AMX tiles from ``native.AMX_ROWS`` rows), and the
-  same with AMX off, where this machine can build and run them.
+  block of 32, VNNI dot products, AMX tiles from ``native.AMX_ROWS_INT4`` and
+  ``AMX_ROWS_INT8`` rows), and the same with AMX off and with AMX at every row
+  count, where this machine can build and run them.
 
 For every candidate the script also reports the largest error against the float32
 product of the same (bfloat16-rounded) activations and dequantised weight, relative
@@ -151,14 +152,21 @@ def native_candidate(fmt: str, spec: LinearSpec) -> list[Candidate]:
     if native.amx():
 
         def vnni_only(x: torch.Tensor) -> torch.Tensor:
-            lib = native.library()
-            lib.mesh_set_amx_rows(0)
+            native.set_amx_rows(0, 0)
             try:
                 return linear(x)
             finally:
-                lib.mesh_set_amx_rows(native.AMX_ROWS)
+                native.set_amx_rows()
+
+        def amx_only(x: torch.Tensor) -> torch.Tensor:
+            native.set_amx_rows(1, 1)
+            try:
+                return linear(x)
+            finally:
+                native.set_amx_rows()
 
         found.append(Candidate(fmt, "native, VNNI only", vnni_only, torch.bfloat16, True))
+        found.append(Candidate(fmt, "native, AMX only", amx_only, torch.bfloat16, True))
     return found
 
 

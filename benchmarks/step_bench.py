@@ -7,7 +7,9 @@ the quantised kernels with their weight prefetch hints against the same kernels
 without them (``--compare prefetch``: "torch" then stands for the kernels without
 hints), or the stage's layers in one call of the C loop
 (mesh/runtime/native_layers.py) against layer by layer in Python (``--compare
-layers``).
+layers``), or the quantised kernels with AMX tiles from the default row counts
+(``native.AMX_ROWS_INT4``, ``AMX_ROWS_INT8``) against VNNI alone (``--compare
+amx``).
 
 Frames: decode rows of 1-16 sessions (each at its own position around 300), verify
 windows of 8 and 16 rows, prefill chunks of 128 and 512 rows, through the layers
@@ -16,7 +18,7 @@ int8 packages run by default). Prints milliseconds per step (medians of the
 repeats), the ratio native / torch, and how each grows with rows; writes JSON.
 
     .venv/bin/python benchmarks/step_bench.py --package PKG [--threads 1] [--repeats 5]
-        [--compare attention|norm|prefetch|layers]
+        [--compare attention|norm|prefetch|layers|amx]
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def _switch_prefetch(on: bool) -> None:
     lib.mesh_set_fetch_ahead(native.FETCH_AHEAD_BYTES if on else 0)
 
 
+def _switch_amx(on: bool) -> None:
+    if not native.amx():
+        raise SystemExit("AMX tiles are not granted on this CPU")
+    if on:
+        native.set_amx_rows()
+    else:
+        native.set_amx_rows(0, 0)
+
+
 def _switch_layers(runtime: StageRuntime) -> Callable[[bool], None]:
     if not runtime.native_layers:
         raise SystemExit("this stage's layers do not run on the C loop (see native_layers)")
@@ -81,6 +92,7 @@ COMPARED: dict[str, Callable[[StageRuntime], Callable[[bool], None]]] = {
     "attention": lambda _: _switch_usable(native_attention),
     "norm": lambda _: _switch_usable(native_norm),
     "prefetch": lambda _: _switch_prefetch,
+    "amx": lambda _: _switch_amx,
     "layers": _switch_layers,
 }
 
@@ -188,9 +200,12 @@ def _never(*_: object) -> bool:
 
 
 def table(results: dict[str, dict[str, Any]], compare: str = "attention") -> str:
-    off, on = {"prefetch": ("no hints", "hints"), "layers": ("python layers", "C loop")}.get(
-        compare, (f"torch {compare}", "native")
-    )
+    names = {
+        "prefetch": ("no hints", "hints"),
+        "layers": ("python layers", "C loop"),
+        "amx": ("VNNI only", "AMX rule"),
+    }
+    off, on = names.get(compare, (f"torch {compare}", "native"))
     headers = ["frame", "rows", f"{off} ms", f"{on} ms", f"{on} / {off.split()[0]}"]
     headers += [f"{off.split()[0]} vs 1 row", f"{on} vs 1 row"]
     body = [

@@ -53,10 +53,15 @@ COMPILE_FLAGS = (
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-DMESH_AMX")
 BUILD_TIMEOUT_S = 120
 # Calls of at least this many rows run on AMX tiles where the CPU grants them
-# (bit-identical to the VNNI loops). Measured on a 2-core Sapphire Rapids VM, 1
-# thread, SmolLM2 shapes: AMX 0.75-0.9x the VNNI time at 16 rows and above, 1.0-1.05x
-# at 8, 2-4x at 1 (tile set-up and stores per block).
-AMX_ROWS = 12
+# (bit-identical to the VNNI loops), for int4 weights and for int8 weights; a call of
+# fewer than 16 rows gets tiles of just its rows. Measured on a 2-core Sapphire
+# Rapids VM, 1 thread, SmolLM2 shapes, AMX time over VNNI time in the same run
+# (docs/benchmarks.md, "The stage's own kernels"): int8 0.73-0.85 at 6-8 rows,
+# 1.14-1.23 at 4; int4 0.96-1.02 at 12 rows and 1.05-1.14 at 8 in one run, 0.77-0.93
+# at 12 and 0.83-0.96 at 8 in another: int4 decodes its weight tile for AMX on every
+# block of 32 inputs, so it pays later. At 1-2 rows AMX costs 1.5-3.3x.
+AMX_ROWS_INT4 = 12
+AMX_ROWS_INT8 = 6
 # How many bytes ahead of the block being multiplied the quantised kernels ask for a
 # weight's cache lines. Measured on the same VM, 1 thread, a stage step of the int4
 # package (benchmarks/step_bench.py --compare prefetch): 1024-8192 all helped, 2048
@@ -72,7 +77,7 @@ _SIGNATURES = {
     "mesh_int4_matmul": [_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _C],
     "mesh_pack_int8": [_P, _I, _I, _P],
     "mesh_int8_matmul": [_P, _C, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C],
-    "mesh_set_amx_rows": [_I],
+    "mesh_set_amx_rows": [_I, _I],
     "mesh_set_fetch_ahead": [_I],
     "mesh_amx_available": [],
     "mesh_attend": [_P, _I, _C, _I, _I, _I, ctypes.c_float, _P, _I, _P, _C],
@@ -199,11 +204,20 @@ def library() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = _RESULTS.get(name)
-    lib.mesh_set_amx_rows(AMX_ROWS)
+    lib.mesh_set_amx_rows(AMX_ROWS_INT4, AMX_ROWS_INT8)
     lib.mesh_set_fetch_ahead(FETCH_AHEAD_BYTES)
     amx = bool(lib.mesh_amx_available())
     logger.info("the stage's CPU kernels: %s (%s)", "VNNI + AMX" if amx else "VNNI", path)
     return lib
+
+
+def set_amx_rows(int4_rows: int = AMX_ROWS_INT4, int8_rows: int = AMX_ROWS_INT8) -> None:
+    """From how many rows the loaded kernels use AMX tiles, for int4 and for int8
+    weights (0: never; 1: always). Results are the same bits either way: this only
+    moves time. The defaults are the measured break-even points."""
+    lib = library()
+    if lib is not None:
+        lib.mesh_set_amx_rows(int4_rows, int8_rows)
 
 
 def amx() -> bool:

@@ -179,16 +179,16 @@ def test_amx_tiles_give_the_vnni_loops_results_bit_for_bit(kind: str) -> None:
     w = weight(200, 128)
     parts = quant.quantize_int4(w, 64) if kind == "int4" else quant.quantize_int8(w)
     linear = build_linear(LinearSpec(200, 128, kind, parts=parts), CPU, torch.float32)
-    lib = native.library()
     try:
-        for rows in (1, 5, 16, 21, 40):
+        # Tiles of every height a call can get (1-16 rows), and calls past 16 rows.
+        for rows in (1, 2, 3, 5, 7, 8, 12, 15, 16, 21, 40):
             x = activations(rows, 128, seed=rows)
-            lib.mesh_set_amx_rows(0)
+            native.set_amx_rows(0, 0)
             vnni = linear(x)
-            lib.mesh_set_amx_rows(1)
+            native.set_amx_rows(1, 1)
             assert torch.equal(linear(x), vnni), rows
     finally:
-        lib.mesh_set_amx_rows(native.AMX_ROWS)
+        native.set_amx_rows()
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

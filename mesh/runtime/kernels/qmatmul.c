@@ -290,19 +290,22 @@ int mesh_amx_available(void) {
 }
 
 /* Tiles: 0, 1 int32 results (hi, lo); 2 weights (8 rows of 4 k x 16 outputs);
-   3, 4 activation codes (hi, lo: 16 rows x 32 k). */
-static void amx_configure(void) {
+   3, 4 activation codes (hi, lo: up to 16 rows x 32 k). A call of fewer than 16
+   rows gets tiles of just its rows: the multiplies, loads and stores of a tile
+   scale with its rows. */
+static void amx_configure(int64_t rows) {
+    const uint8_t tile_rows = (uint8_t)(rows < 16 ? rows : 16);
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette_id = 1;
     for (int t = 0; t < 2; ++t) {
-        config.rows[t] = 16;
+        config.rows[t] = tile_rows;
         config.colsb[t] = 64;
     }
     config.rows[2] = 8;
     config.colsb[2] = 64;
     for (int t = 3; t < 5; ++t) {
-        config.rows[t] = 16;
+        config.rows[t] = tile_rows;
         config.colsb[t] = 32;
     }
     _tile_loadconfig(&config);
@@ -341,7 +344,7 @@ static void int4_blocks_amx(const Work *w) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     uint8_t tile[8][64] __attribute__((aligned(64)));
     float *yacc = w->acc, *gacc = w->acc + rows * 16;
-    amx_configure();
+    amx_configure(w->rows);
     for (int64_t b = w->first; b < w->last; ++b) {
         const uint8_t *wb = w->packed + b * steps * 64;
         for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
@@ -369,7 +372,7 @@ static void int4_blocks_amx(const Work *w) {
 static void int8_blocks_amx(const Work *w) {
     const int64_t rows = w->rows, k = w->k, steps = k / 4, qblocks = k / QBLOCK;
     float *yacc = w->acc;
-    amx_configure();
+    amx_configure(w->rows);
     for (int64_t b = w->first; b < w->last; ++b) {
         const uint8_t *wb = w->packed + b * steps * 64;
         for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(yacc + m * 16, _mm512_setzero_ps());
@@ -389,16 +392,21 @@ static void int8_blocks_amx(const Work *w) {
 int mesh_amx_available(void) { return 0; }
 #endif
 
-/* Calls of at least this many rows use AMX where it is available (set by the
-   caller, mesh_set_amx_rows; 0 turns AMX off). */
-static int64_t amx_rows_from = 0;
+/* Calls of at least this many rows use AMX where it is available, one threshold
+   for int4 weights and one for int8 (set by the caller, mesh_set_amx_rows; 0 turns
+   AMX off for that kind). */
+static int64_t amx_int4_from = 0, amx_int8_from = 0;
 
-void mesh_set_amx_rows(int64_t rows) { amx_rows_from = rows; }
+void mesh_set_amx_rows(int64_t int4_rows, int64_t int8_rows) {
+    amx_int4_from = int4_rows;
+    amx_int8_from = int8_rows;
+}
 
 static void *run_work(void *arg) {
     const Work *w = (const Work *)arg;
 #ifdef MESH_AMX
-    if (amx_rows_from > 0 && w->rows >= amx_rows_from && amx_state == 1) {
+    const int64_t from = w->int4 ? amx_int4_from : amx_int8_from;
+    if (from > 0 && w->rows >= from && amx_state == 1) {
         if (w->int4)
             int4_blocks_amx(w);
         else
