@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -52,11 +53,14 @@ from stage.frontend.schemas import ChatCompletionBody, CompletionBody, Generatio
 from stage.frontend.tool_formats import (
     ToolFormat,
     ToolUse,
+    forced_call_grammar,
     forced_prefix,
     short_call_ids,
     tool_format,
 )
 from stage.frontend.tools import TemplateTools, generic_messages, template_tools
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -358,7 +362,23 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
     if prefix:
         prompt += [int(i) for i in ctx.tokenizer.encode(prefix, add_special_tokens=False)]
     names = tuple(t["function"]["name"] for t in tools)
-    return prompt, ToolUse(names, body.parallel_tool_calls is not False, prefix, fmt)
+    parallel = body.parallel_tool_calls is not False
+    grammar = _forced_call_spec(fmt, choice, tools, parallel) if prefix else ""
+    return prompt, ToolUse(names, parallel, prefix, fmt, grammar)
+
+
+def _forced_call_spec(
+    fmt: ToolFormat, choice: str, tools: Sequence[Mapping[str, Any]], parallel: bool
+) -> str:
+    """The grammar spec that keeps a forced tool_choice's answer to well-formed calls
+    with schema-following arguments; '' (the answer free after its forced start, as
+    the model writes it) where the grammar library cannot follow a function's
+    ``parameters`` schema."""
+    try:
+        return grammar_spec("grammar", forced_call_grammar(fmt, choice, tools, parallel))
+    except InvalidRequest as error:
+        logger.warning("tool_choice %r: the calls are not constrained: %s", choice, error.message)
+        return ""
 
 
 def chat_prompt_tokens(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:
@@ -438,6 +458,9 @@ def prepared_generation(
     # prompt alone with seed + i.
     stop_ids = _stop_ids(body, ctx)
     sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer), stop_ids)
+    if tools is not None and tools.grammar and not sampling.grammar:
+        # A forced tool_choice, and no constraint of the request's own.
+        sampling = replace(sampling, grammar=tools.grammar)
     first = GenerationRequest(
         request_id=response_id,
         prompt_tokens=tuple(prompts[0]),

@@ -14,7 +14,8 @@
 The format comes from the model's chat template (``tool_format``). Each format
 says how to parse a finished answer, from where streamed text must be held back
 (``hold_start``), what the answer starts with for ``tool_choice`` ``required`` or a
-named function, and the ids of its calls.
+named function and the grammar the rest of it then follows (``forced_call_grammar``),
+and the ids of its calls.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from stage.frontend.tools import CALL_OPEN, ToolCall, call_from_value, held_from
+from stage.frontend.tools import CALL_CLOSE, CALL_OPEN, ToolCall, call_from_value, held_from
 from stage.frontend.tools import forced_prefix as hermes_prefix
 from stage.frontend.tools import parse_tool_calls as parse_hermes
 
@@ -164,6 +165,95 @@ def _mistral_values(body: str) -> list[Any]:
     return value
 
 
+# How a forced call's JSON is written (the style of the prompts and the forced
+# prefixes: ``{"name": "f", "arguments": {...}}``), in llguidance's schema extension.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The end of a call whose prefix reached its arguments (a named tool_choice).
+_NAMED_END = {
+    ToolFormat.HERMES: "}\n" + CALL_CLOSE,
+    ToolFormat.LLAMA3_JSON: "}",
+    ToolFormat.MISTRAL: "}]",
+}
+
+
+def forced_call_grammar(
+    fmt: ToolFormat, choice: str | None, tools: Sequence[Any], parallel: bool = True
+) -> str:
+    """For ``tool_choice`` ``required`` or a named function, the grammar (Lark, with
+    llguidance's ``%json`` for JSON that follows a schema) of the answer after
+    ``forced_prefix``: well-formed calls of the request's functions (for a named
+    choice, of that function) whose arguments follow each function's ``parameters``
+    schema. '' for ``auto`` and ``none``. A Hermes answer may hold several calls
+    (with ``parallel``), a Mistral one several in its list; a Llama answer one."""
+    if choice in (None, "auto", "none"):
+        return ""
+    functions = [tool["function"] for tool in tools]
+    if choice != "required":
+        functions = [f for f in functions if f["name"] == choice]
+    if not functions:
+        return ""
+    schemas = [_styled(f.get("parameters")) for f in functions]
+    if choice != "required":
+        return f"start: args {_lit(_NAMED_END[fmt])}\nargs: %json {json.dumps(schemas[0])}"
+    if fmt is ToolFormat.HERMES:
+        close, again = _lit("\n" + CALL_CLOSE), _lit("\n" + CALL_CLOSE + "\n" + CALL_OPEN + "\n")
+        calls = _hermes_calls(functions)
+        if calls is None:
+            return ""
+        start = f"start: call ({again} call)* {close}" if parallel else f"start: call {close}"
+        return f"{start}\ncall: %json {json.dumps(calls)}"
+    key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
+    # The prefix ends inside the first call's name: the rest of each function's call.
+    rests = []
+    for index, function in enumerate(functions):
+        name = json.dumps(function["name"], ensure_ascii=False)[1:]  # its closing quote too
+        rests.append(f"{_lit(name + ', ' + _lit(key) + ': ')} args{index} {_lit('}')}")
+    rules = [f"args{i}: %json {json.dumps(s)}" for i, s in enumerate(schemas)]
+    if fmt is ToolFormat.LLAMA3_JSON:
+        return "\n".join(["start: " + " | ".join(rests), *rules])
+    # Mistral: the first call's rest, maybe more whole calls, then the list's end.
+    opened = _lit('{"name": "')
+    more = f" ({_lit(', ')} {opened} rest)*" if parallel else ""
+    return "\n".join([f"start: rest{more} {_lit(']')}", "rest: " + " | ".join(rests), *rules])
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of ``text`` (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _styled(schema: Any) -> dict[str, Any]:
+    """A function's ``parameters`` (an object of any shape when absent) with the
+    JSON style of a forced call."""
+    base = dict(schema) if isinstance(schema, dict) else {"type": "object"}
+    return {**base, "x-guidance": _JSON_STYLE}
+
+
+def _hermes_calls(functions: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The schema of one Hermes call of any of ``functions``: a name, then that
+    function's arguments. Each ``parameters`` schema becomes a branch of one schema,
+    so the definitions its references point at (``#/$defs/...``, as pydantic writes
+    them, or ``#/definitions/...``) move to that schema's root; None where two
+    functions define one name differently."""
+    branches: list[dict[str, Any]] = []
+    hoisted: dict[str, dict[str, Any]] = {}
+    for function in functions:
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        for key in ("$defs", "definitions"):
+            for name, value in (parameters.pop(key, None) or {}).items():
+                if hoisted.setdefault(key, {}).setdefault(name, value) != value:
+                    return None
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return _styled({"anyOf": branches, **hoisted})
+
+
 @dataclass(frozen=True)
 class ToolUse:
     """What an answer is parsed for: the functions it may call, whether several
@@ -174,6 +264,9 @@ class ToolUse:
     parallel: bool
     prefix: str
     format: ToolFormat = ToolFormat.HERMES
+    # The grammar spec (mesh.grammar) the answer after ``prefix`` follows for a
+    # forced tool_choice; '' where the answer is free.
+    grammar: str = ""
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return parse_calls(self.format, text, self.names, self.parallel)

@@ -18,7 +18,9 @@ template that renders tools in a format none of these is refused with a 400.
 
 ``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` lets the
 model choose; ``required`` starts the answer with ``<tool_call>``; a named function
-starts it with that call's name, so the model can only fill in the arguments.
+starts it with that call's name, so the model can only fill in the arguments. For
+both, a grammar holds the rest of the answer to well-formed calls whose arguments
+follow the functions' schemas (``tool_formats.forced_call_grammar``).
 """
 
 from __future__ import annotations

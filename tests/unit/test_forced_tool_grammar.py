@@ -1,0 +1,221 @@
+"""A forced ``tool_choice`` (``required``, or a named function) keeps the answer to
+well-formed calls whose arguments follow the function's ``parameters`` schema: the
+grammar of each tool-call format on SmolLM2's real tokenizer (what it lets through,
+what it forbids, where it ends), and the request the frontend sends for it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from frontend_support import MODEL_ID, ScriptedBackend, live_server
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from mesh.grammar import TokenGrammars, grammar_spec
+from stage.frontend.backend import TokenEvent
+from stage.frontend.tool_formats import (
+    ToolFormat,
+    forced_call_grammar,
+    forced_prefix,
+    parse_calls,
+)
+
+VOCAB = 49152
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+# A function without parameters, and one whose schema refers to its definitions
+# (as pydantic writes them).
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+BOOKING = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {"guest": {"$ref": "#/$defs/Guest"}},
+            "required": ["guest"],
+            "$defs": {
+                "Guest": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}},
+                    "required": ["name"],
+                    "additionalProperties": False,
+                }
+            },
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK, BOOKING]
+NAMES = ["get_weather", "get_time", "book"]
+WEATHER_ARGS = '{"city": "Oslo", "days": 2}'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir: Path):
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(smollm2_tokenizer_dir: Path) -> TokenGrammars:
+    return TokenGrammars(smollm2_tokenizer_dir)
+
+
+def follows(grammars: TokenGrammars, spec: str, ids: list[int]) -> list[int] | None:
+    """The tokens the grammar allows after ``ids`` if it allows every token of them in
+    turn, else None."""
+    constraint = grammars.constraint(spec, VOCAB)
+    for i, token in enumerate(ids):
+        constraint.sync(ids[:i])
+        if not constraint.allowed()[token]:
+            return None
+    constraint.sync(ids)
+    return constraint.allowed().nonzero().flatten().tolist()
+
+
+def first_refused(grammars: TokenGrammars, spec: str, tokenizer, text: str) -> str | None:
+    """The first piece of ``text`` (as tokenized) the grammar forbids, else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    constraint = grammars.constraint(spec, VOCAB)
+    for i, token in enumerate(ids):
+        constraint.sync(ids[:i])
+        if not constraint.allowed()[token]:
+            return tokenizer.decode(ids[: i + 1])
+    return None
+
+
+# (format, choice, parallel) -> answers after the forced prefix that the grammar takes,
+# with the calls they parse into.
+ACCEPTED = {
+    (ToolFormat.HERMES, "required", True): [
+        (WEATHER_ARGS.join(['{"name": "get_weather", "arguments": ', "}\n</tool_call>"]), 1),
+        (
+            '{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "book", "arguments": {"guest": {"name": "Ada"}}}\n</tool_call>',
+            2,
+        ),
+    ],
+    (ToolFormat.HERMES, "get_weather", True): [(WEATHER_ARGS + "}\n</tool_call>", 1)],
+    (ToolFormat.LLAMA3_JSON, "required", True): [
+        ('get_weather", "parameters": ' + WEATHER_ARGS + "}", 1),
+        ('book", "parameters": {"guest": {"name": "Ada"}}}', 1),
+    ],
+    (ToolFormat.LLAMA3_JSON, "get_weather", True): [(WEATHER_ARGS + "}", 1)],
+    (ToolFormat.MISTRAL, "required", True): [
+        (
+            'get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
+            + WEATHER_ARGS
+            + "}]",
+            2,
+        ),
+    ],
+    (ToolFormat.MISTRAL, "required", False): [('get_time", "arguments": {}}]', 1)],
+    (ToolFormat.MISTRAL, "get_weather", True): [(WEATHER_ARGS + "}]", 1)],
+}
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED), ids=lambda c: f"{c[0].value}-{c[1]}-{c[2]}")
+def test_the_grammar_takes_well_formed_calls_and_ends_after_them(
+    grammars, tokenizer, case: tuple[ToolFormat, str, bool]
+) -> None:
+    fmt, choice, parallel = case
+    spec = grammar_spec("grammar", forced_call_grammar(fmt, choice, TOOLS, parallel))
+    for answer, count in ACCEPTED[case]:
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        after = follows(grammars, spec, ids)
+        assert after is not None, answer
+        # The end, and (Hermes, parallel calls) the line that opens another call.
+        ends = [tokenizer.eos_token_id]
+        if fmt is ToolFormat.HERMES and parallel and choice == "required":
+            ends += tokenizer.encode("\n", add_special_tokens=False)
+        assert sorted(after) == sorted(ends), answer
+        # What the grammar lets through is what the parser reads as calls.
+        content, calls = parse_calls(fmt, forced_prefix(fmt, choice) + answer, NAMES, parallel)
+        assert len(calls) == count and content is None, answer
+
+
+# Answers the grammar must stop, and the part where it must stop them: the wrong
+# name, argument or text.
+REFUSED = [
+    (ToolFormat.HERMES, "required", '{"name": "delete_everything", "arguments": {}}', "del"),
+    (ToolFormat.HERMES, "required", "I cannot call a tool for that.", "I"),
+    (ToolFormat.HERMES, "required", '{"name": "get_weather", "arguments": {"city": 7', "7"),
+    (ToolFormat.HERMES, "get_weather", '{"city": "Oslo", "when": "now"}', "when"),
+    (ToolFormat.HERMES, "get_weather", '{"city": "Oslo"}}', "}"),  # days is required
+    (ToolFormat.LLAMA3_JSON, "required", 'get_wind", "parameters": {}}', "get_w"),
+    (ToolFormat.MISTRAL, "required", 'book", "arguments": {"guest": "Ada"}}]', '"Ada"'),
+]
+
+
+@pytest.mark.parametrize("fmt, choice, answer, where", REFUSED)
+def test_the_grammar_refuses_other_functions_arguments_and_text(
+    grammars, tokenizer, fmt: ToolFormat, choice: str, answer: str, where: str
+) -> None:
+    spec = grammar_spec("grammar", forced_call_grammar(fmt, choice, TOOLS))
+    refused = first_refused(grammars, spec, tokenizer, answer)
+    assert refused is not None, answer
+    # Refused at the first token that reaches into the wrong part.
+    wrong = answer.index(where)
+    assert wrong < len(refused) <= wrong + len(where) + 4, (refused, where)
+
+
+def test_a_free_choice_has_no_grammar_and_clashing_definitions_leave_calls_free() -> None:
+    for fmt in ToolFormat:
+        assert forced_call_grammar(fmt, "auto", TOOLS) == ""
+        assert forced_call_grammar(fmt, "none", TOOLS) == ""
+    other = json.loads(json.dumps(BOOKING))
+    other["function"]["name"] = "rebook"
+    other["function"]["parameters"]["$defs"]["Guest"]["required"] = []
+    assert forced_call_grammar(ToolFormat.HERMES, "required", [BOOKING, other]) == ""
+    # The same definition in two functions is one definition.
+    same = json.loads(json.dumps(BOOKING))
+    same["function"]["name"] = "rebook"
+    assert forced_call_grammar(ToolFormat.HERMES, "required", [BOOKING, same])
+
+
+# ---- the request the frontend sends ----------------------------------------------
+
+
+@pytest.fixture()
+def frontend(smollm2_tokenizer_dir: Path):
+    """(client, backend): SmolLM2's tokenizer (whose template ignores tools: Hermes
+    calls described in a system message) and a backend that answers with a call."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    answer = WEATHER_ARGS + "}\n</tool_call>"
+    ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
+    backend = ScriptedBackend([TokenEvent(ids, "stop")])
+    with live_server(backend, tokenizer) as url:
+        yield OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30), backend
+
+
+ASK = [{"role": "user", "content": "Weather in Oslo for two days?"}]
+
+
+def test_a_forced_choice_sends_its_grammar_and_a_free_one_none(frontend) -> None:
+    client, backend = frontend
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=named
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 2}
+    sent = json.loads(backend.requests[-1].sampling.grammar)
+    assert sent["type"] == "lark" and '"days"' in sent["lark"]
+    client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required"
+    )
+    assert "get_time" in json.loads(backend.requests[-1].sampling.grammar)["lark"]
+    client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS)
+    assert backend.requests[-1].sampling.grammar == ""
