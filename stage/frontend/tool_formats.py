@@ -166,8 +166,15 @@ def _mistral_values(body: str) -> list[Any]:
 
 
 # How a forced call's JSON is written (the style of the prompts and the forced
-# prefixes: ``{"name": "f", "arguments": {...}}``), in llguidance's schema extension.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# prefixes: ``{"name": "f", "arguments": {...}}``), in llguidance's schema extension;
+# ``lenient``: keywords the library does not implement (``not``, ...) are left
+# unenforced rather than leaving the whole call free.
+_JSON_STYLE = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
 # The end of a call whose prefix reached its arguments (a named tool_choice).
 _NAMED_END = {
     ToolFormat.HERMES: "}\n" + CALL_CLOSE,

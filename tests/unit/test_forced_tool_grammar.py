@@ -170,6 +170,27 @@ def test_the_grammar_refuses_other_functions_arguments_and_text(
     assert wrong < len(refused) <= wrong + len(where) + 4, (refused, where)
 
 
+def test_keywords_the_library_lacks_are_left_out_and_the_rest_is_held(grammars, tokenizer) -> None:
+    """``not`` is not implemented by the grammar library: the call is still held to
+    its name and the argument's type, the ``not`` alone goes unenforced."""
+    odd = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {
+                "type": "object",
+                "properties": {"label": {"type": "string", "not": {"const": "x"}}},
+                "required": ["label"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    spec = grammar_spec("grammar", forced_call_grammar(ToolFormat.HERMES, "tag", [odd]))
+    ids = tokenizer.encode('{"label": "x"}}\n</tool_call>', add_special_tokens=False)
+    assert follows(grammars, spec, ids) == [tokenizer.eos_token_id]
+    assert first_refused(grammars, spec, tokenizer, '{"label": 5}') is not None
+
+
 def test_a_free_choice_has_no_grammar_and_clashing_definitions_leave_calls_free() -> None:
     for fmt in ToolFormat:
         assert forced_call_grammar(fmt, "auto", TOOLS) == ""
