@@ -21,24 +21,8 @@
 # one log go to OUT (default bench-results/cpu-mesh); PYTHON picks the interpreter,
 # WORK the scratch folder. MESH_KERNEL_CACHE may name a folder of prebuilt stage
 # kernels (mesh/runtime/native.py) for a machine without a C compiler.
-set -u
-shape=$1
-workloads=$2
-out=${3:-bench-results/cpu-mesh}
-python=${PYTHON:-python3}
-work=${WORK:-/tmp/cpu-mesh}
-mkdir -p "$out" "$work"
-log="$out/run.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-step() {  # step SECONDS NAME COMMAND...: run with a time limit, log, remember failure
-    local limit=$1 name=$2
-    shift 2
-    echo "== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
-    timeout "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || { echo "== $name failed: $rc" | tee -a "$log"; status=1; }
-}
+name=cpu-mesh
+. "$(dirname "$0")/mesh_check_common.sh"
 {
     echo "cores: $(nproc)"
     grep -m1 "model name" /proc/cpuinfo
@@ -76,7 +60,4 @@ step 120 "serving int4, speculation" "$python" benchmarks/serving_bench.py "${co
     --package "$work/pkg-int4" --concurrency 1,8 --repeats 2 --speculation none,package \
     --workdir "$work/serving-spec" --out "$out/serving-int4-spec.json"
 pipeline float32 3 100
-# The stage and coordinator logs, for a failed step.
-(cd "$work" && find . -type d -name logs -print0 | tar -czf - --null -T -) \
-    >"$out/mesh-logs.tar.gz" 2>/dev/null || true
-exit $status
+finish

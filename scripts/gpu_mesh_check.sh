@@ -17,24 +17,8 @@
 # serving_bench again (float32: 1/8 streams; bfloat16 without CUDA graphs: 1/8).
 # JSON and one log go to OUT (default bench-results/gpu-mesh); PYTHON picks the
 # interpreter, WORK the scratch folder, DEVICE the stages' device (cuda:0).
-set -u
-shape=$1
-workloads=$2
-out=${3:-bench-results/gpu-mesh}
-python=${PYTHON:-python3}
-work=${WORK:-/tmp/gpu-mesh}
-mkdir -p "$out" "$work"
-log="$out/run.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-step() {  # step SECONDS NAME COMMAND...: run with a time limit, log, remember failure
-    local limit=$1 name=$2
-    shift 2
-    echo "== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
-    timeout "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || { echo "== $name failed: $rc" | tee -a "$log"; status=1; }
-}
+name=gpu-mesh
+. "$(dirname "$0")/mesh_check_common.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$log"
@@ -67,7 +51,4 @@ step 150 "serving float32, graphs" "$python" benchmarks/serving_bench.py "${benc
 step 150 "serving bfloat16, eager" "$python" benchmarks/serving_bench.py "${bench[@]}" \
     --package "$work/pkg-bfloat16" --concurrency 1,8 --repeats 2 \
     --workdir "$work/serving-bf16-eager" --out "$out/serving-bf16-eager.json"
-# The stage and coordinator logs, for a failed step.
-(cd "$work" && find . -type d -name logs -print0 | tar -czf - --null -T -) \
-    >"$out/mesh-logs.tar.gz" 2>/dev/null || true
-exit $status
+finish
