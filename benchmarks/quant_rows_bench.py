@@ -150,24 +150,23 @@ def native_candidate(fmt: str, spec: LinearSpec) -> list[Candidate]:
         return []
     found = [Candidate(fmt, "native (2x int8 act.)", linear, torch.bfloat16, True)]
     if native.amx():
-
-        def vnni_only(x: torch.Tensor) -> torch.Tensor:
-            native.set_amx_rows(0, 0)
-            try:
-                return linear(x)
-            finally:
-                native.set_amx_rows()
-
-        def amx_only(x: torch.Tensor) -> torch.Tensor:
-            native.set_amx_rows(1, 1)
-            try:
-                return linear(x)
-            finally:
-                native.set_amx_rows()
-
-        found.append(Candidate(fmt, "native, VNNI only", vnni_only, torch.bfloat16, True))
-        found.append(Candidate(fmt, "native, AMX only", amx_only, torch.bfloat16, True))
+        for label, rows in (("native, VNNI only", 0), ("native, AMX only", 1)):
+            found.append(Candidate(fmt, label, _amx_from(linear, rows), torch.bfloat16, True))
     return found
+
+
+def _amx_from(linear: Kernel, rows: int) -> Kernel:
+    """``linear`` with AMX from ``rows`` rows for int4 and int8 weights (0: never),
+    the default rule restored after each call."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        native.set_amx_rows(rows, rows)
+        try:
+            return linear(x)
+        finally:
+            native.set_amx_rows()
+
+    return call
 
 
 def int4_candidates(parts: dict[str, torch.Tensor], n: int, k: int) -> list[Candidate]:
