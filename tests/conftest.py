@@ -96,6 +96,23 @@ def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_dir: Path):
+    """SmolLM2's tokenizer, loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_grammars(smollm2_tokenizer_dir: Path):
+    """The grammar compiler on SmolLM2's tokenizer (mesh.grammar.TokenGrammars), built
+    once: it takes about a second."""
+    from mesh.grammar import TokenGrammars
+
+    return TokenGrammars(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(
     tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path
 ) -> Callable[..., Path]:

@@ -6,12 +6,10 @@ what it forbids, where it ends), and the request the frontend sends for it."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from frontend_support import MODEL_ID, ScriptedBackend, live_server
 from openai import OpenAI
-from transformers import AutoTokenizer
 
 from mesh.grammar import TokenGrammars, grammar_spec
 from stage.frontend.backend import TokenEvent
@@ -62,20 +60,10 @@ NAMES = ["get_weather", "get_time", "book"]
 WEATHER_ARGS = '{"city": "Oslo", "days": 2}'
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer_dir: Path):
-    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def grammars(smollm2_tokenizer_dir: Path) -> TokenGrammars:
-    return TokenGrammars(smollm2_tokenizer_dir)
-
-
-def follows(grammars: TokenGrammars, spec: str, ids: list[int]) -> list[int] | None:
+def follows(smollm2_grammars: TokenGrammars, spec: str, ids: list[int]) -> list[int] | None:
     """The tokens the grammar allows after ``ids`` if it allows every token of them in
     turn, else None."""
-    constraint = grammars.constraint(spec, VOCAB)
+    constraint = smollm2_grammars.constraint(spec, VOCAB)
     for i, token in enumerate(ids):
         constraint.sync(ids[:i])
         if not constraint.allowed()[token]:
@@ -84,14 +72,16 @@ def follows(grammars: TokenGrammars, spec: str, ids: list[int]) -> list[int] | N
     return constraint.allowed().nonzero().flatten().tolist()
 
 
-def first_refused(grammars: TokenGrammars, spec: str, tokenizer, text: str) -> str | None:
+def first_refused(
+    smollm2_grammars: TokenGrammars, spec: str, smollm2_tokenizer, text: str
+) -> str | None:
     """The first piece of ``text`` (as tokenized) the grammar forbids, else None."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    constraint = grammars.constraint(spec, VOCAB)
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    constraint = smollm2_grammars.constraint(spec, VOCAB)
     for i, token in enumerate(ids):
         constraint.sync(ids[:i])
         if not constraint.allowed()[token]:
-            return tokenizer.decode(ids[: i + 1])
+            return smollm2_tokenizer.decode(ids[: i + 1])
     return None
 
 
@@ -127,18 +117,18 @@ ACCEPTED = {
 
 @pytest.mark.parametrize("case", list(ACCEPTED), ids=lambda c: f"{c[0].value}-{c[1]}-{c[2]}")
 def test_the_grammar_takes_well_formed_calls_and_ends_after_them(
-    grammars, tokenizer, case: tuple[ToolFormat, str, bool]
+    smollm2_grammars, smollm2_tokenizer, case: tuple[ToolFormat, str, bool]
 ) -> None:
     fmt, choice, parallel = case
     spec = grammar_spec("grammar", forced_call_grammar(fmt, choice, TOOLS, parallel))
     for answer, count in ACCEPTED[case]:
-        ids = tokenizer.encode(answer, add_special_tokens=False)
-        after = follows(grammars, spec, ids)
+        ids = smollm2_tokenizer.encode(answer, add_special_tokens=False)
+        after = follows(smollm2_grammars, spec, ids)
         assert after is not None, answer
         # The end, and (Hermes, parallel calls) the line that opens another call.
-        ends = [tokenizer.eos_token_id]
+        ends = [smollm2_tokenizer.eos_token_id]
         if fmt is ToolFormat.HERMES and parallel and choice == "required":
-            ends += tokenizer.encode("\n", add_special_tokens=False)
+            ends += smollm2_tokenizer.encode("\n", add_special_tokens=False)
         assert sorted(after) == sorted(ends), answer
         # What the grammar lets through is what the parser reads as calls.
         content, calls = parse_calls(fmt, forced_prefix(fmt, choice) + answer, NAMES, parallel)
@@ -160,17 +150,19 @@ REFUSED = [
 
 @pytest.mark.parametrize("fmt, choice, answer, where", REFUSED)
 def test_the_grammar_refuses_other_functions_arguments_and_text(
-    grammars, tokenizer, fmt: ToolFormat, choice: str, answer: str, where: str
+    smollm2_grammars, smollm2_tokenizer, fmt: ToolFormat, choice: str, answer: str, where: str
 ) -> None:
     spec = grammar_spec("grammar", forced_call_grammar(fmt, choice, TOOLS))
-    refused = first_refused(grammars, spec, tokenizer, answer)
+    refused = first_refused(smollm2_grammars, spec, smollm2_tokenizer, answer)
     assert refused is not None, answer
     # Refused at the first token that reaches into the wrong part.
     wrong = answer.index(where)
     assert wrong < len(refused) <= wrong + len(where) + 4, (refused, where)
 
 
-def test_keywords_the_library_lacks_are_left_out_and_the_rest_is_held(grammars, tokenizer) -> None:
+def test_keywords_the_library_lacks_are_left_out_and_the_rest_is_held(
+    smollm2_grammars, smollm2_tokenizer
+) -> None:
     """``not`` is not implemented by the grammar library: the call is still held to
     its name and the argument's type, the ``not`` alone goes unenforced."""
     odd = {
@@ -186,9 +178,9 @@ def test_keywords_the_library_lacks_are_left_out_and_the_rest_is_held(grammars, 
         },
     }
     spec = grammar_spec("grammar", forced_call_grammar(ToolFormat.HERMES, "tag", [odd]))
-    ids = tokenizer.encode('{"label": "x"}}\n</tool_call>', add_special_tokens=False)
-    assert follows(grammars, spec, ids) == [tokenizer.eos_token_id]
-    assert first_refused(grammars, spec, tokenizer, '{"label": 5}') is not None
+    ids = smollm2_tokenizer.encode('{"label": "x"}}\n</tool_call>', add_special_tokens=False)
+    assert follows(smollm2_grammars, spec, ids) == [smollm2_tokenizer.eos_token_id]
+    assert first_refused(smollm2_grammars, spec, smollm2_tokenizer, '{"label": 5}') is not None
 
 
 def test_a_free_choice_has_no_grammar_and_clashing_definitions_leave_calls_free() -> None:
@@ -209,14 +201,13 @@ def test_a_free_choice_has_no_grammar_and_clashing_definitions_leave_calls_free(
 
 
 @pytest.fixture()
-def frontend(smollm2_tokenizer_dir: Path):
+def frontend(smollm2_tokenizer):
     """(client, backend): SmolLM2's tokenizer (whose template ignores tools: Hermes
     calls described in a system message) and a backend that answers with a call."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     answer = WEATHER_ARGS + "}\n</tool_call>"
-    ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
+    ids = tuple(smollm2_tokenizer.encode(answer, add_special_tokens=False))
     backend = ScriptedBackend([TokenEvent(ids, "stop")])
-    with live_server(backend, tokenizer) as url:
+    with live_server(backend, smollm2_tokenizer) as url:
         yield OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30), backend
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from mesh.errors import Fatal, InvalidRequest
 from mesh.grammar import TokenGrammars, grammar_spec, mask_rows
@@ -25,16 +24,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 DOCUMENT = '{"name": "Ada", "age": 36, "pet": "cat"}'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer_dir: Path):
-    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def grammars(smollm2_tokenizer_dir: Path) -> TokenGrammars:
-    return TokenGrammars(smollm2_tokenizer_dir)
 
 
 def test_specs_keep_the_schema_and_bad_schemas_are_refused() -> None:
@@ -56,8 +45,8 @@ def test_specs_keep_the_schema_and_bad_schemas_are_refused() -> None:
         grammar_spec("yaml")
 
 
-def allowed_after(grammars: TokenGrammars, spec: str, output: list[int]) -> torch.Tensor:
-    fresh = grammars.constraint(spec, VOCAB)
+def allowed_after(smollm2_grammars: TokenGrammars, spec: str, output: list[int]) -> torch.Tensor:
+    fresh = smollm2_grammars.constraint(spec, VOCAB)
     fresh.sync(output)
     return fresh.allowed()
 
@@ -65,65 +54,67 @@ def allowed_after(grammars: TokenGrammars, spec: str, output: list[int]) -> torc
 VOCAB = 49152
 
 
-def follow_to_eos(constraint, tokenizer, ids: list[int]) -> None:
+def follow_to_eos(constraint, smollm2_tokenizer, ids: list[int]) -> None:
     """Every token of ``ids`` is allowed where it comes (among some, not all), and
     after the last only the end token is."""
     for i, token in enumerate(ids):
         constraint.sync(ids[:i])
         allowed = constraint.allowed()
-        assert allowed[token], (i, tokenizer.decode([token]))
+        assert allowed[token], (i, smollm2_tokenizer.decode([token]))
         assert 0 < int(allowed.sum()) < VOCAB
     constraint.sync(ids)
-    assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert constraint.allowed().nonzero().flatten().tolist() == [smollm2_tokenizer.eos_token_id]
 
 
-def test_the_mask_follows_a_document_and_ends_at_eos(grammars, tokenizer) -> None:
+def test_the_mask_follows_a_document_and_ends_at_eos(smollm2_grammars, smollm2_tokenizer) -> None:
     spec = grammar_spec("json_schema", SCHEMA)
-    constraint = grammars.constraint(spec, VOCAB)
-    ids = tokenizer.encode(DOCUMENT)
-    follow_to_eos(constraint, tokenizer, ids)
+    constraint = smollm2_grammars.constraint(spec, VOCAB)
+    ids = smollm2_tokenizer.encode(DOCUMENT)
+    follow_to_eos(constraint, smollm2_tokenizer, ids)
     # What the schema forbids: another key, a string for the age, a third pet.
-    constraint.sync(tokenizer.encode('{"name": "Ada", "age": '))
-    assert not constraint.allowed()[tokenizer.encode('"')[0]]
+    constraint.sync(smollm2_tokenizer.encode('{"name": "Ada", "age": '))
+    assert not constraint.allowed()[smollm2_tokenizer.encode('"')[0]]
 
 
-def test_sync_rolls_back_and_replays_to_any_output(grammars, tokenizer) -> None:
+def test_sync_rolls_back_and_replays_to_any_output(smollm2_grammars, smollm2_tokenizer) -> None:
     spec = grammar_spec("json_schema", SCHEMA)
-    ids = tokenizer.encode(DOCUMENT)
-    constraint = grammars.constraint(spec, VOCAB)
+    ids = smollm2_tokenizer.encode(DOCUMENT)
+    constraint = smollm2_grammars.constraint(spec, VOCAB)
     # Forward, back to a shorter output (a rejected window), to another branch
     # (a failover's re-read), forward again: the mask is always a fresh matcher's.
     for cut in (len(ids), 3, 7, 5, len(ids) - 1, 0, 9):
         constraint.sync(ids[:cut])
         assert constraint.consumed == ids[:cut]
-        assert torch.equal(constraint.allowed(), allowed_after(grammars, spec, ids[:cut]))
-    other = tokenizer.encode('{"name": "Bob", "age": 7')
+        assert torch.equal(constraint.allowed(), allowed_after(smollm2_grammars, spec, ids[:cut]))
+    other = smollm2_tokenizer.encode('{"name": "Bob", "age": 7')
     constraint.sync(other)
-    assert torch.equal(constraint.allowed(), allowed_after(grammars, spec, other))
+    assert torch.equal(constraint.allowed(), allowed_after(smollm2_grammars, spec, other))
 
 
-def test_an_output_that_leaves_the_grammar_fails_the_session(grammars, tokenizer) -> None:
-    constraint = grammars.constraint(grammar_spec("json_object"), VOCAB)
+def test_an_output_that_leaves_the_grammar_fails_the_session(
+    smollm2_grammars, smollm2_tokenizer
+) -> None:
+    constraint = smollm2_grammars.constraint(grammar_spec("json_object"), VOCAB)
     with pytest.raises(Fatal, match="does not follow"):
-        constraint.sync(tokenizer.encode("hello"))
+        constraint.sync(smollm2_tokenizer.encode("hello"))
 
 
-def test_verify_rows_are_masked_after_their_drafts(grammars, tokenizer) -> None:
+def test_verify_rows_are_masked_after_their_drafts(smollm2_grammars, smollm2_tokenizer) -> None:
     spec = grammar_spec("json_schema", SCHEMA)
-    ids = tokenizer.encode(DOCUMENT)
+    ids = smollm2_tokenizer.encode(DOCUMENT)
     output, drafts = ids[:4], ids[4:8]
     logits = torch.randn(len(drafts) + 1, VOCAB)
-    masked = mask_rows(grammars.constraint(spec, VOCAB), logits, output, drafts)
+    masked = mask_rows(smollm2_grammars.constraint(spec, VOCAB), logits, output, drafts)
     for row in range(len(drafts) + 1):
-        want = allowed_after(grammars, spec, output + drafts[:row])
+        want = allowed_after(smollm2_grammars, spec, output + drafts[:row])
         assert torch.equal(masked[row] > float("-inf"), want)
         assert torch.equal(masked[row][want], logits[row][want])
     # A draft the grammar forbids: its row is masked (the draw cannot be it) and the
     # rows after it, which verification never reaches, are left alone.
-    bad = tokenizer.encode("[")[0]
+    bad = smollm2_tokenizer.encode("[")[0]
     drafts = [ids[1], bad, ids[3]]  # after '{"name' only the rest of that key may come
     logits = torch.randn(4, VOCAB)
-    masked = mask_rows(grammars.constraint(spec, VOCAB), logits, ids[:1], drafts)
+    masked = mask_rows(smollm2_grammars.constraint(spec, VOCAB), logits, ids[:1], drafts)
     assert masked[1][bad] == float("-inf")
     assert torch.equal(masked[2], logits[2]) and torch.equal(masked[3], logits[3])
 
@@ -168,11 +159,11 @@ def test_regex_choice_and_grammar_specs_and_bad_ones_are_refused() -> None:
     ],
 )
 def test_regex_choice_and_grammar_masks_follow_a_text_and_end_at_eos(
-    grammars, tokenizer, kind: str, value, text: str
+    smollm2_grammars, smollm2_tokenizer, kind: str, value, text: str
 ) -> None:
     spec = grammar_spec(kind, value)
-    ids = tokenizer.encode(text)
-    constraint = grammars.constraint(spec, VOCAB)
-    follow_to_eos(constraint, tokenizer, ids)
+    ids = smollm2_tokenizer.encode(text)
+    constraint = smollm2_grammars.constraint(spec, VOCAB)
+    follow_to_eos(constraint, smollm2_tokenizer, ids)
     # Anything else at the start is forbidden.
-    assert not allowed_after(grammars, spec, [])[tokenizer.encode("Hello")[0]]
+    assert not allowed_after(smollm2_grammars, spec, [])[smollm2_tokenizer.encode("Hello")[0]]
