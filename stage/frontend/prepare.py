@@ -328,7 +328,11 @@ def render_chat(
     return [int(i) for i in ids]
 
 
-def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int], ToolUse | None]:
+def _chat_prompt(
+    body: ChatCompletionBody, ctx: PromptContext, grammar: bool = True
+) -> tuple[list[int], ToolUse | None]:
+    """The prompt's token ids and what the answer is parsed for; with ``grammar``, a
+    forced tool_choice's grammar too (token counts need none)."""
     messages = [m.template_dict() for m in body.messages]
     choice = body.tool_choice_name if body.tools else "none"
     tools = [t.template_dict() for t in body.tools or ()] if choice != "none" else None
@@ -363,8 +367,8 @@ def _chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> tuple[list[int
         prompt += [int(i) for i in ctx.tokenizer.encode(prefix, add_special_tokens=False)]
     names = tuple(t["function"]["name"] for t in tools)
     parallel = body.parallel_tool_calls is not False
-    grammar = _forced_call_spec(fmt, choice, tools, parallel) if prefix else ""
-    return prompt, ToolUse(names, parallel, prefix, fmt, grammar)
+    spec = _forced_call_spec(fmt, choice, tools, parallel) if prefix and grammar else ""
+    return prompt, ToolUse(names, parallel, prefix, fmt, spec)
 
 
 def _forced_call_spec(
@@ -384,7 +388,7 @@ def _forced_call_spec(
 def chat_prompt_tokens(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:
     """The token ids a chat request's prompt has (its messages and tools through the
     chat template, the assistant's turn opened), as ``/tokenize`` reports them."""
-    return _chat_prompt(body, ctx)[0]
+    return _chat_prompt(body, ctx, grammar=False)[0]
 
 
 async def checked_chat_prompt(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:

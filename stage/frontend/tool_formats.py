@@ -199,9 +199,9 @@ def forced_call_grammar(
         functions = [f for f in functions if f["name"] == choice]
     if not functions:
         return ""
-    schemas = [_styled(f.get("parameters")) for f in functions]
     if choice != "required":
-        return f"start: args {_lit(_NAMED_END[fmt])}\nargs: %json {json.dumps(schemas[0])}"
+        schema = json.dumps(_styled(functions[0].get("parameters")))
+        return f"start: args {_lit(_NAMED_END[fmt])}\nargs: %json {schema}"
     if fmt is ToolFormat.HERMES:
         close, again = _lit("\n" + CALL_CLOSE), _lit("\n" + CALL_CLOSE + "\n" + CALL_OPEN + "\n")
         calls = _hermes_calls(functions)
@@ -215,7 +215,10 @@ def forced_call_grammar(
     for index, function in enumerate(functions):
         name = json.dumps(function["name"], ensure_ascii=False)[1:]  # its closing quote too
         rests.append(f"{_lit(name + ', ' + _lit(key) + ': ')} args{index} {_lit('}')}")
-    rules = [f"args{i}: %json {json.dumps(s)}" for i, s in enumerate(schemas)]
+    rules = [
+        f"args{i}: %json {json.dumps(_styled(f.get('parameters')))}"
+        for i, f in enumerate(functions)
+    ]
     if fmt is ToolFormat.LLAMA3_JSON:
         return "\n".join(["start: " + " | ".join(rests), *rules])
     # Mistral: the first call's rest, maybe more whole calls, then the list's end.
