@@ -194,6 +194,8 @@ def local_stage_argv(
             serving.reasoning_format,
             "--stored-responses",
             str(serving.stored_responses),
+            "--embedding-pooling",
+            serving.embedding_pooling,
         ]
         if serving.api_key_file is not None:
             command += ["--api-key-file", str(serving.api_key_file.expanduser().absolute())]

@@ -222,6 +222,12 @@ def segment_problem(segment: data_pb2.Segment) -> InvalidRequest | None:
         return InvalidRequest(f"{where}: only a PREFILL segment may be scored")
     if segment.HasField("next_token") and not segment.score:
         return InvalidRequest(f"{where}: next_token is only read on a segment with score set")
+    if segment.pooling and kind is not SegmentKind.PREFILL:
+        return InvalidRequest(f"{where}: only a PREFILL segment may be pooled")
+    if segment.pooling not in data_pb2.Pooling.values():
+        return InvalidRequest(
+            f"{where}: pooling {segment.pooling} is unknown; send none, mean or last"
+        )
     if (segment.keep_prefix or segment.forget_prefix) and kind is not SegmentKind.END:
         return InvalidRequest(f"{where}: only an END segment may keep or forget a prefix")
     if segment.keep_prefix and segment.forget_prefix:

@@ -18,6 +18,7 @@ from mesh.frames import (
     Frame,
     FrameAck,
     FrameResult,
+    Pooling,
     Segment,
     SegmentKind,
     SegmentResult,
@@ -78,12 +79,25 @@ _KIND_TO_PB = {
     SegmentKind.END: data_pb2.SEGMENT_KIND_END,
 }
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+_POOLING_TO_PB = {
+    Pooling.NONE: data_pb2.POOLING_NONE,
+    Pooling.MEAN: data_pb2.POOLING_MEAN,
+    Pooling.LAST: data_pb2.POOLING_LAST,
+}
+_POOLING_FROM_PB = {v: k for k, v in _POOLING_TO_PB.items()}
 
 
 def kind_from_proto(value: int) -> SegmentKind:
     found = _KIND_FROM_PB.get(value)
     if found is None:
         raise InvalidRequest(f"segment kind {value} is unset or unknown")
+    return found
+
+
+def pooling_from_proto(value: int) -> Pooling:
+    found = _POOLING_FROM_PB.get(value)
+    if found is None:
+        raise InvalidRequest(f"pooling {value} is unknown; send none, mean or last")
     return found
 
 
@@ -126,6 +140,7 @@ def segment_to_proto(segment: Segment) -> data_pb2.Segment:
         forget_prefix=segment.forget_prefix,
         ahead=segment.ahead,
         score=segment.score,
+        pooling=_POOLING_TO_PB[segment.pooling],
     )
     if segment.next_token is not None:
         pb.next_token = segment.next_token
@@ -151,6 +166,7 @@ def segment_from_proto(pb: data_pb2.Segment) -> Segment:
         ahead=pb.ahead,
         score=pb.score,
         next_token=pb.next_token if pb.HasField("next_token") else None,
+        pooling=pooling_from_proto(pb.pooling),
     )
 
 
@@ -229,6 +245,7 @@ def segment_result_to_proto(result: SegmentResult) -> data_pb2.SegmentResult:
         dropped=result.dropped,
         logprobs=[_logprob_to_proto(entry) for entry in result.logprobs],
         prompt_logprobs=[_logprob_to_proto(entry) for entry in result.prompt_logprobs],
+        pooled=result.pooled,
     )
     if result.error is not None:
         pb.error.CopyFrom(error_to_proto(result.error))
@@ -247,6 +264,7 @@ def segment_result_from_proto(pb: data_pb2.SegmentResult) -> SegmentResult:
         dropped=pb.dropped,
         logprobs=tuple(_logprob_from_proto(entry) for entry in pb.logprobs),
         prompt_logprobs=tuple(_logprob_from_proto(entry) for entry in pb.prompt_logprobs),
+        pooled=tuple(pb.pooled),
     )
 
 

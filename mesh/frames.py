@@ -34,6 +34,16 @@ class SegmentKind(enum.Enum):
         return self is not SegmentKind.END
 
 
+class Pooling(enum.Enum):
+    """How the last stage pools a PREFILL segment's rows of the final-normed hidden
+    state (embeddings): not at all, their sum (stage 0 divides a prompt's sum by its
+    length: the mean), or the segment's last row."""
+
+    NONE = "none"
+    MEAN = "mean"
+    LAST = "last"
+
+
 @dataclass(frozen=True)
 class StageTiming:
     """Time one stage spent on a frame (sent as float32 milliseconds)."""
@@ -93,6 +103,9 @@ class Segment:
     # ``next_token`` (the token after its last, on a chunk of a longer prompt).
     score: bool = False
     next_token: int | None = None
+    # Embeddings (docs/protocol.md), PREFILL only: the last stage answers the
+    # segment's rows after the final norm, pooled (``SegmentResult.pooled``).
+    pooling: Pooling = Pooling.NONE
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):
@@ -119,9 +132,9 @@ class Segment:
     @property
     def emits(self) -> bool:
         """True when the last stage answers this segment with tokens (or, scoring,
-        with the prompt's log-probabilities)."""
+        with the prompt's log-probabilities; pooling, with its pooled rows)."""
         if self.kind is SegmentKind.PREFILL:
-            return self.sample or self.score
+            return self.sample or self.score or self.pooling is not Pooling.NONE
         return self.kind is not SegmentKind.END
 
     def result_pos(self) -> int:
@@ -219,10 +232,14 @@ class SegmentResult:
     # A scoring segment's ``scored_tokens``, scored: positions ``pos + 1 ...`` of
     # the segment (``Segment.pos_start + 1`` on).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # A pooling segment's rows after the final norm, pooled (``Segment.pooling``).
+    pooled: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):
             object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        if not isinstance(self.pooled, tuple):
+            object.__setattr__(self, "pooled", tuple(float(v) for v in self.pooled))
 
     @property
     def ok(self) -> bool:

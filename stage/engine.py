@@ -20,6 +20,7 @@ from mesh.errors import InvalidRequest, MeshError
 from mesh.frames import (
     Frame,
     FrameResult,
+    Pooling,
     Segment,
     SegmentKind,
     SegmentResult,
@@ -157,7 +158,7 @@ class StageEngine:
             if not s.emits or id(s) not in before:
                 continue
             try:
-                emitted[id(s)] = self._emit(s, out.of(i), before[id(s)])
+                emitted[id(s)] = self._emit(s, out.of(i), before[id(s)], out.pooled.get(i))
             except MeshError as error:  # a grammar the output cannot follow
                 failed[id(s)] = SegmentResult.failure(s, error, self.stage_index)
                 failures.append(failed[id(s)])
@@ -193,6 +194,7 @@ class StageEngine:
             request_id=segment.request_id,
             sampling=segment.sampling,
             prefix_from=segment.prefix_from,
+            pooling="" if segment.pooling is Pooling.NONE else segment.pooling.value,
         )
 
     def _refuted(self, computing: list[Segment]) -> set[int]:
@@ -219,11 +221,18 @@ class StageEngine:
             )
         return hidden
 
-    def _emit(self, segment: Segment, logits: torch.Tensor, before: list[int]) -> SegmentResult:
+    def _emit(
+        self,
+        segment: Segment,
+        logits: torch.Tensor,
+        before: list[int],
+        pooled: torch.Tensor | None = None,
+    ) -> SegmentResult:
         """The segment's tokens; ``before`` is the session's token ids before it (kept
-        only where penalties use them)."""
+        only where penalties use them); ``pooled``, a pooling segment's pooled rows."""
         sampling = self.runtime.session_sampling(segment.session_id)
         scored = self._score(segment, logits, sampling) if segment.score else ()
+        pooled_values = tuple(pooled.tolist()) if pooled is not None else ()
         if segment.kind is SegmentKind.PREFILL and not segment.sample:
             return SegmentResult(
                 request_id=segment.request_id,
@@ -233,6 +242,7 @@ class StageEngine:
                 pos_start=segment.pos_start + 1,
                 epoch=segment.epoch,
                 prompt_logprobs=scored,
+                pooled=pooled_values,
             )
         if sampling.grammar:
             logits = self._constrain(segment, logits, before, sampling)
@@ -264,6 +274,7 @@ class StageEngine:
             epoch=segment.epoch,
             logprobs=logprobs,
             prompt_logprobs=scored,
+            pooled=pooled_values,
         )
 
     def _score(

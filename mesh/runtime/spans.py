@@ -30,6 +30,9 @@ class Span:
     # A new session starting at pos_start > 0 copies its first pos_start positions
     # from this kept prefix (SessionTable.keep_prefix).
     prefix_from: str = ""
+    # On the last stage: pool the span's rows after the final norm ("mean": their
+    # sum, "last": its last row; "" none) into ``BatchOutput.pooled``.
+    pooling: str = ""
 
     def logits_wanted(self) -> int:
         return self.count if self.logit_rows < 0 else min(self.logit_rows, self.count)
@@ -46,6 +49,9 @@ class BatchOutput:
     rows: torch.Tensor | None
     placed: dict[int, tuple[int, int]] = field(default_factory=dict)
     errors: dict[int, MeshError] = field(default_factory=dict)
+    # On the last stage, by span index: a pooling span's rows after the final norm,
+    # pooled (float32 ``[hidden]``).
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def of(self, index: int) -> torch.Tensor:
         """The output rows of span ``index``."""

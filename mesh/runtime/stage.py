@@ -330,12 +330,16 @@ class StageRuntime(GraphSteps):
             opened, errors = self._open_spans(spans, inputs if self._is_first else None)
             if not opened:
                 return BatchOutput(None, {}, errors)
-            if len(opened) == 1 and (opened[0][1].count == 1 or self._batch_graphs is None):
+            # Pooled rows come from the hidden state before the head, which the
+            # graphs of a step (one session's, a bucket's) keep inside them.
+            pooling = self._is_last and any(span.pooling for _, span, _, _ in opened)
+            single = len(opened) == 1 and (opened[0][1].count == 1 or self._batch_graphs is None)
+            if single and not pooling:
                 index, span, cache, row = opened[0]
                 rows = prepared[row : row + span.count]
                 out = self._run(cache, span.pos_start, rows, span.logits_wanted())
                 return BatchOutput(out, {index: (0, out.shape[0])}, errors)
-            return self._run_spans(opened, prepared, errors)
+            return self._run_spans(opened, prepared, errors, graphs=not pooling)
 
     def _open_spans(
         self, spans: Sequence[Span], ids: torch.Tensor | None
@@ -384,11 +388,12 @@ class StageRuntime(GraphSteps):
         opened: list[tuple[int, Span, SessionCache, int]],
         prepared: torch.Tensor,
         errors: dict[int, MeshError],
+        graphs: bool = True,
     ) -> BatchOutput:
         modules = self._modules
         if errors:
             prepared = torch.cat([prepared[row : row + span.count] for _, span, _, row in opened])
-        if self._batch_graphs is not None:
+        if self._batch_graphs is not None and graphs:
             step = self._batch_graphs.step_for(prepared.shape[0])
             if step is not None:
                 out = self._run_bucket(step, opened, prepared, errors)
@@ -405,13 +410,16 @@ class StageRuntime(GraphSteps):
                 placed[index] = (part.row, part.count)
             return BatchOutput(hidden, placed, errors)
         pieces: list[torch.Tensor] = []
+        pooled: dict[int, torch.Tensor] = {}
         out_row = 0
         for (index, span, _, _), part in zip(opened, parts, strict=True):
             wanted = span.logits_wanted()
             pieces.append(hidden[part.row + part.count - wanted : part.row + part.count])
             placed[index] = (out_row, wanted)
             out_row += wanted
-        return BatchOutput(self._head(torch.cat(pieces)), placed, errors)
+            if span.pooling:
+                pooled[index] = self._pool(hidden[part.row : part.row + part.count], span.pooling)
+        return BatchOutput(self._head(torch.cat(pieces)), placed, errors, pooled)
 
     def _segment_rows(
         self, opened: list[tuple[int, Span, SessionCache, int]]
@@ -436,6 +444,20 @@ class StageRuntime(GraphSteps):
         stage: float32 logits (the step probe times it, mesh/runtime/probe.py)."""
         with self._lock, torch.inference_mode():
             return self._head(hidden.to(device=self._device, dtype=self._dtype))
+
+    def _pool(self, hidden: torch.Tensor, pooling: str) -> torch.Tensor:
+        """One span's rows after the final norm, pooled: their sum ("mean"; the caller
+        divides a whole prompt's sum by its length) or its last row ("last"), float32
+        ``[hidden]``."""
+        modules = self._modules
+        rows = hidden[-1:] if pooling == "last" else hidden
+        normed = rms_norm(
+            rows,
+            modules.norm,  # type: ignore[arg-type]
+            modules.norm_eps,
+            modules.row_invariant,
+        )
+        return normed.float().sum(dim=0)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: float32 logits ``[rows, vocab]``."""

@@ -276,6 +276,13 @@ class FrontendConfig:
         "GET /v1/responses/{id} (0: keep none)",
         minimum=0,
     )
+    embedding_pooling: str = setting(
+        "mean",
+        "how /v1/embeddings pools a prompt's positions of the model's final hidden state: "
+        "mean (every position) or last (the last position, for models trained to embed "
+        "that way)",
+        choices=("mean", "last"),
+    )
     prompts_ahead: bool = setting(
         True,
         "with the pipe full, send new requests' first prompt chunks at once in one extra "

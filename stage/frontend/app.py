@@ -6,7 +6,8 @@ Face tokenizer; ``http_server.serve_app`` runs it with uvicorn in a background t
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE
 streaming); other APIs translated into chat requests: ``POST /v1/responses``
 (OpenAI's Responses API, responses.py), ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); llama.cpp's own
+``POST /v1/messages/count_tokens`` (Anthropic's, anthropic.py); ``POST
+/v1/embeddings`` (embeddings.py); llama.cpp's own
 ``POST /completion``, ``POST /infill``, ``GET /props``, ``POST /apply-template``
 (llama_api.py, infill.py); ``POST /tokenize``,
 ``POST /detokenize``; ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
@@ -30,9 +31,9 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from mesh.api_keys import NO_LIMITS, KeySource, key_source, presented_key
-from mesh.errors import MeshError, Unavailable
+from mesh.errors import CapacityExceeded, MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
-from stage.frontend import anthropic, anthropic_answer, tokenize
+from stage.frontend import anthropic, anthropic_answer, embeddings, tokenize
 from stage.frontend.backend import GenerationBackend
 from stage.frontend.errors import (
     OpenAIError,
@@ -85,6 +86,7 @@ ENDPOINTS = (
     MESSAGES_PATH,
     COUNT_TOKENS_PATH,
     RESPONSES_PATH,
+    "/v1/embeddings",
     *LLAMA_PATHS,
     *TOKEN_PATHS,
     "/v1/models",
@@ -107,6 +109,7 @@ class _Frontend:
         stop_token_ids: frozenset[int],
         metrics: FrontendMetrics,
         fingerprint: str | None,
+        embedding_size: int | None = None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -122,6 +125,8 @@ class _Frontend:
         self.tenant_rates = TenantRates(metrics.tenant_rate_limited)
         self.fim = fim_tokens(tokenizer)
         self.responses = ResponseStore(limits.stored_responses)
+        # The length of the model's embeddings (its hidden size), where known.
+        self.embedding_size = embedding_size
 
     def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.
@@ -283,6 +288,51 @@ class _Frontend:
             if not handed_over:
                 await close()
 
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings`` (stage/frontend/embeddings.py)."""
+        payload = await self.payload(request)
+        if payload is None:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        try:
+            body = embeddings.EmbeddingBody.model_validate(payload)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        ctx = self.prompt_context(request)
+        embeddings.check_body(body, ctx, self.embedding_size)
+        await self.check_ready()
+        ctx = self.prompt_context(request)  # the loaded pipeline's context length
+        inputs = await asyncio.to_thread(embeddings.input_tokens, body, ctx)
+        tokens = sum(len(item) for item in inputs)
+        window = min(len(inputs), embeddings.EMBED_WINDOW)
+        capacity = getattr(self.backend, "request_capacity", None)
+        if capacity is not None:
+            free = capacity - getattr(self.backend, "active_requests", 0)
+            if free <= 0:
+                raise CapacityExceeded(
+                    f"{capacity} requests are running or queued, the limit; retry shortly"
+                )
+            window = min(window, free)
+        if self.api_keys is not None and ctx.tenant:
+            window = min(window, self.api_keys.limits_of(ctx.tenant).max_concurrent or window)
+        releases = self.claim_slots(ctx.tenant, window, tokens)
+        requests = embeddings.embedding_requests(inputs, self.limits.embedding_pooling, ctx.tenant)
+        try:
+            vectors = await until_disconnect(
+                request.receive, embeddings.embed_all(self.backend, requests, window)
+            )
+        except ClientDisconnected:
+            logger.info("client left before its %d embeddings were read", len(inputs))
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        finally:
+            for release in releases:
+                release(0)
+        self.metrics.prompt_tokens.labels(endpoint=embeddings.EMBEDDINGS_PATH).inc(tokens)
+        if ctx.tenant:
+            self.metrics.tenant_tokens.labels(tenant=ctx.tenant, kind="prompt").inc(tokens)
+        if vectors and self.embedding_size is None:
+            self.embedding_size = len(vectors[0])
+        return JSONResponse(embeddings.answer(body, vectors, inputs, self.model_id))
+
     async def payload(self, request: Request) -> dict[str, Any] | None:
         """The authorized request's JSON object; None when the client left while
         sending it."""
@@ -362,6 +412,7 @@ def create_app(
     stop_token_ids: Iterable[int] | None = None,
     metrics: FrontendMetrics | None = None,
     fingerprint: str | None = None,
+    embedding_size: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``model_id`` through ``backend``.
 
@@ -369,7 +420,8 @@ def create_app(
     ``stop_token_ids`` default to the tokenizer's EOS token. ``metrics`` lets the
     caller share a registry (stage 0: its process's); by default the app has its own.
     ``fingerprint`` is answered as ``system_fingerprint`` (it names the weights being
-    served).
+    served). ``embedding_size`` is the length of the model's embeddings (its
+    hidden size), where the caller knows it.
     """
     if max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
@@ -388,6 +440,7 @@ def create_app(
         frozenset(int(t) for t in stop_token_ids),
         metrics,
         fingerprint,
+        embedding_size,
     )
     app = FastAPI(title="mesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = front
@@ -429,6 +482,10 @@ def create_app(
     add_response_routes(app, front)
 
     add_llama_routes(app, front)
+
+    @app.post(embeddings.EMBEDDINGS_PATH)
+    async def create_embeddings(request: Request) -> Response:
+        return await front.embeddings(request)
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> JSONResponse:

@@ -15,8 +15,9 @@ Generator contract:
   cannot serve (HTTP 503), ``mesh.errors.InvalidRequest`` for input the engine
   refuses (HTTP 400). A ``MeshError`` raised after tokens were sent ends the stream
   with an OpenAI error event.
-- With ``score_prompt`` the first event carries the prompt's log-probabilities;
-  with ``max_new_tokens`` 0 it is also the last (no token ids, ``"length"``).
+- With ``score_prompt`` the first event carries the prompt's log-probabilities,
+  with ``pooling`` its pooled hidden state (embeddings); with ``max_new_tokens`` 0
+  it is also the last (no token ids, ``"length"``).
 - Each ``TokenEvent`` carries one or more newly committed token ids (a speculative
   round may commit several at once). ``token_ids`` never contains the stop token
   that ended generation; that is reported as ``finish_reason="stop"``. Reaching
@@ -41,6 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 from mesh.types import SamplingParams
 
 FINISH_REASONS = frozenset({"stop", "length"})
+# How an embedding pools a prompt's rows (``GenerationRequest.pooling``).
+POOLINGS = ("mean", "last")
 
 # Keys the HTTP layer copies from GenerationStats.speculation into `timings`.
 SPECULATION_KEYS = (
@@ -93,6 +96,15 @@ class GenerationRequest:
     # carries ``prompt_logprobs``. Only then may ``max_new_tokens`` be 0 (the prompt
     # is read and scored, nothing is generated).
     score_prompt: bool = False
+    # Embeddings: pool the prompt's rows of the model's final-normed hidden state,
+    # "mean" or "last" ("": none); the first event carries ``embedding``. Only then
+    # (or with ``score_prompt``) may ``max_new_tokens`` be 0.
+    pooling: str = ""
+
+    @property
+    def reads_only(self) -> bool:
+        """True when the request may read its prompt and generate nothing."""
+        return self.score_prompt or bool(self.pooling)
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,9 @@ class TokenEvent:
     # tokens before it) under the model's own distribution (no penalties, biases or
     # temperature), with ``sampling.top_logprobs`` alternatives.
     prompt_logprobs: tuple[Any, ...] = ()
+    # With ``pooling``, on the first event only: the prompt's rows of the final-normed
+    # hidden state, pooled (their mean, or the last row), not normalised.
+    embedding: tuple[float, ...] = ()
 
 
 @runtime_checkable

@@ -34,10 +34,10 @@ from mesh.errors import (
     StaleTerm,
     Unavailable,
 )
-from mesh.frames import Frame, FrameResult, Segment, SegmentKind, SegmentResult
+from mesh.frames import Frame, FrameResult, Pooling, Segment, SegmentKind, SegmentResult
 from mesh.speculative import RoundContext, plan_window
 from stage.frontend import ahead
-from stage.frontend.backend import GenerationRequest
+from stage.frontend.backend import POOLINGS, GenerationRequest
 from stage.frontend.engine_prompts import PromptSteps
 from stage.frontend.engine_types import (
     EngineLimits,
@@ -107,10 +107,14 @@ class EngineCore(PromptSteps):
         """Admit a request (running when a session slot is free, else queued)."""
         if not request.prompt_tokens:
             raise InvalidRequest("the prompt is empty; send at least one token")
-        if request.max_new_tokens < (0 if request.score_prompt else 1):
+        if request.max_new_tokens < (0 if request.reads_only else 1):
             raise InvalidRequest(
                 f"max_new_tokens is {request.max_new_tokens}; a request generates at least "
-                "one token unless it scores its prompt"
+                "one token unless it scores or embeds its prompt"
+            )
+        if request.pooling not in ("", *POOLINGS):
+            raise InvalidRequest(
+                f"pooling {request.pooling!r} is unknown; use one of {', '.join(POOLINGS)}"
             )
         if self.info is None:
             raise Unavailable("the pipeline is not loaded yet (or is reloading)")
@@ -177,8 +181,9 @@ class EngineCore(PromptSteps):
         while self.waiting and len(self.running) < cap:
             run = self._next_waiting()
             self.waiting.remove(run)
-            # A scored prompt is read whole: every position's row must reach the head.
-            self.running[run.request.request_id] = Tracked(run, no_prefix=run.request.score_prompt)
+            # A scored or embedded prompt is read whole: every position's row must
+            # reach the head (or the pooling).
+            self.running[run.request.request_id] = Tracked(run, no_prefix=run.request.reads_only)
 
     def _next_waiting(self) -> RequestRun:
         """The waiting request to admit next: the earliest of those whose tenant (API
@@ -490,11 +495,13 @@ class EngineCore(PromptSteps):
                 self.stale.append("epoch")
             return None
         flight = tracked.in_flight
-        if answer.prompt_logprobs and not answer.token_ids and answer.error is None:
-            # A scored chunk of a longer prompt: its answer's pos_start is the first
-            # position it scores.
+        if (answer.prompt_logprobs or answer.pooled) and not answer.token_ids and not answer.error:
+            # A scored (or pooled) chunk of a longer prompt: its answer's pos_start
+            # is the first position it scores (one past the chunk's start).
             if term == self._term() and tracked.recover_by is None:
                 tracked.run.record_prompt_scores(answer.pos_start, answer.prompt_logprobs)
+                if answer.pooled:
+                    tracked.run.record_pooled(answer.pos_start - 1, answer.pooled)
             return None
         if flight is None or flight.frame_id != frame_id:
             if answer.error is not None and term == self._term() and tracked.recover_by is None:
@@ -570,11 +577,15 @@ class EngineCore(PromptSteps):
             accepted = answer.accepted_count
             ahead.observe_round(tracked, now - flight.sent_at, len(flight.drafts), accepted)
             run.observe(flight.drafts, accepted, emitted, now - flight.sent_at, flight.draft_s)
-        if flight.segment.score:
-            try:
+        if answer.pooled:
+            run.record_pooled(flight.segment.pos_start, answer.pooled)
+        try:
+            if flight.segment.score:
                 run.finish_prompt_scores()
-            except Unavailable as error:
-                return self._fail(run.request.request_id, error)
+            if flight.segment.pooling is not Pooling.NONE:
+                run.finish_pooled(flight.segment.pos_start)
+        except Unavailable as error:
+            return self._fail(run.request.request_id, error)
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
             ahead.end_ahead(tracked, self.ahead)

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from mesh.errors import MeshError
-from mesh.frames import Frame, Segment, SegmentKind
+from mesh.frames import Frame, Pooling, Segment, SegmentKind
 from stage.frontend.engine_types import EngineLimits, InFlight, PipelineInfo, SentFrame, Tracked
 from stage.frontend.expectation import Expected
 from stage.frontend.prefix_index import PrefixIndex
@@ -156,6 +156,10 @@ class PromptSteps:
         final = start + count >= len(tokens)
         session = run.request.request_id
         score = run.request.score_prompt and not run.prompt_scored
+        pooling = Pooling.NONE
+        if run.request.pooling and not run.embedded and (final or run.request.pooling == "mean"):
+            pooling = Pooling(run.request.pooling)
+            run.pooled_sizes[start] = count
         segment = Segment(
             request_id=session,
             session_id=session,
@@ -168,6 +172,7 @@ class PromptSteps:
             prefix_from=prefix_from,
             score=score,
             next_token=tokens[start + count] if score and not final else None,
+            pooling=pooling,
         )
         tracked.prefilled = start + count
         if final:

@@ -256,8 +256,10 @@ def start_frontend(
             limits=FrontendLimits(
                 reasoning_format=own.value.reasoning_format,
                 stored_responses=own.value.stored_responses,
+                embedding_pooling=own.value.embedding_pooling,
             ),
             fingerprint=system_fingerprint(manifest),
+            embedding_size=manifest.hidden_size,
             metrics=http_metrics,
         )
         switch.package_dir = package_dir

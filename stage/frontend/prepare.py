@@ -40,7 +40,7 @@ from jinja2 import TemplateError
 from mesh.errors import InvalidRequest
 from mesh.grammar import grammar_spec
 from mesh.types import SamplingParams
-from stage.frontend.backend import GenerationRequest
+from stage.frontend.backend import POOLINGS, GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
 from stage.frontend.fim import FimTokens, encode_text, fim_prompt
 from stage.frontend.reasoning import (
@@ -75,6 +75,8 @@ class FrontendLimits:
     reasoning_format: str = "auto"
     # Responses kept for previous_response_id (stage/frontend/response_store.py).
     stored_responses: int = 1024
+    # How /v1/embeddings pools a prompt's positions (stage/frontend/embeddings.py).
+    embedding_pooling: str = "mean"
 
     def __post_init__(self) -> None:
         if self.max_stop_sequences < 0 or self.max_stop_chars < 1:
@@ -86,6 +88,11 @@ class FrontendLimits:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.stored_responses < 0:
             raise ValueError(f"stored_responses must be >= 0, got {self.stored_responses}")
+        if self.embedding_pooling not in POOLINGS:
+            raise ValueError(
+                f"embedding_pooling must be one of {', '.join(POOLINGS)}, got "
+                f"{self.embedding_pooling!r}"
+            )
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.reasoning_format not in REASONING_FORMATS:

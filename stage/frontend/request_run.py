@@ -42,6 +42,13 @@ class RequestRun:
         self.prompt_scores: dict[int, Any] = {}
         self.prompt_scored = False
         self._scores_out: tuple[Any, ...] = ()
+        # An embedded prompt (``request.pooling``): the rows each chunk sent to be
+        # pooled covers (by its first position, as last sent) and what came back;
+        # the prompt's embedding once its last chunk is answered, handed out once.
+        self.pooled_sizes: dict[int, int] = {}
+        self.pooled_parts: dict[int, tuple[float, ...]] = {}
+        self.embedded = False
+        self._embedding_out: tuple[float, ...] = ()
         if speculation is not None:
             self.drafter, self.policy, self.strategy = speculation
             self.telemetry = Telemetry()
@@ -79,12 +86,44 @@ class RequestRun:
         self.prompt_scores = {}
         self.prompt_scored = True
 
+    def record_pooled(self, start: int, values: Sequence[float]) -> None:
+        """The pooled rows of the chunk that starts at ``start``."""
+        if not self.embedded:
+            self.pooled_parts[start] = tuple(values)
+
+    def finish_pooled(self, final_start: int) -> None:
+        """The prompt's last chunk (from ``final_start``) was answered: its embedding
+        from the chunks that tile the prompt (raises Unavailable when one never came
+        back)."""
+        if self.embedded:
+            return
+        length = len(self.request.prompt_tokens)
+        if self.request.pooling == "last":
+            parts = [self.pooled_parts.get(final_start)]
+        else:
+            parts, at = [], 0
+            while at < length and at in self.pooled_sizes:
+                parts.append(self.pooled_parts.get(at))
+                at += self.pooled_sizes[at]
+            if at != length:
+                parts.append(None)
+        if any(part is None for part in parts):
+            raise Unavailable(
+                f"request {self.request.request_id}: a part of the prompt's embedding never "
+                "came back; retry the request"
+            )
+        total = [sum(column) for column in zip(*parts, strict=True)]
+        scale = 1.0 / length if self.request.pooling == "mean" else 1.0
+        self._embedding_out = tuple(value * scale for value in total)
+        self.pooled_sizes, self.pooled_parts = {}, {}
+        self.embedded = True
+
     def commit(self, emitted: list[int], logprobs: Sequence[Any] = ()) -> TokenEvent:
         """Commit emitted tokens up to a stop token or the token budget (with their
         log-probabilities, when the request asked for them)."""
         finish = None
         out: list[int] = []
-        if self.tokens_left() <= 0:  # a scored prompt with nothing to generate
+        if self.tokens_left() <= 0:  # a scored or embedded prompt, nothing to generate
             emitted, finish = [], "length"
         for token in emitted:
             if token in self.request.stop_token_ids:
@@ -102,7 +141,12 @@ class RequestRun:
             stats=self.stats(),
             logprobs=tuple(logprobs[: len(out)]),
             prompt_logprobs=self._take_scores(),
+            embedding=self._take_embedding(),
         )
+
+    def _take_embedding(self) -> tuple[float, ...]:
+        embedding, self._embedding_out = self._embedding_out, ()
+        return embedding
 
     def _take_scores(self) -> tuple[Any, ...]:
         scores, self._scores_out = self._scores_out, ()

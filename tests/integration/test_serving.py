@@ -312,3 +312,84 @@ def test_health(mesh):
     metrics = httpx.get(mesh.http_url + "/metrics").text
     assert "mesh_stage_compute_seconds_bucket" in metrics
     assert "mesh_sessions_active" in metrics
+
+
+def reference_embedding(model_dir, ids: list[int]) -> list[float]:
+    """The unsplit model's final hidden state (after its last norm), averaged over
+    the positions and scaled to length 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hidden = model.model(torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+    mean = hidden.float().mean(dim=0)
+    return (mean / mean.norm()).tolist()
+
+
+def test_embeddings_equal_the_unsplit_models_and_chats_beside_them_keep_their_text(
+    client: OpenAI, mesh, tiny_model_factory
+):
+    model_dir = tiny_model_factory("llama", layers=6)
+    inputs = [[5, 17, 99, 3, 250, 8], list(range(40, 340)), [7]]
+    # The official client asks for base64 and decodes it.
+    reply = client.embeddings.create(model=MODEL, input=inputs)
+    assert reply.model == MODEL and [d.index for d in reply.data] == [0, 1, 2]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, inputs))
+    for item, ids in zip(reply.data, inputs, strict=True):
+        want = reference_embedding(model_dir, ids)
+        assert len(item.embedding) == len(want)
+        assert max(abs(a - b) for a, b in zip(item.embedding, want, strict=True)) < 1e-4
+    # Text and its token ids give the same vector; floats as asked.
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = httpx.post(mesh.http_url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    as_text = client.embeddings.create(model=MODEL, input=text, encoding_format="float")
+    as_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert as_text.data[0].embedding == pytest.approx(as_ids.data[0].embedding, abs=1e-5)
+    # More inputs than the server runs at once, while chats run beside them.
+    prompts = [f"Tell me about the number {i}." for i in range(4)]
+    alone = [
+        chat(client, p, max_tokens=12, temperature=0).choices[0].message.content for p in prompts
+    ]
+    many = [[(11 * i + j) % 900 + 1 for j in range(20 + i)] for i in range(14)]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        chats = [
+            pool.submit(lambda p: chat(client, p, max_tokens=12, temperature=0), p) for p in prompts
+        ]
+        batch = pool.submit(client.embeddings.create, model=MODEL, input=many)
+        together = [c.result().choices[0].message.content for c in chats]
+        vectors = batch.result().data
+    assert together == alone
+    assert len(vectors) == 14
+    for item, ids in zip(vectors[:3], many[:3], strict=True):
+        want = reference_embedding(model_dir, ids)
+        assert max(abs(a - b) for a, b in zip(item.embedding, want, strict=True)) < 1e-4
+    sessions_freed(mesh)
+
+
+def test_bad_embedding_requests_get_openai_errors_and_nothing_is_lost(mesh, client: OpenAI):
+    url = mesh.http_url + "/v1/embeddings"
+    cases = [
+        ({"model": MODEL, "input": ""}, "input"),
+        ({"model": MODEL, "input": []}, "input"),
+        ({"model": MODEL, "input": [[]]}, "input"),
+        ({"model": MODEL, "input": [5] * 600}, "input"),
+        ({"model": MODEL, "input": [10**9]}, "input"),
+        ({"model": MODEL, "input": "hi", "dimensions": 3}, "dimensions"),
+        ({"model": MODEL, "input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"model": MODEL, "input": "hi", "pooling": "max"}, "pooling"),
+        ({"model": MODEL, "input": 42}, "input"),
+        ({"input": "hi", "model": "no-such-model"}, "model"),
+    ]
+    for body, param in cases:
+        response = httpx.post(url, json=body)
+        assert response.status_code in (400, 404), (body, response.text)
+        assert error_of(response)["param"] == param, (body, response.text)
+    assert error_of(httpx.post(url, json={"input": [5] * 600}))["code"] == (
+        "context_length_exceeded"
+    )
+    size = len(client.embeddings.create(model=MODEL, input="hi").data[0].embedding)
+    exact = client.embeddings.create(model=MODEL, input="hi", dimensions=size)
+    assert len(exact.data[0].embedding) == size
+    assert chat(client, "still there?", max_tokens=3).usage.completion_tokens == 3
+    sessions_freed(mesh)

@@ -16,6 +16,7 @@ from mesh.frames import (
     ErrorInfo,
     Frame,
     FrameResult,
+    Pooling,
     Segment,
     SegmentKind,
     SegmentResult,
@@ -46,6 +47,29 @@ def fake_score(before: list[int], token: int) -> TokenLogprob:
 def prompt_scores(prompt: tuple[int, ...]) -> list[TokenLogprob]:
     """The scores of a prompt's tokens after its first."""
     return [fake_score(list(prompt[:i]), prompt[i]) for i in range(1, len(prompt))]
+
+
+def fake_row(position: int, token: int) -> tuple[float, ...]:
+    """The fake model's final hidden row at ``position`` holding ``token``."""
+    return (float(token), float(position), 1.0)
+
+
+def fake_pooled(segment: Segment) -> tuple[float, ...]:
+    """A pooling segment's answer: the sum of its rows (mean) or its last row."""
+    rows = [fake_row(segment.pos_start + i, t) for i, t in enumerate(segment.token_ids)]
+    if segment.pooling is Pooling.NONE:
+        return ()
+    if segment.pooling is Pooling.LAST:
+        return rows[-1]
+    return tuple(sum(column) for column in zip(*rows, strict=True))
+
+
+def fake_embedding(prompt: tuple[int, ...], pooling: str) -> tuple[float, ...]:
+    """The whole prompt's pooled rows, as stage 0 should report them."""
+    rows = [fake_row(p, t) for p, t in enumerate(prompt)]
+    if pooling == "last":
+        return rows[-1]
+    return tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
 
 
 def greedy(prompt: tuple[int, ...], count: int) -> list[int]:
@@ -153,10 +177,16 @@ class FakePipeline:
                 for i, token in enumerate(segment.scored_tokens)
             )
             if segment.kind is SegmentKind.PREFILL and not segment.sample:
-                at = segment.pos_start + 1 if segment.score else segment.pos_end
+                pooled = fake_pooled(segment)
+                at = segment.pos_start + 1 if segment.score or pooled else segment.pos_end
                 results.append(
                     SegmentResult(
-                        segment.request_id, sid, at, epoch=segment.epoch, prompt_logprobs=scored
+                        segment.request_id,
+                        sid,
+                        at,
+                        epoch=segment.epoch,
+                        prompt_logprobs=scored,
+                        pooled=pooled,
                     )
                 )
                 continue
@@ -188,6 +218,7 @@ class FakePipeline:
                         [next_token(held)],
                         epoch=segment.epoch,
                         prompt_logprobs=scored,
+                        pooled=fake_pooled(segment),
                     )
                 )
         for result in results:

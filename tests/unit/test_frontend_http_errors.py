@@ -293,7 +293,8 @@ def test_unknown_model_is_404(http) -> None:
 
 
 def test_unknown_route_404_and_wrong_method_405(http) -> None:
-    assert_openai_error(http.post("/v1/embeddings", json={}), 404, code="not_found")
+    assert_openai_error(http.post("/v1/images/generations", json={}), 404, code="not_found")
+    assert_openai_error(http.post("/v1/embeddings", json={}), 400, param="input")
     assert_openai_error(http.get("/nothing/here"), 404)
     response = http.get(CHAT)
     assert_openai_error(response, 405, code="method_not_allowed")

@@ -15,11 +15,20 @@ class SegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SEGMENT_KIND_DECODE: _ClassVar[SegmentKind]
     SEGMENT_KIND_VERIFY: _ClassVar[SegmentKind]
     SEGMENT_KIND_END: _ClassVar[SegmentKind]
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_NONE: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+    POOLING_LAST: _ClassVar[Pooling]
 SEGMENT_KIND_UNSPECIFIED: SegmentKind
 SEGMENT_KIND_PREFILL: SegmentKind
 SEGMENT_KIND_DECODE: SegmentKind
 SEGMENT_KIND_VERIFY: SegmentKind
 SEGMENT_KIND_END: SegmentKind
+POOLING_NONE: Pooling
+POOLING_MEAN: Pooling
+POOLING_LAST: Pooling
 
 class EndpointRequest(_message.Message):
     __slots__ = ()
@@ -34,7 +43,7 @@ class EndpointReply(_message.Message):
     def __init__(self, tcp: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead", "score", "next_token")
+    __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead", "score", "next_token", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +59,7 @@ class Segment(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     kind: SegmentKind
@@ -65,7 +75,8 @@ class Segment(_message.Message):
     ahead: bool
     score: bool
     next_token: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ..., ahead: _Optional[bool] = ..., score: _Optional[bool] = ..., next_token: _Optional[int] = ...) -> None: ...
+    pooling: Pooling
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[SegmentKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., epoch: _Optional[int] = ..., prefix_from: _Optional[str] = ..., keep_prefix: _Optional[bool] = ..., forget_prefix: _Optional[bool] = ..., ahead: _Optional[bool] = ..., score: _Optional[bool] = ..., next_token: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("term", "frame_id", "segments", "hidden", "timings")
@@ -90,7 +101,7 @@ class FrameAck(_message.Message):
     def __init__(self, frame_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class SegmentResult(_message.Message):
-    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs", "dropped", "prompt_logprobs")
+    __slots__ = ("request_id", "session_id", "pos_start", "token_ids", "accepted_count", "error", "epoch", "logprobs", "dropped", "prompt_logprobs", "pooled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +112,7 @@ class SegmentResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     pos_start: int
@@ -111,7 +123,8 @@ class SegmentResult(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     dropped: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., dropped: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pos_start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_count: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., dropped: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., pooled: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_tokens", "top_logprobs")
