@@ -144,22 +144,62 @@ def parse_tool_calls(
     """Split a generated answer into its text and its tool calls.
 
     Every ``<tool_call>...</tool_call>`` block (the last one may be cut off by the
-    end of the answer) holding a JSON object with a known function ``name`` and
-    ``arguments`` (an object, or JSON text of one) becomes a call; anything else
-    stays text. Without ``parallel`` only the first call is kept."""
+    end of the answer, its closing tag too) holding a JSON object with a known
+    function ``name`` and ``arguments`` (an object, or JSON text of one) becomes a
+    call; anything else stays text. The block's JSON is read as JSON, so a string
+    in the arguments may hold ``</tool_call>`` itself. Without ``parallel`` only the
+    first call is kept."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     at = 0
-    for match in _CALL.finditer(text):
-        call = _call_of(match.group(1), known)
+    for start, end, body in _call_blocks(text):
+        call = _call_of(body, known)
         if call is None or (calls and not parallel):
             continue
-        kept.append(text[at : match.start()])
-        at = match.end()
+        kept.append(text[at:start])
+        at = end
         calls.append(call)
     kept.append(text[at:])
     content = "".join(kept).strip() if calls else text
     return (content or None), calls
+
+
+def _call_blocks(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, body)`` of each ``<tool_call>`` block of ``text``: a JSON value
+    after the tag, then its closing tag (or the end of the text, or a part of the
+    tag the text ends in); where no JSON value is there, up to the next closing tag
+    (or the end) as the model wrote it."""
+    blocks: list[tuple[int, int, str]] = []
+    decoder = json.JSONDecoder()
+    at = text.find(CALL_OPEN)
+    while at >= 0:
+        inner = at + len(CALL_OPEN)
+        value_at = _skip_space(text, inner)
+        try:
+            _, value_end = decoder.raw_decode(text, value_at)
+        except ValueError:
+            value_end = -1
+        if value_end >= 0:
+            after = _skip_space(text, value_end)
+            tail = text[after : after + len(CALL_CLOSE)]
+            if tail == CALL_CLOSE or (
+                after + len(tail) == len(text) and CALL_CLOSE.startswith(tail)
+            ):
+                end = after + len(tail)
+                blocks.append((at, end, text[value_at:value_end]))
+                at = text.find(CALL_OPEN, end)
+                continue
+        match = _CALL.match(text, at)
+        assert match is not None  # _CALL matches from any CALL_OPEN
+        blocks.append((at, match.end(), match.group(1)))
+        at = text.find(CALL_OPEN, match.end())
+    return blocks
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def _call_of(body: str, known: Sequence[str]) -> ToolCall | None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from stage.frontend.tools import (
+    CALL_CLOSE,
     TemplateTools,
     forced_prefix,
     generic_messages,
@@ -61,6 +62,27 @@ def test_an_answer_cut_after_a_complete_call_keeps_it() -> None:
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     content, calls = parse_tool_calls(text, ["get_weather"])
     assert content is None and json.loads(calls[0].arguments) == {"city": "Oslo"}
+
+
+def test_a_closing_tag_cut_by_the_end_of_the_answer_is_not_left_as_text() -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for cut in ("\n</tool_", "\n</", "\n"):
+        content, calls = parse_tool_calls(
+            call + "\n" + call[: -len(CALL_CLOSE)] + cut, ["get_weather"]
+        )
+        assert content is None and len(calls) == 2, cut
+
+
+def test_a_string_in_the_arguments_may_hold_the_closing_tag() -> None:
+    arguments = {"x": "a</tool_call> b <tool_call>", "y": ["}}", "</tool_call>"]}
+    call = json.dumps({"name": "get_weather", "arguments": arguments})
+    text = f"Sure.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{call}\n</tool_call>"
+    content, calls = parse_tool_calls(text, ["get_weather"])
+    assert content == "Sure."
+    assert [json.loads(c.arguments) for c in calls] == [arguments, arguments]
+    # JSON followed by more than the closing tag is read as the model wrote it.
+    odd = f"<tool_call>{call} trailing</tool_call>"
+    assert parse_tool_calls(odd, ["get_weather"]) == (odd, [])
 
 
 def test_streamed_text_is_held_from_a_possible_call_on() -> None:
