@@ -244,6 +244,10 @@ class OutputConstraint:
         self.vocab = vocab
         self._matcher = matcher
         self.consumed: list[int] = []
+        # Whether the matcher counted each consumed token: once the grammar is done
+        # (an end token taken), it takes more end tokens without counting them, and
+        # a rollback counts only those it counted.
+        self._counted: list[bool] = []
         self._bits = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
 
     def sync(self, output: Sequence[int]) -> None:
@@ -254,18 +258,35 @@ class OutputConstraint:
         while same < limit and self.consumed[same] == output[same]:
             same += 1
         if same < len(self.consumed):
-            self._matcher.rollback(len(self.consumed) - same)
+            counted = sum(self._counted[same:])
+            if counted and not self._matcher.rollback(counted):
+                raise Fatal(
+                    f"the grammar matcher cannot roll back {counted} tokens "
+                    f"({self._matcher.get_error() or 'refused'}); the request cannot go on"
+                )
             del self.consumed[same:]
+            del self._counted[same:]
         for token in output[same:]:
             self.consume(int(token))
 
     def consume(self, token: int) -> None:
-        if not self._matcher.consume_token(token):
+        counted = True
+        if self._matcher.is_stopped() and not self._matcher.is_error():
+            # The grammar is complete: it allows only its end token, and does not
+            # count it again.
+            if not bool(self.allowed()[token]):
+                raise Fatal(
+                    f"output token {token} follows the end of the request's grammar; "
+                    "the request cannot go on"
+                )
+            counted = False
+        elif not self._matcher.consume_token(token):
             raise Fatal(
                 f"output token {token} does not follow the request's grammar "
                 f"({self._matcher.get_error() or 'refused'}); the request cannot go on"
             )
         self.consumed.append(token)
+        self._counted.append(counted)
 
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next, as a bool tensor ``[vocab]``."""

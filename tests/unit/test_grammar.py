@@ -119,6 +119,27 @@ def test_verify_rows_are_masked_after_their_drafts(smollm2_grammars, smollm2_tok
     assert torch.equal(masked[2], logits[2]) and torch.equal(masked[3], logits[3])
 
 
+def test_end_tokens_drafted_past_the_grammars_end_roll_back_cleanly(
+    smollm2_grammars, smollm2_tokenizer
+) -> None:
+    # The library takes any number of end tokens once the grammar is complete but
+    # counts only the first: a rollback of all of them must not undo real tokens.
+    spec = grammar_spec("grammar", 'start: "a" ("\\n" "a")*')
+    eos = smollm2_tokenizer.eos_token_id
+    a, newline = smollm2_tokenizer.encode("a\na")[:2]
+    constraint = smollm2_grammars.constraint(spec, VOCAB)
+    logits = torch.randn(4, VOCAB)
+    masked = mask_rows(constraint, logits, [a], [eos, eos, eos])
+    assert masked[0][eos] > float("-inf") and masked[0][newline] > float("-inf")
+    assert all(masked[row][eos] > float("-inf") for row in (1, 2, 3))
+    # The verdict rejected the first end token: the output goes on with a newline.
+    constraint.sync([a, newline])
+    assert torch.equal(constraint.allowed(), allowed_after(smollm2_grammars, spec, [a, newline]))
+    constraint.sync([a, newline, a, eos, eos])
+    with pytest.raises(Fatal, match="follows the end"):
+        constraint.sync([a, newline, a, eos, a])
+
+
 def test_a_stage_without_a_tokenizer_refuses_the_grammar(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="tokenizer"):
         TokenGrammars(tmp_path).constraint(grammar_spec("json_object"), VOCAB)
