@@ -60,6 +60,15 @@ def may_draft_ahead(tracked: Tracked) -> bool:
     )
 
 
+def through_stop(tokens: list[int], stops: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token: rows after it could only
+    be drafts of text the request never gets."""
+    for index, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: index + 1]
+    return tokens
+
+
 def assumed_tokens(tracked: Tracked) -> list[int]:
     """The tokens the request's windows in flight would commit if every one were
     accepted whole, short of the last window's bonus token (which the next window's
@@ -76,13 +85,17 @@ def ahead_segment(tracked: Tracked, term: int, window: int, now: float) -> Segme
     drafts after its guessed first token (None when the drafter has nothing)."""
     run = tracked.run
     assumed = assumed_tokens(tracked)
+    stops = run.request.stop_token_ids
+    if any(token in stops for token in assumed):
+        return None  # the windows in flight end the request if accepted whole
     tokens_left = run.tokens_left() - len(assumed) - 1
     window = min(window, tokens_left - 1)
     if window < 0:
         return None
     started = now
     proposal = run.drafter.propose_ahead(assumed, window + 1)  # type: ignore[union-attr]
-    if not proposal:
+    proposal = through_stop(proposal, stops)
+    if not proposal or proposal[0] in stops:
         return None
     last = windows(tracked)[-1].segment
     segment = Segment(

@@ -449,7 +449,7 @@ class EngineCore(PromptSteps):
         if window <= 0:
             return [], 0.0
         started = self.clock()
-        drafts = run.drafter.propose(window)
+        drafts = ahead.through_stop(run.drafter.propose(window), run.request.stop_token_ids)
         return drafts, self.clock() - started
 
     # ---- results -------------------------------------------------------------------

@@ -117,6 +117,48 @@ def test_speculation_windows_share_the_step_draft_budget() -> None:
     assert verify and max(s.token_count - 1 for s in verify) == 4  # 12 draft rows / 3
 
 
+def test_a_window_drafts_nothing_past_a_stop_token() -> None:
+    class Drafter:  # the true continuation
+        cost_per_token_s = 0.0
+
+        def __init__(self, prompt: tuple[int, ...]) -> None:
+            self.tokens = list(prompt)
+
+        def extend(self, tokens):
+            self.tokens.extend(tokens)
+
+        def accept(self, accepted, token, proposal):
+            self.tokens.extend([*proposal[:accepted], token])
+
+        def propose(self, k):
+            tokens = list(self.tokens)
+            for _ in range(k):
+                tokens.append(next_token(tokens))
+            return tokens[len(self.tokens) :]
+
+    class Policy:
+        def next_window(self, state):
+            return 8
+
+        def observe(self, *args):
+            pass
+
+    prompt = (5, 6, 7)
+    stop_at = greedy(prompt, 12)[5]
+    core = EngineCore(
+        EngineLimits(), Clock(), lambda req: (Drafter(req.prompt_tokens), Policy(), "fake")
+    )
+    core.set_pipeline(PipelineInfo(term=1, stage_count=1))
+    pipe = FakePipeline()
+    core.add(request("s", prompt, max_new=12, stop={stop_at}))
+    got = run_to_end(core, pipe)
+    expected = greedy(prompt, 12)
+    assert got["s"] == [expected[: expected.index(stop_at)], "stop", None]
+    (window,) = [s for f in pipe.frames for s in f.segments if s.kind is SegmentKind.VERIFY]
+    # The first decode step drafts the continuation up to the stop token, not past it.
+    assert window.token_ids[-1] == stop_at and stop_at not in window.token_ids[:-1]
+
+
 def test_admission_queues_then_refuses() -> None:
     core, _ = core_with(max_sessions=2, max_queued=1)
     for rid in ("a", "b", "c"):
