@@ -39,7 +39,17 @@ DRAINING = (
 )
 # Requests that start generations, refused while draining (with /health, so that a
 # load balancer stops sending).
-WORK_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+WORK_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/completion",
+        "/infill",
+    }
+)
 DRAIN_POLL_S = 0.1
 # A request still running when the drain ends fails with this (503), and the drain
 # waits up to END_WAIT_S for the clients to be told.
