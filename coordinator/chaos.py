@@ -55,14 +55,16 @@ OUTCOMES = ("identical", "failed", "corrupted")
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """One request: a completion of ``prompt``, or a chat of ``messages`` when set;
-    greedy when temperature is 0, else seeded sampling."""
+    """One request: a completion of ``prompt``, or a chat of ``messages`` when set,
+    or the embeddings of ``inputs`` when set; greedy when temperature is 0, else
+    seeded sampling."""
 
     prompt: str
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
     messages: tuple[dict[str, str], ...] = ()
+    inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,14 @@ class StreamOutcome:
     text: str
     finish_reason: str | None
     error: str | None = None
+    # An embeddings request's vectors.
+    vectors: tuple[tuple[float, ...], ...] = ()
+
+
+# The largest difference between an embedding under a fault and without one that
+# counts as the same: a prompt read again after a failover may be summed in other
+# chunks (float32 rounding), never more.
+EMBEDDING_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -89,17 +99,33 @@ class RoundRecord:
     recovery_s: float | None = None
 
 
+TOPICS = ["rivers", "prime numbers", "bread", "the moon", "chess", "glaciers", "owls"]
+
+
 def default_specs(count: int, max_tokens: int, rng: random.Random) -> list[StreamSpec]:
     """``count`` varied requests, half greedy, half seeded sampling."""
-    topics = ["rivers", "prime numbers", "bread", "the moon", "chess", "glaciers", "owls"]
     specs = []
     for index in range(count):
-        topic = rng.choice(topics)
+        topic = rng.choice(TOPICS)
         prompt = f"Note {index}: write a few sentences about {topic}, then list three facts."
         if index % 2:
             specs.append(StreamSpec(prompt, max_tokens, 0.8, seed=rng.randrange(1 << 31)))
         else:
             specs.append(StreamSpec(prompt, max_tokens))
+    return specs
+
+
+def embedding_specs(count: int, inputs: int, rng: random.Random) -> list[StreamSpec]:
+    """``count`` embeddings requests of ``inputs`` texts each, long enough to take a
+    while (and to be read in several chunks)."""
+    specs = []
+    for index in range(count):
+        texts = tuple(
+            f"Document {index}.{n}: "
+            + " ".join(f"{rng.choice(TOPICS)} {rng.randrange(1000)}" for _ in range(60))
+            for n in range(inputs)
+        )
+        specs.append(StreamSpec("", 0, inputs=texts))
     return specs
 
 
@@ -120,6 +146,14 @@ def run_stream(
         stream=True,
     )
     try:
+        if spec.inputs:
+            if started is not None:
+                started.set()  # one answer, nothing streamed: the fault comes while it runs
+            reply = client.embeddings.create(
+                model=model, input=list(spec.inputs), encoding_format="float"
+            )
+            vectors = tuple(tuple(item.embedding) for item in reply.data)
+            return StreamOutcome("", "embeddings", vectors=vectors)
         if spec.messages:
             stream = client.chat.completions.create(messages=list(spec.messages), **params)
         else:
@@ -143,6 +177,13 @@ def classify(outcome: StreamOutcome, expected: StreamOutcome) -> str:
     """One of OUTCOMES for a stream run under a fault."""
     if outcome.error is not None:
         return "failed"
+    if expected.vectors:
+        same = len(outcome.vectors) == len(expected.vectors) and all(
+            len(got) == len(want)
+            and max(abs(a - b) for a, b in zip(got, want, strict=True)) <= EMBEDDING_TOLERANCE
+            for got, want in zip(outcome.vectors, expected.vectors, strict=True)
+        )
+        return "identical" if same else "corrupted"
     same = outcome.text == expected.text and outcome.finish_reason == expected.finish_reason
     return "identical" if same else "corrupted"
 
@@ -177,7 +218,8 @@ class ChaosRun:
         for index, spec in enumerate(self.specs):
             outcome = run_stream(self.mesh.http_url, self.model, spec)
             if outcome.error is not None:
-                raise RuntimeError(f"the no-fault run of {spec.prompt!r} failed: {outcome.error}")
+                what = spec.prompt or spec.messages or f"{len(spec.inputs)} embeddings"
+                raise RuntimeError(f"the no-fault run of {what!r} failed: {outcome.error}")
             self.expected[index] = outcome
 
     def pick_fault(self, kind: str) -> Fault:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from coordinator.chaos import ChaosRun, Fault, default_specs
+from coordinator.chaos import ChaosRun, Fault, default_specs, embedding_specs
 from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.errors import MeshError
 
@@ -38,7 +38,8 @@ def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_package_factory):
     )
     try:
         mesh.start().wait_serving()
-        run = ChaosRun(mesh, MODEL, default_specs(6, 160, random.Random(7)), random.Random(11))
+        specs = default_specs(6, 160, random.Random(7)) + embedding_specs(2, 6, random.Random(5))
+        run = ChaosRun(mesh, MODEL, specs, random.Random(11))
         run.baseline()
         yield run
     finally:

@@ -1,0 +1,36 @@
+"""How the chaos harness judges a request run under a fault (coordinator/chaos.py)."""
+
+from __future__ import annotations
+
+import random
+
+from coordinator.chaos import (
+    EMBEDDING_TOLERANCE,
+    StreamOutcome,
+    classify,
+    embedding_specs,
+)
+
+
+def test_texts_must_be_equal_and_errors_are_failures() -> None:
+    want = StreamOutcome("a b c", "stop")
+    assert classify(StreamOutcome("a b c", "stop"), want) == "identical"
+    assert classify(StreamOutcome("a b d", "stop"), want) == "corrupted"
+    assert classify(StreamOutcome("a b c", "length"), want) == "corrupted"
+    assert classify(StreamOutcome("a", None, error="503"), want) == "failed"
+
+
+def test_embeddings_are_equal_within_the_tolerance() -> None:
+    want = StreamOutcome("", "embeddings", vectors=((0.6, 0.8), (1.0, 0.0)))
+    close = ((0.6 + EMBEDDING_TOLERANCE / 2, 0.8), (1.0, 0.0))
+    far = ((0.6, 0.8), (1.0, 10 * EMBEDDING_TOLERANCE))
+    assert classify(StreamOutcome("", "embeddings", vectors=close), want) == "identical"
+    assert classify(StreamOutcome("", "embeddings", vectors=far), want) == "corrupted"
+    assert classify(StreamOutcome("", "embeddings", vectors=close[:1]), want) == "corrupted"
+
+
+def test_embedding_requests_hold_long_varied_texts() -> None:
+    specs = embedding_specs(2, 5, random.Random(3))
+    assert [len(s.inputs) for s in specs] == [5, 5]
+    texts = [t for s in specs for t in s.inputs]
+    assert len(set(texts)) == len(texts) and min(len(t.split()) for t in texts) > 100
