@@ -347,6 +347,38 @@ def test_scoring_fields_outside_a_scored_prefill_are_refused(fields: dict, messa
     assert problem is not None and message in problem.message
 
 
+def test_pooled_prompt_chunks_and_their_pooled_rows_survive_the_wire() -> None:
+    from mesh.frames import Pooling
+
+    chunk = Segment("r", "s", SegmentKind.PREFILL, 0, (5, 6), sample=False, pooling=Pooling.MEAN)
+    last = Segment("r", "s", SegmentKind.PREFILL, 2, (8,), pooling=Pooling.LAST)
+    plain = Segment("q", "q", SegmentKind.DECODE, 4, (9,))
+    frame = Frame(1, 2, (chunk, last, plain), hidden=None)
+    back = wire_roundtrip(frame, frame_to_proto, frame_from_proto)
+    assert back == frame and [s.pooling for s in back.segments] == [
+        Pooling.MEAN,
+        Pooling.LAST,
+        Pooling.NONE,
+    ]
+    result = SegmentResult("r", "s", 1, pooled=(0.5, -1.25, 3.0))
+    assert codec.segment_result_from_proto(codec.segment_result_to_proto(result)) == result
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"kind": data_pb2.SEGMENT_KIND_DECODE, "pooling": 1}, "only a PREFILL segment"),
+        ({"kind": data_pb2.SEGMENT_KIND_PREFILL, "pooling": 7}, "pooling 7 is unknown"),
+    ],
+)
+def test_pooling_outside_a_prefill_or_of_an_unknown_kind_is_refused(
+    fields: dict, message: str
+) -> None:
+    pb = data_pb2.Segment(request_id="r", session_id="s", token_count=1, token_ids=[3], **fields)
+    problem = codec.segment_problem(pb)
+    assert problem is not None and message in problem.message
+
+
 def replace_segment(segment: Segment, **changes) -> Segment:
     from dataclasses import replace
 
