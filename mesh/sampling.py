@@ -59,7 +59,8 @@ def adjust_logits(
     ``history``; ``frequency_penalty`` times the token's count in the output and
     ``presence_penalty`` for a token the output holds are subtracted; ``logit_bias``
     is added; while the output holds fewer than ``min_tokens`` tokens, the
-    ``hold_back`` tokens are ruled out. Returns ``logits`` itself when nothing
+    ``hold_back`` tokens are ruled out, unless no other token is left (``logits``
+    already masked to the end of a grammar). Returns ``logits`` itself when nothing
     applies."""
     if not params.adjusts_logits:
         return logits
@@ -82,7 +83,12 @@ def adjust_logits(
             scores[token] += bias
     if params.holds_back and len(history) - params.prompt_tokens < params.min_tokens:
         held = [token for token in params.hold_back if token < vocab]
+        kept = scores[held].clone()
         scores[held] = float("-inf")
+        if not bool(torch.isfinite(scores).any()):
+            # Nothing else may come (a grammar that is complete allows only its end):
+            # the end comes before min_tokens.
+            scores[held] = kept
     return scores
 
 

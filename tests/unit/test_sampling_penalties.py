@@ -4,6 +4,7 @@ with them: a verify window chooses each row exactly as plain decoding would."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -151,6 +152,10 @@ def test_min_tokens_holds_the_stop_tokens_back_until_the_output_is_long_enough()
     assert sample_token(logits, params, 3, [7, 8, 1]) == 1  # one output token
     assert sample_token(logits, params, 4, [7, 8, 1, 1]) == 3  # two: it may stop
     assert adjust_logits(logits, params, [7, 8])[3] == float("-inf")
+    # Where nothing but the stop token is left (a grammar that is complete), it comes.
+    ended = torch.tensor([float("-inf"), float("-inf"), float("-inf"), 2.0])
+    assert sample_token(ended, params, 2, [7, 8]) == 3
+    assert sample_token(ended, replace(params, temperature=0.9, seed=4), 2, [7, 8]) == 3
     # Without held-back tokens min_tokens changes nothing.
     assert adjust_logits(logits, SamplingParams(min_tokens=5), [7, 8]) is logits
     with pytest.raises(InvalidRequest, match="min_tokens"):
