@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             record = run.round(fault)
             emit(
                 f"[{index + 1}/{args.faults}] {fault.kind} {fault.target} "
-                f"{fault.duration_s or ''} -> {' '.join(record.outcomes)}"
+                f"{fault.duration_s or ''} -> "
+                + " ".join(
+                    f"{o} ({k})" for o, k in zip(record.outcomes, record.requests, strict=True)
+                )
                 + (f", recovered in {record.recovery_s} s" if record.recovery_s else "")
             )
     finally:
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     "target": r.fault.target,
                     "duration_s": r.fault.duration_s,
                     "outcomes": r.outcomes,
+                    "requests": r.requests,
                     "errors": r.errors,
                     "failover": r.failover,
                     "recovery_s": r.recovery_s,

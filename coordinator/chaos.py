@@ -97,6 +97,13 @@ class RoundRecord:
     failover: bool = False
     # Seconds from the fault until the mesh served again (None: it never stopped).
     recovery_s: float | None = None
+    # What each stream of the round was (``request_kind``), in outcome order.
+    requests: list[str] = field(default_factory=list)
+
+
+def request_kind(spec: StreamSpec) -> str:
+    """``embeddings``, ``chat`` or ``completion``."""
+    return "embeddings" if spec.inputs else "chat" if spec.messages else "completion"
 
 
 TOPICS = ["rivers", "prime numbers", "bread", "the moon", "chess", "glaciers", "owls"]
@@ -271,6 +278,7 @@ class ChaosRun:
         for index, outcome in zip(chosen, outcomes, strict=True):
             verdict = classify(outcome, self.expected[index])
             record.outcomes.append(verdict)
+            record.requests.append(request_kind(self.specs[index]))
             if outcome.error is not None:
                 record.errors.append(outcome.error)
             if verdict == "corrupted":
@@ -416,9 +424,15 @@ def summarize(records: list[RoundRecord]) -> dict:
         row["failovers"] += int(record.failover)
         for outcome in record.outcomes:
             row[outcome] += 1
+    by_request: dict[str, dict[str, int]] = {}
+    for record in records:
+        for kind, outcome in zip(record.requests, record.outcomes, strict=True):
+            row = by_request.setdefault(kind, dict.fromkeys(OUTCOMES, 0))
+            row[outcome] += 1
     recoveries = sorted(r.recovery_s for r in records if r.recovery_s is not None)
     return {
         "by_kind": by_kind,
+        "by_request": by_request,
         "totals": {
             "faults": len(records),
             **{o: sum(row[o] for row in by_kind.values()) for o in OUTCOMES},
@@ -455,6 +469,17 @@ def render_table(summary: dict) -> str:
         f"| **all** | {totals['faults']} | | {totals['identical']} | {totals['failed']} | "
         f"**{totals['corrupted']}** |"
     )
+    by_request = summary.get("by_request", {})
+    if by_request:
+        lines.append("")
+        lines.append(
+            "By request: "
+            + "; ".join(
+                f"{kind} {row['identical']} identical, {row['failed']} failed, "
+                f"{row['corrupted']} corrupted"
+                for kind, row in sorted(by_request.items())
+            )
+        )
     rec = summary["recovery_s"]
     if rec["count"]:
         lines.append("")

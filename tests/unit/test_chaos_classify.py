@@ -6,9 +6,14 @@ import random
 
 from coordinator.chaos import (
     EMBEDDING_TOLERANCE,
+    Fault,
+    RoundRecord,
     StreamOutcome,
     classify,
     embedding_specs,
+    render_table,
+    request_kind,
+    summarize,
 )
 
 
@@ -34,3 +39,16 @@ def test_embedding_requests_hold_long_varied_texts() -> None:
     assert [len(s.inputs) for s in specs] == [5, 5]
     texts = [t for s in specs for t in s.inputs]
     assert len(set(texts)) == len(texts) and min(len(t.split()) for t in texts) > 100
+
+
+def test_rounds_are_counted_by_request_kind_too() -> None:
+    specs = embedding_specs(1, 2, random.Random(1))
+    assert request_kind(specs[0]) == "embeddings"
+    record = RoundRecord(Fault("kill", "stage-1"), ["identical", "failed"], failover=True)
+    record.requests = ["embeddings", "chat"]
+    summary = summarize([record])
+    assert summary["by_request"] == {
+        "embeddings": {"identical": 1, "failed": 0, "corrupted": 0},
+        "chat": {"identical": 0, "failed": 1, "corrupted": 0},
+    }
+    assert "embeddings 1 identical, 0 failed, 0 corrupted" in render_table(summary)
