@@ -110,11 +110,15 @@ def test_chaos_bench_judges_every_stream_of_every_round(tiny_package_factory, wo
     out = tmp_path / "chaos.json"
     argv = ["--package", str(package), "--model", "tiny-llama", "--workloads", str(workloads)]
     argv += ["--faults", "2", "--kinds", "kill,throttle", "--streams", "2", "--max-tokens", "40"]
+    argv += ["--embeddings", "1", "--embedding-inputs", "3"]
     argv += ["--out", str(out), "--workdir", str(tmp_path / "w")]
     assert chaos.main(argv) == 0
     body = json.loads(out.read_text())
-    assert body["requests"] == 8 + 2 * 3  # its own prompts + each workload line twice
+    # Its own prompts, each workload line twice, one embeddings request.
+    assert body["requests"] == 8 + 2 * 3 + 1
     assert len(body["rounds"]) == 2 and all(len(r["outcomes"]) == 2 for r in body["rounds"])
+    kinds = {kind for r in body["rounds"] for kind in r["requests"]}
+    assert kinds <= {"chat", "embeddings"} and all(len(r["requests"]) == 2 for r in body["rounds"])
     totals = body["summary"]["totals"]
     assert totals["faults"] == 2 and totals["corrupted"] == 0
     assert totals["identical"] + totals["failed"] == 4
