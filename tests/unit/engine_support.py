@@ -265,6 +265,16 @@ def collect(out: dict[str, list], outcomes: list) -> None:
             entry[1] = outcome.event.finish_reason
 
 
+def events_by_request(core: EngineCore, pipe: FakePipeline) -> dict[str, list]:
+    """Step to the end (no request may fail); each request's events in order."""
+    events: dict[str, list] = {}
+    while (frame := core.next_frame()) is not None:
+        for outcome in core.on_result(pipe.answer(frame)):
+            assert outcome.error is None, outcome.error
+            events.setdefault(outcome.request_id, []).append(outcome.event)
+    return events
+
+
 def run_to_end(core: EngineCore, pipe: FakePipeline, limit: int = 500) -> dict[str, list]:
     """Step until nothing is left to send; every request's committed tokens and finish."""
     out: dict[str, list] = {}

@@ -71,39 +71,43 @@ def test_decode_goes_first_and_a_long_prompt_is_chunked_within_the_step_budget()
     assert long_tokens + rest.get("long", [[]])[0] == greedy(long_prompt, 3)
 
 
+class TrueDrafter:
+    """Drafts the fake model's own continuation: every draft is accepted."""
+
+    cost_per_token_s = 0.0
+
+    def __init__(self, prompt: tuple[int, ...]) -> None:
+        self.tokens = list(prompt)
+
+    def extend(self, tokens):
+        self.tokens.extend(tokens)
+
+    def accept(self, accepted, token, proposal):
+        self.tokens.extend([*proposal[:accepted], token])
+
+    def propose(self, k):
+        tokens = list(self.tokens)
+        for _ in range(k):
+            tokens.append(next_token(tokens))
+        return tokens[len(self.tokens) :]
+
+
+class WindowOf8:
+    def next_window(self, state):
+        return 8
+
+    def observe(self, *args):
+        pass
+
+
 def test_speculation_windows_share_the_step_draft_budget() -> None:
-    class Drafter:
-        cost_per_token_s = 0.0
-
-        def __init__(self, prompt: tuple[int, ...]) -> None:
-            self.tokens = list(prompt)
-
-        def extend(self, tokens):
-            self.tokens.extend(tokens)
-
-        def accept(self, accepted, token, proposal):
-            self.tokens.extend([*proposal[:accepted], token])
-
-        def propose(self, k):  # the true continuation: every draft is accepted
-            tokens = list(self.tokens)
-            for _ in range(k):
-                tokens.append(next_token(tokens))
-            return tokens[len(self.tokens) :]
-
-    class Policy:
-        def next_window(self, state):
-            return 8
-
-        def observe(self, *args):
-            pass
-
     from mesh.speculative import Telemetry  # noqa: F401 - RequestRun builds one
 
     clock = Clock()
     core = EngineCore(
         EngineLimits(draft_tokens=12),
         clock,
-        lambda req: (Drafter(req.prompt_tokens), Policy(), "fake"),
+        lambda req: (TrueDrafter(req.prompt_tokens), WindowOf8(), "fake"),
     )
     core.set_pipeline(PipelineInfo(term=1, stage_count=1))
     pipe = FakePipeline()
@@ -118,35 +122,10 @@ def test_speculation_windows_share_the_step_draft_budget() -> None:
 
 
 def test_a_window_drafts_nothing_past_a_stop_token() -> None:
-    class Drafter:  # the true continuation
-        cost_per_token_s = 0.0
-
-        def __init__(self, prompt: tuple[int, ...]) -> None:
-            self.tokens = list(prompt)
-
-        def extend(self, tokens):
-            self.tokens.extend(tokens)
-
-        def accept(self, accepted, token, proposal):
-            self.tokens.extend([*proposal[:accepted], token])
-
-        def propose(self, k):
-            tokens = list(self.tokens)
-            for _ in range(k):
-                tokens.append(next_token(tokens))
-            return tokens[len(self.tokens) :]
-
-    class Policy:
-        def next_window(self, state):
-            return 8
-
-        def observe(self, *args):
-            pass
-
     prompt = (5, 6, 7)
     stop_at = greedy(prompt, 12)[5]
     core = EngineCore(
-        EngineLimits(), Clock(), lambda req: (Drafter(req.prompt_tokens), Policy(), "fake")
+        EngineLimits(), Clock(), lambda req: (TrueDrafter(req.prompt_tokens), WindowOf8(), "fake")
     )
     core.set_pipeline(PipelineInfo(term=1, stage_count=1))
     pipe = FakePipeline()

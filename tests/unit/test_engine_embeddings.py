@@ -10,6 +10,7 @@ import pytest
 from engine_support import (
     FakePipeline,
     core_with,
+    events_by_request,
     fake_embedding,
     greedy,
     request,
@@ -25,15 +26,6 @@ PROMPT = tuple(range(3, 40))
 
 def embedding(rid: str, prompt: tuple[int, ...], pooling: str = "mean"):
     return replace(request(rid, prompt, max_new=0), pooling=pooling)
-
-
-def events_of(core, pipe) -> dict:
-    events: dict[str, list] = {}
-    while (frame := core.next_frame()) is not None:
-        for outcome in core.on_result(pipe.answer(frame)):
-            assert outcome.error is None, outcome.error
-            events.setdefault(outcome.request_id, []).append(outcome.event)
-    return events
 
 
 def reads_of(pipe: FakePipeline, session: str) -> list:
@@ -52,7 +44,7 @@ def test_a_prompt_read_in_chunks_gets_its_whole_embedding(pooling: str, chunk: i
     pipe = FakePipeline()
     core.add(embedding("e", PROMPT, pooling))
     core.add(request("plain", (9, 8, 7), max_new=4))
-    events = events_of(core, pipe)
+    events = events_by_request(core, pipe)
     (only,) = events["e"]
     assert only.token_ids == () and only.finish_reason == "length"
     assert only.embedding == pytest.approx(fake_embedding(PROMPT, pooling))
@@ -72,7 +64,7 @@ def test_a_one_token_prompt_is_its_own_embedding() -> None:
     core, _ = core_with()
     pipe = FakePipeline()
     core.add(embedding("e", (11,)))
-    (event,) = events_of(core, pipe)["e"]
+    (event,) = events_by_request(core, pipe)["e"]
     assert event.embedding == pytest.approx(fake_embedding((11,), "mean"))
 
 
@@ -83,7 +75,7 @@ def test_an_embedded_prompt_reads_everything_despite_the_prefix_cache() -> None:
     run_to_end(core, pipe)
     assert pipe.kept
     core.add(embedding("e", PROMPT))
-    (event,) = events_of(core, pipe)["e"]
+    (event,) = events_by_request(core, pipe)["e"]
     assert event.embedding == pytest.approx(fake_embedding(PROMPT, "mean"))
     reads = reads_of(pipe, "e")
     assert reads[0].pos_start == 0 and not reads[0].prefix_from
@@ -102,7 +94,7 @@ def test_a_pipeline_lost_in_the_middle_of_an_embedding_reads_it_again(pooling: s
     clock.now += 2
     core.set_pipeline(PipelineInfo(term=2, stage_count=1))
     core.expire()
-    (event,) = events_of(core, pipe)["e"]
+    (event,) = events_by_request(core, pipe)["e"]
     assert event.embedding == pytest.approx(fake_embedding(PROMPT, pooling))
 
 

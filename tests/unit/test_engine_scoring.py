@@ -10,6 +10,7 @@ import pytest
 from engine_support import (
     FakePipeline,
     core_with,
+    events_by_request,
     greedy,
     next_token,
     prompt_scores,
@@ -28,23 +29,13 @@ def scoring(rid: str, prompt: tuple[int, ...], max_new: int):
     return replace(request(rid, prompt, max_new=max_new), score_prompt=True)
 
 
-def first_events(core, pipe) -> dict:
-    """Step to the end; each request's events in order."""
-    events: dict[str, list] = {}
-    while (frame := core.next_frame()) is not None:
-        for outcome in core.on_result(pipe.answer(frame)):
-            assert outcome.error is None, outcome.error
-            events.setdefault(outcome.request_id, []).append(outcome.event)
-    return events
-
-
 @pytest.mark.parametrize("chunk", [5, 8, 64])
 def test_a_prompt_read_in_chunks_is_scored_at_every_position(chunk: int) -> None:
     core, _ = core_with(prefill_chunk_tokens=chunk)
     pipe = FakePipeline()
     core.add(scoring("s", PROMPT, max_new=4))
     core.add(request("plain", (9, 8, 7), max_new=4))
-    events = first_events(core, pipe)
+    events = events_by_request(core, pipe)
     first = events["s"][0]
     assert list(first.prompt_logprobs) == prompt_scores(PROMPT)
     assert [t for e in events["s"] for t in e.token_ids] == greedy(PROMPT, 4)
@@ -63,7 +54,7 @@ def test_nothing_to_generate_ends_with_the_scores_alone() -> None:
     core, _ = core_with(prefill_chunk_tokens=16)
     pipe = FakePipeline()
     core.add(scoring("s", PROMPT, max_new=0))
-    (event,) = first_events(core, pipe)["s"]
+    (event,) = events_by_request(core, pipe)["s"]
     assert event.token_ids == () and event.finish_reason == "length"
     assert list(event.prompt_logprobs) == prompt_scores(PROMPT)
     assert not pipe.sessions and not core.running
@@ -79,7 +70,7 @@ def test_a_single_token_prompt_has_nothing_to_score() -> None:
     core, _ = core_with()
     pipe = FakePipeline()
     core.add(scoring("s", (5,), max_new=2))
-    events = first_events(core, pipe)["s"]
+    events = events_by_request(core, pipe)["s"]
     assert events[0].prompt_logprobs == ()
     assert [t for e in events for t in e.token_ids] == greedy((5,), 2)
 
@@ -91,7 +82,7 @@ def test_a_scored_prompt_reads_everything_despite_the_prefix_cache() -> None:
     run_to_end(core, pipe)
     assert pipe.kept  # the first request's positions are kept for later prompts
     core.add(scoring("s", PROMPT, max_new=3))
-    events = first_events(core, pipe)["s"]
+    events = events_by_request(core, pipe)["s"]
     assert list(events[0].prompt_logprobs) == prompt_scores(PROMPT)
     reads = [s for f in pipe.frames for s in f.segments if s.session_id == "s"]
     assert reads[0].pos_start == 0 and not reads[0].prefix_from
@@ -110,7 +101,7 @@ def test_a_pipeline_lost_in_the_middle_of_a_scored_prompt_scores_it_again() -> N
     clock.now += 2
     core.set_pipeline(PipelineInfo(term=2, stage_count=1))
     core.expire()
-    events = first_events(core, pipe)["s"]
+    events = events_by_request(core, pipe)["s"]
     assert list(events[0].prompt_logprobs) == prompt_scores(PROMPT)
     assert [t for e in events for t in e.token_ids] == greedy(PROMPT, 3)
 
@@ -133,7 +124,7 @@ def test_after_the_prompt_a_recovery_reads_again_without_scoring() -> None:
     resend = core.next_frame()
     assert resend.segments[0].pos_start == 0 and not resend.segments[0].score
     committed += core.on_result(pipe.answer(resend))
-    rest = first_events(core, pipe)["s"]
+    rest = events_by_request(core, pipe)["s"]
     events = [getattr(e, "event", e) for e in committed] + rest
     assert [t for e in events for t in e.token_ids] == greedy(PROMPT, 6)
     assert sum(bool(e.prompt_logprobs) for e in events) == 1
@@ -152,7 +143,7 @@ def test_a_scored_chunk_answer_of_an_old_term_is_not_taken() -> None:
     )
     assert core.on_result(answer) == []
     assert core.on_result(replace(stale, results=(wrong,))) == []  # after the good one
-    events = first_events(core, pipe)["s"]
+    events = events_by_request(core, pipe)["s"]
     assert list(events[0].prompt_logprobs) == prompt_scores(PROMPT)
     assert next_token(list(PROMPT)) == events[0].token_ids[0]
 
@@ -252,7 +243,7 @@ def test_a_scored_prompt_goes_in_chunks_of_at_most_128_tokens() -> None:
     prompt = tuple(i % 90 for i in range(300))
     core.add(scoring("s", prompt, max_new=1))
     core.add(request("plain", prompt, max_new=1))
-    events = first_events(core, pipe)
+    events = events_by_request(core, pipe)
     assert list(events["s"][0].prompt_logprobs) == prompt_scores(prompt)
     chunks = [s for f in pipe.frames for s in f.segments if s.kind is SegmentKind.PREFILL]
     scored = [s.token_count for s in chunks if s.session_id == "s"]
