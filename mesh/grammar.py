@@ -151,6 +151,15 @@ def _library_grammar(spec: str) -> str:
         raise InvalidRequest(f"the JSON schema cannot be used: {error}") from error
 
 
+def _library_error(matcher: Any) -> str:
+    """The library's reason, without the parser state and grammar it appends (logged
+    at debug level): what a client or an operator can read."""
+    text = matcher.get_error() or ""
+    if "\n" in text:
+        logger.debug("grammar library error in full: %s", text)
+    return text.split("\n", 1)[0].strip() or "refused"
+
+
 def _kind_name(spec: str) -> str:
     try:
         kind = json.loads(spec).get("type")
@@ -227,7 +236,7 @@ class TokenGrammars:
                 template = LLMatcher(tokenizer, _library_grammar(spec), log_level=0)
                 if template.is_error():
                     raise InvalidRequest(
-                        f"{_kind_name(spec)} cannot be used: {template.get_error()}"
+                        f"{_kind_name(spec)} cannot be used: {_library_error(template)}"
                     )
                 self._templates[spec] = template
                 while len(self._templates) > GRAMMAR_CACHE_ENTRIES:
@@ -262,7 +271,7 @@ class OutputConstraint:
             if counted and not self._matcher.rollback(counted):
                 raise Fatal(
                     f"the grammar matcher cannot roll back {counted} tokens "
-                    f"({self._matcher.get_error() or 'refused'}); the request cannot go on"
+                    f"({_library_error(self._matcher)}); the request cannot go on"
                 )
             del self.consumed[same:]
             del self._counted[same:]
@@ -283,7 +292,7 @@ class OutputConstraint:
         elif not self._matcher.consume_token(token):
             raise Fatal(
                 f"output token {token} does not follow the request's grammar "
-                f"({self._matcher.get_error() or 'refused'}); the request cannot go on"
+                f"({_library_error(self._matcher)}); the request cannot go on"
             )
         self.consumed.append(token)
         self._counted.append(counted)
@@ -294,7 +303,7 @@ class OutputConstraint:
 
         fill_next_token_bitmask(self._matcher, self._bits)
         if self._matcher.is_error():
-            raise Fatal(f"grammar matcher failed: {self._matcher.get_error()}")
+            raise Fatal(f"grammar matcher failed: {_library_error(self._matcher)}")
         bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
         return torch.from_numpy(bits[: self.vocab]).to(torch.bool)
 
