@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3")
 
 
 def smollm2_gguf_path() -> Path:
@@ -28,11 +28,13 @@ def smollm2_gguf_path() -> Path:
 
 def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
     """A tiny random config of a supported family (hidden 64, 4 heads, 2 KV heads;
-    the mixture-of-experts families with 4 experts, 2 per token)."""
+    the mixture-of-experts families with 4 experts, 2 per token; phi3 is packaged as
+    Llama)."""
     from transformers import (
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -58,6 +60,9 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    if family == "phi3":
+        # Fused qkv and gate/up projections, packaged as Llama (mesh/package/fused.py).
+        return Phi3Config(**common, tie_word_embeddings=False)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
     if family == "qwen3_moe":
         # Layer 2 keeps a dense MLP (mlp_only_layers), as some Qwen3-MoE models do.

@@ -46,6 +46,11 @@ _LAYER_PARTS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Architectures whose GGUF tensors fuse projections: their HF names, which
+# mesh/package/fused.py splits (Phi-3's ``ffn_up`` holds the gate rows, then the up rows).
+_FUSED_PARTS = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output": "lm_head",
@@ -57,11 +62,13 @@ QK = 32  # weights per block of Q4_0, Q4_1, Q8_0 and per Q4_K sub-block
 QK_K = 256
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF ``*ForCausalLM`` name of a GGUF tensor, or None for one we do not map."""
+def hf_name(gguf_name: str, architecture: str = "") -> str | None:
+    """The HF ``*ForCausalLM`` name of a GGUF tensor of a model of ``architecture``
+    (GGUF's ``general.architecture``), or None for one we do not map."""
     match = _BLOCK.match(gguf_name)
     if match:
-        part = _LAYER_PARTS.get(match.group(2))
+        fused = _FUSED_PARTS.get(architecture, {})
+        part = fused.get(match.group(2)) or _LAYER_PARTS.get(match.group(2))
         return None if part is None else f"model.layers.{match.group(1)}.{part}.{match.group(3)}"
     match = _NAMED.match(gguf_name)
     if match and match.group(1) in _GLOBAL:
@@ -80,7 +87,7 @@ class GgufQuantReader:
         # HF name -> the expert it is in a stacked tensor.
         self._experts: dict[str, int] = {}
         for gguf_name, tensor in model.tensors.items():
-            name = hf_name(gguf_name)
+            name = hf_name(gguf_name, model.architecture)
             if name is not None:
                 self._names[name] = gguf_name
                 continue

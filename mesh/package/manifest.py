@@ -47,6 +47,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )
+# Architectures a package can be built from by re-expressing them as a supported
+# one (mesh/package/fused.py): their packages record the architecture they serve as.
+TRANSLATED_ARCHITECTURES = ("Phi3ForCausalLM",)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -60,6 +63,12 @@ def check_architecture(architecture: str) -> None:
             f"architecture {architecture!r} is not supported; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+
+
+def check_source_architecture(architecture: str) -> None:
+    """Whether a package can be built from a checkpoint of ``architecture``."""
+    if architecture not in TRANSLATED_ARCHITECTURES:
+        check_architecture(architecture)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:

@@ -27,7 +27,7 @@ from mesh.package.embedded import DEFAULT_MODEL_ID, default_gguf_path, default_s
 from mesh.package.gguf_experts import moe_config
 from mesh.package.gguf_file import GgufModel, split_stem
 from mesh.package.gguf_quant import GgufQuantReader
-from mesh.package.manifest import check_architecture
+from mesh.package.manifest import TRANSLATED_ARCHITECTURES, check_source_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ def architecture_of(raw_config: dict[str, Any]) -> str:
             raise UnsupportedArchitecture(
                 f"config.json names no architecture and model_type {model_type!r} has no "
                 "causal-LM class; supported model types: llama, mistral, qwen2, qwen3, "
-                "qwen3_moe, mixtral"
+                "qwen3_moe, mixtral, phi3"
             )
         architecture = mapped
-    check_architecture(architecture)
+    check_source_architecture(architecture)
     return architecture
 
 
@@ -289,7 +289,7 @@ class GgufCheckpoint(Checkpoint):
                 f"GGUF {self.path.name} holds a {model.architecture!r} model (model_type "
                 f"{config.model_type!r}), which has no causal-LM class"
             )
-        check_architecture(architecture)
+        check_source_architecture(architecture)
         # A split file's first part may lack output.weight: decide from every part.
         config.tie_word_embeddings = "output.weight" not in model.tensors
         self.description = describe(config, architecture)
@@ -373,7 +373,21 @@ def gguf_source(src: str) -> Path | None:
 
 def open_checkpoint(src: str) -> Checkpoint:
     """Open ``src``: ``default``, a ``.gguf`` file, an HF model directory, or an HF
-    repo id ``org/name[@revision]`` (fetched with huggingface_hub)."""
+    repo id ``org/name[@revision]`` (fetched with huggingface_hub). A checkpoint of
+    an architecture served as another (Phi-3 as Llama) comes in that one's layout."""
+    checkpoint = _open_source(src)
+    if checkpoint.description.architecture in TRANSLATED_ARCHITECTURES:
+        from mesh.package.fused import LlamaLayout
+
+        try:
+            return LlamaLayout(checkpoint)
+        except BaseException:
+            checkpoint.close()
+            raise
+    return checkpoint
+
+
+def _open_source(src: str) -> Checkpoint:
     if src == "default":
         gguf = default_gguf_path()
         return GgufCheckpoint(gguf, default_source_info(gguf), DEFAULT_MODEL_ID)
@@ -395,7 +409,7 @@ def open_checkpoint(src: str) -> Checkpoint:
         stems = {split_stem(g) for g in ggufs}
         if len(ggufs) == 1 or (len(stems) == 1 and None not in stems):
             # One model, or the parts of one split model (their names sort in order).
-            return open_checkpoint(str(ggufs[0]))
+            return _open_source(str(ggufs[0]))
         raise PackageError(
             f"{resolved} has no config.json"
             + (f" and {len(ggufs)} .gguf files: pass one of them" if ggufs else "")

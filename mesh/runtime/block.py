@@ -1,7 +1,8 @@
 """A lean forward pass over the tensors of one HF decoder layer.
 
 The supported families (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
-Qwen3-MoE and Mixtral) share one layer shape: RMSNorm, attention with rotary
+Qwen3-MoE and Mixtral; Phi-3 is packaged as Llama, mesh/package/fused.py) share one
+layer shape: RMSNorm, attention with rotary
 embeddings (optional q/k/v biases, optional per-head q/k RMSNorm), RMSNorm, gated
 MLP or routed experts of gated MLPs (mesh/runtime/moe.py). ``DecoderBlock`` holds
 one layer's weights (dense or quantised) and runs the same arithmetic in the same

@@ -55,6 +55,8 @@ def reference_tokens(package: Path, ranges: list[LayerRange], wire: WireDType) -
 
 
 def unsplit_tokens(model_dir: Path) -> list[int]:
+    """HF ``generate``'s greedy tokens for the prompt, on the unsplit model (in its own
+    architecture: a Phi-3 directory runs transformers' Phi-3)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -130,6 +132,24 @@ def test_frames_travel_over_the_transport_each_stage_offers(
     expected = tokenizer.decode(reference_tokens(package, stage_ranges(mesh), WireDType.F32))
     for _ in range(3):
         assert mesh_tokens(client, "tiny-llama") == expected
+
+
+def test_a_phi3_model_is_served_split_with_transformers_greedy_tokens(
+    mesh_factory, tiny_package_factory, tiny_model_factory
+):
+    """Phi-3 (fused projections) is packaged as Llama and served split in two: the
+    text is that of transformers' own Phi-3 generating greedily, unsplit."""
+    from transformers import AutoTokenizer
+
+    package = tiny_package_factory("phi3", layers=4)
+    mesh = mesh_factory(package, 2)
+    mesh.wait_serving()
+    assert len(stage_ranges(mesh)) == 2
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    expected = unsplit_tokens(tiny_model_factory("phi3", layers=4))
+    assert mesh_tokens(client, "tiny-phi3") == AutoTokenizer.from_pretrained(package).decode(
+        expected
+    )
 
 
 def test_int4_mesh_serves_the_quantised_model_and_reports_its_memory(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,6 +219,8 @@ def test_gguf_sources_are_recognised(tmp_path, monkeypatch):
     opened = []
 
     class RecordingGguf:
+        description = SimpleNamespace(architecture="LlamaForCausalLM")
+
         def __init__(self, path, source, default_model_id):
             opened.append((path, source, default_model_id))
 
