@@ -20,6 +20,7 @@ from mesh.config import add_speculation_arguments
 from mesh.discovery import find_coordinator, parse_auto, rediscover
 from mesh.doctor import add_doctor_arguments
 from mesh.errors import MeshError
+from mesh.gcpause import GcPauses
 from mesh.grpc_util import bind, new_server
 from mesh.lifetime import watch_parent
 from mesh.logsetup import configure_logging
@@ -149,10 +150,12 @@ def run(args: argparse.Namespace) -> int:
             inline_frames=stage.inline_frames,
             prefix_cache_bytes=int(stage.prefix_cache_mb * 2**20),
             stuck_exit_after_s=stage.stuck_exit_after,
+            gc_freeze=stage.gc_freeze,
         ),
         address,
         remote=(package_source := CoordinatorPackageSource(stage.coordinator, node_id)),
     )
+    GcPauses(node.metrics.registry).install()
     metrics_host = split_host_port(stage.listen)[0]
     serve_metrics(node.metrics.registry, metrics_host, stage.metrics_port, who=f"stage {node_id}")
     stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)

@@ -36,6 +36,7 @@ from mesh.frames import (
     SegmentKind,
     SegmentResult,
 )
+from mesh.gcpause import settle, thaw
 from mesh.grammar import TokenGrammars
 from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
@@ -86,6 +87,10 @@ class NodeSettings:
     # Exit when one frame has been processing this long (0: never;
     # mesh-stage join --stuck-exit-after).
     stuck_exit_after_s: float = 0.0
+    # Freeze what a load leaves alive out of the garbage collector's way
+    # (mesh/gcpause.py). The processes take [stage] gc_freeze (on by default); off
+    # here for nodes built inside another program (tests) whose objects it would freeze.
+    gc_freeze: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,8 @@ class StageNode:
             )
         for listener in self._listeners:
             listener(loaded)
+        if self.settings.gc_freeze:
+            settle(f"loading layers {request.layer_range} (term {request.term})")
         return Ready(
             term=request.term,
             data_endpoint=self.address,
@@ -381,6 +388,8 @@ class StageNode:
         if loaded is None:
             return
         logger.info("releasing layers %s: %s", loaded.request.layer_range, reason)
+        if self.settings.gc_freeze:
+            thaw()
         for link in (loaded.forward, loaded.returns):
             if link is not None:
                 link.close()

@@ -26,9 +26,11 @@ from stage.node import NodeSettings, StageNode
 
 
 @pytest.fixture
-def node(tmp_path, tiny_package_factory):
+def node(tmp_path, tiny_package_factory, request):
     package = tiny_package_factory("llama", layers=2)
-    node = StageNode(NodeSettings(node_id="n", cache_dir=tmp_path / "cache"), "127.0.0.1:1")
+    gc_freeze = getattr(request, "param", False)
+    settings = NodeSettings(node_id="n", cache_dir=tmp_path / "cache", gc_freeze=gc_freeze)
+    node = StageNode(settings, "127.0.0.1:1")
     results: queue.SimpleQueue[FrameResult] = queue.SimpleQueue()
     node.set_result_sink(results.put)
     node.claim(ClaimRequest(3, "coord", "tiny-llama"))
@@ -73,6 +75,24 @@ def test_results_and_errors_carry_the_term_of_their_frame(node) -> None:
     (answer,) = refused.results
     assert answer.error is not None and answer.error.code == "FAILED_PRECONDITION"
     assert refused.term == 2
+
+
+@pytest.mark.parametrize("node", [True], indirect=True)
+def test_a_load_freezes_what_it_leaves_alive_and_a_release_gives_it_back(node) -> None:
+    """With gc_freeze (the processes' default), the objects alive after a load are out
+    of the garbage collector's way (mesh/gcpause.py); a release returns them to it so
+    that the dropped runtime's cycles can be freed. The stage serves as before."""
+    import gc
+
+    try:
+        assert gc.get_freeze_count() > 0
+        node.submit(prefill(3))
+        (answer,) = node.results.get(timeout=30).results
+        assert answer.error is None and answer.pos_start == 3
+        node.release(3, "a test")
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_a_newer_term_frame_asks_the_coordinator(node) -> None:
