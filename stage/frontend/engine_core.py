@@ -80,7 +80,9 @@ class EngineCore(PromptSteps):
         self.step_s = 0.0
         # The prefix cache (stage/frontend/prefix_index.py); None when off.
         self.prefixes = (
-            PrefixIndex(limits.prefix_cache_tokens) if limits.prefix_cache_tokens > 0 else None
+            PrefixIndex(limits.prefix_cache_tokens, clock=clock)
+            if limits.prefix_cache_tokens > 0
+            else None
         )
         self.prefix_hits = 0
         self.prefix_lookups = 0
@@ -97,7 +99,9 @@ class EngineCore(PromptSteps):
         already admitted keep running; a resized prefix cache starts empty."""
         if limits.prefix_cache_tokens != self.limits.prefix_cache_tokens:
             self.prefixes = (
-                PrefixIndex(limits.prefix_cache_tokens) if limits.prefix_cache_tokens > 0 else None
+                PrefixIndex(limits.prefix_cache_tokens, clock=self.clock)
+                if limits.prefix_cache_tokens > 0
+                else None
             )
         self.limits = limits
 

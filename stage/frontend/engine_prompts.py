@@ -18,6 +18,10 @@ from stage.frontend.engine_types import EngineLimits, InFlight, PipelineInfo, Se
 from stage.frontend.expectation import Expected
 from stage.frontend.prefix_index import PrefixIndex
 
+# Stage 0 forgets a kept prefix after this share of the stages' idle timeout, before
+# any stage drops it (a stage sees each use a hop later, and sweeps now and then).
+PREFIX_IDLE_MARGIN = 0.9
+
 logger = logging.getLogger(__name__)
 
 # The longest chunk of a scored prompt: the last stage computes the head on every
@@ -224,6 +228,9 @@ class PromptSteps:
         if self.prefixes is None or tracked.no_prefix:
             return ""
         self.prefix_lookups += 1
+        if self.info is not None:
+            # What the stages have dropped by now as idle is not offered to them.
+            self.prefixes.expire(self.info.session_idle_s * PREFIX_IDLE_MARGIN)
         hit = self.prefixes.lookup(tracked.run.tokens, tracked.run.request.prefix_partition)
         if hit is None:
             return ""

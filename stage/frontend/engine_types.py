@@ -61,6 +61,8 @@ class PipelineInfo:
     # Sessions every stage keeps KV for (0: not known): the engine never runs more
     # requests at once, whatever its own limit.
     kv_sessions: int = 0
+    # Seconds after which the stages drop an unused session or kept prefix (0: never).
+    session_idle_s: float = 0.0
 
 
 @dataclass

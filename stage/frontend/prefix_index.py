@@ -9,7 +9,10 @@ what to drop: at most ``capacity_tokens`` positions in all, least recently used
 first out, and a kept sequence that a newer one extends (the previous turn of a
 conversation) is dropped at once. Stages may drop a prefix on their own (their
 memory bound, idle expiry, a restart); a session asked to start from it is then
-refused there and stage 0 reads the prompt again from position 0.
+refused there and stage 0 reads the prompt again from position 0. So that the
+stages' idle expiry does not cost such a refused first try after every quiet spell,
+``expire`` drops what has not been kept or used for a given time (stage 0 asks with
+a little less than the stages' idle timeout: it forgets first).
 
 Lookups hash the prompt in blocks of ``BLOCK`` tokens, each block's hash chained
 to the one before, so a lookup costs one dict probe per block; the match is then
@@ -23,8 +26,9 @@ The partition seeds the block hash chain.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 BLOCK = 16
@@ -50,10 +54,18 @@ def _chain(tokens: Sequence[int], partition: str = "") -> Iterator[int]:
 class PrefixIndex:
     """Kept token sequences by name; see the module docstring."""
 
-    def __init__(self, capacity_tokens: int, min_tokens: int = BLOCK) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        min_tokens: int = BLOCK,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.capacity_tokens = max(0, capacity_tokens)
         self.min_tokens = max(1, min_tokens)
+        self.clock = clock
+        # Least recently kept or used first; each with when that was (``clock``).
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._used: dict[str, float] = {}
         self._partitions: dict[str, str] = {}
         self._by_block: dict[int, dict[str, None]] = {}
         self.held_tokens = 0
@@ -77,6 +89,7 @@ class PrefixIndex:
             self.remove(old)
         self.remove(name)
         self._entries[name] = tokens
+        self._used[name] = self.clock()
         self._partitions[name] = partition
         self.held_tokens += len(tokens)
         for digest in _chain(tokens, partition):
@@ -132,11 +145,28 @@ class PrefixIndex:
         """``name`` was used: last out."""
         if name in self._entries:
             self._entries.move_to_end(name)
+            self._used[name] = self.clock()
+
+    def expire(self, idle_s: float) -> list[str]:
+        """Drop the sequences neither kept nor used in the last ``idle_s`` seconds
+        (none when ``idle_s`` is 0); returns their names."""
+        if idle_s <= 0:
+            return []
+        horizon = self.clock() - idle_s
+        expired: list[str] = []
+        for name in self._entries:  # least recently used first
+            if self._used[name] > horizon:
+                break
+            expired.append(name)
+        for name in expired:
+            self.remove(name)
+        return expired
 
     def remove(self, name: str) -> bool:
         tokens = self._entries.pop(name, None)
         if tokens is None:
             return False
+        del self._used[name]
         partition = self._partitions.pop(name)
         self.held_tokens -= len(tokens)
         for digest in _chain(tokens, partition):
@@ -149,6 +179,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._used.clear()
         self._partitions.clear()
         self._by_block.clear()
         self.held_tokens = 0

@@ -313,6 +313,7 @@ class PipelineScheduler:
                 context_length=self.context_length,
                 step_tokens=loaded.request.max_batch_tokens,
                 kv_sessions=runtime.max_sessions,
+                session_idle_s=loaded.request.session_idle_timeout_s,
             )
         loop = self._loop
         if loop is None or loop.is_closed():

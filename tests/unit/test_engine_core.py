@@ -377,6 +377,25 @@ def test_a_prefix_a_stage_lost_is_read_again_from_position_0() -> None:
     assert core.stale  # the void chunks' answers were dropped
 
 
+@pytest.mark.parametrize(("idle", "offered"), [(200.0, True), (290.0, False)])
+def test_a_prefix_the_stages_dropped_as_idle_is_not_offered(idle: float, offered: bool) -> None:
+    """The stages drop a kept prefix unused for their session idle timeout (300 s
+    here); stage 0 forgets it a little before (0.9 of it), so a prompt after a quiet
+    spell is read whole at once instead of being refused by a stage first."""
+    core, clock = core_with(prefix_cache_tokens=1000)
+    core.set_pipeline(PipelineInfo(term=1, stage_count=1, session_idle_s=300.0))
+    pipe = FakePipeline()
+    history = tuple(range(1, 60))
+    core.add(request("turn1", history, max_new=4))
+    first = run_to_end(core, pipe)["turn1"][0]
+    clock.now += idle
+    turn2 = (*history, *first, 5, 6, 7)
+    core.add(request("turn2", turn2, max_new=4))
+    assert run_to_end(core, pipe)["turn2"][0] == greedy(turn2, 4)
+    assert bool(first_prefill(pipe, "turn2").prefix_from) is offered
+    assert core.prefix_lost == 0 and core.prefix_hits == int(offered)
+
+
 def test_the_least_recently_used_prefixes_go_first_and_the_stages_are_told() -> None:
     core, _ = core_with(prefix_cache_tokens=100)
     pipe = FakePipeline()

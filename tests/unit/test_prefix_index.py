@@ -67,6 +67,25 @@ def test_touch_protects_a_prefix_from_eviction() -> None:
     assert dropped == ["b"] and "a" in index and index.lookup(list(range(0, 40))) is not None
 
 
+def test_what_was_neither_kept_nor_used_within_the_idle_time_expires() -> None:
+    now = [0.0]
+    index = PrefixIndex(10_000, clock=lambda: now[0])
+    index.add("a", list(range(0, 40)))
+    now[0] = 10.0
+    index.add("b", list(range(100, 140)))
+    now[0] = 20.0
+    index.add("c", list(range(200, 240)))
+    now[0] = 25.0
+    index.touch("a")  # used again: as new as the newest
+    assert index.expire(0) == []  # 0: never
+    now[0] = 31.0
+    assert index.expire(20.0) == ["b"]
+    assert "b" not in index and index.lookup(list(range(100, 140))) is None
+    assert index.held_tokens == 80
+    now[0] = 100.0
+    assert sorted(index.expire(20.0)) == ["a", "c"] and len(index) == 0
+
+
 def test_removed_prefixes_are_not_found() -> None:
     index = PrefixIndex(1000)
     index.add("a", list(range(1, 50)))
