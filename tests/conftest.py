@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "phi3")
+TINY_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "phi3",
+)
 
 
 def smollm2_gguf_path() -> Path:
@@ -36,6 +45,7 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
     )
@@ -76,6 +86,19 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
             decoder_sparse_step=1,
             mlp_only_layers=[2] if layers > 2 else [],
             tie_word_embeddings=True,
+        )
+    if family == "qwen2_moe":
+        # A shared expert beside the routed ones; layer 2 keeps a dense MLP.
+        return Qwen2MoeConfig(
+            **common,
+            **experts,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2] if layers > 2 else [],
+            tie_word_embeddings=False,
         )
     if family == "mixtral":
         return MixtralConfig(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mesh.errors import PackageError
+from mesh.errors import PackageError, UnsupportedArchitecture
 
 _STACKED = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _SINGLE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -82,6 +82,12 @@ def moe_config(
     experts = metadata.get("expert_count", 0)
     if not experts:
         return config
+    if architecture == "qwen2moe":
+        raise UnsupportedArchitecture(
+            "GGUF files of Qwen2-MoE are not read (their shared experts' tensors are not "
+            "mapped); build the package from the model's Hugging Face safetensors "
+            "checkpoint instead"
+        )
     used = metadata.get("expert_used_count", 0)
     if not 0 < used <= experts:
         raise PackageError(

@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
 )
 # Architectures a package can be built from by re-expressing them as a supported

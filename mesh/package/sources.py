@@ -82,7 +82,7 @@ def architecture_of(raw_config: dict[str, Any]) -> str:
             raise UnsupportedArchitecture(
                 f"config.json names no architecture and model_type {model_type!r} has no "
                 "causal-LM class; supported model types: llama, mistral, qwen2, qwen3, "
-                "qwen3_moe, mixtral, phi3"
+                "qwen2_moe, qwen3_moe, mixtral, phi3"
             )
         architecture = mapped
     check_source_architecture(architecture)

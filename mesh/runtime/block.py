@@ -1,7 +1,7 @@
 """A lean forward pass over the tensors of one HF decoder layer.
 
 The supported families (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
-Qwen3-MoE and Mixtral; Phi-3 is packaged as Llama, mesh/package/fused.py) share one
+Qwen2-MoE, Qwen3-MoE and Mixtral; Phi-3 is packaged as Llama, mesh/package/fused.py) share one
 layer shape: RMSNorm, attention with rotary
 embeddings (optional q/k/v biases, optional per-head q/k RMSNorm), RMSNorm, gated
 MLP or routed experts of gated MLPs (mesh/runtime/moe.py). ``DecoderBlock`` holds
@@ -404,5 +404,5 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
         raise UnsupportedArchitecture(
             f"decoder layer {layer_index} ({type(layer).__name__}) has an unexpected structure "
             f"({'; '.join(problems)}); the runtime runs Llama, Mistral, Qwen2, Qwen3, "
-            "Qwen3-MoE and Mixtral layers"
+            "Qwen2-MoE, Qwen3-MoE and Mixtral layers"
         )

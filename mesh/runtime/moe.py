@@ -1,4 +1,5 @@
-"""Routed experts: the sparse feed-forward of Qwen3-MoE and Mixtral decoder layers.
+"""Routed experts: the sparse feed-forward of Qwen2-MoE, Qwen3-MoE and Mixtral decoder
+layers.
 
 A router (a ``[experts, hidden]`` linear) scores every row; each row goes to its
 ``top_k`` experts, each a gated MLP like a dense layer's, and their outputs are
@@ -9,7 +10,10 @@ over every expert in float32, the ``top_k`` largest, then
 - Qwen3-MoE: renormalised to sum to one when ``norm_topk_prob``, and cast to the
   activations' dtype before they scale the expert outputs;
 - Mixtral: always renormalised (the same as a softmax over the chosen logits), and
-  kept in float32 while they scale the outputs.
+  kept in float32 while they scale the outputs;
+- Qwen2-MoE: Qwen3-MoE's rule, plus a *shared expert*: a gated MLP every row goes
+  through, scaled by the sigmoid of its own gate (a ``[1, hidden]`` linear) and added
+  to the routed experts' sum (``Qwen2MoeSparseMoeBlock``).
 
 A frame's rows are routed together: the rows sent to one expert are gathered, run
 through that expert once, scaled, and added back to their rows (experts in
@@ -35,9 +39,17 @@ from torch import nn
 from mesh.runtime.linear import Linear, packed, unpacked
 
 # The router classes whose rule ``SparseExperts`` computes, and that rule.
-_ROUTERS = {"Qwen3MoeTopKRouter": "qwen3_moe", "MixtralTopKRouter": "mixtral"}
+_ROUTERS = {
+    "Qwen2MoeTopKRouter": "qwen_moe",
+    "Qwen3MoeTopKRouter": "qwen_moe",
+    "MixtralTopKRouter": "mixtral",
+}
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ROUTER_WEIGHT = "mlp.gate.weight"
+SHARED_PREFIX = "mlp.shared_expert."
+SHARED_GATE_WEIGHT = "mlp.shared_expert_gate.weight"
+_SPARSE_PARTS = {"gate", "experts"}
+_SHARED_PARTS = {"shared_expert", "shared_expert_gate"}
 
 
 @dataclass(frozen=True)
@@ -76,9 +88,17 @@ def structure_problems(layer: nn.Module) -> list[str]:
     mlp = layer.mlp
     problems = []
     parts = {name for name, _ in mlp.named_children()}
-    if parts != {"gate", "experts"}:
+    if parts not in (_SPARSE_PARTS, _SPARSE_PARTS | _SHARED_PARTS):
         problems.append(f"sparse MLP parts {sorted(parts)}")
         return problems
+    if has_shared_expert(layer):
+        shared = {name for name, _ in mlp.shared_expert.named_children()}
+        if shared - {"act_fn"} != set(_PROJECTIONS) or not callable(
+            getattr(mlp.shared_expert, "act_fn", None)
+        ):
+            problems.append(f"shared expert parts {sorted(shared)}")
+        if tuple(mlp.shared_expert_gate.weight.shape)[0] != 1:
+            problems.append("a shared expert gate of more than one output")
     if routing_of(layer) is None:
         problems.append(f"router {type(mlp.gate).__name__}")
     experts = mlp.experts
@@ -92,8 +112,14 @@ def structure_problems(layer: nn.Module) -> list[str]:
     return problems
 
 
+def has_shared_expert(layer: nn.Module) -> bool:
+    """Whether a sparse layer also has a shared expert (Qwen2-MoE)."""
+    return hasattr(layer.mlp, "shared_expert")
+
+
 def expert_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Package tensor names and shapes of a sparse layer's router and experts."""
+    """Package tensor names and shapes of a sparse layer's router and experts (and
+    shared expert)."""
     experts = layer.mlp.experts
     count, double_inner, hidden = experts.gate_up_proj.shape
     inner = double_inner // 2
@@ -103,6 +129,10 @@ def expert_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
         shapes[prefix + "gate_proj.weight"] = (inner, hidden)
         shapes[prefix + "up_proj.weight"] = (inner, hidden)
         shapes[prefix + "down_proj.weight"] = (hidden, inner)
+    if has_shared_expert(layer):
+        for name, tensor in layer.mlp.shared_expert.state_dict().items():
+            shapes[SHARED_PREFIX + name] = tuple(tensor.shape)
+        shapes[SHARED_GATE_WEIGHT] = tuple(layer.mlp.shared_expert_gate.weight.shape)
     return shapes
 
 
@@ -124,10 +154,26 @@ def per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-class SparseExperts:
-    """A router and its experts (a fused gate/up linear and a down linear each)."""
+@dataclass
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a gated MLP (fused gate/up, down) and its gate."""
 
-    __slots__ = ("routing", "router", "gate_up", "down", "act")
+    gate_up: Linear
+    down: Linear
+    gate: Linear
+
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down, self.gate]
+
+    def map(self, change: Callable[[Linear], Linear]) -> None:
+        self.gate_up, self.down, self.gate = (change(x) for x in self.linears())
+
+
+class SparseExperts:
+    """A router and its experts (a fused gate/up linear and a down linear each), and
+    the shared expert where the layer has one."""
+
+    __slots__ = ("routing", "router", "gate_up", "down", "act", "shared")
 
     def __init__(
         self,
@@ -136,25 +182,32 @@ class SparseExperts:
         gate_up: list[Linear],
         down: list[Linear],
         act: Callable[[torch.Tensor], torch.Tensor],
+        shared: SharedExpert | None = None,
     ) -> None:
         self.routing = routing
         self.router = router
         self.gate_up = gate_up
         self.down = down
         self.act = act
+        self.shared = shared
 
     def linears(self) -> list[Linear]:
-        return [self.router, *self.gate_up, *self.down]
+        shared = [] if self.shared is None else self.shared.linears()
+        return [self.router, *self.gate_up, *self.down, *shared]
 
     def unpack(self) -> None:
         self.router = unpacked(self.router)
         self.gate_up = [unpacked(linear) for linear in self.gate_up]
         self.down = [unpacked(linear) for linear in self.down]
+        if self.shared is not None:
+            self.shared.map(unpacked)
 
     def pack(self) -> None:
         self.router = packed(self.router)
         self.gate_up = [packed(linear) for linear in self.gate_up]
         self.down = [packed(linear) for linear in self.down]
+        if self.shared is not None:
+            self.shared.map(packed)
 
     def route(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and chosen experts, both ``[T, top_k]``."""
@@ -193,6 +246,11 @@ class SparseExperts:
             result = result * slot_weights[start : start + count]
             out.index_add_(0, rows, result.to(out.dtype))
             start += count
+        shared = self.shared
+        if shared is not None:
+            gate, up = shared.gate_up(states).chunk(2, dim=-1)
+            common = shared.down(self.act(gate) * up)
+            out = out + torch.sigmoid(shared.gate(states)) * common
         return out
 
 

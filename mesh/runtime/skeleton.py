@@ -274,7 +274,8 @@ def _build_experts(
     dtype: torch.dtype,
     row_invariant: bool,
 ) -> moe.SparseExperts:
-    """The router (kept in floats, as the package stores it) and every expert."""
+    """The router (kept in floats, as the package stores it), every expert, and the
+    shared expert where the layer has one."""
     routing = moe.routing_of(layer)
     assert routing is not None  # check_structure refused any other router
     router_name = moe.ROUTER_WEIGHT.removesuffix(".weight")
@@ -286,7 +287,21 @@ def _build_experts(
         fused = fuse([tensors.linear(gate), tensors.linear(up)])
         gate_up.append(build_linear(fused, device, dtype, row_invariant))
         down.append(build_linear(tensors.linear(out), device, dtype, row_invariant))
-    return moe.SparseExperts(routing, router, gate_up, down, shape.act)
+    shared = None
+    if moe.has_shared_expert(layer):
+        prefix = moe.SHARED_PREFIX
+        fused = fuse([tensors.linear(prefix + "gate_proj"), tensors.linear(prefix + "up_proj")])
+        shared = moe.SharedExpert(
+            gate_up=build_linear(fused, device, dtype, row_invariant),
+            down=build_linear(tensors.linear(prefix + "down_proj"), device, dtype, row_invariant),
+            gate=build_linear(
+                tensors.linear(moe.SHARED_GATE_WEIGHT.removesuffix(".weight")),
+                device,
+                dtype,
+                row_invariant,
+            ),
+        )
+    return moe.SparseExperts(routing, router, gate_up, down, shape.act, shared)
 
 
 def _renamed(

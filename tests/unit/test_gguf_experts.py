@@ -183,9 +183,11 @@ def test_a_split_moe_gguf_gives_the_same_package(tmp_path: Path) -> None:
         assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
 
 
-def test_a_moe_architecture_the_runtime_does_not_run_is_refused(tmp_path: Path) -> None:
+def test_a_qwen2_moe_gguf_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """Qwen2-MoE is served from safetensors checkpoints; its GGUF files (shared
+    experts' tensors unmapped) are refused before anything is written."""
     shape = LlamaShape(**COMMON, **MOE)
     gguf = write_llama_gguf(tmp_path / "model.gguf", shape, types=mixed_types, arch="qwen2moe")[0]
-    with pytest.raises(UnsupportedArchitecture, match="Qwen2MoeForCausalLM.*not supported"):
+    with pytest.raises(UnsupportedArchitecture, match="Qwen2-MoE.*safetensors"):
         build_package(str(gguf), tmp_path / "pkg")
     assert not (tmp_path / "pkg").exists()

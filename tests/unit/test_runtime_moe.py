@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): the model's own routing rule, dense
+"""Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, Mixtral): the model's own routing
+rule (and Qwen2-MoE's shared expert), dense
 and sparse layers mixed, per-expert package tensors, quantised experts, and layers
 the runtime refuses. Split chains and batched frames of both families are covered
 with every other family in test_runtime_equivalence.py and test_runtime_batch.py."""
@@ -13,7 +14,7 @@ import torch
 from conftest import tiny_config
 from runtime_support import full_logits, max_diff, run_chain
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+from transformers import AutoModelForCausalLM
 
 from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package.builder import build_package
@@ -40,7 +41,14 @@ def tiny_moe(family: str, layers: int = 2, seed: int = 0, **overrides: object):
 
 
 @pytest.mark.parametrize(
-    ("family", "norm_topk_prob"), [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", None)]
+    ("family", "norm_topk_prob"),
+    [
+        ("qwen3_moe", True),
+        ("qwen3_moe", False),
+        ("qwen2_moe", False),
+        ("qwen2_moe", True),
+        ("mixtral", None),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_follow_the_models_own_routing(
@@ -59,7 +67,16 @@ def test_experts_follow_the_models_own_routing(
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
     assert max_diff(got.float(), want.float()) <= tolerance
-    if family == "qwen3_moe":
+    if family == "qwen2_moe":
+        # The shared expert counts: without it the outputs differ.
+        assert experts.shared is not None
+        shared = model.model.layers[0].mlp.shared_expert
+        with torch.inference_mode():
+            common = shared(states) * torch.sigmoid(
+                model.model.layers[0].mlp.shared_expert_gate(states)
+            )
+        assert max_diff(got.float(), (want - common).float()) > 10 * tolerance
+    if family in ("qwen3_moe", "qwen2_moe"):
         # The rule matters: the other normalisation gives other outputs.
         model.model.layers[0].mlp.gate.norm_topk_prob = not norm_topk_prob
         with torch.inference_mode():
@@ -117,7 +134,7 @@ def test_a_checkpoint_of_stacked_experts_is_refused_by_name(
     assert not (tmp_path / "pkg").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_an_int4_moe_package_builds_splits_and_follows_the_dense_one(
     tiny_package_factory: Callable[..., Path], family: str
 ) -> None:
@@ -127,6 +144,9 @@ def test_an_int4_moe_package_builds_splits_and_follows_the_dense_one(
     stored = load_file(str(package / layer_path(1)))
     assert {"mlp.experts.3.down_proj.weight.qweight", "mlp.gate.weight"} <= set(stored)
     assert stored["mlp.gate.weight"].dtype == torch.float32  # the router stays in floats
+    if family == "qwen2_moe":
+        assert "mlp.shared_expert.down_proj.weight.qweight" in stored
+        assert stored["mlp.shared_expert_gate.weight"].dtype == torch.float32  # as the router
     whole = load_stage_runtime(package, LayerRange(0, 4))
     parts = [load_stage_runtime(package, r) for r in (LayerRange(0, 1), LayerRange(1, 4))]
     assert whole.dtype == "bfloat16"
@@ -144,20 +164,11 @@ def test_an_int4_moe_package_builds_splits_and_follows_the_dense_one(
 
 
 def test_a_sparse_layer_of_another_shape_is_refused() -> None:
-    """Qwen2-MoE adds a shared expert next to the routed ones: not computed here."""
-    config = Qwen2MoeConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    )
+    """A sparse MLP with parts the runtime does not compute (here one more module
+    beside the router and experts) is refused, naming them."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", layers=1))
+    model.model.layers[0].mlp.extra = torch.nn.Linear(64, 64)
     with pytest.raises(UnsupportedArchitecture, match=r"decoder layer 0 .*sparse MLP parts"):
         check_structure(model.model.layers[0], 0)
 
