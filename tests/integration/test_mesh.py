@@ -134,22 +134,23 @@ def test_frames_travel_over_the_transport_each_stage_offers(
         assert mesh_tokens(client, "tiny-llama") == expected
 
 
-def test_a_phi3_model_is_served_split_with_transformers_greedy_tokens(
-    mesh_factory, tiny_package_factory, tiny_model_factory
+@pytest.mark.parametrize("family", ["phi3", "qwen2_moe"])
+def test_a_newer_family_is_served_split_with_transformers_greedy_tokens(
+    mesh_factory, tiny_package_factory, tiny_model_factory, family
 ):
-    """Phi-3 (fused projections) is packaged as Llama and served split in two: the
-    text is that of transformers' own Phi-3 generating greedily, unsplit."""
+    """Phi-3 (fused projections, packaged as Llama) and Qwen2-MoE (a shared expert
+    beside the routed ones), split in two: the text is that of transformers' own
+    model generating greedily, unsplit."""
     from transformers import AutoTokenizer
 
-    package = tiny_package_factory("phi3", layers=4)
+    package = tiny_package_factory(family, layers=4)
     mesh = mesh_factory(package, 2)
     mesh.wait_serving()
     assert len(stage_ranges(mesh)) == 2
     client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
-    expected = unsplit_tokens(tiny_model_factory("phi3", layers=4))
-    assert mesh_tokens(client, "tiny-phi3") == AutoTokenizer.from_pretrained(package).decode(
-        expected
-    )
+    expected = unsplit_tokens(tiny_model_factory(family, layers=4))
+    text = mesh_tokens(client, f"tiny-{family}")
+    assert text == AutoTokenizer.from_pretrained(package).decode(expected)
 
 
 def test_int4_mesh_serves_the_quantised_model_and_reports_its_memory(
