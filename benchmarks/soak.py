@@ -64,6 +64,12 @@ def rss(processes: dict[str, int]) -> dict[str, int]:
     return {name: psutil.Process(pid).memory_info().rss for name, pid in processes.items()}
 
 
+def held(mesh: MeshProcesses) -> dict[str, int]:
+    """Bytes of KV cache each stage holds for kept prefixes (the prefix cache, bounded
+    by stage 0's ``--prefix-cache-tokens``): RSS grows with it until it is full."""
+    return {s.node_id: s.prefix_bytes for s in mesh.status().stages}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             thread.start()
         time.sleep(args.warmup)
         rss_start = rss(pids)
+        prefix_start = held(mesh)
         for thread in threads:
             thread.join()
         elapsed = time.monotonic() - started - args.warmup
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "sessions to drain",
         )
         rss_end = rss(pids)
+        prefix_end = held(mesh)
         leaked = {s.node_id: s.active_sessions for s in mesh.status().stages}
     finally:
         mesh.close()
@@ -123,14 +131,24 @@ def main(argv: list[str] | None = None) -> int:
         "sessions_after": leaked,
         "rss_start_bytes": rss_start,
         "rss_end_bytes": rss_end,
+        "prefix_kv_start_bytes": prefix_start,
+        "prefix_kv_end_bytes": prefix_end,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"soak: {result['requests']} requests in {elapsed:.0f}s, {server_errors} HTTP 500s"]
-    lines.append(f"{'process':<14}{'RSS start MiB':>15}{'RSS end MiB':>13}{'growth':>9}")
+    lines.append(
+        f"{'process':<14}{'RSS start MiB':>15}{'RSS end MiB':>13}{'growth':>9}"
+        f"{'kept prefixes MiB':>19}{'growth besides them MiB':>25}"
+    )
     for name in pids:
         a, b = rss_start[name] / 2**20, rss_end[name] / 2**20
-        lines.append(f"{name:<14}{a:>15.1f}{b:>13.1f}{(b - a) / a * 100:>8.1f}%")
+        p0, p1 = prefix_start.get(name, 0) / 2**20, prefix_end.get(name, 0) / 2**20
+        kept = f"{p0:.1f} -> {p1:.1f}" if name in prefix_end else "-"
+        lines.append(
+            f"{name:<14}{a:>15.1f}{b:>13.1f}{(b - a) / a * 100:>8.1f}%"
+            f"{kept:>19}{(b - a) - (p1 - p0):>25.1f}"
+        )
     lines.append(f"sessions left per stage: {leaked}")
     lines.append("outcomes: " + ", ".join(f"{k}={v}" for k, v in result["outcomes"].items()))
     sys.stdout.write("\n".join(lines) + "\n")
