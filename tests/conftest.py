@@ -74,30 +74,26 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         # Fused qkv and gate/up projections, packaged as Llama (mesh/package/fused.py).
         return Phi3Config(**common, tie_word_embeddings=False)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    # Qwen-style experts: 4 of 32 inner, every layer sparse but layer 2, which keeps a
+    # dense MLP (mlp_only_layers), as some Qwen2-/Qwen3-MoE models do.
+    qwen_experts = dict(
+        **experts,
+        num_experts=4,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2] if layers > 2 else [],
+    )
     if family == "qwen3_moe":
-        # Layer 2 keeps a dense MLP (mlp_only_layers), as some Qwen3-MoE models do.
         return Qwen3MoeConfig(
-            **common,
-            **experts,
-            head_dim=16,
-            num_experts=4,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[2] if layers > 2 else [],
-            tie_word_embeddings=True,
+            **common, **qwen_experts, head_dim=16, norm_topk_prob=True, tie_word_embeddings=True
         )
     if family == "qwen2_moe":
-        # A shared expert beside the routed ones; layer 2 keeps a dense MLP.
+        # A shared expert beside the routed ones.
         return Qwen2MoeConfig(
             **common,
-            **experts,
-            num_experts=4,
-            moe_intermediate_size=32,
+            **qwen_experts,
             shared_expert_intermediate_size=96,
             norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[2] if layers > 2 else [],
             tie_word_embeddings=False,
         )
     if family == "mixtral":

@@ -79,11 +79,7 @@ class EngineCore(PromptSteps):
         self.ahead = ahead.AheadCounters()
         self.step_s = 0.0
         # The prefix cache (stage/frontend/prefix_index.py); None when off.
-        self.prefixes = (
-            PrefixIndex(limits.prefix_cache_tokens, clock=clock)
-            if limits.prefix_cache_tokens > 0
-            else None
-        )
+        self.prefixes = self._prefix_index(limits)
         self.prefix_hits = 0
         self.prefix_lookups = 0
         self.prefix_lost = 0
@@ -98,12 +94,14 @@ class EngineCore(PromptSteps):
         """New limits (stage 0's serving settings arrive with every Load). Requests
         already admitted keep running; a resized prefix cache starts empty."""
         if limits.prefix_cache_tokens != self.limits.prefix_cache_tokens:
-            self.prefixes = (
-                PrefixIndex(limits.prefix_cache_tokens, clock=self.clock)
-                if limits.prefix_cache_tokens > 0
-                else None
-            )
+            self.prefixes = self._prefix_index(limits)
         self.limits = limits
+
+    def _prefix_index(self, limits: EngineLimits) -> PrefixIndex | None:
+        """An empty prefix cache index of ``limits``' size (None: the cache is off)."""
+        if limits.prefix_cache_tokens <= 0:
+            return None
+        return PrefixIndex(limits.prefix_cache_tokens, clock=self.clock)
 
     # ---- requests ---------------------------------------------------------------
 
