@@ -20,6 +20,9 @@ TINY_FAMILIES = (
     "qwen2_moe",
     "mixtral",
     "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
 )
 
 
@@ -38,8 +41,12 @@ def smollm2_gguf_path() -> Path:
 def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
     """A tiny random config of a supported family (hidden 64, 4 heads, 2 KV heads;
     the mixture-of-experts families with 4 experts, 2 per token; phi3 is packaged as
-    Llama)."""
+    Llama). The Gemma families' windows, caps and rotary tables are small enough to
+    bite within a test's 17-18 positions."""
     from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -73,6 +80,34 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
     if family == "phi3":
         # Fused qkv and gate/up projections, packaged as Llama (mesh/package/fused.py).
         return Phi3Config(**common, tie_word_embeddings=False)
+    if family == "gemma":
+        return GemmaConfig(**common, head_dim=16, tie_word_embeddings=True)
+    if family == "gemma2":
+        # Scores and logits capped where they are (tiny random weights: scores of
+        # about 0.1 at a scaling of 1/2, logits of about 1).
+        return Gemma2Config(
+            **common,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=4,
+            attn_logit_softcapping=0.05,
+            final_logit_softcapping=1.0,
+            tie_word_embeddings=True,
+        )
+    if family == "gemma3":
+        # Five sliding-window layers to one full (Gemma 3's pattern), the full ones
+        # rotating by their own base and a linear scaling.
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        }
+        return Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=8,
+            rope_parameters=rope,
+            tie_word_embeddings=True,
+        )
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
     # Qwen-style experts: 4 of 32 inner, every layer sparse but layer 2, which keeps a
     # dense MLP (mlp_only_layers), as some Qwen2-/Qwen3-MoE models do.
@@ -152,6 +187,13 @@ def tiny_model_factory(
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
             model.eval()
+            if family.startswith("gemma"):
+                # Gemma's norms scale by 1 + weight and start at 0: random ones, so
+                # that the offset is tested.
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if name.endswith("norm.weight"):
+                            param.normal_(0.0, 0.3)
             out = tmp_path_factory.mktemp(f"tiny-{family}-{layers}-{seed}-{shards}")
             shard_size = "200KB" if shards > 1 else "2GB"
             model.save_pretrained(out, max_shard_size=shard_size, safe_serialization=True)

@@ -36,7 +36,7 @@ _FUSED = re.compile(r"^((?:model\.)?layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate
 
 
 @dataclass(frozen=True)
-class _Part:
+class RowPart:
     """One Llama tensor: rows ``first .. first + count`` of a fused source tensor."""
 
     source: str
@@ -64,47 +64,15 @@ def llama_config(raw: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-class LlamaLayout(Checkpoint):
-    """A Phi-3 checkpoint under Llama's names: fused projections split by rows."""
+class RowParts(Checkpoint):
+    """A checkpoint seen under other names: a name in ``_parts`` is rows of one of
+    the inner checkpoint's tensors (all of them, for a plain rename); a name only in
+    ``_names`` is the inner one's own."""
 
     def __init__(self, inner: Checkpoint) -> None:
         self.inner = inner
-        original = inner.description.architecture
-        self.description = replace(inner.description, architecture=LLAMA, model_type="llama")
-        self.config_json = llama_config(inner.config_json)
-        self.source = {**inner.source, "architecture": original}
-        self.default_model_id = inner.default_model_id
-        heads = int(self.config_json["num_attention_heads"])
-        kv_heads = int(self.config_json.get("num_key_value_heads") or heads)
-        hidden = int(self.config_json["hidden_size"])
-        head_dim = int(self.config_json.get("head_dim") or hidden // heads)
-        intermediate = int(self.config_json["intermediate_size"])
-        self._parts: dict[str, _Part] = {}
+        self._parts: dict[str, RowPart] = {}
         self._names: list[str] = []
-        for name in inner.tensor_names():
-            match = _FUSED.match(name)
-            if match is None:
-                self._names.append(name)
-                continue
-            prefix, fused = match.groups()
-            if fused == "self_attn.qkv_proj":
-                sizes = [("q", heads * head_dim), ("k", kv_heads * head_dim)]
-                sizes.append(("v", kv_heads * head_dim))
-                pieces = [(f"self_attn.{p}_proj", size) for p, size in sizes]
-            else:
-                pieces = [("mlp.gate_proj", intermediate), ("mlp.up_proj", intermediate)]
-            rows = inner.shape(name)[0]
-            if rows != sum(size for _, size in pieces):
-                raise UnsupportedArchitecture(
-                    f"{name} has {rows} rows; the config's heads and sizes give "
-                    f"{sum(size for _, size in pieces)}: the checkpoint and its config disagree"
-                )
-            first = 0
-            for piece, size in pieces:
-                split = f"{prefix}{piece}.weight"
-                self._parts[split] = _Part(name, first, size)
-                self._names.append(split)
-                first += size
 
     def tensor_names(self) -> list[str]:
         return list(self._names)
@@ -113,6 +81,8 @@ class LlamaLayout(Checkpoint):
         part = self._parts.get(name)
         if part is None:
             return self.inner.tensor(name)
+        if part.first == 0 and part.count == self.inner.shape(part.source)[0]:
+            return self.inner.tensor(part.source)
         return self.inner.rows(part.source, part.first, part.count)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -158,3 +128,44 @@ class LlamaLayout(Checkpoint):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class LlamaLayout(RowParts):
+    """A Phi-3 checkpoint under Llama's names: fused projections split by rows."""
+
+    def __init__(self, inner: Checkpoint) -> None:
+        super().__init__(inner)
+        original = inner.description.architecture
+        self.description = replace(inner.description, architecture=LLAMA, model_type="llama")
+        self.config_json = llama_config(inner.config_json)
+        self.source = {**inner.source, "architecture": original}
+        self.default_model_id = inner.default_model_id
+        heads = int(self.config_json["num_attention_heads"])
+        kv_heads = int(self.config_json.get("num_key_value_heads") or heads)
+        hidden = int(self.config_json["hidden_size"])
+        head_dim = int(self.config_json.get("head_dim") or hidden // heads)
+        intermediate = int(self.config_json["intermediate_size"])
+        for name in inner.tensor_names():
+            match = _FUSED.match(name)
+            if match is None:
+                self._names.append(name)
+                continue
+            prefix, fused = match.groups()
+            if fused == "self_attn.qkv_proj":
+                sizes = [("q", heads * head_dim), ("k", kv_heads * head_dim)]
+                sizes.append(("v", kv_heads * head_dim))
+                pieces = [(f"self_attn.{p}_proj", size) for p, size in sizes]
+            else:
+                pieces = [("mlp.gate_proj", intermediate), ("mlp.up_proj", intermediate)]
+            rows = inner.shape(name)[0]
+            if rows != sum(size for _, size in pieces):
+                raise UnsupportedArchitecture(
+                    f"{name} has {rows} rows; the config's heads and sizes give "
+                    f"{sum(size for _, size in pieces)}: the checkpoint and its config disagree"
+                )
+            first = 0
+            for piece, size in pieces:
+                split = f"{prefix}{piece}.weight"
+                self._parts[split] = RowPart(name, first, size)
+                self._names.append(split)
+                first += size

@@ -47,10 +47,13 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Architectures a package can be built from by re-expressing them as a supported
 # one (mesh/package/fused.py): their packages record the architecture they serve as.
-TRANSLATED_ARCHITECTURES = ("Phi3ForCausalLM",)
+TRANSLATED_ARCHITECTURES = ("Phi3ForCausalLM", "Gemma3ForConditionalGeneration")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -82,7 +82,7 @@ def architecture_of(raw_config: dict[str, Any]) -> str:
             raise UnsupportedArchitecture(
                 f"config.json names no architecture and model_type {model_type!r} has no "
                 "causal-LM class; supported model types: llama, mistral, qwen2, qwen3, "
-                "qwen2_moe, qwen3_moe, mixtral, phi3"
+                "qwen2_moe, qwen3_moe, mixtral, phi3, gemma, gemma2, gemma3_text"
             )
         architecture = mapped
     check_source_architecture(architecture)
@@ -90,6 +90,8 @@ def architecture_of(raw_config: dict[str, Any]) -> str:
 
 
 def describe(config: Any, architecture: str) -> ModelDescription:
+    # A multimodal config nests its language model's (transformers' get_text_config).
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelDescription(
         architecture=architecture,
         model_type=str(config.model_type),
@@ -374,12 +376,17 @@ def gguf_source(src: str) -> Path | None:
 def open_checkpoint(src: str) -> Checkpoint:
     """Open ``src``: ``default``, a ``.gguf`` file, an HF model directory, or an HF
     repo id ``org/name[@revision]`` (fetched with huggingface_hub). A checkpoint of
-    an architecture served as another (Phi-3 as Llama) comes in that one's layout."""
+    an architecture served as another (Phi-3 as Llama, Gemma 3's multimodal models as
+    their text model) comes in that one's layout."""
     checkpoint = _open_source(src)
-    if checkpoint.description.architecture in TRANSLATED_ARCHITECTURES:
+    architecture = checkpoint.description.architecture
+    if architecture in TRANSLATED_ARCHITECTURES:
         from mesh.package.fused import LlamaLayout
+        from mesh.package.textonly import TEXT_MODELS, TextOnlyLayout
 
         try:
+            if architecture in TEXT_MODELS:
+                return TextOnlyLayout(checkpoint)
             return LlamaLayout(checkpoint)
         except BaseException:
             checkpoint.close()

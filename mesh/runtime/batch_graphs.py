@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mesh.runtime.block import DecoderBlock, finish, project, rms_norm
+from mesh.runtime.block import DecoderBlock, cap_logits, finish, project, rms_norm
 from mesh.runtime.sessions import SessionCache
 
 BUCKETS = (2, 4, 8, 16, 32)
@@ -76,8 +76,11 @@ class BucketStep:
         dtype: torch.dtype,
         device: torch.device,
         capture: bool,
+        rope_kinds: int = 1,
+        logit_cap: float | None = None,
     ) -> None:
         self.blocks = blocks
+        self.logit_cap = logit_cap
         self.rows = rows
         self.embed = embed
         self.head = head
@@ -86,8 +89,10 @@ class BucketStep:
             self.inputs = torch.zeros(rows, dtype=torch.long, device=device)
         else:
             self.inputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
-        self.cos = torch.zeros(rows, 1, head_dim, dtype=dtype, device=device)
-        self.sin = torch.zeros(rows, 1, head_dim, dtype=dtype, device=device)
+        # Each row's angles in every rotary table (mesh/runtime/rotary.py).
+        angles = (rows, 1, head_dim) if rope_kinds == 1 else (rope_kinds, rows, 1, head_dim)
+        self.cos = torch.zeros(angles, dtype=dtype, device=device)
+        self.sin = torch.zeros(angles, dtype=dtype, device=device)
         self.attended = [
             torch.zeros(rows, block.heads * head_dim, dtype=dtype, device=device)
             for block in blocks
@@ -114,7 +119,8 @@ class BucketStep:
             return
         if self.head is not None:
             norm, eps, lm_head, native = self.head
-            hidden = lm_head(rms_norm(hidden, norm, eps, native)).float()
+            hidden = lm_head(rms_norm(hidden, norm, eps, native))
+            hidden = cap_logits(hidden, self.logit_cap).float()
         self.output = hidden
 
     def _pieces(self) -> range:
@@ -128,8 +134,8 @@ class BucketStep:
         a fresh tensor of the real rows' outputs."""
         count = inputs.shape[0]
         self.inputs[:count].copy_(inputs)
-        self.cos[:count].copy_(cos)
-        self.sin[:count].copy_(sin)
+        self.cos.narrow(-3, 0, count).copy_(cos)
+        self.sin.narrow(-3, 0, count).copy_(sin)
         if self._capture and self._graphs is None:
             self._graphs = self._record()
         for index in self._pieces():

@@ -1,10 +1,14 @@
 """A lean forward pass over the tensors of one HF decoder layer.
 
-The supported families (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
-Qwen2-MoE, Qwen3-MoE and Mixtral; Phi-3 is packaged as Llama, mesh/package/fused.py) share one
-layer shape: RMSNorm, attention with rotary
+The supported families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, and
+the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral; Phi-3 is packaged as Llama,
+mesh/package/fused.py) share one layer shape: RMSNorm, attention with rotary
 embeddings (optional q/k/v biases, optional per-head q/k RMSNorm), RMSNorm, gated
-MLP or routed experts of gated MLPs (mesh/runtime/moe.py). ``DecoderBlock`` holds
+MLP or routed experts of gated MLPs (mesh/runtime/moe.py). Gemma's variations are
+options of that shape: norms that scale by ``1 + weight`` in float32 (the weight is
+loaded as ``1 + weight``, see ``rms_norm``), a norm after attention and after the MLP
+as well as before them (Gemma 2 and 3), attention scores capped by ``tanh`` (Gemma
+2), and rotary angles of their own for sliding-window layers (Gemma 3). ``DecoderBlock`` holds
 one layer's weights (dense or quantised) and runs the same arithmetic in the same
 order as transformers does, without the module call machinery, writing keys and
 values into the session's preallocated cache. The HF layer module is built on the
@@ -28,6 +32,11 @@ from mesh.runtime.moe import SparseExperts, is_sparse, structure_problems
 from mesh.runtime.sessions import SessionCache
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+# Gemma 2 and 3: a norm of the attention's and of the MLP's output before each
+# residual add (``post_attention_layernorm`` is then the attention's, not the MLP's input).
+_SANDWICH_PARTS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+# RMSNorms that scale by ``1 + weight``, computed in float32 (Gemma's).
+OFFSET_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
@@ -37,11 +46,25 @@ def rms_norm(
     hidden: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False
 ) -> torch.Tensor:
     """HF's RMSNorm: statistics in float32, scale applied in the input dtype. With
-    ``native`` (row-invariant stages) on the stage's kernel where it can run."""
+    ``native`` (row-invariant stages) on the stage's kernel where it can run.
+
+    A float32 ``weight`` over other activations is Gemma's norm (its ``1 + weight``
+    held in float32, ``OFFSET_NORMS``): the scale is applied in float32 and the
+    result rounded once, as Gemma does. Over float32 activations both are one
+    product."""
     if native and native_norm.usable(hidden, weight):
         return native_norm.rms_norm(hidden, weight, eps)
     normed = F.rms_norm(hidden.to(torch.float32), hidden.shape[-1:], eps=eps)
+    if weight.dtype == torch.float32 and hidden.dtype != torch.float32:
+        return (weight * normed).to(hidden.dtype)
     return weight * normed.to(hidden.dtype)
+
+
+def cap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's final cap on logits, ``cap * tanh(logits / cap)`` (None: unchanged)."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 def rotate_into(
@@ -62,14 +85,18 @@ def attention(
     mask: torch.Tensor | None,
     scaling: float,
     groups: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """SDPA dispatched the way transformers' sdpa integration does on this input.
 
     ``query`` is ``[T, heads, D]``; ``keys``/``values`` ``[1, kv_heads, L, D]``;
     ``mask`` is None (a fresh causal prefill, or one query seeing every key) or a
-    boolean ``[1, 1, T, L]``. Returns ``[T, heads * D]``.
+    boolean ``[1, 1, T, L]``. Returns ``[T, heads * D]``. With ``softcap`` (Gemma 2)
+    the scores are capped first, which SDPA cannot do: ``capped_attention``.
     """
     count, heads, dim = query.shape
+    if softcap is not None:
+        return capped_attention(query, keys, values, mask, scaling, groups, softcap)
     if count == 1:
         # One query per head: the heads sharing a key/value head become that head's
         # query rows, so SDPA runs without repeating keys (several times faster than
@@ -90,6 +117,36 @@ def attention(
             values = values[:, :, None].expand(shape).reshape(1, heads, length, dim)
         output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     return output[0].transpose(0, 1).reshape(count, heads * dim)
+
+
+def capped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    groups: int,
+    softcap: float,
+) -> torch.Tensor:
+    """``attention`` with Gemma 2's score cap, in transformers' eager order: scores
+    scaled, ``softcap * tanh(scores / softcap)``, masked, softmax in float32 (back to
+    the input dtype), times the values. Same arguments and result as ``attention``."""
+    count, heads, dim = query.shape
+    length = keys.shape[2]
+    kv_heads = heads // groups
+    # [kv_heads, groups * T, D]: the query heads sharing a key/value head as its rows.
+    grouped = query.view(count, kv_heads, groups, dim).permute(1, 2, 0, 3)
+    scores = torch.matmul(grouped.reshape(kv_heads, groups * count, dim), keys[0].transpose(1, 2))
+    scores = scores.view(kv_heads, groups, count, length) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and count > 1:
+        # A fresh causal prefill (keys are the frame's own).
+        mask = torch.ones(count, length, dtype=torch.bool, device=query.device).tril(length - count)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(1, 1, count, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs.view(kv_heads, groups * count, length), values[0])
+    return out.view(kv_heads, groups, count, dim).permute(2, 0, 1, 3).reshape(count, heads * dim)
 
 
 def attention_masks(
@@ -117,8 +174,10 @@ class DecoderBlock:
 
     q/k/v run as one fused linear and gate/up as another (see ``fuse``); every
     linear is dense or quantised (mesh/runtime/linear.py). Queries and keys are
-    normed (Qwen3) and rotated together, as one ``[T, heads + kv_heads, D]`` tensor.
-    A sparse layer has ``experts`` instead of ``gate_up`` and ``down``.
+    normed (Qwen3, Gemma 3) and rotated together, as one ``[T, heads + kv_heads, D]``
+    tensor. A sparse layer has ``experts`` instead of ``gate_up`` and ``down``.
+    ``attn_out_norm`` and ``mlp_out_norm`` (Gemma 2 and 3) norm each output before
+    its residual add.
     """
 
     __slots__ = (
@@ -131,6 +190,10 @@ class DecoderBlock:
         "norm_eps",
         "input_norm",
         "post_norm",
+        "attn_out_norm",
+        "mlp_out_norm",
+        "softcap",
+        "rope_index",
         "qk_norm",
         "qk_width",
         "q_width",
@@ -155,6 +218,7 @@ class DecoderBlock:
         down: Linear | None,
         row_invariant: bool = False,
         experts: SparseExperts | None = None,
+        rope_index: int | None = None,
     ) -> None:
         self.layer_index = layer_index
         self.sliding = sliding
@@ -165,6 +229,19 @@ class DecoderBlock:
         self.norm_eps = shape.norm_eps
         self.input_norm = norms["input_layernorm.weight"]
         self.post_norm = norms["post_attention_layernorm.weight"]
+        self.attn_out_norm: torch.Tensor | None = None
+        self.mlp_out_norm: torch.Tensor | None = None
+        if "pre_feedforward_layernorm.weight" in norms:
+            # Gemma 2 and 3: "post attention" normalises the attention's output; the
+            # MLP's input has a norm of its own, and its output one more.
+            self.attn_out_norm = self.post_norm
+            self.post_norm = norms["pre_feedforward_layernorm.weight"]
+            self.mlp_out_norm = norms["post_feedforward_layernorm.weight"]
+        # Gemma 2's cap on attention scores.
+        self.softcap = shape.softcap
+        # Which of the stage's rotary tables this layer rotates with (Gemma 3's
+        # sliding-window layers have their own); None where the model has one.
+        self.rope_index = rope_index
         self.qk_norm = None
         q_norm = norms.get("self_attn.q_norm.weight")
         k_norm = norms.get("self_attn.k_norm.weight")
@@ -245,7 +322,13 @@ def run_block(
         kv.index_copy_(3, at, new_kv)
         held = kv
     attended = attention(
-        query_key[:, : block.heads], held[0], held[1], mask, block.scaling, block.groups
+        query_key[:, : block.heads],
+        held[0],
+        held[1],
+        mask,
+        block.scaling,
+        block.groups,
+        block.softcap,
     )
     return finish(block, hidden, attended)
 
@@ -287,7 +370,7 @@ def attend_segments(
     positions. Returns ``[rows, heads * D]``."""
     dim = block.head_dim
     fixed_order = block.row_invariant
-    if fixed_order and native_attention.usable(qkv, dim, block.groups):
+    if fixed_order and block.softcap is None and native_attention.usable(qkv, dim, block.groups):
         attended_rows = native_attention.attend(
             qkv, segments, block.layer_index, block.heads, block.heads // block.groups,
             dim, block.scaling, block.sliding,
@@ -305,13 +388,22 @@ def attend_segments(
             window = part.window if block.sliding else None
             attended.append(
                 invariant.attention(
-                    query, kv[0, 0], kv[1, 0], part.at, block.scaling, block.groups, window
+                    query,
+                    kv[0, 0],
+                    kv[1, 0],
+                    part.at,
+                    block.scaling,
+                    block.groups,
+                    window,
+                    block.softcap,
                 )
             )
             continue
         held = kv.narrow(3, 0, part.at + part.count)
         mask = part.masks[1] if block.sliding else part.masks[0]
-        attended.append(attention(query, held[0], held[1], mask, block.scaling, block.groups))
+        attended.append(
+            attention(query, held[0], held[1], mask, block.scaling, block.groups, block.softcap)
+        )
     return attended[0] if len(attended) == 1 else torch.cat(attended)
 
 
@@ -320,7 +412,11 @@ def project(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm, the fused q/k/v linear, and rotary (plus Qwen3's q/k norms) on queries
     and keys in place. Returns the q/k/v rows and the rotated ``[T, heads +
-    kv_heads, D]`` query/key view of them."""
+    kv_heads, D]`` query/key view of them. Where the model rotates its layers by
+    several tables (``rope_index``), ``cos``/``sin`` hold them all, ``[tables, T, 1,
+    D]``."""
+    if block.rope_index is not None:
+        cos, sin = cos[block.rope_index], sin[block.rope_index]
     states = rms_norm(hidden, block.input_norm, block.norm_eps, block.row_invariant)
     # [T, (heads + 2 * kv_heads) * D]: queries, keys, values; rotated in place.
     qkv = block.qkv(states)
@@ -334,13 +430,20 @@ def project(
 
 def finish(block: DecoderBlock, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """Output projection, residual, and the gated MLP (or routed experts) with its
-    residual."""
-    hidden = hidden + block.o(attended)
-    states = rms_norm(hidden, block.post_norm, block.norm_eps, block.row_invariant)
+    residual; Gemma 2 and 3 norm each output before its residual add."""
+    native = block.row_invariant
+    out = block.o(attended)
+    if block.attn_out_norm is not None:
+        out = rms_norm(out, block.attn_out_norm, block.norm_eps, native)
+    hidden = hidden + out
+    states = rms_norm(hidden, block.post_norm, block.norm_eps, native)
     if block.experts is not None:
         return hidden + block.experts(states)
     gate, up = block.gate_up(states).chunk(2, dim=-1)  # type: ignore[misc]
-    return hidden + block.down(block.act(gate) * up)  # type: ignore[misc]
+    out = block.down(block.act(gate) * up)  # type: ignore[misc]
+    if block.mlp_out_norm is not None:
+        out = rms_norm(out, block.mlp_out_norm, block.norm_eps, native)
+    return hidden + out
 
 
 @dataclass(frozen=True)
@@ -353,6 +456,14 @@ class BlockShape:
     scaling: float
     norm_eps: float
     act: Callable[[torch.Tensor], torch.Tensor]
+    # Gemma 2's cap on attention scores (None: no cap).
+    softcap: float | None = None
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """An HF RMSNorm's epsilon (``variance_epsilon``; Gemma's norms call it ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
 
 
 def block_shape(layer: nn.Module) -> BlockShape:
@@ -361,10 +472,12 @@ def block_shape(layer: nn.Module) -> BlockShape:
     head_dim = int(attn.head_dim)
     heads = int(attn.q_proj.out_features) // head_dim
     kv_heads = int(attn.k_proj.out_features) // head_dim
+    softcap = getattr(attn, "attn_logit_softcapping", None)
     norms = [layer.self_attn.q_norm] if hasattr(attn, "q_norm") else []
-    eps = float(layer.input_layernorm.variance_epsilon)
+    norms += [getattr(layer, name) for name in sorted(_SANDWICH_PARTS) if hasattr(layer, name)]
+    eps = norm_eps(layer.input_layernorm)
     for norm in [layer.post_attention_layernorm, *norms]:
-        if float(norm.variance_epsilon) != eps:
+        if norm_eps(norm) != eps:
             raise UnsupportedArchitecture(
                 "decoder layers whose norms use different epsilons are not supported"
             )
@@ -375,6 +488,7 @@ def block_shape(layer: nn.Module) -> BlockShape:
         scaling=float(attn.scaling),
         norm_eps=eps,
         act=layer.mlp.experts.act_fn if is_sparse(layer) else layer.mlp.act_fn,
+        softcap=None if softcap is None else float(softcap),
     )
 
 
@@ -382,7 +496,7 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
     """Refuse a layer whose parts differ from the shape ``DecoderBlock`` computes."""
     problems: list[str] = []
     parts = {name for name, _ in layer.named_children()}
-    if parts != _LAYER_PARTS:
+    if parts not in (_LAYER_PARTS, _LAYER_PARTS | _SANDWICH_PARTS):
         problems.append(f"layer parts {sorted(parts)}")
     else:
         attn_parts = {name for name, _ in layer.self_attn.named_children()}
@@ -393,16 +507,22 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
             problems += structure_problems(layer)
         elif mlp_parts - {"act_fn"} != _MLP_PARTS - {"act_fn"}:
             problems.append(f"MLP parts {sorted(mlp_parts)}")
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms = [getattr(layer, name) for name in sorted(parts) if name.endswith("layernorm")]
         norms += [getattr(layer.self_attn, name) for name in _QK_NORMS & attn_parts]
+        offset = type(layer.input_layernorm).__name__ in OFFSET_NORMS
         for norm in norms:
-            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
-                problems.append(f"norm {type(norm).__name__}")
+            name = type(norm).__name__
+            if not name.endswith("RMSNorm") or not (
+                hasattr(norm, "variance_epsilon") or hasattr(norm, "eps")
+            ):
+                problems.append(f"norm {name}")
+            elif (name in OFFSET_NORMS) != offset:
+                problems.append(f"norms of two kinds ({name})")
         if not is_sparse(layer) and not callable(getattr(layer.mlp, "act_fn", None)):
             problems.append("MLP without act_fn")
     if problems:
         raise UnsupportedArchitecture(
             f"decoder layer {layer_index} ({type(layer).__name__}) has an unexpected structure "
             f"({'; '.join(problems)}); the runtime runs Llama, Mistral, Qwen2, Qwen3, "
-            "Qwen2-MoE, Qwen3-MoE and Mixtral layers"
+            "Gemma, Gemma 2, Gemma 3, Qwen2-MoE, Qwen3-MoE and Mixtral layers"
         )

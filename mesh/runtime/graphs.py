@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from mesh.runtime.block import DecoderBlock, rms_norm, run_block
+from mesh.runtime.block import DecoderBlock, cap_logits, rms_norm, run_block
 
 # Steps run on a side stream before capture (CUDA's lazy initialisation of kernels
 # and workspaces must not happen inside the capture).
@@ -46,6 +46,8 @@ class StaticDecode:
         window: int | None,
         dtype: torch.dtype,
         device: torch.device,
+        rope_kinds: int = 1,
+        logit_cap: float | None = None,
     ) -> None:
         self.blocks = blocks
         self.kv_layers = kv_layers
@@ -53,13 +55,16 @@ class StaticDecode:
         self.embed = embed
         self.head = head
         self.window = window
+        self.logit_cap = logit_cap
         if embed is not None:
             self.inputs = torch.zeros(1, dtype=torch.long, device=device)
         else:
             self.inputs = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.cos = torch.zeros(1, 1, head_dim, dtype=dtype, device=device)
-        self.sin = torch.zeros(1, 1, head_dim, dtype=dtype, device=device)
+        # One row of each rotary table (mesh/runtime/rotary.py).
+        angles = (1, 1, head_dim) if rope_kinds == 1 else (rope_kinds, 1, 1, head_dim)
+        self.cos = torch.zeros(angles, dtype=dtype, device=device)
+        self.sin = torch.zeros(angles, dtype=dtype, device=device)
         self.key_positions = torch.arange(self.capacity, device=device)
         self.output: torch.Tensor | None = None
 
@@ -87,7 +92,7 @@ class StaticDecode:
             hidden = run_block(block, hidden, self.cos, self.sin, kv, self.position, mask)
         if self.head is not None:
             norm, eps, lm_head = self.head
-            hidden = lm_head(rms_norm(hidden, norm, eps)).float()
+            hidden = cap_logits(lm_head(rms_norm(hidden, norm, eps)), self.logit_cap).float()
         self.output = hidden
         return hidden
 

@@ -174,6 +174,7 @@ def attention(
     scaling: float,
     groups: int,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, heads, D]`` (positions ``pos_start ..``)
     over a session's cache ``keys`` / ``values`` ``[kv_heads, capacity, D]`` (its
@@ -185,12 +186,13 @@ def attention(
     key/value head are that entry's query rows (the same entry shape as a decode
     step), over the keys ``first_key .. padded_end`` under a boolean mask. Rows
     sharing that key range run as one SDPA call, the keys broadcast over the
-    entries; the kernel computes every entry alike."""
+    entries; the kernel computes every entry alike. ``softcap`` caps the scores
+    (Gemma 2) on the matmul path (``_attend_matmul``) in any dtype."""
     count, heads, dim = query.shape
     kv_heads = keys.shape[0]
     grouped = query.view(count, kv_heads, groups, dim)
     if count == 1:
-        return _attend(grouped, keys, values, pos_start, scaling, window).reshape(1, -1)
+        return _attend(grouped, keys, values, pos_start, scaling, window, softcap).reshape(1, -1)
     out = torch.empty_like(grouped)
     row = 0
     while row < count:
@@ -204,7 +206,9 @@ def attention(
             and _first_key(pos_start + last, window) == first_key
         ):
             last += 1
-        out[row:last] = _attend(grouped[row:last], keys, values, pos_start + row, scaling, window)
+        out[row:last] = _attend(
+            grouped[row:last], keys, values, pos_start + row, scaling, window, softcap
+        )
         row = last
     return out.reshape(count, heads * dim)
 
@@ -224,6 +228,7 @@ def _attend(
     position: int,
     scaling: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``query`` ``[n, kv_heads, groups, D]`` at positions ``position ..``, rows that
     share one key range, over the cache ``keys`` / ``values`` ``[kv_heads, C, D]``."""
@@ -235,8 +240,8 @@ def _attend(
         shape = (count, kv_heads, end - first_key, dim)
         held_keys, held_values = held_keys.expand(shape), held_values.expand(shape)
     mask = _mask(first_key, end, position, count, window, query.dtype, query.device)
-    if query.dtype == torch.float32:
-        return _attend_matmul(query, held_keys, held_values, mask, scaling)
+    if query.dtype == torch.float32 or softcap is not None:
+        return _attend_matmul(query, held_keys, held_values, mask, scaling, softcap)
     return F.scaled_dot_product_attention(
         query, held_keys, held_values, attn_mask=mask, scale=scaling
     )
@@ -248,11 +253,14 @@ def _attend_matmul(
     values: torch.Tensor,
     mask: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention as two batched matmuls and a softmax (float32): torch's CPU SDPA
     kernel in float32 gave an entry other results in a batch than alone with 2
     threads on one VM measured; batched GEMMs over entries of one shape do not. A
-    lone entry runs as two (one entry folds into another GEMM shape)."""
+    lone entry runs as two (one entry folds into another GEMM shape). ``softcap``
+    caps the scaled scores (``softcap * tanh(scores / softcap)``) before the mask;
+    the softmax runs in float32 whatever the input dtype."""
     count, kv_heads, _, dim = query.shape
     lone = count == 1
     if lone:
@@ -260,8 +268,12 @@ def _attend_matmul(
     length = keys.shape[2]
     keys = keys.expand(count, kv_heads, length, dim)
     values = values.expand(count, kv_heads, length, dim)
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).add_(mask)
-    out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores = scores.add_(mask)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, values)
     return out[:1] if lone else out
 
 

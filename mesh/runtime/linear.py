@@ -479,9 +479,11 @@ def build_linear(
 
 
 class Embedding:
-    """Token embedding lookup over a dense table or a group-wise int8 one."""
+    """Token embedding lookup over a dense table or a group-wise int8 one; ``scale``
+    multiplies the rows (Gemma's square root of the hidden size, rounded to the
+    compute dtype as Gemma does)."""
 
-    __slots__ = ("weight", "parts", "dtype")
+    __slots__ = ("weight", "parts", "dtype", "scale")
 
     def __init__(
         self,
@@ -489,17 +491,21 @@ class Embedding:
         dtype: torch.dtype,
         weight: torch.Tensor | None = None,
         parts: dict[str, torch.Tensor] | None = None,
+        scale: float | None = None,
     ) -> None:
         self.dtype = dtype
+        self.scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
         self.weight = None if weight is None else weight.to(device=device, dtype=dtype)
         self.parts = None if parts is None else {k: v.to(device) for k, v in parts.items()}
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return F.embedding(ids, self.weight)
-        flat = ids.reshape(-1)
-        rows = quant.dequantize_int8_groups(self.parts or {}, self.dtype, flat)
-        return rows.reshape(*ids.shape, -1)
+            rows = F.embedding(ids, self.weight)
+        else:
+            flat = ids.reshape(-1)
+            rows = quant.dequantize_int8_groups(self.parts or {}, self.dtype, flat)
+            rows = rows.reshape(*ids.shape, -1)
+        return rows if self.scale is None else rows * self.scale
 
     def tensors(self) -> list[torch.Tensor]:
         if self.weight is not None:

@@ -23,7 +23,14 @@ from mesh.errors import InvalidRequest, PackageError, UnsupportedArchitecture
 from mesh.package.manifest import SUPPORTED_ARCHITECTURES
 from mesh.quant import EMBED_GROUP, QuantScheme
 from mesh.runtime import invariant, moe
-from mesh.runtime.block import BlockShape, DecoderBlock, block_shape, check_structure
+from mesh.runtime.block import (
+    OFFSET_NORMS,
+    BlockShape,
+    DecoderBlock,
+    block_shape,
+    check_structure,
+    norm_eps,
+)
 from mesh.runtime.layer_weights import ModuleTensors
 from mesh.runtime.linear import (
     DenseLinear,
@@ -96,7 +103,10 @@ def load_config(package_dir: Path) -> PretrainedConfig:
 @dataclass(frozen=True)
 class StageModules:
     """What one stage computes with. ``embed`` only on the first range; ``norm`` and
-    ``lm_head`` only on the last; ``rotary`` (no weights) everywhere."""
+    ``lm_head`` only on the last; ``rotary`` (no weights) everywhere, with
+    ``rope_kinds`` the layer types it is asked for by name when the model rotates
+    layers of different types by different tables (Gemma 3), else None.
+    ``logit_cap`` is Gemma 2's ``final_logit_softcapping``."""
 
     blocks: list[DecoderBlock]
     rotary: nn.Module
@@ -106,6 +116,8 @@ class StageModules:
     lm_head: Linear | None
     # Whether every row is computed alike alone or batched (mesh/runtime/invariant.py).
     row_invariant: bool = False
+    rope_kinds: tuple[str, ...] | None = None
+    logit_cap: float | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         held: list[torch.Tensor] = []
@@ -145,11 +157,13 @@ def build_stage_modules(
     is_first = layer_range.is_first()
     is_last = layer_range.is_last(config.num_hidden_layers)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     decoder = skeleton.model
     kind = None if scheme is None else scheme.kind
     group = 0 if scheme is None else scheme.group_size
     row_invariant = invariant.chosen(device, kind in ("int4", "int8"))
+    rope_kinds = _rope_kinds(decoder.rotary_emb)
+    layer_types = getattr(config, "layer_types", None)
 
     blocks = []
     for index in layer_range:
@@ -159,10 +173,16 @@ def build_stage_modules(
             layer, weights.layer(index), f"decoder layer {index}", kind, group, _shapes(layer)
         )
         sliding = index in sliding_layers
-        blocks.append(_build_block(layer, tensors, index, sliding, device, dtype, row_invariant))
+        block = _build_block(layer, tensors, index, sliding, device, dtype, row_invariant)
+        if rope_kinds is not None:
+            block.rope_index = rope_kinds.index(layer_types[index])
+        blocks.append(block)
 
     embed = None
     embed_weight = None
+    # Gemma scales the embedding rows (by the square root of the hidden size).
+    scale = getattr(decoder.embed_tokens, "scalar_embed_scale", None)
+    embed_scale = None if scale is None or float(scale) == 1.0 else float(scale)
     if is_first:
         found = ModuleTensors(
             decoder.embed_tokens,
@@ -179,17 +199,17 @@ def build_stage_modules(
                 embed_weight = dense_weight(plain, device, dtype)
             else:
                 embed_weight = plain.to(device=device, dtype=dtype)
-            embed = Embedding(device, dtype, weight=embed_weight)
+            embed = Embedding(device, dtype, weight=embed_weight, scale=embed_scale)
         else:
             parts = found.quant_parts("weight", "int8g", vocab, hidden)
-            embed = Embedding(device, dtype, parts=parts)
+            embed = Embedding(device, dtype, parts=parts, scale=embed_scale)
 
     norm = lm_head = None
-    norm_eps = float(decoder.norm.variance_epsilon)
+    final_eps = norm_eps(decoder.norm)
     if is_last:
         head = weights.head()
         norms = ModuleTensors(decoder.norm, _renamed(head, NORM_WEIGHT, strict=False), "norm", None)
-        norm = norms.plain("weight").to(device=device, dtype=dtype)
+        norm = _norm_weight(decoder.norm, norms.plain("weight"), device, dtype)
         tied = getattr(config, "tie_word_embeddings", False)
         if embed_weight is not None and tied:
             lm_head = DenseLinear(embed_weight, None, row_invariant)
@@ -210,10 +230,36 @@ def build_stage_modules(
         rotary=rotary,
         embed=embed,
         norm=norm,
-        norm_eps=norm_eps,
+        norm_eps=final_eps,
         lm_head=lm_head,
         row_invariant=row_invariant,
+        rope_kinds=rope_kinds,
+        logit_cap=_logit_cap(config),
     )
+
+
+def _rope_kinds(rotary: nn.Module) -> tuple[str, ...] | None:
+    """The layer types a rotary module computes separate angles for (Gemma 3's
+    ``layer_types``), or None when it has one table for every layer."""
+    kinds = getattr(rotary, "layer_types", None)
+    if not kinds:
+        return None
+    return tuple(str(kind) for kind in kinds)
+
+
+def _logit_cap(config: PretrainedConfig) -> float | None:
+    cap = getattr(config, "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
+
+
+def _norm_weight(
+    norm: nn.Module, weight: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A norm's weight as ``rms_norm`` applies it: Gemma's ``1 + weight`` in float32
+    (``OFFSET_NORMS``), others in the compute dtype."""
+    if type(norm).__name__ in OFFSET_NORMS:
+        return (1.0 + weight.to(device=device, dtype=torch.float32)).contiguous()
+    return weight.to(device=device, dtype=dtype)
 
 
 def _build_block(
@@ -225,10 +271,15 @@ def _build_block(
     dtype: torch.dtype,
     row_invariant: bool,
 ) -> DecoderBlock:
-    norm_names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    norm_names = [f"{name}.weight" for name, _ in layer.named_children() if name.endswith("norm")]
     if hasattr(layer.self_attn, "q_norm"):
         norm_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    norms = {name: tensors.plain(name).to(device=device, dtype=dtype) for name in norm_names}
+    norms = {
+        name: _norm_weight(
+            layer.get_submodule(name.removesuffix(".weight")), tensors.plain(name), device, dtype
+        )
+        for name in norm_names
+    }
     attn = [tensors.linear(f"self_attn.{name}_proj") for name in ("q", "k", "v")]
     shape = block_shape(layer)
     gate_up = down = experts = None

@@ -24,6 +24,7 @@ from mesh.runtime.batch_graphs import BatchGraphs
 from mesh.runtime.block import (
     SegmentRows,
     attention_masks,
+    cap_logits,
     rms_norm,
     run_block,
     run_block_segments,
@@ -110,7 +111,7 @@ class StageRuntime(GraphSteps):
             native_layers(self._blocks, self._dtype) if device.type == "cpu" else None
         )
         self._compiled: Callable[..., torch.Tensor] | None = None
-        self._angles = RotaryAngles(modules.rotary, self._dtype, device)
+        self._angles = RotaryAngles(modules.rotary, self._dtype, device, modules.rope_kinds)
         # Single-token frames through a fixed-shape step (mesh/runtime/graphs.py):
         # None (off), or whether to capture it as a CUDA graph.
         self._graph_capture: bool | None = None
@@ -427,8 +428,8 @@ class StageRuntime(GraphSteps):
         """The rotary angles of a frame's rows and its segments' rows (masks, caches
         cropped to where each segment starts), in the frame's order."""
         angles = [self._angles(span.pos_start, span.count) for _, span, _, _ in opened]
-        cos = torch.cat([c for c, _ in angles])
-        sin = torch.cat([s for _, s in angles])
+        cos = torch.cat([c for c, _ in angles], dim=-3)
+        sin = torch.cat([s for _, s in angles], dim=-3)
         window = self._sliding_window
         parts: list[SegmentRows] = []
         row = 0
@@ -470,7 +471,7 @@ class StageRuntime(GraphSteps):
             modules.norm_eps,
             modules.row_invariant,
         )
-        return modules.lm_head(normed).float()  # type: ignore[misc]
+        return cap_logits(modules.lm_head(normed), modules.logit_cap).float()  # type: ignore[misc]
 
     def _prepare(self, inputs: torch.Tensor, check_ids: bool = True) -> torch.Tensor:
         if not isinstance(inputs, torch.Tensor):

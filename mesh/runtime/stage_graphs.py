@@ -64,7 +64,8 @@ class GraphSteps:
         cos, sin, parts = self._segment_rows(opened)
         batched = None
         segments = [(part.cache, part.at, part.count) for part in parts]
-        if not self._modules.row_invariant and FrameAttention.fits(segments):
+        capped = any(block.softcap is not None for block in self._blocks)
+        if not self._modules.row_invariant and not capped and FrameAttention.fits(segments):
             batched = FrameAttention(segments, self._sliding_window)
 
         def attend(block: DecoderBlock, qkv: torch.Tensor, query_key: torch.Tensor) -> torch.Tensor:
@@ -134,6 +135,8 @@ class GraphSteps:
             window=self._sliding_window,
             dtype=self._dtype,
             device=self._device,
+            rope_kinds=self._angles.kinds,
+            logit_cap=modules.logit_cap,
         )
 
     def enable_cuda_graphs(self) -> bool:
@@ -179,6 +182,8 @@ class GraphSteps:
             dtype=self._dtype,
             device=self._device,
             capture=bool(self._graph_capture),
+            rope_kinds=self._angles.kinds,
+            logit_cap=modules.logit_cap,
         )
 
     def disable_graphs(self) -> None:

@@ -12,7 +12,19 @@ from mesh.package.builder import build_package
 from mesh.runtime import StageRuntime, load_stage_runtime
 from mesh.types import LayerRange
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "phi3")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+)
 LAYERS = 6
 SPLITS: dict[int, tuple[LayerRange, ...]] = {
     1: (LayerRange(0, 6),),

@@ -67,6 +67,8 @@ def tokens(count: int, seed: int) -> torch.Tensor:
         ("mistral", {"sliding_window": 6, "layer_types": None}),
         ("qwen3_moe", {}),
         ("mixtral", {}),
+        ("gemma2", {}),
+        ("gemma3", {}),
     ],
 )
 def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dict) -> None:
@@ -194,6 +196,8 @@ def batch_chain(stages: list[StageRuntime], spans: list[Span], inputs: torch.Ten
         ("llama", {}, "gathered layer by layer"),
         ("qwen3", {}, "per session (over the gather limit)"),
         ("mistral", {"sliding_window": 6, "layer_types": None}, "row-invariant"),
+        ("gemma3", {}, "batched"),
+        ("gemma2", {}, "per session (capped scores)"),
     ],
 )
 def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(

@@ -50,7 +50,7 @@ def through(stages: list[StageRuntime], spans: list[Span], ids: torch.Tensor):
 
 
 @pytest.mark.parametrize("stage_count", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3"])
 def test_pooled_rows_equal_the_models_final_hidden_state(
     packages: Callable[[str], tuple[Path, Path]], family: str, stage_count: int
 ) -> None:
