@@ -56,6 +56,14 @@ HUB_PATTERNS = [
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 # Keys a GGUF-loaded config carries that make no sense for plain safetensors weights.
 _GGUF_CONFIG_LEFTOVERS = ("quantization_config", "_model_name_or_path", "_name_or_path")
+# GGUF architectures whose files do not hold what serving them needs: llama.cpp's
+# Gemma files store every norm plus one and leave out the query scaling of Gemma 2
+# and 3 (which differs by model size) and Gemma 3's per-layer rotary settings.
+_GGUF_UNREAD = {
+    "gemma": "Gemma",
+    "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3",
+}
 
 
 @dataclass(frozen=True)
@@ -278,6 +286,15 @@ class GgufCheckpoint(Checkpoint):
         model = GgufModel(Path(path))
         # The metadata (config, tokenizer) is in the first part of a split file.
         self.path = model.parts[0]
+        family = _GGUF_UNREAD.get(model.architecture)
+        if family is not None:
+            raise UnsupportedArchitecture(
+                f"GGUF {self.path.name} holds a {family} model, whose GGUF files are not "
+                "read: they leave out the query scaling and rotary settings the model "
+                "needs. Build the package from the Hugging Face checkpoint (its "
+                "safetensors directory or repo id) instead; --quant int4 or int8 "
+                "quantises it"
+            )
         try:
             config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:

@@ -1,0 +1,147 @@
+"""Gemma's variations of the decoder (mesh/runtime/block.py) and Gemma 3's multimodal
+checkpoints packaged as their text model (mesh/package/textonly.py). The split
+against transformers for every Gemma family runs with the other families in
+test_runtime_equivalence.py, test_runtime_batch.py and test_row_invariance.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from runtime_support import SPLITS, load_chain, max_diff, run_chain
+from safetensors.torch import load_file, save_file
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+from mesh.errors import UnsupportedArchitecture
+from mesh.package.builder import build_package
+from mesh.package.textonly import text_name
+from mesh.runtime.block import rms_norm
+
+TOLERANCE = 1e-4
+VOCAB = 512
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gemma_norm_scales_by_one_plus_its_weight_in_float32(dtype: torch.dtype) -> None:
+    """The weight loaded as ``1 + weight`` in float32 gives transformers' Gemma norm
+    bit for bit, in float32 and in bfloat16 (where scaling in bfloat16 would not)."""
+    torch.manual_seed(0)
+    norm = Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    norm = norm.to(dtype)
+    hidden = torch.randn(7, 64).to(dtype)
+    want = norm(hidden)
+    loaded = 1.0 + norm.weight.detach().float()
+    assert torch.equal(rms_norm(hidden, loaded, 1e-6), want)
+    if dtype == torch.bfloat16:
+        rounded = rms_norm(hidden, loaded.to(dtype), 1e-6)
+        assert not torch.equal(rounded, want)
+
+
+def multimodal_gemma3(seed: int) -> Gemma3ForConditionalGeneration:
+    """A tiny Gemma 3 with a vision tower, norms random (Gemma's start at zero)."""
+    text = tiny_config("gemma3", layers=6, vocab_size=VOCAB).to_dict()
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 12,
+        boi_token_index=VOCAB - 11,
+        eoi_token_index=VOCAB - 10,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    return model
+
+
+def renamed_checkpoint(source: Path, out: Path, old: str, new: str) -> Path:
+    """A copy of an HF directory whose tensor names start with ``new`` for ``old``."""
+    out.mkdir()
+    (out / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    renamed = {new + k[len(old) :] if k.startswith(old) else k: v for k, v in tensors.items()}
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_gemma3_is_packaged_as_its_text_model(tmp_path: Path, prefix: str) -> None:
+    """Both ways transformers names the language model's tensors; the vision tower is
+    left out, and the split text model gives the multimodal model's logits."""
+    model = multimodal_gemma3(seed=3)
+    model.save_pretrained(tmp_path / "saved")
+    source = tmp_path / "saved"
+    names = load_file(str(source / "model.safetensors")).keys()
+    saved = "language_model.model."
+    if f"{saved}norm.weight" not in names:
+        saved = "model.language_model."
+        assert f"{saved}norm.weight" in names
+    if saved != prefix:
+        source = renamed_checkpoint(source, tmp_path / "renamed", saved, prefix)
+
+    manifest = build_package(str(source), tmp_path / "pkg")
+    assert manifest.architecture == "Gemma3ForCausalLM"
+    assert manifest.source["architecture"] == "Gemma3ForConditionalGeneration"
+    config = json.loads((tmp_path / "pkg" / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "vision_config" not in config
+    packaged = set()
+    for path in (tmp_path / "pkg").rglob("*.safetensors"):
+        packaged |= set(load_file(str(path)))
+    assert not any("vision" in name or "multi_modal" in name for name in packaged)
+
+    ids = torch.randint(3, VOCAB - 20, (20,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = model(input_ids=ids[None]).logits[0].float()
+    for ranges in (SPLITS[1], SPLITS[3]):
+        stages = load_chain(tmp_path / "pkg", ranges)
+        got = [run_chain(stages, "s", 0, ids[:12])]
+        got += [run_chain(stages, "s", p, ids[p : p + 1]) for p in range(12, 20)]
+        assert max_diff(torch.cat(got), want) <= TOLERANCE
+
+
+def test_text_names_of_a_multimodal_checkpoint() -> None:
+    assert text_name("language_model.model.layers.3.mlp.up_proj.weight") == (
+        "model.layers.3.mlp.up_proj.weight"
+    )
+    assert text_name("model.language_model.norm.weight") == "model.norm.weight"
+    assert text_name("language_model.lm_head.weight") == "lm_head.weight"
+    assert text_name("vision_tower.vision_model.post_layernorm.weight") is None
+
+
+@pytest.mark.parametrize("architecture", ["gemma", "gemma2", "gemma3"])
+def test_a_gemma_gguf_is_refused_naming_what_to_build_from(
+    tmp_path: Path, architecture: str
+) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / f"{architecture}.gguf"
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchitecture, match="Hugging Face checkpoint"):
+        build_package(str(path), tmp_path / "pkg")
+    assert not (tmp_path / "pkg" / "model-package.json").exists()
