@@ -89,6 +89,8 @@ class GgufModel:
         self.has_tokenizer = False
         # ``<architecture>.expert_*`` integer metadata (mixture-of-experts models).
         self.experts: dict[str, int] = {}
+        # Other ``<architecture>.<key>`` values a family needs (``SETTING_KEYS``).
+        self.settings: dict[str, float | str | list[float]] = {}
         for index, part in enumerate(self.parts):
             try:
                 reader = GGUFReader(str(part))
@@ -102,6 +104,7 @@ class GgufModel:
                 self.architecture = _string_field(reader, "general.architecture")
                 self.has_tokenizer = "tokenizer.ggml.model" in reader.fields
                 self.experts = _int_fields(reader, self.architecture, _EXPERT_KEYS)
+                self.settings = _scalar_fields(reader, self.architecture, SETTING_KEYS)
             self._index(reader, part)
             del reader  # drops its memory map of the file
         if not self.tensors:
@@ -179,6 +182,17 @@ class GgufModel:
 
 
 _EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+# Settings transformers' GGUF config reader leaves out (Gemma 2's caps; Gemma 3's
+# rotary settings and which layers use the sliding window).
+SETTING_KEYS = (
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "attention.sliding_window_pattern",
+)
 
 
 def _int_fields(reader: Any, architecture: str, keys: tuple[str, ...]) -> dict[str, int]:
@@ -188,6 +202,31 @@ def _int_fields(reader: Any, architecture: str, keys: tuple[str, ...]) -> dict[s
         field = reader.fields.get(f"{architecture}.{key}")
         if field is not None and field.data:
             found[key] = int(field.parts[field.data[0]][0])
+    return found
+
+
+def _scalar_fields(
+    reader: Any, architecture: str, keys: tuple[str, ...]
+) -> dict[str, float | str | list[float]]:
+    """The fields ``<architecture>.<key>`` present, by key: a number, a string, or an
+    array of numbers."""
+    from gguf import GGUFValueType
+
+    found: dict[str, float | str | list[float]] = {}
+    for key in keys:
+        field = reader.fields.get(f"{architecture}.{key}")
+        if field is None or not field.types:
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            if len(field.types) == 2 and field.types[1] != GGUFValueType.STRING:
+                found[key] = [float(field.parts[i][0]) for i in field.data]
+        elif not field.data:
+            continue
+        elif kind == GGUFValueType.STRING:
+            found[key] = bytes(field.parts[field.data[0]]).decode(errors="replace")
+        else:
+            found[key] = float(field.parts[field.data[0]][0])
     return found
 
 

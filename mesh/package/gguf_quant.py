@@ -29,8 +29,10 @@ import numpy as np
 import torch
 
 from mesh.errors import PackageError
+from mesh.package import gguf_gemma as gemma
 from mesh.package.gguf_experts import expert_names
 from mesh.package.gguf_file import GgufModel, GgufTensor
+from mesh.package.gguf_gemma import GEMMA_ARCHITECTURES
 from mesh.quant import pack_int4
 
 _LAYER_PARTS = {
@@ -46,10 +48,12 @@ _LAYER_PARTS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# Architectures whose GGUF tensors fuse projections: their HF names, which
-# mesh/package/fused.py splits (Phi-3's ``ffn_up`` holds the gate rows, then the up rows).
-_FUSED_PARTS = {
+# Architectures whose GGUF layer tensors mean other HF names: fused projections,
+# which mesh/package/fused.py splits (Phi-3's ``ffn_up`` holds the gate rows, then
+# the up rows), and Gemma's norms around attention and MLP (mesh/package/gguf_gemma.py).
+_ARCHITECTURE_PARTS = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    **dict.fromkeys(GEMMA_ARCHITECTURES, gemma.LAYER_PARTS),
 }
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -67,7 +71,7 @@ def hf_name(gguf_name: str, architecture: str = "") -> str | None:
     (GGUF's ``general.architecture``), or None for one we do not map."""
     match = _BLOCK.match(gguf_name)
     if match:
-        fused = _FUSED_PARTS.get(architecture, {})
+        fused = _ARCHITECTURE_PARTS.get(architecture, {})
         part = fused.get(match.group(2)) or _LAYER_PARTS.get(match.group(2))
         return None if part is None else f"model.layers.{match.group(1)}.{part}.{match.group(3)}"
     match = _NAMED.match(gguf_name)
@@ -96,6 +100,8 @@ class GgufQuantReader:
                 if expert is not None:
                     self._experts[name] = expert
         self._permute = model.architecture == "llama"
+        # llama.cpp stores Gemma's norms plus one; the runtime adds it itself.
+        self._norm_shift = gemma.NORM_SHIFT if model.architecture in GEMMA_ARCHITECTURES else 0.0
         self._heads = heads
         self._kv_heads = kv_heads
 
@@ -137,7 +143,10 @@ class GgufQuantReader:
         shape = self.shape(name)
         if len(shape) == 1:
             values = self.model.float_rows(self._names[name], 0, 1).reshape(-1, 1)
-            return self._unpermute(name, values).reshape(-1)
+            values = self._unpermute(name, values).reshape(-1)
+            if self._norm_shift and name.endswith("norm.weight"):
+                values = values - self._norm_shift
+            return values
         return self.float_rows(name, 0, int(np.prod(shape[:-1]))).reshape(shape)
 
     def float_rows(self, name: str, first: int, count: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from mesh.package import hub
 from mesh.package.embedded import DEFAULT_MODEL_ID, default_gguf_path, default_source_info
 from mesh.package.gguf_experts import moe_config
 from mesh.package.gguf_file import GgufModel, split_stem
+from mesh.package.gguf_gemma import gemma_config
 from mesh.package.gguf_quant import GgufQuantReader
 from mesh.package.manifest import TRANSLATED_ARCHITECTURES, check_source_architecture
 
@@ -56,14 +57,9 @@ HUB_PATTERNS = [
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 # Keys a GGUF-loaded config carries that make no sense for plain safetensors weights.
 _GGUF_CONFIG_LEFTOVERS = ("quantization_config", "_model_name_or_path", "_name_or_path")
-# GGUF architectures whose files do not hold what serving them needs: llama.cpp's
-# Gemma files store every norm plus one and leave out the query scaling of Gemma 2
-# and 3 (which differs by model size) and Gemma 3's per-layer rotary settings.
-_GGUF_UNREAD = {
-    "gemma": "Gemma",
-    "gemma2": "Gemma 2",
-    "gemma3": "Gemma 3",
-}
+# GGUF architectures not read: transformers has no config reader for the first
+# Gemma's files (Gemma 2 and 3 are read, mesh/package/gguf_gemma.py).
+_GGUF_UNREAD = {"gemma": "Gemma"}
 
 
 @dataclass(frozen=True)
@@ -290,8 +286,7 @@ class GgufCheckpoint(Checkpoint):
         if family is not None:
             raise UnsupportedArchitecture(
                 f"GGUF {self.path.name} holds a {family} model, whose GGUF files are not "
-                "read: they leave out the query scaling and rotary settings the model "
-                "needs. Build the package from the Hugging Face checkpoint (its "
+                "read. Build the package from the Hugging Face checkpoint (its "
                 "safetensors directory or repo id) instead; --quant int4 or int8 "
                 "quantises it"
             )
@@ -302,6 +297,7 @@ class GgufCheckpoint(Checkpoint):
                 f"cannot read the model config of GGUF {self.path}: {error}"
             ) from error
         config = moe_config(model.architecture, model.experts, model.tensors, config)
+        config = gemma_config(model.architecture, model.settings, config)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.model_type))
         if architecture is None:
             raise UnsupportedArchitecture(
