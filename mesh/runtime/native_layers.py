@@ -199,8 +199,8 @@ class NativeLayers:
 
 def native_layers(blocks: Sequence[DecoderBlock], dtype: torch.dtype) -> NativeLayers | None:
     """The C loop for ``blocks`` where every layer qualifies (bfloat16, row-invariant,
-    quantised native linears (with or without bfloat16 biases), SiLU, no q/k norms or
-    experts), else None."""
+    quantised native linears (with or without bfloat16 biases), SiLU, no q/k norms,
+    experts or Gemma's variations), else None."""
     if not blocks or dtype != torch.bfloat16 or qkernels.MODE == "torch":
         return None
     lib = native.library()
@@ -214,6 +214,10 @@ def native_layers(blocks: Sequence[DecoderBlock], dtype: torch.dtype) -> NativeL
             not block.row_invariant
             or block.experts is not None
             or block.qk_norm is not None
+            or block.attn_out_norm is not None
+            or block.softcap is not None
+            or block.rope_index is not None
+            or block.input_norm.dtype != dtype
             or not _is_silu(block.act)
             or block.heads != first.heads
             or block.groups != first.groups
