@@ -6,9 +6,13 @@ where the same tokens occurred, in the request itself and in its scope's corpus
 
 1. *Anchors.* The last ``ngram_max`` tokens (the long anchor) are looked up first;
    only when no earlier occurrence exists, the last ``ngram_min`` tokens. Up to
-   ``max_candidates`` occurrences per source (request, corpus), most recent first.
+   ``max_candidates`` occurrences in all, most recent first: the request's own
+   matching ones, then the corpus's for the places left.
 2. *Match length.* Each occurrence's match is extended backwards, up to
    ``max_match`` (64) tokens, by comparing slices (a binary search over the length).
+   Only a match longer than the longest so far needs its exact length; for the
+   others it is enough to know that they reach half of it (``match_bound``), which
+   takes two or three comparisons instead of the search.
 3. *Voting.* The occurrences whose match is at least half the longest one vote. Token
    by token, the continuation most of the still-agreeing voters share is chosen
    (ties: the most recent occurrence); the product of the shares is the proposal's
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from mesh.errors import InvalidRequest
 from mesh.speculative.corpus import CorpusView, Document, anchor_key
@@ -37,14 +40,10 @@ from mesh.speculative.drafter import Drafter
 MAX_MATCH = 64
 
 
-class Candidate(NamedTuple):
-    """An earlier occurrence of the current suffix: how many tokens match, the
-    position of the token that followed it, and its corpus document (None: the
-    request's own tokens)."""
-
-    match: int
-    follow: int
-    document: Document | None
+# An earlier occurrence of the current suffix: how many tokens match, the position
+# of the token that followed it, and its corpus document (None: the request's own
+# tokens). A plain tuple: a proposal may weigh sixteen of them.
+Candidate = tuple[int, int, "Document | None"]
 
 
 class LocalAnchors:
@@ -110,6 +109,28 @@ def match_length(seq: Sequence[int], end: int, suffix: Sequence[int], floor: int
     if seq[end - floor : end] != suffix[size - floor :]:
         return 0
     low, high = floor, top  # low matches, high does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if seq[end - mid : end] == suffix[size - mid :]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def match_bound(seq: Sequence[int], end: int, suffix: Sequence[int], floor: int, best: int) -> int:
+    """``match_length`` where it exceeds ``best``; where it lies in ``floor .. best``,
+    ``floor`` (a lower bound, enough to know the occurrence votes); 0 below ``floor``."""
+    size = len(suffix)
+    top = min(size, end)
+    if top < floor or seq[end - floor : end] != suffix[size - floor :]:
+        return 0
+    longer = best + 1
+    if longer > top or seq[end - longer : end] != suffix[size - longer :]:
+        return floor
+    if seq[end - top : end] == suffix[size - top :]:
+        return top
+    low, high = longer, top  # low matches, high does not
     while high - low > 1:
         mid = (low + high) // 2
         if seq[end - mid : end] == suffix[size - mid :]:
@@ -194,29 +215,48 @@ class SuffixDrafter(Drafter):
             found: list[Candidate] = []  # most recent first: the request's, then the corpus's
             best = n
             for position in self.index.occurrences(level, key, self.max_candidates):
-                size = match_length(tokens, position, suffix, max(n, (best + 1) // 2))
+                size = match_bound(tokens, position, suffix, max(n, (best + 1) // 2), best)
                 if size:
                     best = max(best, size)
-                    found.append(Candidate(size, position, None))
-            hits = self.corpus.occurrences(level, key, self.max_candidates) if self.corpus else []
+                    found.append((size, position, None))
+            # At most max_candidates in all: the corpus fills what the request left.
+            room = self.max_candidates - len(found)
+            hits = self.corpus.occurrences(level, key, room) if self.corpus and room else []
             for doc, offset in hits:
                 packed = array("i", suffix) if packed is None else packed
-                size = match_length(doc.tokens, offset, packed, max(n, (best + 1) // 2))
+                size = match_bound(doc.tokens, offset, packed, max(n, (best + 1) // 2), best)
                 if size:
                     best = max(best, size)
-                    found.append(Candidate(size, offset, doc))
+                    found.append((size, offset, doc))
             if found:
-                return self._vote(found, best, k)
+                return self._vote(self._voters(found, best, suffix, packed), best, k)
         if self.corpus is not None:
             self.corpus.record_lookup(())
         return []
 
-    def _continuation(self, candidate: Candidate, size: int) -> tuple[int, ...]:
-        """Up to ``size`` tokens after ``candidate``; in the request, periodically
-        continued past its end."""
-        follow, doc = candidate.follow, candidate.document
-        if doc is not None:
-            return tuple(doc.tokens[follow : follow + size])
+    def _voters(
+        self, found: list[Candidate], best: int, suffix: list[int], packed: array | None
+    ) -> list[Candidate]:
+        """The occurrences whose match is at least half of ``best``: a lower bound
+        below that (``match_bound``, taken before ``best`` grew) is measured again."""
+        half = (best + 1) // 2
+        voters = []
+        for candidate in found:
+            match, follow, doc = candidate
+            if match < half:
+                if doc is None:
+                    match = match_length(self._tokens, follow, suffix, half)
+                else:
+                    match = match_length(doc.tokens, follow, packed, half)  # type: ignore[arg-type]
+                if not match:
+                    continue
+                candidate = (match, follow, doc)
+            voters.append(candidate)
+        return voters
+
+    def _continuation(self, follow: int, size: int) -> tuple[int, ...]:
+        """Up to ``size`` tokens after position ``follow`` of the request,
+        periodically continued past its end."""
         tokens = self._tokens
         continuation = tokens[follow : follow + size]
         period = len(tokens) - follow
@@ -228,20 +268,30 @@ class SuffixDrafter(Drafter):
         cap = min(k, max(1, int(best * self.match_factor)))
         # Voters with the same continuation vote together: (continuation, documents).
         groups: dict[tuple[int, ...], list[Document | None]] = {}
-        for candidate in found:
-            if 2 * candidate.match >= best:
-                groups.setdefault(self._continuation(candidate, cap), []).append(candidate.document)
-        agreeing = list(groups.items())
+        for match, follow, doc in found:
+            if 2 * match >= best:
+                if doc is None:
+                    continuation = self._continuation(follow, cap)
+                else:
+                    continuation = tuple(doc.tokens[follow : follow + cap])
+                group = groups.get(continuation)
+                if group is None:
+                    groups[continuation] = [doc]
+                else:
+                    group.append(doc)
+        # (continuation, its votes, its documents), in the order first seen.
+        agreeing = [(c, len(docs), docs) for c, docs in groups.items()]
         proposal: list[int] = []
         agreement = 1.0
         while len(agreeing) > 1 and len(proposal) < cap:
             t = len(proposal)
             counts: dict[int, int] = {}
             live = 0
-            for continuation, docs in agreeing:
+            for continuation, votes, _ in agreeing:
                 if t < len(continuation):
-                    live += len(docs)
-                    counts[continuation[t]] = counts.get(continuation[t], 0) + len(docs)
+                    live += votes
+                    token = continuation[t]
+                    counts[token] = counts.get(token, 0) + votes
             if not live:
                 break
             token = max(counts, key=counts.__getitem__)  # the first seen wins a tie
@@ -249,11 +299,11 @@ class SuffixDrafter(Drafter):
             if agreement < self.min_agreement:
                 break
             proposal.append(token)
-            agreeing = [(c, docs) for c, docs in agreeing if t < len(c) and c[t] == token]
+            agreeing = [group for group in agreeing if t < len(group[0]) and group[0][t] == token]
         if len(agreeing) == 1:
             proposal = list(agreeing[0][0])  # it agrees with everything chosen so far
         self.last_match = best
-        used = [d for _, docs in agreeing for d in docs if d is not None] if proposal else []
+        used = [d for _, _, docs in agreeing for d in docs if d is not None] if proposal else []
         self.last_from_corpus = bool(used)
         if self.corpus is not None:
             self.corpus.record_lookup(used)

@@ -24,6 +24,7 @@ from mesh.speculative import (
     build_drafter,
 )
 from mesh.speculative.corpus import anchor_key
+from mesh.speculative.suffix import match_bound, match_length
 
 
 def started(tokens: list[int], corpus: SharedCorpus | None = None, scope: str = "", **kwargs):
@@ -98,6 +99,47 @@ def test_the_longest_match_outvotes_shorter_ones() -> None:
     drafter = started([*tokens, *context])
     assert drafter.propose(4) == [5, 6, 99, 90]
     assert drafter.last_match == 30
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 2), min_size=1, max_size=80),
+    st.lists(st.integers(0, 2), min_size=1, max_size=64),
+    st.data(),
+)
+def test_match_bound_is_exact_above_best_and_a_lower_bound_below(
+    seq: list[int], suffix: list[int], data: st.DataObject
+) -> None:
+    """Above ``best`` the exact match; from ``floor`` to ``best`` at least ``floor``
+    and at most the match; nothing below ``floor``."""
+    end = data.draw(st.integers(0, len(seq)))
+    best = data.draw(st.integers(1, 64))
+    floor = data.draw(st.integers(1, best))
+    exact = match_length(seq, end, suffix, 1)
+    bound = match_bound(seq, end, suffix, floor, best)
+    if exact < floor:
+        assert bound == 0
+    elif exact > best:
+        assert bound == exact
+    else:
+        assert floor <= bound <= exact
+
+
+def test_the_request_fills_the_candidates_before_the_corpus() -> None:
+    """At most ``max_candidates`` (8) occurrences vote: the request's own first.
+    Seven earlier copies in the request leave room for one of nine corpus documents
+    that go on otherwise, and outvote it."""
+    context = list(range(300, 340)) + RUN[:20]  # 60 tokens: every match votes
+    corpus = SharedCorpus(10_000)
+    for _ in range(9):
+        finished(corpus, "", context + [1, 1, 1])
+    drafter = started((context + [2, 2, 2]) * 7 + context, corpus)
+    assert drafter.propose(3) == [2, 2, 2]
+    assert drafter.last_match >= 60 and not drafter.last_from_corpus
+    # With room left by the request, the corpus's occurrences vote too.
+    drafter = started(context + [2, 2, 2] + context, corpus)
+    assert drafter.propose(3) == [1, 1, 1]
+    assert drafter.last_from_corpus
 
 
 def test_a_repeat_running_into_the_end_continues_periodically() -> None:
