@@ -53,7 +53,12 @@ SUPPORTED_ARCHITECTURES = (
 )
 # Architectures a package can be built from by re-expressing them as a supported
 # one (mesh/package/fused.py): their packages record the architecture they serve as.
-TRANSLATED_ARCHITECTURES = ("Phi3ForCausalLM", "Gemma3ForConditionalGeneration")
+TRANSLATED_ARCHITECTURES = (
+    "Phi3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

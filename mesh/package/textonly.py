@@ -1,13 +1,17 @@
 """Multimodal checkpoints served by their language model alone.
 
-Gemma 3 from 4B up is published as ``Gemma3ForConditionalGeneration``: a vision
-tower and a projector beside a language model that is exactly a Gemma 3 text model
-(``Gemma3ForCausalLM``), its config nested as ``text_config`` and its tensors under
+Several of the models users split are published with a vision tower and a projector
+beside a language model that is exactly one of the supported text models: Gemma 3
+from 4B up (``Gemma3ForConditionalGeneration``, a Gemma 3 text model), Mistral Small
+3.1 and 3.2 (``Mistral3ForConditionalGeneration``, a Mistral model) and the Llava
+family (``LlavaForConditionalGeneration``, a Llama, Mistral or Qwen2 model). Their
+config nests the language model's as ``text_config`` and their tensors sit under
 ``language_model.`` (``model.language_model.`` in checkpoints saved by newer
-transformers). ``TextOnlyLayout`` presents such a checkpoint as that text model:
-the text config at the top, the language model's tensors under a causal LM's names,
-the vision tensors left out. The package serves text; the manifest's ``source``
-keeps the original architecture. Images are not served.
+transformers). ``TextOnlyLayout`` presents such a checkpoint as that text model: the
+text config (defaults filled in by transformers) at the top, the language model's
+tensors under a causal LM's names, the vision tensors left out. The package serves
+text; the manifest's ``source`` keeps the original architecture. Images are not
+served.
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mesh.errors import UnsupportedArchitecture
+from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package.fused import RowPart, RowParts
+from mesh.package.manifest import SUPPORTED_ARCHITECTURES
 from mesh.package.sources import Checkpoint
 
-# Multimodal architecture -> (the text model's architecture, its model_type).
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
+# Multimodal architectures packaged as their language model.
+TEXT_MODELS = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+)
 # Name prefixes of the language model's tensors, and what a causal LM calls them.
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),
@@ -46,20 +55,37 @@ _SHARED_KEYS = (
 )
 
 
-def text_config(raw: dict[str, Any], architecture: str, model_type: str) -> dict[str, Any]:
-    """The text model's config of a multimodal ``config.json``."""
-    nested = raw.get("text_config")
-    if not isinstance(nested, dict):
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal ``config.json``, with its causal LM's
+    architecture; refused where that is not a supported one."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    described = (raw.get("architectures") or ["this multimodal model"])[0]
+    if not isinstance(raw.get("text_config"), dict):
         raise UnsupportedArchitecture(
-            f"a {raw.get('architectures', ['?'])[0]} config without a text_config: "
-            "cannot tell its language model's shape"
+            f"a {described} config without a text_config: cannot tell its language model's shape"
         )
-    config = dict(nested)
+    try:
+        full = CONFIG_MAPPING[raw["model_type"]](**raw)
+    except (KeyError, ValueError, TypeError) as error:
+        raise PackageError(f"cannot read the {described} config: {error}") from error
+    text = full.get_text_config()
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(text.model_type))
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"the language model of this {described} is a {text.model_type!r} model, "
+            "which the runtime does not split; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    config = {key: value for key, value in text.to_dict().items() if not key.startswith("_")}
     for key in _SHARED_KEYS:
-        if key in raw and key not in config:
+        if key in raw and config.get(key) is None:
             config[key] = raw[key]
+    if "tie_word_embeddings" in raw:
+        # The multimodal model's own flag decides, as transformers ties its weights
+        # by it (Mistral 3 leaves the text config's at false and ties).
+        config["tie_word_embeddings"] = bool(raw["tie_word_embeddings"])
     config["architectures"] = [architecture]
-    config["model_type"] = model_type
     return config
 
 
@@ -77,10 +103,12 @@ class TextOnlyLayout(RowParts):
     def __init__(self, inner: Checkpoint) -> None:
         super().__init__(inner)
         original = inner.description.architecture
-        architecture, model_type = TEXT_MODELS[original]
-        self.config_json = text_config(inner.config_json, architecture, model_type)
+        self.config_json = text_config(inner.config_json)
         self.description = replace(
-            inner.description, architecture=architecture, model_type=model_type
+            inner.description,
+            architecture=self.config_json["architectures"][0],
+            model_type=self.config_json["model_type"],
+            tied_embeddings=bool(self.config_json.get("tie_word_embeddings", False)),
         )
         self.source = {**inner.source, "architecture": original}
         self.default_model_id = inner.default_model_id
