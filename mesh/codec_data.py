@@ -46,13 +46,28 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         grammar=params.grammar,
         min_tokens=params.min_tokens,
         hold_back=params.hold_back,
+        penalty_last_n=params.penalty_last_n,
+        typical_p=params.typical_p,
+        top_n_sigma=params.top_n_sigma,
+        xtc_probability=params.xtc_probability,
+        xtc_threshold=params.xtc_threshold,
+        dry_multiplier=params.dry_multiplier,
+        dry_base=params.dry_base,
+        dry_allowed_length=params.dry_allowed_length,
+        dry_penalty_last_n=params.dry_penalty_last_n,
+        dry_breakers=params.dry_breakers,
+        dynatemp_range=params.dynatemp_range,
+        dynatemp_exponent=params.dynatemp_exponent,
     )
 
 
 def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
     """An unset top_p (0) means no nucleus filtering, like 1; an unset
-    repetition_penalty (0) means none, like 1. Out-of-range values raise
-    InvalidRequest (SamplingParams checks them)."""
+    repetition_penalty (0) means none, like 1; so does an unset typical_p (0). The
+    values that tune a sampler take their defaults while it is off (XTC's threshold,
+    DRY's base and allowed length, the dynamic temperature's exponent), as do an
+    unset dry_base or dynatemp_exponent (0, outside their ranges). Out-of-range
+    values raise InvalidRequest (SamplingParams checks them)."""
     top_p = pb.top_p if pb.top_p > 0 else 1.0
     return SamplingParams(
         temperature=pb.temperature,
@@ -69,6 +84,18 @@ def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         grammar=pb.grammar,
         min_tokens=pb.min_tokens,
         hold_back=tuple(pb.hold_back),
+        penalty_last_n=pb.penalty_last_n,
+        typical_p=pb.typical_p or 1.0,
+        top_n_sigma=pb.top_n_sigma,
+        xtc_probability=pb.xtc_probability,
+        xtc_threshold=pb.xtc_threshold if pb.xtc_probability else 0.1,
+        dry_multiplier=pb.dry_multiplier,
+        dry_base=(pb.dry_base or 1.75) if pb.dry_multiplier else 1.75,
+        dry_allowed_length=pb.dry_allowed_length if pb.dry_multiplier else 2,
+        dry_penalty_last_n=pb.dry_penalty_last_n,
+        dry_breakers=tuple(pb.dry_breakers),
+        dynatemp_range=pb.dynatemp_range,
+        dynatemp_exponent=(pb.dynatemp_exponent or 1.0) if pb.dynatemp_range else 1.0,
     )
 
 

@@ -4,6 +4,22 @@ The random draw for the token at absolute position ``p`` depends only on the
 request's seed and ``p``. So the plain decode loop and speculative verification
 draw exactly the same token at every position, which makes speculation lossless
 for any temperature and makes outputs reproducible per seed.
+
+Besides OpenAI's parameters, llama.cpp's samplers, each a function of the logits,
+the tokens before the position, the seed and the position (so lossless as the
+others):
+
+- DRY ("don't repeat yourself", ``dry_repeats``): a token that would extend a
+  repeat of the text's end by at least ``dry_allowed_length`` tokens loses
+  ``dry_multiplier * dry_base ** (length - dry_allowed_length)``. A logit penalty,
+  applied for greedy requests too.
+- When sampling, in this order after temperature (``token_probs``): dynamic
+  temperature (the temperature moved within ``+- dynatemp_range`` by the normalised
+  entropy of the distribution, to ``dynatemp_exponent``), top-n-sigma (logits more
+  than ``n`` standard deviations below the largest dropped), top-k, locally typical
+  sampling (``typical_p``), min-p, top-p, then XTC: with probability
+  ``xtc_probability`` (a draw of its own per position), every token of probability
+  at least ``xtc_threshold`` except the least likely of them is dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +33,10 @@ from mesh.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
+# Mixed into the seed of XTC's draw, so that it is not the token draw's.
+_XTC_SALT = 0x58544320
+# DRY's penalty grows as base ** length: lengths beyond this are counted as this.
+DRY_MAX_LENGTH = 64
 # top-p first looks for its tokens among those at least this fraction of the likeliest
 # token's probability (then a smaller one), sorting only them; it sorts the whole
 # vocabulary only when their mass falls short of top_p (a flat distribution).
@@ -68,16 +88,23 @@ def adjust_logits(
     vocab = scores.numel()
     if params.uses_history and history:
         ids = torch.tensor(history, dtype=torch.long).clamp_(0, vocab - 1)
+        # The penalties' window: the last penalty_last_n tokens (0: all).
+        first = max(0, len(history) - params.penalty_last_n) if params.penalty_last_n else 0
         if params.repetition_penalty != 1.0:
-            seen = torch.unique(ids)
+            seen = torch.unique(ids[first:])
             values = scores[seen]
             penalty = params.repetition_penalty
             scores[seen] = torch.where(values > 0, values / penalty, values * penalty)
-        output = ids[params.prompt_tokens :]
+        output = ids[max(params.prompt_tokens, first) :]
         if output.numel() and (params.frequency_penalty or params.presence_penalty):
             counts = torch.bincount(output, minlength=vocab).to(torch.float32)
             scores -= params.frequency_penalty * counts
             scores -= params.presence_penalty * (counts > 0).to(torch.float32)
+        if params.dry_multiplier:
+            for token, length in dry_repeats(history, params).items():
+                if token < vocab:
+                    exponent = min(length, DRY_MAX_LENGTH) - params.dry_allowed_length
+                    scores[token] -= params.dry_multiplier * params.dry_base**exponent
     for token, bias in params.logit_bias:
         if token < vocab:
             scores[token] += bias
@@ -92,20 +119,131 @@ def adjust_logits(
     return scores
 
 
-def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities over the vocabulary after temperature, top-k, min-p and top-p
-    (float32, CPU)."""
-    scores = logits.detach().to(device="cpu", dtype=torch.float32) / params.temperature
+def dry_repeats(history: Sequence[int], params: SamplingParams) -> dict[int, int]:
+    """DRY: for each token that would extend a repeat, the length of the longest
+    one (at least ``dry_allowed_length``). A repeat is an earlier place in the last
+    ``dry_penalty_last_n`` tokens (0: all) where the tokens before it equal the
+    text's last ones; it would be extended by the token that followed it there.
+    Matching stops at a ``dry_breakers`` token (the text's last tokens are taken
+    after the last breaker; none when the text ends with one)."""
+    window = params.dry_penalty_last_n
+    seq = np.asarray(history[-window:] if window else history, dtype=np.int64)
+    size = seq.size
+    if size < 2:
+        return {}
+    breakers = np.asarray(params.dry_breakers, dtype=np.int64)
+    # The suffix that may match: the tokens after the last breaker.
+    tail = size
+    if breakers.size:
+        broken = np.flatnonzero(np.isin(seq, breakers))
+        tail = size - 1 - int(broken[-1]) if broken.size else size
+    tail = min(tail, size - 1, DRY_MAX_LENGTH)
+    if tail < 1:
+        return {}
+    # Places j (the token at j follows the match) whose previous token equals the
+    # last one, extended backwards while they keep matching.
+    follows = np.arange(1, size)
+    follows = follows[seq[follows - 1] == seq[-1]]
+    length = 1
+    lengths = np.ones(follows.size, dtype=np.int64)
+    alive = np.arange(follows.size)  # indices into follows still matching
+    while alive.size and length < tail:
+        back = follows[alive] - 1 - length
+        ok = back >= 0
+        ok[ok] = seq[back[ok]] == seq[size - 1 - length]
+        alive = alive[ok]
+        length += 1
+        lengths[alive] = length
+    long_enough = lengths >= max(1, params.dry_allowed_length)
+    tokens, lengths = seq[follows[long_enough]], lengths[long_enough]
+    if not tokens.size:
+        return {}
+    # Each token's longest: sorted by token, longest first, the first of each token.
+    order = np.lexsort((-lengths, tokens))
+    tokens, lengths = tokens[order], lengths[order]
+    first = np.ones(tokens.size, dtype=bool)
+    first[1:] = tokens[1:] != tokens[:-1]
+    return dict(zip(tokens[first].tolist(), lengths[first].tolist(), strict=True))
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams, position: int = 0) -> torch.Tensor:
+    """Probabilities over the vocabulary after temperature (dynamic where
+    ``dynatemp_range`` is set), top-n-sigma, top-k, typical, min-p, top-p and XTC
+    (float32, CPU); ``position`` keys XTC's draw."""
+    scores = logits.detach().to(device="cpu", dtype=torch.float32)
+    scores = scores / _temperature(scores, params)
+    if params.top_n_sigma > 0.0:
+        finite = scores[torch.isfinite(scores)]
+        if finite.numel() > 1:
+            floor = finite.max() - params.top_n_sigma * finite.std(unbiased=False)
+            scores = scores.masked_fill(scores < floor, float("-inf"))
     if params.top_k > 0 and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if params.typical_p < 1.0:
+        probs = typical(probs, params.typical_p)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     if params.top_p < 1.0:
         probs = nucleus(probs, params.top_p)
+    if params.xtc_probability > 0.0:
+        probs = exclude_top_choices(probs, params, position)
     return probs
+
+
+def _temperature(scores: torch.Tensor, params: SamplingParams) -> float:
+    """The temperature for these logits: ``temperature``, or with ``dynatemp_range``
+    from ``temperature - range`` (at least 0) to ``temperature + range`` by the
+    entropy of ``softmax(scores)`` over the largest it could have (all its
+    tokens of nonzero probability alike), to the power ``dynatemp_exponent``."""
+    if params.dynatemp_range <= 0.0:
+        return params.temperature
+    low = max(0.0, params.temperature - params.dynatemp_range)
+    high = params.temperature + params.dynatemp_range
+    probs = torch.softmax(scores, dim=-1)
+    live = probs > 0
+    count = int(live.sum())
+    if count < 2:
+        return max(low, 1e-6)
+    entropy = float(-(probs[live] * probs[live].log()).sum())
+    share = min(1.0, max(0.0, entropy / float(np.log(count))))
+    return max(low + (high - low) * share**params.dynatemp_exponent, 1e-6)
+
+
+def typical(probs: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling: the tokens in order of how far their surprise
+    (``-log p``) is from the distribution's entropy, kept until their mass reaches
+    ``mass`` (at least one); renormalised."""
+    live = probs > 0
+    logs = torch.where(live, probs.log(), torch.zeros_like(probs))
+    entropy = -(probs * logs).sum()
+    distance = torch.where(live, (-logs - entropy).abs(), torch.full_like(probs, float("inf")))
+    order = torch.argsort(distance, stable=True)
+    ranked = probs[order]
+    before = torch.cumsum(ranked, dim=-1) - ranked
+    ranked = ranked.masked_fill(before >= mass, 0.0)
+    kept = torch.zeros_like(probs).scatter(0, order, ranked)
+    return kept / kept.sum()
+
+
+def exclude_top_choices(probs: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+    """XTC: with probability ``xtc_probability`` (a draw keyed by seed and
+    ``position``, apart from the token's), drop every token of probability at least
+    ``xtc_threshold`` but the least likely of them, when two or more are; else
+    ``probs`` unchanged."""
+    generator = torch.Generator().manual_seed(position_seed(params.seed ^ _XTC_SALT, position))
+    if torch.rand((), generator=generator, dtype=torch.float64).item() >= params.xtc_probability:
+        return probs
+    above = torch.nonzero(probs >= params.xtc_threshold).flatten()
+    if above.numel() < 2:
+        return probs
+    kept = above[torch.argmin(probs[above])]
+    dropped = probs.clone()
+    dropped[above] = 0.0
+    dropped[kept] = probs[kept]
+    return dropped / dropped.sum()
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -164,7 +302,7 @@ def sample_token(
     logits = adjust_logits(logits, params, history)
     if params.greedy:
         return first_maxima(logits)[0]
-    return draw_token(token_probs(logits, params), params.seed, position)
+    return draw_token(token_probs(logits, params, position), params.seed, position)
 
 
 def draw_token(probs: torch.Tensor, seed: int, position: int) -> int:

@@ -77,7 +77,13 @@ class SamplingParams:
     token of the prompt and the output (> 1 discourages them), ``presence_penalty``
     and ``frequency_penalty`` on output tokens (the tokens after the first
     ``prompt_tokens``), ``logit_bias`` adds to the listed tokens. ``min_p`` drops
-    tokens whose probability is below ``min_p`` times the likeliest one's."""
+    tokens whose probability is below ``min_p`` times the likeliest one's.
+    ``penalty_last_n`` (0: all) limits the penalties to the last tokens.
+
+    llama.cpp's samplers (off at their defaults; ``mesh/sampling.py``): DRY
+    (``dry_*``, a logit penalty, greedy requests too), and when sampling
+    ``top_n_sigma``, ``typical_p``, XTC (``xtc_*``) and dynamic temperature
+    (``dynatemp_*``)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -98,6 +104,18 @@ class SamplingParams:
     # tokens (the request's stop tokens: EOS) cannot be chosen.
     min_tokens: int = 0
     hold_back: tuple[int, ...] = ()
+    penalty_last_n: int = 0
+    typical_p: float = 1.0
+    top_n_sigma: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 0
+    dry_breakers: tuple[int, ...] = ()
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -134,6 +152,30 @@ class SamplingParams:
                     f"logit_bias entry {token}: {bias} must name a token id >= 0 with a "
                     f"bias in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]"
                 )
+        self._check_llama_samplers()
+
+    def _check_llama_samplers(self) -> None:
+        ranges = (
+            ("typical_p", 0.0, 1.0, False),
+            ("top_n_sigma", 0.0, 100.0, True),
+            ("xtc_probability", 0.0, 1.0, True),
+            ("xtc_threshold", 0.0, 1.0, True),
+            ("dry_multiplier", 0.0, 100.0, True),
+            ("dry_base", 1.0, 10.0, True),
+            ("dynatemp_range", 0.0, 10.0, True),
+            ("dynatemp_exponent", 0.0, 10.0, False),
+        )
+        for name, low, high, closed in ranges:
+            value = getattr(self, name)
+            inside = (low <= value <= high) if closed else (low < value <= high)
+            if not inside:
+                bracket = "[" if closed else "("
+                raise InvalidRequest(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}")
+        for name in ("penalty_last_n", "dry_allowed_length", "dry_penalty_last_n"):
+            if getattr(self, name) < 0:
+                raise InvalidRequest(f"{name} must be >= 0, got {getattr(self, name)}")
+        if any(token < 0 for token in self.dry_breakers):
+            raise InvalidRequest("dry_breakers must be token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +190,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.holds_back
+            or self.dry_multiplier
         )
 
     @property
@@ -164,4 +207,5 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.grammar
             or self.holds_back
+            or self.dry_multiplier
         )

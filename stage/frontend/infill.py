@@ -19,6 +19,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from stage.frontend import dry
 from stage.frontend.fim import FimTokens, encode_text, extra_tokens, fim_prompt, fit_to_room
 from stage.frontend.llama_api import LlamaBody, LlamaRequest
 from stage.frontend.prepare import PromptContext, check_common, fim_of, prepared_generation
@@ -64,6 +65,7 @@ def _prompt(body: InfillBody, ctx: PromptContext, fim: FimTokens) -> tuple[list[
 
 async def prepare_infill(body: InfillBody, ctx: PromptContext) -> LlamaRequest:
     stop = check_common(body, ctx)
+    await dry.warm(body, ctx.tokenizer)
     fim = fim_of(ctx, "input_prefix")
     prompt, truncated = await asyncio.to_thread(_prompt, body, ctx, fim)
     ctx = replace(ctx, stop_token_ids=ctx.stop_token_ids | fim.ends)

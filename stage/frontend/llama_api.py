@@ -4,11 +4,12 @@ and ``POST /apply-template``.
 
 Bodies take llama.cpp's names beside this server's usual parameters
 (``LlamaBody``): ``n_predict`` (-1: up to the context), ``repeat_penalty``,
-``seed: -1`` (a random seed). llama.cpp clients send their whole sampler set,
-mostly at values that turn a sampler off; such a field is accepted when its value
-asks for nothing (``typical_p: 1``, ``mirostat: 0``, ``dry_multiplier: 0``, ...,
-``NEUTRAL``) and refused with a 400 that names it otherwise, since these samplers
-are not built here. Hints with nothing to do here are accepted and ignored
+``penalty_last_n`` (``repeat_last_n``), ``seed: -1`` (a random seed); its samplers
+DRY, XTC, ``typical_p``, ``top_n_sigma`` and dynamic temperature are this server's
+too (mesh/sampling.py). llama.cpp clients send their whole sampler set, mostly at
+values that turn a sampler off; a field of a sampler not built here (mirostat,
+``tfs_z``, ...) is accepted when its value asks for nothing (``NEUTRAL``) and
+refused with a 400 that names it otherwise. Hints with nothing to do here are accepted and ignored
 (``HINTS``): ``cache_prompt`` (prefixes are always kept), ``samplers`` (the order
 is fixed), ``t_max_prompt_ms``, ``response_fields`` (every field is sent),
 ``id_slot``. Two limits on the text are kept (``TextLimits``): ``n_indent`` and
@@ -36,6 +37,7 @@ from fastapi.responses import Response
 from pydantic import Field, Strict, model_validator
 
 from mesh.errors import MeshError
+from stage.frontend import dry
 from stage.frontend.errors import bad_request, from_mesh_error
 from stage.frontend.generation import GenerationRun
 from stage.frontend.prepare import (
@@ -72,24 +74,11 @@ def _penalties_off(body: dict[str, Any]) -> bool:
 # llama.cpp's samplers not built here: field -> whether the body's value asks for
 # nothing (the sampler is off, or the field only tunes an off sampler).
 NEUTRAL: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
-    "typical_p": lambda v, b: v == 1,
     "tfs_z": lambda v, b: v == 1,
-    "top_n_sigma": lambda v, b: v is not None and v <= 0,
     "mirostat": lambda v, b: v == 0,
     "mirostat_tau": lambda v, b: not b.get("mirostat"),
     "mirostat_eta": lambda v, b: not b.get("mirostat"),
-    "dynatemp_range": lambda v, b: v == 0,
-    "dynatemp_exponent": lambda v, b: not b.get("dynatemp_range"),
-    "xtc_probability": lambda v, b: v == 0,
-    "xtc_threshold": lambda v, b: not b.get("xtc_probability"),
-    "dry_multiplier": lambda v, b: v == 0,
-    "dry_base": lambda v, b: not b.get("dry_multiplier"),
-    "dry_allowed_length": lambda v, b: not b.get("dry_multiplier"),
-    "dry_penalty_last_n": lambda v, b: not b.get("dry_multiplier"),
-    "dry_sequence_breakers": lambda v, b: not b.get("dry_multiplier"),
-    # The penalties here look at the whole text: -1 (the whole context) is that.
-    "repeat_last_n": lambda v, b: v == -1 or _penalties_off(b),
-    "penalty_last_n": lambda v, b: v == -1 or _penalties_off(b),
+    # The penalties here count newlines as any token.
     "penalize_nl": lambda v, b: v is True or _penalties_off(b),
     "n_probs": lambda v, b: v == 0,
     "n_keep": lambda v, b: True,  # what to keep when the context overflows: it never does
@@ -127,7 +116,12 @@ class LlamaBody(GenerationBody):
             data.pop(name, None)
         if data.get("seed") == -1:
             data.pop("seed")  # llama.cpp's "a random seed"
-        for theirs, ours in (("n_predict", "max_tokens"), ("repeat_penalty", "repetition_penalty")):
+        renamed = (
+            ("n_predict", "max_tokens"),
+            ("repeat_penalty", "repetition_penalty"),
+            ("penalty_last_n", "repeat_last_n"),
+        )
+        for theirs, ours in renamed:
             if theirs not in data:
                 continue
             if ours in data:
@@ -161,6 +155,7 @@ class NativeCompletionBody(LlamaBody):
 async def prepare_native(body: NativeCompletionBody, ctx: PromptContext) -> LlamaRequest:
     """``POST /completion``: a completion of ``prompt``."""
     stop = check_common(body, ctx)
+    await dry.warm(body, ctx.tokenizer)
     prompt = await asyncio.to_thread(encode_prompt, ctx.tokenizer, body.prompt)
     return LlamaRequest.of(prepared_generation("completion", body, [prompt], stop, ctx), body)
 

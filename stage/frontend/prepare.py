@@ -40,6 +40,7 @@ from jinja2 import TemplateError
 from mesh.errors import InvalidRequest
 from mesh.grammar import grammar_spec
 from mesh.types import SamplingParams
+from stage.frontend import dry
 from stage.frontend.backend import POOLINGS, GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
 from stage.frontend.fim import FimTokens, encode_text, fim_prompt
@@ -222,17 +223,27 @@ def _stop_ids(body: GenerationBody, ctx: PromptContext) -> frozenset[int]:
 
 
 def _sampling(
-    body: GenerationBody, prompt_len: int, vocab: int, stop_ids: frozenset[int] = frozenset()
+    body: GenerationBody,
+    prompt_len: int,
+    vocab: int,
+    stop_ids: frozenset[int] = frozenset(),
+    breakers: tuple[int, ...] = (),
 ) -> SamplingParams:
+    """The request's sampling parameters; ``breakers`` are DRY's as token ids."""
     seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
+    # llama.cpp's windows: -1 every token (0 on the wire), 0 the sampler off.
+    penalties = body.repeat_last_n != 0
+    dry_on = bool(body.dry_multiplier) and body.dry_penalty_last_n != 0
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,
         seed=seed,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=(body.presence_penalty or 0.0) if penalties else 0.0,
+        frequency_penalty=(body.frequency_penalty or 0.0) if penalties else 0.0,
+        repetition_penalty=(
+            1.0 if body.repetition_penalty is None or not penalties else body.repetition_penalty
+        ),
         min_p=body.min_p or 0.0,
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         prompt_tokens=prompt_len,
@@ -240,6 +251,18 @@ def _sampling(
         grammar=_grammar(body),
         min_tokens=body.min_tokens or 0,
         hold_back=tuple(sorted(stop_ids)) if body.min_tokens else (),
+        penalty_last_n=max(0, body.repeat_last_n or 0),
+        typical_p=1.0 if body.typical_p is None else body.typical_p,
+        top_n_sigma=max(0.0, body.top_n_sigma or 0.0),
+        xtc_probability=body.xtc_probability or 0.0,
+        xtc_threshold=0.1 if body.xtc_threshold is None else body.xtc_threshold,
+        dry_multiplier=(body.dry_multiplier or 0.0) if dry_on else 0.0,
+        dry_base=1.75 if body.dry_base is None else body.dry_base,
+        dry_allowed_length=2 if body.dry_allowed_length is None else body.dry_allowed_length,
+        dry_penalty_last_n=max(0, body.dry_penalty_last_n or 0),
+        dry_breakers=breakers if dry_on else (),
+        dynatemp_range=body.dynatemp_range or 0.0,
+        dynatemp_exponent=1.0 if body.dynatemp_exponent is None else body.dynatemp_exponent,
     )
 
 
@@ -468,7 +491,10 @@ def prepared_generation(
     # One seed for the whole request: prompt p's choice i is the answer of that
     # prompt alone with seed + i.
     stop_ids = _stop_ids(body, ctx)
-    sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer), stop_ids)
+    breakers = ()
+    if body.dry_multiplier:
+        breakers = dry.breaker_ids(ctx.tokenizer, dry.breakers_of(body))
+    sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer), stop_ids, breakers)
     if tools is not None and tools.grammar and not sampling.grammar:
         # A forced tool_choice, and no constraint of the request's own.
         sampling = replace(sampling, grammar=tools.grammar)
@@ -519,6 +545,7 @@ def prepared_generation(
 
 async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> PreparedGeneration:
     stop = check_common(body, ctx)
+    await dry.warm(body, ctx.tokenizer)
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
     prepared = prepared_generation("chat", body, [prompt], stop, ctx, tools, prediction)
@@ -538,6 +565,7 @@ async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> Prepar
     ``echo``, each prompt's text goes before its choices' text, and with ``logprobs``
     too the prompt is scored."""
     stop = check_common(body, ctx)
+    await dry.warm(body, ctx.tokenizer)
     prompts, echo = await asyncio.to_thread(
         _completion_prompts, ctx.tokenizer, body.prompts(), bool(body.echo)
     )

@@ -27,6 +27,12 @@ MAX_TOKENS_MAX = 2**31 - 1
 STOP_TOKEN_IDS_MAX = 64
 USER_MAX_CHARS = 256
 LOGIT_BIAS_MAX_ENTRIES = 1024
+# DRY: the longest allowed repeat, and its sequence breakers (at most, characters each).
+DRY_LENGTH_MAX = 1024
+DRY_BREAKERS_MAX = 16
+DRY_BREAKER_CHARS = 40
+# What llama.cpp breaks DRY's repeats at when a request names no breakers.
+DRY_DEFAULT_BREAKERS = ("\n", ":", '"', "*")
 
 # Names ``chat_template_kwargs`` may not set: the server's own arguments of
 # transformers' ``apply_chat_template`` and the variables it sets from the request.
@@ -150,6 +156,28 @@ class GenerationBody(_Body):
     # Not OpenAI's, but sent by llama.cpp, vLLM and many clients.
     repetition_penalty: Annotated[float, Strict(), Field(gt=0.0, le=10.0)] | None = None
     min_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    # llama.cpp's samplers (extensions, llama.cpp's names and ranges; mesh/sampling.py).
+    # The penalties' window: -1 every token, 0 no penalties, n the last n.
+    repeat_last_n: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    typical_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    # 0 or less: off (llama.cpp's -1).
+    top_n_sigma: Annotated[float, Strict(), Field(le=100.0)] | None = None
+    xtc_probability: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    xtc_threshold: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
+    dry_multiplier: Annotated[float, Strict(), Field(ge=0.0, le=100.0)] | None = None
+    dry_base: Annotated[float, Strict(), Field(ge=1.0, le=10.0)] | None = None
+    dry_allowed_length: Annotated[int, Strict(), Field(ge=0, le=DRY_LENGTH_MAX)] | None = None
+    # -1 every token, 0 DRY off, n the last n.
+    dry_penalty_last_n: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    dry_sequence_breakers: (
+        Annotated[
+            list[Annotated[str, Strict(), Field(min_length=1, max_length=DRY_BREAKER_CHARS)]],
+            Field(max_length=DRY_BREAKERS_MAX),
+        ]
+        | None
+    ) = None
+    dynatemp_range: Annotated[float, Strict(), Field(ge=0.0, le=10.0)] | None = None
+    dynatemp_exponent: Annotated[float, Strict(), Field(gt=0.0, le=10.0)] | None = None
     logit_bias: (
         Annotated[
             dict[Str, Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]],

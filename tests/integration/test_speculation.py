@@ -490,6 +490,17 @@ PENALISED = (
     {"temperature": 0.8, "seed": 21, "frequency_penalty": 0.6, "min_p": 0.1},
     # The end token (SmolLM2's <|im_end|>, id 2) pushed up, held back for 6 tokens.
     {"min_tokens": 6, "logit_bias": {"2": 30.0}},
+    # llama.cpp's samplers: DRY on a greedy reply; a seeded one through XTC, typical
+    # sampling and DRY with its default breakers.
+    {"dry_multiplier": 0.8, "dry_allowed_length": 2},
+    {
+        "temperature": 0.9,
+        "seed": 5,
+        "xtc_probability": 0.5,
+        "xtc_threshold": 0.1,
+        "typical_p": 0.9,
+        "dry_multiplier": 0.5,
+    },
 )
 
 

@@ -283,7 +283,8 @@ def test_a_real_model_fills_the_same_through_both_routes(coder_model) -> None:
 
 def test_llama_cpp_s_completion_props_and_template_routes(coder_model) -> None:
     """``/completion`` gives what ``/v1/completions`` gives for the same prompt, with
-    llama.cpp's names and its off-valued samplers accepted; ``/props`` and
+    llama.cpp's names and its off-valued samplers accepted (its samplers built here
+    at any value, those not built refused unless off); ``/props`` and
     ``/apply-template`` answer as llama.cpp clients read them."""
     from transformers import AutoTokenizer
 
@@ -320,14 +321,22 @@ def test_llama_cpp_s_completion_props_and_template_routes(coder_model) -> None:
             ]
         assert "".join(e["content"] for e in events) == want.choices[0].text
         assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 10
-        for name, value in [("mirostat", 2), ("typical_p", 0.9), ("dry_multiplier", 0.8)]:
+        for name, value in [("mirostat", 2), ("tfs_z", 0.9)]:
             refused = httpx.post(f"{base}/completion", json=body | {name: value}, timeout=30)
             assert "sampler" in assert_openai_error(refused, 400, param=name)["message"]
-        penalised = body | {"repeat_penalty": 1.3, "repeat_last_n": 64}
-        refused = httpx.post(f"{base}/completion", json=penalised, timeout=30)
-        assert_openai_error(refused, 400, param="repeat_last_n")
-        whole = httpx.post(f"{base}/completion", json=penalised | {"repeat_last_n": -1}, timeout=60)
-        assert whole.status_code == 200, whole.text
+        built = {"typical_p": 0.9, "dry_multiplier": 0.8, "xtc_probability": 0.5}
+        for name, value in built.items():
+            sampled = body | {name: value, "temperature": 0.8, "seed": 3}
+            accepted = httpx.post(f"{base}/completion", json=sampled, timeout=60)
+            assert accepted.status_code == 200, accepted.text
+        penalised = body | {"repeat_penalty": 1.3}
+        for window in (64, -1, 0):
+            answer = httpx.post(
+                f"{base}/completion", json=penalised | {"penalty_last_n": window}, timeout=60
+            )
+            assert answer.status_code == 200, answer.text
+        # Window 0 turns the penalties off (llama.cpp's meaning): the plain text.
+        assert answer.json()["content"] == want.choices[0].text
         props = httpx.get(f"{base}/props", timeout=30).json()
         assert props["default_generation_settings"]["n_ctx"] == backend.context_length
         assert props["chat_template"] == tokenizer.chat_template and props["model_path"] == MODEL_ID

@@ -80,6 +80,16 @@ PARAMS = [
     # (row by row in a window: the window's earlier tokens count as output).
     SamplingParams(min_tokens=3, hold_back=(0, 1, 2, 3), prompt_tokens=4),
     SamplingParams(temperature=0.8, seed=2, min_tokens=2, hold_back=(5,), prompt_tokens=6),
+    # llama.cpp's samplers: DRY on the history (greedy and sampled, with breakers and a
+    # window), the penalties' window, and the distribution filters when sampling.
+    SamplingParams(dry_multiplier=2.0, dry_allowed_length=1, prompt_tokens=4),
+    SamplingParams(
+        temperature=0.9, seed=4, dry_multiplier=0.8, dry_breakers=(3,), dry_penalty_last_n=6
+    ),
+    SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, penalty_last_n=3),
+    SamplingParams(temperature=1.1, seed=8, typical_p=0.6, top_n_sigma=1.0),
+    SamplingParams(temperature=1.0, seed=9, xtc_probability=0.7, xtc_threshold=0.05),
+    SamplingParams(temperature=0.8, seed=10, dynatemp_range=0.6, dynatemp_exponent=2.0),
 ]
 
 
@@ -127,8 +137,23 @@ def test_sampling_travels_whole_and_bad_values_fail_their_segment() -> None:
         prompt_tokens=321,
         min_tokens=4,
         hold_back=(0, 2),
+        penalty_last_n=64,
+        typical_p=0.95,
+        top_n_sigma=1.5,
+        xtc_probability=0.25,
+        xtc_threshold=0.2,
+        dry_multiplier=0.8,
+        dry_base=2.0,
+        dry_allowed_length=3,
+        dry_penalty_last_n=128,
+        dry_breakers=(5, 9),
+        dynatemp_range=0.3,
+        dynatemp_exponent=1.5,
     )
     assert sampling_from_proto(sampling_to_proto(params)) == params
+    # Values that tune a sampler that is off take their defaults on the way.
+    off = SamplingParams(xtc_threshold=0.3, dry_allowed_length=5, dynatemp_exponent=3.0)
+    assert sampling_from_proto(sampling_to_proto(off)) == SamplingParams()
     segment = data_pb2.Segment(
         request_id="r",
         session_id="s",

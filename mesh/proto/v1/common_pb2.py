@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14mesh/v1/common.proto\x12\x07mesh.v1\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"X\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.mesh.v1.WireDType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\"\x96\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\r\n\x05min_p\x18\x08 \x01(\x01\x12:\n\nlogit_bias\x18\t \x03(\x0b\x32&.mesh.v1.SamplingParams.LogitBiasEntry\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x0f\n\x07grammar\x18\r \x01(\t\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x11\n\thold_back\x18\x0f \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\tErrorInfo\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bstage_index\x18\x03 \x01(\r\"H\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x10\n\x08queue_ms\x18\x03 \x01(\x02*y\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0eWIRE_DTYPE_F32\x10\x01\x12\x12\n\x0eWIRE_DTYPE_F16\x10\x02\x12\x13\n\x0fWIRE_DTYPE_BF16\x10\x03\x12\x13\n\x0fWIRE_DTYPE_INT8\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14mesh/v1/common.proto\x12\x07mesh.v1\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"X\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.mesh.v1.WireDType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\"\xb1\x05\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\r\n\x05min_p\x18\x08 \x01(\x01\x12:\n\nlogit_bias\x18\t \x03(\x0b\x32&.mesh.v1.SamplingParams.LogitBiasEntry\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x0f\n\x07grammar\x18\r \x01(\t\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x11\n\thold_back\x18\x0f \x03(\r\x12\x16\n\x0epenalty_last_n\x18\x10 \x01(\r\x12\x11\n\ttypical_p\x18\x11 \x01(\x01\x12\x13\n\x0btop_n_sigma\x18\x12 \x01(\x01\x12\x17\n\x0fxtc_probability\x18\x13 \x01(\x01\x12\x15\n\rxtc_threshold\x18\x14 \x01(\x01\x12\x16\n\x0e\x64ry_multiplier\x18\x15 \x01(\x01\x12\x10\n\x08\x64ry_base\x18\x16 \x01(\x01\x12\x1a\n\x12\x64ry_allowed_length\x18\x17 \x01(\r\x12\x1a\n\x12\x64ry_penalty_last_n\x18\x18 \x01(\r\x12\x14\n\x0c\x64ry_breakers\x18\x19 \x03(\r\x12\x16\n\x0e\x64ynatemp_range\x18\x1a \x01(\x01\x12\x19\n\x11\x64ynatemp_exponent\x18\x1b \x01(\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\tErrorInfo\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bstage_index\x18\x03 \x01(\r\"H\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x10\n\x08queue_ms\x18\x03 \x01(\x02*y\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0eWIRE_DTYPE_F32\x10\x01\x12\x12\n\x0eWIRE_DTYPE_F16\x10\x02\x12\x13\n\x0fWIRE_DTYPE_BF16\x10\x03\x12\x13\n\x0fWIRE_DTYPE_INT8\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_WIREDTYPE']._serialized_start=713
-  _globals['_WIREDTYPE']._serialized_end=834
+  _globals['_WIREDTYPE']._serialized_start=996
+  _globals['_WIREDTYPE']._serialized_end=1117
   _globals['_LAYERRANGE']._serialized_start=33
   _globals['_LAYERRANGE']._serialized_end=73
   _globals['_TENSOR']._serialized_start=75
   _globals['_TENSOR']._serialized_end=163
   _globals['_SAMPLINGPARAMS']._serialized_start=166
-  _globals['_SAMPLINGPARAMS']._serialized_end=572
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=524
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=572
-  _globals['_ERRORINFO']._serialized_start=574
-  _globals['_ERRORINFO']._serialized_end=637
-  _globals['_STAGETIMING']._serialized_start=639
-  _globals['_STAGETIMING']._serialized_end=711
+  _globals['_SAMPLINGPARAMS']._serialized_end=855
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=807
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=855
+  _globals['_ERRORINFO']._serialized_start=857
+  _globals['_ERRORINFO']._serialized_end=920
+  _globals['_STAGETIMING']._serialized_start=922
+  _globals['_STAGETIMING']._serialized_end=994
 # @@protoc_insertion_point(module_scope)

@@ -41,7 +41,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[WireDType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "prompt_tokens", "logprobs", "top_logprobs", "grammar", "min_tokens", "hold_back")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "prompt_tokens", "logprobs", "top_logprobs", "grammar", "min_tokens", "hold_back", "penalty_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_breakers", "dynatemp_range", "dynatemp_exponent")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,18 @@ class SamplingParams(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOLD_BACK_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_SIGMA_FIELD_NUMBER: _ClassVar[int]
+    XTC_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    XTC_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    DRY_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    DRY_BASE_FIELD_NUMBER: _ClassVar[int]
+    DRY_ALLOWED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRY_PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    DRY_BREAKERS_FIELD_NUMBER: _ClassVar[int]
+    DYNATEMP_RANGE_FIELD_NUMBER: _ClassVar[int]
+    DYNATEMP_EXPONENT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -79,7 +91,19 @@ class SamplingParams(_message.Message):
     grammar: str
     min_tokens: int
     hold_back: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., min_tokens: _Optional[int] = ..., hold_back: _Optional[_Iterable[int]] = ...) -> None: ...
+    penalty_last_n: int
+    typical_p: float
+    top_n_sigma: float
+    xtc_probability: float
+    xtc_threshold: float
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
+    dry_penalty_last_n: int
+    dry_breakers: _containers.RepeatedScalarFieldContainer[int]
+    dynatemp_range: float
+    dynatemp_exponent: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., min_tokens: _Optional[int] = ..., hold_back: _Optional[_Iterable[int]] = ..., penalty_last_n: _Optional[int] = ..., typical_p: _Optional[float] = ..., top_n_sigma: _Optional[float] = ..., xtc_probability: _Optional[float] = ..., xtc_threshold: _Optional[float] = ..., dry_multiplier: _Optional[float] = ..., dry_base: _Optional[float] = ..., dry_allowed_length: _Optional[int] = ..., dry_penalty_last_n: _Optional[int] = ..., dry_breakers: _Optional[_Iterable[int]] = ..., dynatemp_range: _Optional[float] = ..., dynatemp_exponent: _Optional[float] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("code", "message", "stage_index")
