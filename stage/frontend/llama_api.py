@@ -47,7 +47,12 @@ from stage.frontend.prepare import (
     encode_prompt,
     prepared_generation,
 )
-from stage.frontend.schemas import MAX_TOKENS_MAX, GenerationBody, TokenList
+from stage.frontend.schemas import (
+    DRY_DEFAULT_BREAKERS,
+    MAX_TOKENS_MAX,
+    GenerationBody,
+    TokenList,
+)
 from stage.frontend.schemas_base import Str
 from stage.frontend.streaming import sse
 from stage.frontend.translated import serve_run
@@ -319,6 +324,18 @@ def props(
                 "repeat_penalty": 1.0,
                 "presence_penalty": 0.0,
                 "frequency_penalty": 0.0,
+                "repeat_last_n": -1,
+                "typical_p": 1.0,
+                "top_n_sigma": -1.0,
+                "xtc_probability": 0.0,
+                "xtc_threshold": 0.1,
+                "dry_multiplier": 0.0,
+                "dry_base": 1.75,
+                "dry_allowed_length": 2,
+                "dry_penalty_last_n": -1,
+                "dry_sequence_breakers": list(DRY_DEFAULT_BREAKERS),
+                "dynatemp_range": 0.0,
+                "dynatemp_exponent": 1.0,
                 "seed": -1,
             },
         },

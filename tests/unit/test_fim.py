@@ -339,6 +339,12 @@ def test_llama_cpp_s_completion_props_and_template_routes(coder_model) -> None:
         assert answer.json()["content"] == want.choices[0].text
         props = httpx.get(f"{base}/props", timeout=30).json()
         assert props["default_generation_settings"]["n_ctx"] == backend.context_length
+        # The defaults /props reports, sent back, change nothing.
+        defaults = props["default_generation_settings"]["params"]
+        echoed = body | defaults | {"temperature": 0.0, "n_predict": 10}
+        answer = httpx.post(f"{base}/completion", json=echoed, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["content"] == want.choices[0].text
         assert props["chat_template"] == tokenizer.chat_template and props["model_path"] == MODEL_ID
         messages = [{"role": "user", "content": "hi"}]
         rendered = httpx.post(f"{base}/apply-template", json={"messages": messages}, timeout=30)
