@@ -108,7 +108,13 @@ def match_length(seq: Sequence[int], end: int, suffix: Sequence[int], floor: int
         return top
     if seq[end - floor : end] != suffix[size - floor :]:
         return 0
-    low, high = floor, top  # low matches, high does not
+    return _longest(seq, end, suffix, floor, top)
+
+
+def _longest(seq: Sequence[int], end: int, suffix: Sequence[int], low: int, high: int) -> int:
+    """The match length between ``low`` (matches) and ``high`` (does not), by a
+    binary search over slice comparisons."""
+    size = len(suffix)
     while high - low > 1:
         mid = (low + high) // 2
         if seq[end - mid : end] == suffix[size - mid :]:
@@ -130,14 +136,7 @@ def match_bound(seq: Sequence[int], end: int, suffix: Sequence[int], floor: int,
         return floor
     if seq[end - top : end] == suffix[size - top :]:
         return top
-    low, high = longer, top  # low matches, high does not
-    while high - low > 1:
-        mid = (low + high) // 2
-        if seq[end - mid : end] == suffix[size - mid :]:
-            low = mid
-        else:
-            high = mid
-    return low
+    return _longest(seq, end, suffix, longer, top)
 
 
 class SuffixDrafter(Drafter):

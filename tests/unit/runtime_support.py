@@ -6,25 +6,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from conftest import TINY_FAMILIES
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mesh.package.builder import build_package
 from mesh.runtime import StageRuntime, load_stage_runtime
 from mesh.types import LayerRange
 
-FAMILIES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "phi3",
-    "gemma",
-    "gemma2",
-    "gemma3",
-)
+# Every family tiny_config builds (tests/conftest.py).
+FAMILIES = TINY_FAMILIES
 LAYERS = 6
 SPLITS: dict[int, tuple[LayerRange, ...]] = {
     1: (LayerRange(0, 6),),
