@@ -236,7 +236,7 @@ def exclude_top_choices(probs: torch.Tensor, params: SamplingParams, position: i
     generator = torch.Generator().manual_seed(position_seed(params.seed ^ _XTC_SALT, position))
     if torch.rand((), generator=generator, dtype=torch.float64).item() >= params.xtc_probability:
         return probs
-    above = torch.nonzero(probs >= params.xtc_threshold).flatten()
+    above = torch.nonzero((probs >= params.xtc_threshold) & (probs > 0)).flatten()
     if above.numel() < 2:
         return probs
     kept = above[torch.argmin(probs[above])]

@@ -128,6 +128,10 @@ def test_xtc_drops_the_top_choices_but_the_least_likely_of_them() -> None:
     always = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.15)
     dropped = exclude_top_choices(probs, always, position=3)
     assert torch.allclose(dropped, torch.tensor([0.0, 0.0, 2 / 3, 1 / 3]))
+    # A threshold of 0 counts only the tokens still possible (the others stay out).
+    zero = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.0)
+    filtered = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    assert torch.equal(exclude_top_choices(filtered, zero, 1), torch.tensor([0.0, 0, 0, 1, 0]))
     # One token above the threshold: nothing to exclude.
     single = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.35)
     assert torch.equal(exclude_top_choices(probs, single, 3), probs)
