@@ -37,6 +37,8 @@ _MASK = (1 << 63) - 1
 _XTC_SALT = 0x58544320
 # DRY's penalty grows as base ** length: lengths beyond this are counted as this.
 DRY_MAX_LENGTH = 64
+# And the penalty is at most this (finite in float32).
+DRY_MAX_PENALTY = 1e30
 # top-p first looks for its tokens among those at least this fraction of the likeliest
 # token's probability (then a smaller one), sorting only them; it sorts the whole
 # vocabulary only when their mass falls short of top_p (a flat distribution).
@@ -104,7 +106,9 @@ def adjust_logits(
             for token, length in dry_repeats(history, params).items():
                 if token < vocab:
                     exponent = min(length, DRY_MAX_LENGTH) - params.dry_allowed_length
-                    scores[token] -= params.dry_multiplier * params.dry_base**exponent
+                    penalty = params.dry_multiplier * params.dry_base**exponent
+                    # Finite however long: a token the grammar alone allows stays possible.
+                    scores[token] -= min(penalty, DRY_MAX_PENALTY)
     for token, bias in params.logit_bias:
         if token < vocab:
             scores[token] += bias

@@ -205,3 +205,56 @@ def test_llama_cpp_windows_and_off_values_map_to_the_wire() -> None:
     assert dry.dry_multiplier == 0.8 and dry.dry_penalty_last_n == 0 and dry.dry_breakers == (7,)
     assert sampling(top_n_sigma=-1.0).top_n_sigma == 0.0
     assert sampling().dry_breakers == () and sampling().xtc_threshold == 0.1
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.floats(-20, 20), min_size=2, max_size=24),
+    st.lists(st.booleans(), min_size=24, max_size=24),
+    st.fixed_dictionaries(
+        {
+            "temperature": st.floats(0.05, 2.0),
+            "top_k": st.integers(0, 5),
+            "top_p": st.floats(0.05, 1.0),
+            "min_p": st.floats(0.0, 0.9),
+            "typical_p": st.floats(0.01, 1.0),
+            "top_n_sigma": st.floats(0.0, 3.0),
+            "xtc_probability": st.floats(0.0, 1.0),
+            "xtc_threshold": st.floats(0.0, 1.0),
+            "dynatemp_range": st.floats(0.0, 2.0),
+            "dynatemp_exponent": st.floats(0.1, 3.0),
+            "dry_multiplier": st.floats(0.0, 100.0),
+            "dry_base": st.floats(1.0, 10.0),
+            "dry_allowed_length": st.integers(0, 3),
+        }
+    ),
+    st.lists(st.integers(0, 23), max_size=30).map(lambda h: h + h + h),
+    st.integers(0, 1000),
+)
+def test_any_mix_of_samplers_picks_a_possible_token(
+    values: list[float], masked: list[bool], fields: dict, history: list[int], position: int
+) -> None:
+    """Whatever the mix, the token is one whose logit was finite (a grammar's mask
+    is respected) and the draw is reproducible."""
+    logits = torch.tensor(values)
+    mask = torch.tensor(masked[: len(values)])
+    mask[int(torch.argmax(logits))] = False  # at least one token stays possible
+    logits = logits.masked_fill(mask, float("-inf"))
+    params = SamplingParams(seed=3, **fields)
+    token = sample_token(logits, params, position, history)
+    assert 0 <= token < len(values) and math.isfinite(float(logits[token]))
+    assert sample_token(logits, params, position, history) == token
+
+
+def test_a_dry_penalty_stays_finite_so_the_only_possible_token_stays_possible() -> None:
+    """100 * 10 ** 50 overflows float32: the penalty is capped, and a token a grammar
+    alone allows is still chosen, greedy or sampled."""
+    logits = torch.full((8,), float("-inf"))
+    logits[7] = 1.0
+    params = dict(dry_multiplier=100.0, dry_base=10.0, dry_allowed_length=0)
+    history = [7] * 60
+    adjusted = adjust_logits(logits, SamplingParams(**params), history)
+    assert math.isfinite(float(adjusted[7])) and float(adjusted[7]) < -1e29
+    assert sample_token(logits, SamplingParams(**params), 60, history) == 7
+    sampled = SamplingParams(temperature=1.0, seed=1, **params)
+    assert sample_token(logits, sampled, 60, history) == 7
