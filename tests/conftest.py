@@ -23,6 +23,8 @@ TINY_FAMILIES = (
     "gemma",
     "gemma2",
     "gemma3",
+    "glm",
+    "glm4",
 )
 
 
@@ -47,6 +49,8 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        Glm4Config,
+        GlmConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -108,6 +112,10 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
             rope_parameters=rope,
             tie_word_embeddings=True,
         )
+    if family in ("glm", "glm4"):
+        # Rotary on half of each head, its pairs interleaved; gate and up fused.
+        config_class = GlmConfig if family == "glm" else Glm4Config
+        return config_class(**common, head_dim=16, tie_word_embeddings=False)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
     # Qwen-style experts: 4 of 32 inner, every layer sparse but layer 2, which keeps a
     # dense MLP (mlp_only_layers), as some Qwen2-/Qwen3-MoE models do.

@@ -50,6 +50,8 @@ SUPPORTED_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GlmForCausalLM",
+    "Glm4ForCausalLM",
 )
 # Architectures a package can be built from by re-expressing them as a supported
 # one (mesh/package/fused.py): their packages record the architecture they serve as.

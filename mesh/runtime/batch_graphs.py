@@ -78,6 +78,7 @@ class BucketStep:
         capture: bool,
         rope_kinds: int = 1,
         logit_cap: float | None = None,
+        rotary_width: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.logit_cap = logit_cap
@@ -90,7 +91,8 @@ class BucketStep:
         else:
             self.inputs = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         # Each row's angles in every rotary table (mesh/runtime/rotary.py).
-        angles = (rows, 1, head_dim) if rope_kinds == 1 else (rope_kinds, rows, 1, head_dim)
+        width = head_dim if rotary_width is None else rotary_width
+        angles = (rows, 1, width) if rope_kinds == 1 else (rope_kinds, rows, 1, width)
         self.cos = torch.zeros(angles, dtype=dtype, device=device)
         self.sin = torch.zeros(angles, dtype=dtype, device=device)
         self.attended = [

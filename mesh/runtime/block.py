@@ -1,14 +1,17 @@
 """A lean forward pass over the tensors of one HF decoder layer.
 
-The supported families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, and
-the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral; Phi-3 is packaged as Llama,
-mesh/package/fused.py) share one layer shape: RMSNorm, attention with rotary
+The supported families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, GLM-4,
+and the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral; Phi-3 is packaged as
+Llama, mesh/package/fused.py) share one layer shape: RMSNorm, attention with rotary
 embeddings (optional q/k/v biases, optional per-head q/k RMSNorm), RMSNorm, gated
 MLP or routed experts of gated MLPs (mesh/runtime/moe.py). Gemma's variations are
 options of that shape: norms that scale by ``1 + weight`` in float32 (the weight is
 loaded as ``1 + weight``, see ``rms_norm``), a norm after attention and after the MLP
-as well as before them (Gemma 2 and 3), attention scores capped by ``tanh`` (Gemma
-2), and rotary angles of their own for sliding-window layers (Gemma 3). ``DecoderBlock`` holds
+as well as before them (Gemma 2 and 3, GLM-4), attention scores capped by ``tanh``
+(Gemma 2), rotary angles of their own for sliding-window layers (Gemma 3), and
+rotary embeddings on the first part of each head only (GLM: the angles are that
+part's width; its interleaved pairs are turned into halves when the weights load,
+mesh/runtime/skeleton.py). ``DecoderBlock`` holds
 one layer's weights (dense or quantised) and runs the same arithmetic in the same
 order as transformers does, without the module call machinery, writing keys and
 values into the session's preallocated cache. The HF layer module is built on the
@@ -35,11 +38,16 @@ _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 # Gemma 2 and 3: a norm of the attention's and of the MLP's output before each
 # residual add (``post_attention_layernorm`` is then the attention's, not the MLP's input).
 _SANDWICH_PARTS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+# GLM-4's names for the norms of the attention's and the MLP's outputs
+# (``post_attention_layernorm`` keeps Llama's meaning there).
+_GLM4_PARTS = {"post_self_attn_layernorm", "post_mlp_layernorm"}
 # RMSNorms that scale by ``1 + weight``, computed in float32 (Gemma's).
 OFFSET_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+# GLM's MLP: gate and up in one projection (gate rows first).
+_FUSED_MLP_PARTS = {"gate_up_proj", "down_proj", "activation_fn"}
 
 
 def rms_norm(
@@ -237,6 +245,9 @@ class DecoderBlock:
             self.attn_out_norm = self.post_norm
             self.post_norm = norms["pre_feedforward_layernorm.weight"]
             self.mlp_out_norm = norms["post_feedforward_layernorm.weight"]
+        elif "post_self_attn_layernorm.weight" in norms:
+            self.attn_out_norm = norms["post_self_attn_layernorm.weight"]
+            self.mlp_out_norm = norms["post_mlp_layernorm.weight"]
         # Gemma 2's cap on attention scores.
         self.softcap = shape.softcap
         # Which of the stage's rotary tables this layer rotates with (Gemma 3's
@@ -421,10 +432,17 @@ def project(
     # [T, (heads + 2 * kv_heads) * D]: queries, keys, values; rotated in place.
     qkv = block.qkv(states)
     query_key = qkv[:, : block.qk_width].unflatten(-1, (-1, block.head_dim))
-    if block.qk_norm is None:
-        rotate_into(query_key, query_key, cos, sin)
-    else:
-        rotate_into(query_key, rms_norm(query_key, block.qk_norm, block.norm_eps), cos, sin)
+    normed = query_key
+    if block.qk_norm is not None:
+        normed = rms_norm(query_key, block.qk_norm, block.norm_eps)
+    part = cos.shape[-1]
+    if part == block.head_dim:
+        rotate_into(query_key, normed, cos, sin)
+        return qkv, query_key
+    # Rotary on each head's first ``part`` dimensions only (GLM); the rest as it is.
+    if normed is not query_key:
+        query_key[..., part:] = normed[..., part:]
+    rotate_into(query_key[..., :part], normed[..., :part], cos, sin)
     return qkv, query_key
 
 
@@ -487,16 +505,22 @@ def block_shape(layer: nn.Module) -> BlockShape:
         head_dim=head_dim,
         scaling=float(attn.scaling),
         norm_eps=eps,
-        act=layer.mlp.experts.act_fn if is_sparse(layer) else layer.mlp.act_fn,
+        act=layer.mlp.experts.act_fn if is_sparse(layer) else _mlp_act(layer.mlp),
         softcap=None if softcap is None else float(softcap),
     )
+
+
+def _mlp_act(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A dense MLP's activation (``act_fn``; GLM's ``activation_fn``)."""
+    act = getattr(mlp, "act_fn", None)
+    return mlp.activation_fn if act is None else act
 
 
 def check_structure(layer: nn.Module, layer_index: int) -> None:
     """Refuse a layer whose parts differ from the shape ``DecoderBlock`` computes."""
     problems: list[str] = []
     parts = {name for name, _ in layer.named_children()}
-    if parts not in (_LAYER_PARTS, _LAYER_PARTS | _SANDWICH_PARTS):
+    if parts not in (_LAYER_PARTS, _LAYER_PARTS | _SANDWICH_PARTS, _LAYER_PARTS | _GLM4_PARTS):
         problems.append(f"layer parts {sorted(parts)}")
     else:
         attn_parts = {name for name, _ in layer.self_attn.named_children()}
@@ -505,7 +529,7 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
         mlp_parts = {name for name, _ in layer.mlp.named_children()}
         if is_sparse(layer):
             problems += structure_problems(layer)
-        elif mlp_parts - {"act_fn"} != _MLP_PARTS - {"act_fn"}:
+        elif mlp_parts - {"act_fn"} != _MLP_PARTS - {"act_fn"} and mlp_parts != _FUSED_MLP_PARTS:
             problems.append(f"MLP parts {sorted(mlp_parts)}")
         norms = [getattr(layer, name) for name in sorted(parts) if name.endswith("layernorm")]
         norms += [getattr(layer.self_attn, name) for name in _QK_NORMS & attn_parts]
@@ -518,11 +542,12 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
                 problems.append(f"norm {name}")
             elif (name in OFFSET_NORMS) != offset:
                 problems.append(f"norms of two kinds ({name})")
-        if not is_sparse(layer) and not callable(getattr(layer.mlp, "act_fn", None)):
+        act = getattr(layer.mlp, "act_fn", None) or getattr(layer.mlp, "activation_fn", None)
+        if not is_sparse(layer) and not callable(act):
             problems.append("MLP without act_fn")
     if problems:
         raise UnsupportedArchitecture(
             f"decoder layer {layer_index} ({type(layer).__name__}) has an unexpected structure "
             f"({'; '.join(problems)}); the runtime runs Llama, Mistral, Qwen2, Qwen3, "
-            "Gemma, Gemma 2, Gemma 3, Qwen2-MoE, Qwen3-MoE and Mixtral layers"
+            "Gemma, Gemma 2, Gemma 3, GLM-4, Qwen2-MoE, Qwen3-MoE and Mixtral layers"
         )

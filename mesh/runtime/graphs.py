@@ -42,7 +42,7 @@ class StaticDecode:
         embed: Callable[[torch.Tensor], torch.Tensor] | None,
         head: tuple[torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor]] | None,
         hidden_size: int,
-        head_dim: int,
+        rotary_width: int,
         window: int | None,
         dtype: torch.dtype,
         device: torch.device,
@@ -62,7 +62,7 @@ class StaticDecode:
             self.inputs = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         # One row of each rotary table (mesh/runtime/rotary.py).
-        angles = (1, 1, head_dim) if rope_kinds == 1 else (rope_kinds, 1, 1, head_dim)
+        angles = (1, 1, rotary_width) if rope_kinds == 1 else (rope_kinds, 1, 1, rotary_width)
         self.cos = torch.zeros(angles, dtype=dtype, device=device)
         self.sin = torch.zeros(angles, dtype=dtype, device=device)
         self.key_positions = torch.arange(self.capacity, device=device)

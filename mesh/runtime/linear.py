@@ -68,6 +68,17 @@ class LinearSpec:
     bias: torch.Tensor | None = None
 
 
+def permute_rows(spec: LinearSpec, order: torch.Tensor) -> LinearSpec:
+    """``spec`` with its output rows in ``order`` (each quantised row keeps its own
+    codes and scales: the parts are permuted row by row too)."""
+    weight = None if spec.weight is None else spec.weight[order]
+    parts = None
+    if spec.parts is not None:
+        parts = {name: part[order] for name, part in spec.parts.items()}
+    bias = None if spec.bias is None else spec.bias[order]
+    return LinearSpec(spec.out_features, spec.in_features, spec.kind, weight, parts, bias)
+
+
 def fuse(specs: list[LinearSpec]) -> LinearSpec:
     """One spec whose outputs are the concatenated outputs of ``specs`` (same input)."""
     first = specs[0]

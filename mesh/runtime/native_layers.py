@@ -166,6 +166,8 @@ class NativeLayers:
         ``sin`` ``[T, 1, D]``); None where a session's cache is not in the layout the
         kernels read (the caller then runs the Python path)."""
         rows = hidden.shape[0]
+        if cos.shape[-1] != self._blocks[0].head_dim:
+            return None  # rotary on part of each head (GLM): the Python path
         first = self._first_layer
         table: list[int] = []
         for part in parts:

@@ -57,6 +57,12 @@ class RotaryAngles:
         self._sin = self._cos
 
     @property
+    def width(self) -> int:
+        """How many dimensions of each head the angles turn (the head's, or its first
+        part where the model rotates part of it)."""
+        return int(self(0, 1)[0].shape[-1])
+
+    @property
     def kinds(self) -> int:
         """How many tables each call returns (1: a ``[T, 1, head_dim]`` tensor)."""
         return 1 if self._kinds is None else len(self._kinds)

@@ -36,10 +36,12 @@ from mesh.runtime.linear import (
     DenseLinear,
     Embedding,
     Linear,
+    LinearSpec,
     build_linear,
     dense_weight,
     distinct_bytes,
     fuse,
+    permute_rows,
 )
 from mesh.runtime.weights import EMBED_WEIGHT, LM_HEAD_WEIGHT, NORM_WEIGHT, WeightSource
 from mesh.types import LayerRange
@@ -123,7 +125,8 @@ class StageModules:
         held: list[torch.Tensor] = []
         for block in self.blocks:
             held += [block.input_norm, block.post_norm]
-            held += [] if block.qk_norm is None else [block.qk_norm]
+            for norm in (block.qk_norm, block.attn_out_norm, block.mlp_out_norm):
+                held += [] if norm is None else [norm]
             for linear in block.linears():
                 held += linear.tensors()
         if self.embed is not None:
@@ -163,6 +166,11 @@ def build_stage_modules(
     group = 0 if scheme is None else scheme.group_size
     row_invariant = invariant.chosen(device, kind in ("int4", "int8"))
     rope_kinds = _rope_kinds(decoder.rotary_emb)
+    # GLM rotates interleaved pairs of each head's first dimensions: their q/k rows
+    # are reordered into halves as they load (``_halves``).
+    interleaved = (
+        _rotary_width(decoder.rotary_emb) if config.architectures[0] in _INTERLEAVED else 0
+    )
     layer_types = getattr(config, "layer_types", None)
 
     blocks = []
@@ -173,7 +181,9 @@ def build_stage_modules(
             layer, weights.layer(index), f"decoder layer {index}", kind, group, _shapes(layer)
         )
         sliding = index in sliding_layers
-        block = _build_block(layer, tensors, index, sliding, device, dtype, row_invariant)
+        block = _build_block(
+            layer, tensors, index, sliding, device, dtype, row_invariant, interleaved
+        )
         if rope_kinds is not None:
             block.rope_index = rope_kinds.index(layer_types[index])
         blocks.append(block)
@@ -238,6 +248,26 @@ def build_stage_modules(
     )
 
 
+# Architectures whose rotary embedding turns interleaved pairs (x[2i], x[2i + 1]).
+_INTERLEAVED = frozenset({"GlmForCausalLM", "Glm4ForCausalLM"})
+
+
+def _rotary_width(rotary: nn.Module) -> int:
+    """How many dimensions of each head the rotary module turns (its frequencies
+    are half of them)."""
+    return 2 * int(rotary.inv_freq.shape[0])
+
+
+def _halves(spec: LinearSpec, heads: int, head_dim: int, width: int) -> LinearSpec:
+    """q or k rows with each head's first ``width`` dimensions reordered from
+    interleaved pairs into halves (the even ones, then the odd ones): rotated as
+    halves they give what the pairs give, and queries meet keys reordered alike."""
+    within = torch.arange(head_dim)
+    within[:width] = torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
+    order = (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
+    return permute_rows(spec, order)
+
+
 def _rope_kinds(rotary: nn.Module) -> tuple[str, ...] | None:
     """The layer types a rotary module computes separate angles for (Gemma 3's
     ``layer_types``), or None when it has one table for every layer."""
@@ -270,7 +300,10 @@ def _build_block(
     device: torch.device,
     dtype: torch.dtype,
     row_invariant: bool,
+    interleaved: int = 0,
 ) -> DecoderBlock:
+    """One layer's block; ``interleaved`` is the rotary width of a model that turns
+    interleaved pairs (0: halves, as HF's ``rotate_half``)."""
     norm_names = [f"{name}.weight" for name, _ in layer.named_children() if name.endswith("norm")]
     if hasattr(layer.self_attn, "q_norm"):
         norm_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
@@ -282,9 +315,15 @@ def _build_block(
     }
     attn = [tensors.linear(f"self_attn.{name}_proj") for name in ("q", "k", "v")]
     shape = block_shape(layer)
+    if interleaved:
+        attn[0] = _halves(attn[0], shape.heads, shape.head_dim, interleaved)
+        attn[1] = _halves(attn[1], shape.kv_heads, shape.head_dim, interleaved)
     gate_up = down = experts = None
     if moe.is_sparse(layer):
         experts = _build_experts(layer, tensors, shape, device, dtype, row_invariant)
+    elif hasattr(layer.mlp, "gate_up_proj"):
+        gate_up = build_linear(tensors.linear("mlp.gate_up_proj"), device, dtype, row_invariant)
+        down = build_linear(tensors.linear("mlp.down_proj"), device, dtype, row_invariant)
     else:
         mlp = [tensors.linear(f"mlp.{name}_proj") for name in ("gate", "up")]
         gate_up = build_linear(fuse(mlp), device, dtype, row_invariant)

@@ -131,7 +131,7 @@ class GraphSteps:
             embed=modules.embed if self._is_first else None,
             head=head,  # type: ignore[arg-type]
             hidden_size=self._hidden_size,
-            head_dim=self._sessions.layout.head_dim,
+            rotary_width=self._angles.width,
             window=self._sliding_window,
             dtype=self._dtype,
             device=self._device,
@@ -184,6 +184,7 @@ class GraphSteps:
             capture=bool(self._graph_capture),
             rope_kinds=self._angles.kinds,
             logit_cap=modules.logit_cap,
+            rotary_width=self._angles.width,
         )
 
     def disable_graphs(self) -> None:

@@ -36,7 +36,7 @@ def greedy(runtime_chain: list, prompt: torch.Tensor, steps: int) -> tuple[list[
     return tokens, logits_seen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "glm4"])
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_quantised_package_splits_like_it_runs_whole(
     tiny_package_factory: Callable[..., Path], family: str, quant: str

@@ -69,6 +69,7 @@ def tokens(count: int, seed: int) -> torch.Tensor:
         ("mixtral", {}),
         ("gemma2", {}),
         ("gemma3", {}),
+        ("glm4", {}),
     ],
 )
 def test_static_decode_steps_match_the_unsplit_model(family: str, overrides: dict) -> None:
@@ -198,6 +199,7 @@ def batch_chain(stages: list[StageRuntime], spans: list[Span], inputs: torch.Ten
         ("mistral", {"sliding_window": 6, "layer_types": None}, "row-invariant"),
         ("gemma3", {}, "batched"),
         ("gemma2", {}, "per session (capped scores)"),
+        ("glm", {}, "batched"),
     ],
 )
 def test_decode_frames_of_several_sessions_run_by_bucket_as_alone(
