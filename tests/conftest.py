@@ -25,6 +25,7 @@ TINY_FAMILIES = (
     "gemma3",
     "glm",
     "glm4",
+    "glm4_moe",
 )
 
 
@@ -50,6 +51,7 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         Gemma3TextConfig,
         GemmaConfig,
         Glm4Config,
+        Glm4MoeConfig,
         GlmConfig,
         LlamaConfig,
         MistralConfig,
@@ -116,6 +118,26 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
         # Rotary on half of each head, its pairs interleaved; gate and up fused.
         config_class = GlmConfig if family == "glm" else Glm4Config
         return config_class(**common, head_dim=16, tie_word_embeddings=False)
+    if family == "glm4_moe":
+        # GLM-4.5's routing: 8 experts in 2 groups, 1 group chosen from, 2 experts
+        # per token; a shared expert; layer 0 dense; q/k norms and biases; rotary on
+        # half of each head (halves, not pairs).
+        return Glm4MoeConfig(
+            **common,
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=True,
+            use_qk_norm=True,
+            tie_word_embeddings=False,
+        )
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
     # Qwen-style experts: 4 of 32 inner, every layer sparse but layer 2, which keeps a
     # dense MLP (mlp_only_layers), as some Qwen2-/Qwen3-MoE models do.
@@ -195,6 +217,12 @@ def tiny_model_factory(
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(tiny_config(family, layers))
             model.eval()
+            if family == "glm4_moe":
+                # The choice's bias starts at 0: a random one, so that it is tested.
+                with torch.no_grad():
+                    for name, buffer in model.named_buffers():
+                        if name.endswith("e_score_correction_bias"):
+                            buffer.normal_(0.0, 0.5)
             if family.startswith("gemma"):
                 # Gemma's norms scale by 1 + weight and start at 0: random ones, so
                 # that the offset is tested.

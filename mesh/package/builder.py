@@ -111,7 +111,8 @@ def write_package(
     """Write every package file of ``checkpoint`` into the empty ``directory``;
     with ``scheme``, linear weights and the head quantised, the embedding in int8."""
     description = checkpoint.description
-    layout = classify(checkpoint.tensor_names(), description.layer_count)
+    extra = int(checkpoint.config_json.get("num_nextn_predict_layers") or 0)
+    layout = classify(checkpoint.tensor_names(), description.layer_count, extra)
     if layout.lm_head is None and not description.tied_embeddings:
         raise PackageError(
             "checkpoint has no lm_head.weight and its config sets tie_word_embeddings=false: "

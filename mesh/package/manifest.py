@@ -52,6 +52,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "GlmForCausalLM",
     "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 # Architectures a package can be built from by re-expressing them as a supported
 # one (mesh/package/fused.py): their packages record the architecture they serve as.

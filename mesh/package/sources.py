@@ -86,7 +86,8 @@ def architecture_of(raw_config: dict[str, Any]) -> str:
             raise UnsupportedArchitecture(
                 f"config.json names no architecture and model_type {model_type!r} has no "
                 "causal-LM class; supported model types: llama, mistral, qwen2, qwen3, "
-                "qwen2_moe, qwen3_moe, mixtral, phi3, gemma, gemma2, gemma3_text, glm, glm4"
+                "qwen2_moe, qwen3_moe, mixtral, phi3, gemma, gemma2, gemma3_text, glm, "
+                "glm4, glm4_moe"
             )
         architecture = mapped
     check_source_architecture(architecture)

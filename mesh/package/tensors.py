@@ -58,8 +58,10 @@ class CheckpointLayout:
     layers: tuple[tuple[tuple[str, str], ...], ...]  # per layer: (package name, source name)
 
 
-def classify(names: Iterable[str], layer_count: int) -> CheckpointLayout:
+def classify(names: Iterable[str], layer_count: int, extra_layers: int = 0) -> CheckpointLayout:
     """Sort checkpoint tensor names into embed, norm, lm_head and per-layer groups.
+    The ``extra_layers`` after the last decoder layer (GLM-4.5's multi-token
+    prediction layers, ``num_nextn_predict_layers``) are left out.
 
     Raises PackageError for a tensor that belongs nowhere, a missing embedding or
     norm, or decoder layers that do not match ``layer_count``.
@@ -70,6 +72,8 @@ def classify(names: Iterable[str], layer_count: int) -> CheckpointLayout:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         match = _LAYER.match(name)
+        if match and layer_count <= int(match.group(1)) < layer_count + extra_layers:
+            continue
         if match:
             if _STACKED_EXPERTS.match(match.group(2)):
                 raise PackageError(

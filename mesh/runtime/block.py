@@ -1,7 +1,7 @@
 """A lean forward pass over the tensors of one HF decoder layer.
 
 The supported families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, GLM-4,
-and the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral; Phi-3 is packaged as
+and the mixture-of-experts Qwen2-MoE, Qwen3-MoE, GLM-4.5 and Mixtral; Phi-3 is packaged as
 Llama, mesh/package/fused.py) share one layer shape: RMSNorm, attention with rotary
 embeddings (optional q/k/v biases, optional per-head q/k RMSNorm), RMSNorm, gated
 MLP or routed experts of gated MLPs (mesh/runtime/moe.py). Gemma's variations are
@@ -549,5 +549,5 @@ def check_structure(layer: nn.Module, layer_index: int) -> None:
         raise UnsupportedArchitecture(
             f"decoder layer {layer_index} ({type(layer).__name__}) has an unexpected structure "
             f"({'; '.join(problems)}); the runtime runs Llama, Mistral, Qwen2, Qwen3, "
-            "Gemma, Gemma 2, Gemma 3, GLM-4, Qwen2-MoE, Qwen3-MoE and Mixtral layers"
+            "Gemma, Gemma 2, Gemma 3, GLM-4, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and Mixtral layers"
         )

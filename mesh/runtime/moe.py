@@ -1,5 +1,5 @@
-"""Routed experts: the sparse feed-forward of Qwen2-MoE, Qwen3-MoE and Mixtral decoder
-layers.
+"""Routed experts: the sparse feed-forward of Qwen2-MoE, Qwen3-MoE, GLM-4.5 and Mixtral
+decoder layers.
 
 A router (a ``[experts, hidden]`` linear) scores every row; each row goes to its
 ``top_k`` experts, each a gated MLP like a dense layer's, and their outputs are
@@ -14,6 +14,14 @@ over every expert in float32, the ``top_k`` largest, then
 - Qwen2-MoE: Qwen3-MoE's rule, plus a *shared expert*: a gated MLP every row goes
   through, scaled by the sigmoid of its own gate (a ``[1, hidden]`` linear) and added
   to the routed experts' sum (``Qwen2MoeSparseMoeBlock``).
+
+GLM-4.5 (``Glm4MoeTopkRouter``, DeepSeek-V3's rule) routes otherwise: the router
+runs in float32, each expert's score is the sigmoid of its logit; the choice adds a
+learned bias per expert (``e_score_correction_bias``) and is limited to the
+``topk_group`` groups of experts whose two best biased scores sum highest; the
+chosen experts weigh in by their unbiased scores, renormalised when
+``norm_topk_prob``, times ``routed_scaling_factor``, in float32. Its shared experts
+(``mlp.shared_experts``) are an ungated MLP added to every row.
 
 A frame's rows are routed together: the rows sent to one expert are gathered, run
 through that expert once, scaled, and added back to their rows (experts in
@@ -43,13 +51,19 @@ _ROUTERS = {
     "Qwen2MoeTopKRouter": "qwen_moe",
     "Qwen3MoeTopKRouter": "qwen_moe",
     "MixtralTopKRouter": "mixtral",
+    "Glm4MoeTopkRouter": "grouped_sigmoid",
 }
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ROUTER_WEIGHT = "mlp.gate.weight"
+# GLM-4.5's per-expert bias on the scores that choose (not on the weights).
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 SHARED_PREFIX = "mlp.shared_expert."
 SHARED_GATE_WEIGHT = "mlp.shared_expert_gate.weight"
+# GLM-4.5's shared experts: one ungated MLP.
+UNGATED_SHARED_PREFIX = "mlp.shared_experts."
 _SPARSE_PARTS = {"gate", "experts"}
 _SHARED_PARTS = {"shared_expert", "shared_expert_gate"}
+_UNGATED_SHARED_PARTS = {"shared_experts"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,12 @@ class Routing:
     # Routing weights scale expert outputs in float32 (Mixtral) or in the
     # activations' dtype (Qwen3-MoE).
     float_weights: bool
+    # "softmax" (Qwen, Mixtral) or "grouped_sigmoid" (GLM-4.5, module doc), with its
+    # groups of experts, how many of them may be chosen from, and the weights' scale.
+    rule: str = "softmax"
+    groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
 
 
 def is_sparse(layer: nn.Module) -> bool:
@@ -75,6 +95,17 @@ def routing_of(layer: nn.Module) -> Routing | None:
     family = _ROUTERS.get(type(router).__name__)
     if family is None:
         return None
+    if family == "grouped_sigmoid":
+        return Routing(
+            experts=int(router.num_experts),
+            top_k=int(router.top_k),
+            renormalise=bool(router.norm_topk_prob),
+            float_weights=True,
+            rule=family,
+            groups=int(router.num_group),
+            top_groups=int(router.topk_group),
+            scale=float(router.routed_scaling_factor),
+        )
     return Routing(
         experts=int(router.num_experts),
         top_k=int(router.top_k),
@@ -88,9 +119,21 @@ def structure_problems(layer: nn.Module) -> list[str]:
     mlp = layer.mlp
     problems = []
     parts = {name for name, _ in mlp.named_children()}
-    if parts not in (_SPARSE_PARTS, _SPARSE_PARTS | _SHARED_PARTS):
+    if parts not in (
+        _SPARSE_PARTS,
+        _SPARSE_PARTS | _SHARED_PARTS,
+        _SPARSE_PARTS | _UNGATED_SHARED_PARTS,
+    ):
         problems.append(f"sparse MLP parts {sorted(parts)}")
         return problems
+    if has_ungated_shared_experts(layer):
+        shared = {name for name, _ in mlp.shared_experts.named_children()}
+        if shared - {"act_fn"} != set(_PROJECTIONS):
+            problems.append(f"shared experts parts {sorted(shared)}")
+    routing = routing_of(layer)
+    if routing is not None and routing.rule == "grouped_sigmoid":
+        if routing.experts % routing.groups or not 0 < routing.top_groups <= routing.groups:
+            problems.append(f"{routing.experts} experts in {routing.groups} groups")
     if has_shared_expert(layer):
         shared = {name for name, _ in mlp.shared_expert.named_children()}
         if shared - {"act_fn"} != set(_PROJECTIONS) or not callable(
@@ -113,8 +156,13 @@ def structure_problems(layer: nn.Module) -> list[str]:
 
 
 def has_shared_expert(layer: nn.Module) -> bool:
-    """Whether a sparse layer also has a shared expert (Qwen2-MoE)."""
+    """Whether a sparse layer also has a gated shared expert (Qwen2-MoE)."""
     return hasattr(layer.mlp, "shared_expert")
+
+
+def has_ungated_shared_experts(layer: nn.Module) -> bool:
+    """Whether a sparse layer also has ungated shared experts (GLM-4.5)."""
+    return hasattr(layer.mlp, "shared_experts")
 
 
 def expert_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -133,6 +181,11 @@ def expert_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
         for name, tensor in layer.mlp.shared_expert.state_dict().items():
             shapes[SHARED_PREFIX + name] = tuple(tensor.shape)
         shapes[SHARED_GATE_WEIGHT] = tuple(layer.mlp.shared_expert_gate.weight.shape)
+    if has_ungated_shared_experts(layer):
+        for name, tensor in layer.mlp.shared_experts.state_dict().items():
+            shapes[UNGATED_SHARED_PREFIX + name] = tuple(tensor.shape)
+    if hasattr(layer.mlp.gate, "e_score_correction_bias"):
+        shapes[ROUTER_BIAS] = (count,)
     return shapes
 
 
@@ -156,24 +209,27 @@ def per_expert(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @dataclass
 class SharedExpert:
-    """Qwen2-MoE's shared expert: a gated MLP (fused gate/up, down) and its gate."""
+    """A shared expert: a gated MLP (fused gate/up, down) every row goes through,
+    scaled by the sigmoid of its ``gate`` (Qwen2-MoE) or not (``gate`` None: GLM-4.5's)."""
 
     gate_up: Linear
     down: Linear
-    gate: Linear
+    gate: Linear | None = None
 
     def linears(self) -> list[Linear]:
-        return [self.gate_up, self.down, self.gate]
+        return [self.gate_up, self.down] + ([] if self.gate is None else [self.gate])
 
     def map(self, change: Callable[[Linear], Linear]) -> None:
-        self.gate_up, self.down, self.gate = (change(x) for x in self.linears())
+        self.gate_up, self.down = change(self.gate_up), change(self.down)
+        if self.gate is not None:
+            self.gate = change(self.gate)
 
 
 class SparseExperts:
     """A router and its experts (a fused gate/up linear and a down linear each), and
     the shared expert where the layer has one."""
 
-    __slots__ = ("routing", "router", "gate_up", "down", "act", "shared")
+    __slots__ = ("routing", "router", "gate_up", "down", "act", "shared", "bias")
 
     def __init__(
         self,
@@ -183,6 +239,7 @@ class SparseExperts:
         down: list[Linear],
         act: Callable[[torch.Tensor], torch.Tensor],
         shared: SharedExpert | None = None,
+        bias: torch.Tensor | None = None,
     ) -> None:
         self.routing = routing
         self.router = router
@@ -190,6 +247,8 @@ class SparseExperts:
         self.down = down
         self.act = act
         self.shared = shared
+        # grouped_sigmoid: the float32 bias on the scores that choose.
+        self.bias = bias
 
     def linears(self) -> list[Linear]:
         shared = [] if self.shared is None else self.shared.linears()
@@ -211,6 +270,8 @@ class SparseExperts:
 
     def route(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and chosen experts, both ``[T, top_k]``."""
+        if self.routing.rule == "grouped_sigmoid":
+            return self._route_groups(states)
         logits = self.router(states)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.routing.top_k, dim=-1)
@@ -219,6 +280,25 @@ class SparseExperts:
         if not self.routing.float_weights:
             weights = weights.to(logits.dtype)
         return weights, chosen
+
+    def _route_groups(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GLM-4.5's rule (module doc): float32 throughout."""
+        routing = self.routing
+        scores = sigmoid(self.router(states.float()))
+        choice = scores if self.bias is None else scores + self.bias
+        rows = choice.shape[0]
+        grouped = choice.view(rows, routing.groups, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        kept = torch.topk(group_scores, routing.top_groups, dim=-1, sorted=False).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(
+            ~allowed.repeat_interleave(grouped.shape[-1], dim=1), -torch.inf
+        )
+        chosen = torch.topk(choice, routing.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if routing.renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * routing.scale, chosen
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` ``[T, hidden]`` (normed) -> the experts' weighted sum ``[T, hidden]``."""
@@ -250,8 +330,20 @@ class SparseExperts:
         if shared is not None:
             gate, up = shared.gate_up(states).chunk(2, dim=-1)
             common = shared.down(self.act(gate) * up)
-            out = out + torch.sigmoid(shared.gate(states)) * common
+            if shared.gate is None:
+                out = out + common
+            else:
+                out = out + sigmoid(shared.gate(states)) * common
         return out
+
+
+def sigmoid(values: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` in float32, in ``values``' dtype. torch's own sigmoid
+    rounds a value differently with the size of the tensor around it (measured: 6e-8
+    between a row alone and among 17 rows, float32, CPU), which row invariance cannot
+    have; exp does not."""
+    wide = values.float()
+    return torch.reciprocal(torch.exp(-wide).add_(1.0)).to(values.dtype)
 
 
 def expert_names(expert: int) -> tuple[str, str, str]:

@@ -369,7 +369,13 @@ def _build_experts(
     routing = moe.routing_of(layer)
     assert routing is not None  # check_structure refused any other router
     router_name = moe.ROUTER_WEIGHT.removesuffix(".weight")
-    router = build_linear(tensors.linear(router_name), device, dtype, row_invariant)
+    grouped = routing.rule == "grouped_sigmoid"
+    # GLM-4.5's router runs in float32, as transformers keeps it.
+    router_dtype = torch.float32 if grouped else dtype
+    router = build_linear(tensors.linear(router_name), device, router_dtype, row_invariant)
+    bias = None
+    if grouped and tensors.has_plain(moe.ROUTER_BIAS):
+        bias = tensors.plain(moe.ROUTER_BIAS).to(device=device, dtype=torch.float32)
     gate_up: list[Linear] = []
     down: list[Linear] = []
     for expert in range(routing.experts):
@@ -391,7 +397,14 @@ def _build_experts(
                 row_invariant,
             ),
         )
-    return moe.SparseExperts(routing, router, gate_up, down, shape.act, shared)
+    if moe.has_ungated_shared_experts(layer):
+        prefix = moe.UNGATED_SHARED_PREFIX
+        fused = fuse([tensors.linear(prefix + "gate_proj"), tensors.linear(prefix + "up_proj")])
+        shared = moe.SharedExpert(
+            gate_up=build_linear(fused, device, dtype, row_invariant),
+            down=build_linear(tensors.linear(prefix + "down_proj"), device, dtype, row_invariant),
+        )
+    return moe.SparseExperts(routing, router, gate_up, down, shape.act, shared, bias)
 
 
 def _renamed(

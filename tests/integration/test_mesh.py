@@ -134,15 +134,15 @@ def test_frames_travel_over_the_transport_each_stage_offers(
         assert mesh_tokens(client, "tiny-llama") == expected
 
 
-@pytest.mark.parametrize("family", ["phi3", "qwen2_moe", "gemma2", "gemma3", "glm4"])
+@pytest.mark.parametrize("family", ["phi3", "qwen2_moe", "gemma2", "gemma3", "glm4", "glm4_moe"])
 def test_a_newer_family_is_served_split_with_transformers_greedy_tokens(
     mesh_factory, tiny_package_factory, tiny_model_factory, family
 ):
     """Phi-3 (fused projections, packaged as Llama), Qwen2-MoE (a shared expert
     beside the routed ones), Gemma 2 (capped scores and logits), Gemma 3 (two
-    rotary tables) and GLM-4 (rotary on half of each head, pairs interleaved), split
-    in two: the text is that of transformers' own model
-    generating greedily, unsplit."""
+    rotary tables), GLM-4 (rotary on half of each head, pairs interleaved) and
+    GLM-4.5 (grouped sigmoid routing, an ungated shared expert), split in two: the
+    text is that of transformers' own model generating greedily, unsplit."""
     from transformers import AutoTokenizer
 
     package = tiny_package_factory(family, layers=4)

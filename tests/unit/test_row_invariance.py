@@ -118,7 +118,10 @@ def alone_logits(stages: list[StageRuntime], session: str, tokens: torch.Tensor)
 
 
 @pytest.mark.parametrize("stage_count", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma2", "gemma3", "glm4"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "glm4", "glm4_moe"],
+)
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_token_gets_the_same_logits_in_any_frame(
     tiny_package_factory: Callable[..., Path], fmt: str, family: str, stage_count: int

@@ -84,6 +84,54 @@ def test_experts_follow_the_models_own_routing(
         assert max_diff(got.float(), other.float()) > 10 * tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glm45_experts_follow_its_grouped_sigmoid_routing(dtype: torch.dtype) -> None:
+    """GLM-4.5's rule (sigmoid scores, a bias on the choice, groups, scaled weights)
+    and its ungated shared expert, against transformers' layer; its router stays in
+    float32 as transformers keeps it."""
+    model = tiny_moe("glm4_moe")
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)
+    model = model.to(dtype)
+    layer.mlp.gate.float()
+    weights = StateDictWeights(model.state_dict(), tied=model.config.tie_word_embeddings)
+    modules = build_stage_modules(model.config, weights, LayerRange(0, 2), CPU, dtype)
+    assert modules.blocks[0].experts is None  # first_k_dense_replace
+    experts = modules.blocks[1].experts
+    assert experts is not None and experts.routing.rule == "grouped_sigmoid"
+    states = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.inference_mode():
+        want = layer.mlp(states.unsqueeze(0))[0]
+        got = experts(states)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    assert max_diff(got.float(), want.float()) <= tolerance
+    # The bias decides which experts: without it other experts are chosen.
+    with torch.no_grad():
+        layer.mlp.gate.e_score_correction_bias.zero_()
+        other = layer.mlp(states.unsqueeze(0))[0]
+    assert max_diff(got.float(), other.float()) > 10 * tolerance
+
+
+def test_glm45_multi_token_prediction_layers_are_left_out(tmp_path) -> None:
+    """A checkpoint's layers after the last decoder layer (``num_nextn_predict_layers``)
+    are not packaged; any other extra layer is still refused."""
+    model = tiny_moe("glm4_moe")
+    model.save_pretrained(tmp_path / "src")
+    shard = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(str(shard))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.enorm.weight"] = torch.ones(64)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    build_package(str(tmp_path / "src"), tmp_path / "pkg")
+    assert not (tmp_path / "pkg" / "layers" / "00002.safetensors").exists()
+    tensors["model.layers.3.enorm.weight"] = torch.ones(64)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(PackageError, match="unexpected"):
+        build_package(str(tmp_path / "src"), tmp_path / "pkg2")
+
+
 def test_dense_and_sparse_layers_mix_as_the_config_says() -> None:
     """Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``: layers 1 and 5 are
     sparse, 3 is listed as MLP-only, the even ones are off the step."""
@@ -134,7 +182,7 @@ def test_a_checkpoint_of_stacked_experts_is_refused_by_name(
     assert not (tmp_path / "pkg").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_an_int4_moe_package_builds_splits_and_follows_the_dense_one(
     tiny_package_factory: Callable[..., Path], family: str
 ) -> None:
