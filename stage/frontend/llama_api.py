@@ -4,7 +4,8 @@ and ``POST /apply-template``.
 
 Bodies take llama.cpp's names beside this server's usual parameters
 (``LlamaBody``): ``n_predict`` (-1: up to the context), ``repeat_penalty``,
-``penalty_last_n`` (``repeat_last_n``), ``seed: -1`` (a random seed); its samplers
+``penalty_last_n`` (``repeat_last_n``), ``seed: -1`` (a random seed), ``n_probs``
+(``completion_probabilities`` in the answer and in each streamed event); its samplers
 DRY, XTC, ``typical_p``, ``top_n_sigma`` and dynamic temperature are this server's
 too (mesh/sampling.py). llama.cpp clients send their whole sampler set, mostly at
 values that turn a sampler off; a field of a sampler not built here (mirostat,
@@ -37,6 +38,7 @@ from fastapi.responses import Response
 from pydantic import Field, Strict, model_validator
 
 from mesh.errors import MeshError
+from mesh.types import TOP_LOGPROBS_MAX
 from stage.frontend import dry
 from stage.frontend.errors import bad_request, from_mesh_error
 from stage.frontend.generation import GenerationRun
@@ -54,7 +56,7 @@ from stage.frontend.schemas import (
     TokenList,
 )
 from stage.frontend.schemas_base import Str
-from stage.frontend.streaming import sse
+from stage.frontend.streaming import llama_probabilities, sse
 from stage.frontend.translated import serve_run
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,6 @@ NEUTRAL: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "mirostat_eta": lambda v, b: not b.get("mirostat"),
     # The penalties here count newlines as any token.
     "penalize_nl": lambda v, b: v is True or _penalties_off(b),
-    "n_probs": lambda v, b: v == 0,
     "n_keep": lambda v, b: True,  # what to keep when the context overflows: it never does
     "min_keep": lambda v, b: v in (0, 1),
     "post_sampling_probs": lambda v, b: not v,
@@ -98,6 +99,13 @@ class LlamaBody(GenerationBody):
 
     n_indent: Annotated[int, Strict(), Field(ge=0)] | None = None
     t_max_predict_ms: Annotated[int, Strict(), Field(ge=0)] | None = None
+    # Each token's log-probability with this many alternatives (llama.cpp's
+    # ``completion_probabilities``); 0: none.
+    n_probs: Annotated[int, Strict(), Field(ge=0, le=TOP_LOGPROBS_MAX)] | None = None
+
+    @property
+    def requested_top_logprobs(self) -> int:
+        return self.n_probs if self.n_probs else -1
 
     @model_validator(mode="before")
     @classmethod
@@ -242,10 +250,18 @@ def _stop_type(run: GenerationRun, limited: bool) -> str:
     return "word" if run.stop_string is not None else "eos"
 
 
-def _final(run: GenerationRun, ask: LlamaRequest, content: str, limited: bool) -> dict[str, Any]:
+def _final(
+    run: GenerationRun, ask: LlamaRequest, content: str, limited: bool, streamed: bool = False
+) -> dict[str, Any]:
+    """The answer (or the stream's last event, whose probabilities are those not sent
+    yet)."""
+    entries = run.take_logprobs() if streamed else list(run.logprobs)
+    probabilities = llama_probabilities(run, entries)
+    extra = {} if probabilities is None else {"completion_probabilities": probabilities}
     return {
         "index": 0,
         "content": content,
+        **extra,
         "stop": True,
         "model": run.prepared.model_id,
         "tokens_predicted": run.completion_tokens,
@@ -290,12 +306,16 @@ class LlamaShape:
     async def events(self, run: GenerationRun, texts: AsyncIterator[str]) -> AsyncIterator[bytes]:
         try:
             async for piece in texts:
-                yield sse({"index": 0, "content": piece, "stop": False})
+                event: dict[str, Any] = {"index": 0, "content": piece, "stop": False}
+                probabilities = llama_probabilities(run, run.take_logprobs())
+                if probabilities is not None:
+                    event["completion_probabilities"] = probabilities
+                yield sse(event)
         except MeshError as exc:
             logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
             yield sse(from_mesh_error(exc, 1).body())
             return
-        yield sse(_final(run, self.ask, "", self.limits.ended))
+        yield sse(_final(run, self.ask, "", self.limits.ended, streamed=True))
 
 
 async def serve_llama(request: Request, run: GenerationRun, ask: LlamaRequest) -> Response:

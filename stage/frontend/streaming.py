@@ -96,6 +96,25 @@ def chat_logprobs(run: GenerationRun, entries: list[tuple[int, Any]]) -> dict[st
     }
 
 
+def llama_probabilities(
+    run: GenerationRun, entries: list[tuple[int, Any]]
+) -> list[dict[str, Any]] | None:
+    """llama.cpp's ``completion_probabilities`` of ``entries``: per token its ``id``,
+    ``token``, ``bytes``, ``logprob`` and ``top_logprobs`` (the same fields per
+    alternative); None when ``n_probs`` did not ask for them."""
+    if run.request.sampling.top_logprobs < 0:
+        return None
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(run.tokenizer, token)
+        return {"id": token, "token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+
+    return [
+        {**item(token, entry.logprob), "top_logprobs": [item(t, v) for t, v in entry.top]}
+        for token, entry in entries
+    ]
+
+
 def _offsets(tokens: list[str], offset: int) -> list[int]:
     offsets = []
     for text in tokens:

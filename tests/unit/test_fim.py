@@ -246,7 +246,7 @@ def test_fim_requests_are_refused_clearly(smollm2_tokenizer_dir, coder_tokenizer
             ("/infill", {"input_prefix": "a", "n_predict": 0}, "n_predict"),
             ("/infill", {"input_prefix": "a", "n_predict": 5, "max_tokens": 5}, "n_predict"),
             ("/infill", {"input_prefix": "a", "n": 2}, "n"),
-            ("/infill", {"input_prefix": "a", "n_probs": 3}, "n_probs"),
+            ("/infill", {"input_prefix": "a", "n_probs": 21}, "n_probs"),
             ("/infill", {"input_prefix": 7}, "input_prefix"),
             ("/infill", {"input_extra": [{"filename": 1}]}, None),
         ]:
@@ -350,3 +350,43 @@ def test_llama_cpp_s_completion_props_and_template_routes(coder_model) -> None:
         rendered = httpx.post(f"{base}/apply-template", json={"messages": messages}, timeout=30)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert rendered.json() == {"prompt": text}
+
+
+def test_n_probs_gives_llama_cpp_s_completion_probabilities(coder_model) -> None:
+    """``n_probs: N`` on /completion: each token's ``id``, ``token``, ``bytes`` and
+    ``logprob`` with N alternatives, the same log-probabilities /v1/completions reports;
+    streamed, the events carry their own tokens' entries, the same ones in all."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(coder_model)
+    backend = TinyModelBackend(coder_model)
+    body = {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0.0, "n_probs": 3}
+    with live_server(backend, tokenizer) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="x")
+        want = client.completions.create(
+            model=MODEL_ID, prompt=body["prompt"], max_tokens=8, temperature=0.0, logprobs=3
+        )
+        answer = httpx.post(f"{base}/completion", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        probabilities = answer.json()["completion_probabilities"]
+        with httpx.stream(
+            "POST", f"{base}/completion", json=body | {"stream": True}, timeout=60
+        ) as response:
+            events = [
+                json.loads(line[6:]) for line in response.iter_lines() if line[:6] == "data: "
+            ]
+        plain = httpx.post(f"{base}/completion", json=body | {"n_probs": 0}, timeout=60).json()
+        too_many = httpx.post(f"{base}/completion", json=body | {"n_probs": 21}, timeout=30)
+    logprobs = want.choices[0].logprobs
+    assert len(probabilities) == 8
+    assert [p["logprob"] for p in probabilities] == pytest.approx(logprobs.token_logprobs)
+    assert "".join(p["token"] for p in probabilities) == answer.json()["content"]
+    for entry, top in zip(probabilities, logprobs.top_logprobs, strict=True):
+        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        assert tokenizer.decode([entry["id"]]) == entry["token"]
+        assert len(entry["top_logprobs"]) == 3
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(list(top.values()))
+    streamed = [p for event in events for p in event.get("completion_probabilities", [])]
+    assert streamed == probabilities
+    assert "completion_probabilities" not in plain
+    assert too_many.status_code == 400
