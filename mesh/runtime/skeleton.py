@@ -376,34 +376,30 @@ def _build_experts(
     bias = None
     if grouped and tensors.has_plain(moe.ROUTER_BIAS):
         bias = tensors.plain(moe.ROUTER_BIAS).to(device=device, dtype=torch.float32)
+
+    def gated_mlp(gate: str, up: str, out: str) -> tuple[Linear, Linear]:
+        fused = fuse([tensors.linear(gate), tensors.linear(up)])
+        return (
+            build_linear(fused, device, dtype, row_invariant),
+            build_linear(tensors.linear(out), device, dtype, row_invariant),
+        )
+
     gate_up: list[Linear] = []
     down: list[Linear] = []
     for expert in range(routing.experts):
-        gate, up, out = moe.expert_names(expert)
-        fused = fuse([tensors.linear(gate), tensors.linear(up)])
-        gate_up.append(build_linear(fused, device, dtype, row_invariant))
-        down.append(build_linear(tensors.linear(out), device, dtype, row_invariant))
+        fused, out = gated_mlp(*moe.expert_names(expert))
+        gate_up.append(fused)
+        down.append(out)
     shared = None
-    if moe.has_shared_expert(layer):
-        prefix = moe.SHARED_PREFIX
-        fused = fuse([tensors.linear(prefix + "gate_proj"), tensors.linear(prefix + "up_proj")])
-        shared = moe.SharedExpert(
-            gate_up=build_linear(fused, device, dtype, row_invariant),
-            down=build_linear(tensors.linear(prefix + "down_proj"), device, dtype, row_invariant),
-            gate=build_linear(
-                tensors.linear(moe.SHARED_GATE_WEIGHT.removesuffix(".weight")),
-                device,
-                dtype,
-                row_invariant,
-            ),
-        )
-    if moe.has_ungated_shared_experts(layer):
-        prefix = moe.UNGATED_SHARED_PREFIX
-        fused = fuse([tensors.linear(prefix + "gate_proj"), tensors.linear(prefix + "up_proj")])
-        shared = moe.SharedExpert(
-            gate_up=build_linear(fused, device, dtype, row_invariant),
-            down=build_linear(tensors.linear(prefix + "down_proj"), device, dtype, row_invariant),
-        )
+    gated = moe.has_shared_expert(layer)
+    if gated or moe.has_ungated_shared_experts(layer):
+        prefix = moe.SHARED_PREFIX if gated else moe.UNGATED_SHARED_PREFIX
+        fused, out = gated_mlp(prefix + "gate_proj", prefix + "up_proj", prefix + "down_proj")
+        shared = moe.SharedExpert(gate_up=fused, down=out)
+        if gated:
+            # Qwen2-MoE's shared expert is scaled by the sigmoid of its own gate.
+            gate_name = moe.SHARED_GATE_WEIGHT.removesuffix(".weight")
+            shared.gate = build_linear(tensors.linear(gate_name), device, dtype, row_invariant)
     return moe.SparseExperts(routing, router, gate_up, down, shape.act, shared, bias)
 
 

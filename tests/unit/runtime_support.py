@@ -16,6 +16,16 @@ from mesh.types import LayerRange
 # Every family tiny_config builds (tests/conftest.py).
 FAMILIES = TINY_FAMILIES
 LAYERS = 6
+# A vision tower as small as transformers allows, for multimodal checkpoints whose
+# language model is packaged alone (mesh/package/textonly.py).
+TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
 SPLITS: dict[int, tuple[LayerRange, ...]] = {
     1: (LayerRange(0, 6),),
     2: (LayerRange(0, 3), LayerRange(3, 6)),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
-from runtime_support import SPLITS, load_chain, max_diff, run_chain
+from runtime_support import SPLITS, TINY_VISION, load_chain, max_diff, run_chain
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -46,14 +46,7 @@ def test_a_gemma_norm_scales_by_one_plus_its_weight_in_float32(dtype: torch.dtyp
 def multimodal_gemma3(seed: int) -> Gemma3ForConditionalGeneration:
     """A tiny Gemma 3 with a vision tower, norms random (Gemma's start at zero)."""
     text = tiny_config("gemma3", layers=6, vocab_size=VOCAB).to_dict()
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = SiglipVisionConfig(**TINY_VISION)
     config = Gemma3Config(
         text_config=text,
         vision_config=vision.to_dict(),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_support import load_chain, max_diff, run_chain
+from runtime_support import TINY_VISION, load_chain, max_diff, run_chain
 from safetensors.torch import load_file
 
 from mesh.errors import UnsupportedArchitecture
@@ -40,15 +40,7 @@ def mistral3():
         PixtralVisionConfig,
     )
 
-    vision = PixtralVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        head_dim=16,
-    )
+    vision = PixtralVisionConfig(**TINY_VISION, head_dim=16)
     config = Mistral3Config(
         text_config=MistralConfig(**TEXT, sliding_window=None).to_dict(),
         vision_config=vision.to_dict(),
@@ -65,14 +57,7 @@ def llava():
         LlavaForConditionalGeneration,
     )
 
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = CLIPVisionConfig(**TINY_VISION)
     config = LlavaConfig(
         text_config=LlamaConfig(**TEXT).to_dict(),
         vision_config=vision.to_dict(),
