@@ -14,7 +14,8 @@ storage (float tensors, or a GGUF's quantised rows, each of which is its own run
 blocks). The package and everything after it then serve the model as the Llama
 family; the manifest's ``source`` keeps the original architecture. A Phi-3 config
 that rotates only part of each head (``partial_rotary_factor`` below 1, as in
-Phi-4-mini) is refused: Llama's attention rotates whole heads.
+Phi-4-mini) keeps the factor: the stage builds its rotary angles for that part
+(``mesh/runtime/skeleton.py``) and its blocks rotate only it.
 """
 
 from __future__ import annotations
@@ -46,16 +47,6 @@ class RowPart:
 
 def llama_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The Llama config of a Phi-3 config (as ``config.json`` or a transformers dict)."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    factor = raw.get("partial_rotary_factor")
-    if factor is None and isinstance(rope, dict):
-        factor = rope.get("partial_rotary_factor")
-    if factor is not None and float(factor) != 1.0:
-        raise UnsupportedArchitecture(
-            f"this Phi-3 model rotates {float(factor):g} of each attention head "
-            "(partial_rotary_factor); the runtime rotates whole heads and can serve only "
-            "Phi-3 models with partial_rotary_factor 1"
-        )
     config = {key: value for key, value in raw.items() if key not in _PHI3_ONLY_KEYS}
     config["architectures"] = [LLAMA]
     config["model_type"] = "llama"

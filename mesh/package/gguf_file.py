@@ -183,9 +183,13 @@ class GgufModel:
 
 _EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
 # Settings transformers' GGUF config reader leaves out (Gemma 2's caps; Gemma 3's
-# rotary settings and which layers use the sliding window).
+# rotary settings and which layers use the sliding window; Phi-3's rotated width
+# and LongRoPE context).
 SETTING_KEYS = (
     "attn_logit_softcapping",
+    "rope.dimension_count",
+    "rope.scaling.original_context_length",
+    "rope.scaling.attn_factor",
     "final_logit_softcapping",
     "rope.freq_base",
     "rope.freq_base_swa",

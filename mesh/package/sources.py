@@ -28,6 +28,7 @@ from mesh.package.gguf_experts import moe_config
 from mesh.package.gguf_file import GgufModel, split_stem
 from mesh.package.gguf_gemma import gemma_config
 from mesh.package.gguf_quant import GgufQuantReader
+from mesh.package.gguf_rope import ROPE_TENSORS, rope_config
 from mesh.package.manifest import TRANSLATED_ARCHITECTURES, check_source_architecture
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ class GgufCheckpoint(Checkpoint):
             ) from error
         config = moe_config(model.architecture, model.experts, model.tensors, config)
         config = gemma_config(model.architecture, model.settings, config)
+        config = rope_config(model.architecture, model, config)
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.model_type))
         if architecture is None:
             raise UnsupportedArchitecture(
@@ -319,7 +321,7 @@ class GgufCheckpoint(Checkpoint):
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         self._reader = GgufQuantReader(model, heads, kv_heads)
-        ignored = self._reader.unmapped()
+        ignored = [name for name in self._reader.unmapped() if name not in ROPE_TENSORS]
         if ignored:
             logger.info("GGUF tensors not used: %s", ", ".join(ignored[:8]))
         if len(model.parts) > 1:

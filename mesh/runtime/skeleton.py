@@ -233,7 +233,7 @@ def build_stage_modules(
             )
             lm_head = build_linear(found.linear(""), device, dtype, row_invariant)
 
-    rotary = type(decoder.rotary_emb)(config=skeleton.config).to(device)
+    rotary = _rotary_module(decoder.rotary_emb, skeleton.config).to(device)
     rotary.eval()
     return StageModules(
         blocks=blocks,
@@ -250,6 +250,39 @@ def build_stage_modules(
 
 # Architectures whose rotary embedding turns interleaved pairs (x[2i], x[2i + 1]).
 _INTERLEAVED = frozenset({"GlmForCausalLM", "Glm4ForCausalLM"})
+
+
+def _partial_rotary_factor(config: PretrainedConfig) -> float:
+    """The share of each head the model rotates (``partial_rotary_factor``, at the
+    top of the config or in its rope parameters; 1 when absent)."""
+    rope = getattr(config, "rope_parameters", None)
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None)
+    return 1.0 if factor is None else float(factor)
+
+
+def _rotary_module(model_rotary: nn.Module, config: PretrainedConfig) -> nn.Module:
+    """The stage's rotary module: a fresh one of the model's own class, except where
+    that class turns whole heads while the config rotates only part of each
+    (Phi-4-mini, packaged as Llama, whose default-type Llama rotary ignores the
+    factor): then Phi-3's module, whose angles are the ones of that part and whose
+    other rope types are the generic ones Llama's module uses too."""
+    rotary = type(model_rotary)(config=config)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    wanted = int(head_dim * _partial_rotary_factor(config))
+    if wanted < head_dim and _rotary_width(rotary) == head_dim:
+        from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+        rotary = Phi3RotaryEmbedding(config=config)
+        if _rotary_width(rotary) != wanted:
+            raise UnsupportedArchitecture(
+                f"rotary embedding on {wanted} of each head's {head_dim} dimensions "
+                f"(partial_rotary_factor) with rope type {rotary.rope_type!r} is not supported"
+            )
+    return rotary
 
 
 def _rotary_width(rotary: nn.Module) -> int:

@@ -14,7 +14,6 @@ from runtime_support import full_logits, load_chain, max_diff, run_chain
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config
 
-from mesh.errors import UnsupportedArchitecture
 from mesh.package.builder import build_package
 from mesh.package.gguf_file import GgufModel
 from mesh.package.gguf_quant import GgufQuantReader
@@ -176,11 +175,27 @@ def test_a_quantised_phi3_package_equals_the_same_weights_saved_as_llama(
         assert torch.equal(tensor, second[name]), name
 
 
-def test_partial_rotary_is_refused_with_the_reason(tmp_path: Path) -> None:
-    model = phi3_model(partial_rotary_factor=0.75)
-    with pytest.raises(UnsupportedArchitecture, match="partial_rotary_factor"):
-        build_package(str(saved(model, tmp_path / "src")), tmp_path / "pkg")
-    assert not (tmp_path / "pkg").exists()
+def rotary(partial: float = 1.0, longrope: bool = False) -> dict:
+    """Config overrides: rotary on the first ``partial`` of each head (Phi-4-mini:
+    3/4), LongRoPE past an original context of 16 (its factors cover only the
+    rotated part). A fresh dict each time: transformers' configs write into it."""
+    overrides: dict = {} if partial == 1.0 else {"partial_rotary_factor": partial}
+    if longrope:
+        pairs = int(HEAD_DIM * partial) // 2
+        overrides["original_max_position_embeddings"] = 16
+        overrides["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": [1.0 + 0.3 * i for i in range(pairs)],
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+        }
+    return overrides
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["default", "longrope"])
+def test_partial_rotary_phi3_matches_transformers(tmp_path: Path, longrope: bool) -> None:
+    model = phi3_model(**rotary(0.75, longrope))
+    build_package(str(saved(model, tmp_path / "src")), tmp_path / "pkg")
+    assert_split_model_matches(model, tmp_path / "pkg", prefill=18, total=28)
 
 
 def write_phi3_gguf(model, path: Path, block_type: str | None = None) -> Path:
@@ -196,9 +211,20 @@ def write_phi3_gguf(model, path: Path, block_type: str | None = None) -> Path:
     writer.add_block_count(LAYERS)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD_DIM)
+    rope = model.config.rope_parameters
+    writer.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(model.config.rms_norm_eps)
     writer.add_rope_freq_base(10000.0)
+    if rope.get("rope_type") == "longrope":
+        # llama.cpp's Phi-3 converter: the factors as tensors, the original context
+        # and the attention factor as metadata.
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = 512 / original
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     writer.add_vocab_size(VOCAB)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -232,6 +258,23 @@ def test_a_phi3_gguf_is_packaged_as_llama_and_matches_transformers(tmp_path: Pat
     assert package.architecture == "LlamaForCausalLM"
     assert package.source["architecture"] == "Phi3ForCausalLM"
     assert_split_model_matches(model, tmp_path / "pkg", prefill=12, total=20)
+
+
+@pytest.mark.parametrize(
+    ("partial", "longrope"),
+    [(0.75, False), (0.75, True), (1.0, True)],
+    ids=["partial", "partial-longrope", "longrope"],
+)
+def test_a_phi3_gguf_keeps_its_rotary_settings(
+    tmp_path: Path, partial: float, longrope: bool
+) -> None:
+    """The rotated width (``rope.dimension_count``) and LongRoPE (factors stored as
+    tensors) of llama.cpp's Phi-3 files, which transformers' GGUF reader drops."""
+    model = phi3_model(seed=4, **rotary(partial, longrope))
+    gguf = write_phi3_gguf(model, tmp_path / "phi3.gguf")
+    build_package(str(gguf), tmp_path / "pkg")
+    # Past the original context of 16 from the prompt on: the long factors in use.
+    assert_split_model_matches(model, tmp_path / "pkg", prefill=18, total=28)
 
 
 def test_a_quantised_phi3_gguf_keeps_its_own_codes_split_by_rows(tmp_path: Path) -> None:
