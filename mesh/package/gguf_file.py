@@ -184,8 +184,11 @@ class GgufModel:
 _EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
 # Settings transformers' GGUF config reader leaves out (Gemma 2's caps; Gemma 3's
 # rotary settings and which layers use the sliding window; Phi-3's rotated width
-# and LongRoPE context).
+# and LongRoPE context; the head size where it is not hidden / heads, which the
+# reader keeps for some architectures only).
 SETTING_KEYS = (
+    "attention.key_length",
+    "attention.value_length",
     "attn_logit_softcapping",
     "rope.dimension_count",
     "rope.scaling.original_context_length",

@@ -63,6 +63,24 @@ _GGUF_CONFIG_LEFTOVERS = ("quantization_config", "_model_name_or_path", "_name_o
 _GGUF_UNREAD = {"gemma": "Gemma"}
 
 
+def _head_size(settings: dict[str, Any], config: Any) -> Any:
+    """``config`` with the file's head size (``attention.key_length``), which
+    transformers' GGUF reader keeps for some architectures only: a Qwen3 file read
+    without it gets Qwen3's default 128 where Qwen3-0.6B, 4B and 32B have other
+    sizes than hidden / heads. Keys and values of different sizes are refused."""
+    keys = settings.get("attention.key_length")
+    values = settings.get("attention.value_length", keys)
+    if keys is None:
+        return config
+    if int(values) != int(keys):
+        raise UnsupportedArchitecture(
+            f"GGUF attention heads with keys of {int(keys)} and values of {int(values)} "
+            "dimensions are not supported"
+        )
+    config.head_dim = int(keys)
+    return config
+
+
 @dataclass(frozen=True)
 class ModelDescription:
     architecture: str
@@ -298,6 +316,7 @@ class GgufCheckpoint(Checkpoint):
             raise PackageError(
                 f"cannot read the model config of GGUF {self.path}: {error}"
             ) from error
+        config = _head_size(model.settings, config)
         config = moe_config(model.architecture, model.experts, model.tensors, config)
         config = gemma_config(model.architecture, model.settings, config)
         config = rope_config(model.architecture, model, config)

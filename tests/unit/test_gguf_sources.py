@@ -225,3 +225,73 @@ def test_a_quantised_gguf_stays_quantised_unless_float_is_asked_for(
     assert (manifest.quantization or {}).get("linear") == kept
     said = capsys.readouterr().err
     assert ("keeping them quantised" in said) == (kept is not None and not flags)
+
+
+@pytest.mark.parametrize("head_dim", [32, 8])
+def test_a_head_size_other_than_hidden_over_heads_is_read(tmp_path: Path, head_dim: int) -> None:
+    """Qwen3-0.6B, 4B and 32B: heads wider or narrower than hidden / heads, given by
+    ``attention.key_length``, which transformers' reader drops for Qwen3 (its config
+    then says 128). The split model's logits against the transformers model."""
+    import gguf
+    from runtime_support import full_logits, load_chain, max_diff, run_chain
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from mesh.types import LayerRange
+
+    config = Qwen3Config(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path / "qwen3.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_context_length(512)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_block_count(2)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(500)
+    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for index in range(2):
+        for hf, short in names.items():
+            writer.add_tensor(
+                f"blk.{index}.{short}.weight", state[f"model.layers.{index}.{hf}.weight"]
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    build_package(str(path), tmp_path / "pkg")
+    sequence = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(1))
+    stages = load_chain(tmp_path / "pkg", (LayerRange(0, 1), LayerRange(1, 2)))
+    assert max_diff(run_chain(stages, "s", 0, sequence), full_logits(model, sequence)) <= 1e-4
