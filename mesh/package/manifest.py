@@ -61,6 +61,10 @@ TRANSLATED_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -4,14 +4,22 @@ Several of the models users split are published with a vision tower and a projec
 beside a language model that is exactly one of the supported text models: Gemma 3
 from 4B up (``Gemma3ForConditionalGeneration``, a Gemma 3 text model), Mistral Small
 3.1 and 3.2 (``Mistral3ForConditionalGeneration``, a Mistral model) and the Llava
-family (``LlavaForConditionalGeneration``, a Llama, Mistral or Qwen2 model). Their
-config nests the language model's as ``text_config`` and their tensors sit under
-``language_model.`` (``model.language_model.`` in checkpoints saved by newer
-transformers). ``TextOnlyLayout`` presents such a checkpoint as that text model: the
-text config (defaults filled in by transformers) at the top, the language model's
-tensors under a causal LM's names, the vision tensors left out. The package serves
-text; the manifest's ``source`` keeps the original architecture. Images are not
-served.
+family (``LlavaForConditionalGeneration``, a Llama, Mistral or Qwen2 model), and
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense), whose language models are Qwen2 and Qwen3
+models rotating by multimodal rotary embeddings (M-RoPE): each frequency band turns
+by one of three position ids (time, height, width), and for text all three are the
+token's position, so on text M-RoPE is plain rotary with the same base, and the
+text config becomes a Qwen2 / Qwen3 config (``_TEXT_AS``). Their config nests the
+language model's as ``text_config`` and their tensors sit under ``language_model.``
+(``model.language_model.`` in checkpoints saved by newer transformers) or, in
+Qwen2-VL and Qwen2.5-VL checkpoints, under a causal LM's own names beside
+``visual.``. Qwen3-VL's mixture-of-experts models stack every expert of a layer in
+one tensor and are refused, named.
+
+``TextOnlyLayout`` presents such a checkpoint as that text model: the text config
+(defaults filled in by transformers) at the top, the language model's tensors under
+a causal LM's names, the vision tensors left out. The package serves text; the
+manifest's ``source`` keeps the original architecture. Images are not served.
 """
 
 from __future__ import annotations
@@ -29,7 +37,16 @@ TEXT_MODELS = (
     "Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
+# Text model types without a causal LM of their own -> the causal LM's model type
+# (see the module docstring).
+_TEXT_AS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+# Keys of M-RoPE's rope parameters that plain rotary has no use for.
+_MROPE_KEYS = ("mrope_section", "mrope_interleaved", "type")
 # Name prefixes of the language model's tensors, and what a causal LM calls them.
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),
@@ -43,6 +60,8 @@ _VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "visual.",
+    "model.visual.",
 )
 # Top-level keys the text model keeps where its own config does not set them.
 _SHARED_KEYS = (
@@ -71,6 +90,13 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
     except (KeyError, ValueError, TypeError) as error:
         raise PackageError(f"cannot read the {described} config: {error}") from error
     text = full.get_text_config()
+    if text.model_type == "qwen3_vl_moe_text":
+        raise UnsupportedArchitecture(
+            f"the language model of this {described} stacks every expert of a layer in one "
+            "tensor, which mesh-package does not read; its dense Qwen3-VL models are read"
+        )
+    if text.model_type in _TEXT_AS:
+        text = _as_causal(text)
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(text.model_type))
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitecture(
@@ -87,6 +113,23 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
         config["tie_word_embeddings"] = bool(raw["tie_word_embeddings"])
     config["architectures"] = [architecture]
     return config
+
+
+def _as_causal(text: Any) -> Any:
+    """A Qwen-VL text config as the Qwen2 / Qwen3 config it is on text: the same
+    fields, rotary without its multimodal sections."""
+    from transformers import CONFIG_MAPPING
+
+    fields = {key: value for key, value in text.to_dict().items() if not key.startswith("_")}
+    rope = dict(fields.get("rope_parameters") or {})
+    if rope.get("rope_type") == "mrope" or rope.get("type") == "mrope":
+        rope["rope_type"] = "default"
+    for key in _MROPE_KEYS:
+        rope.pop(key, None)
+    fields["rope_parameters"] = rope
+    target = _TEXT_AS[text.model_type]
+    fields["model_type"] = target
+    return CONFIG_MAPPING[target](**fields)
 
 
 def text_name(name: str) -> str | None:

@@ -66,11 +66,47 @@ def llava():
     return LlavaForConditionalGeneration(config)
 
 
+# Qwen-VL vision towers: one block, patches of 14 merged 2 x 2 into the text width.
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+# M-RoPE: the 8 frequency pairs of a 16-dimensional head in bands of 2, 3 and 3.
+MROPE = [2, 3, 3]
+
+
+def qwen2_vl():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = {**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": MROPE}}
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision)
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = {**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": MROPE}}
+    vision = {**QWEN_VISION, "fullatt_block_indexes": [0]}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen3_vl():
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": MROPE, "mrope_interleaved": True}
+    vision = {**QWEN_VISION, "deepstack_visual_indexes": [0]}
+    config = Qwen3VLConfig(text_config={**TEXT, "rope_scaling": rope}, vision_config=vision)
+    return Qwen3VLForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
     ("make", "architecture", "text_architecture"),
     [
         (mistral3, "Mistral3ForConditionalGeneration", "MistralForCausalLM"),
         (llava, "LlavaForConditionalGeneration", "LlamaForCausalLM"),
+        (qwen2_vl, "Qwen2VLForConditionalGeneration", "Qwen2ForCausalLM"),
+        (qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM"),
+        (qwen3_vl, "Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
     ],
 )
 def test_a_multimodal_checkpoint_is_packaged_as_its_text_model(
@@ -88,7 +124,9 @@ def test_a_multimodal_checkpoint_is_packaged_as_its_text_model(
     packaged: set[str] = set()
     for path in (tmp_path / "pkg").rglob("*.safetensors"):
         packaged |= set(load_file(str(path)))
-    assert packaged and not any("vision" in n or "projector" in n for n in packaged)
+    assert packaged and not any(
+        part in n for n in packaged for part in ("vision", "projector", "visual")
+    )
 
     ids = torch.randint(3, VOCAB - 8, (20,), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
@@ -97,6 +135,16 @@ def test_a_multimodal_checkpoint_is_packaged_as_its_text_model(
     got = [run_chain(stages, "s", 0, ids[:12])]
     got += [run_chain(stages, "s", p, ids[p : p + 1]) for p in range(12, 20)]
     assert max_diff(torch.cat(got), want) <= TOLERANCE
+
+
+def test_qwen3_vl_experts_stacked_in_one_tensor_are_refused_named() -> None:
+    from transformers import Qwen3VLMoeConfig
+
+    text = {**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    raw = Qwen3VLMoeConfig(text_config=text, vision_config=QWEN_VISION).to_dict()
+    raw["architectures"] = ["Qwen3VLMoeForConditionalGeneration"]
+    with pytest.raises(UnsupportedArchitecture, match="stacks every expert"):
+        text_config(raw)
 
 
 def test_a_language_model_the_runtime_does_not_split_is_refused_named() -> None:
