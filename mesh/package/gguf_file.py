@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mesh.errors import PackageError
+from mesh.package.end_tokens import gguf_end_tokens
 
 # llama.cpp's gguf-split names: <stem>-00001-of-00003.gguf
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -91,6 +92,8 @@ class GgufModel:
         self.experts: dict[str, int] = {}
         # Other ``<architecture>.<key>`` values a family needs (``SETTING_KEYS``).
         self.settings: dict[str, float | str | list[float]] = {}
+        # The ids that end an answer (mesh/package/end_tokens.py), EOS first.
+        self.end_token_ids: tuple[int, ...] = ()
         for index, part in enumerate(self.parts):
             try:
                 reader = GGUFReader(str(part))
@@ -105,6 +108,7 @@ class GgufModel:
                 self.has_tokenizer = "tokenizer.ggml.model" in reader.fields
                 self.experts = _int_fields(reader, self.architecture, _EXPERT_KEYS)
                 self.settings = _scalar_fields(reader, self.architecture, SETTING_KEYS)
+                self.end_token_ids = gguf_end_tokens(reader)
             self._index(reader, part)
             del reader  # drops its memory map of the file
         if not self.tensors:

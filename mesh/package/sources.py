@@ -336,6 +336,9 @@ class GgufCheckpoint(Checkpoint):
         config_json["architectures"] = [architecture]
         self.config_json = config_json
         self._generation_config = GenerationConfig.from_model_config(config)
+        if len(model.end_token_ids) > 1:
+            # Every id that ends an answer, as Hugging Face checkpoints list them.
+            self._generation_config.eos_token_id = list(model.end_token_ids)
         self._has_tokenizer = model.has_tokenizer
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

@@ -19,6 +19,7 @@ from mesh.api_keys import KeySource
 from mesh.config import SpeculationConfig, cli_speculation_args, resolve_speculation
 from mesh.errors import MeshError
 from mesh.netaddr import is_wildcard, url_host
+from mesh.package.end_tokens import end_tokens
 from mesh.package.manifest import PackageManifest
 from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
 from stage.frontend.app import create_app
@@ -271,6 +272,7 @@ def start_frontend(
             fingerprint=system_fingerprint(manifest),
             embedding_size=manifest.hidden_size,
             metrics=http_metrics,
+            stop_token_ids=end_tokens(tokenizer, loaded.package_dir),
         )
         switch.package_dir = package_dir
         logger.info("frontend serving %s", scheduler.model_id)

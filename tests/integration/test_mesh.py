@@ -155,6 +155,40 @@ def test_a_newer_family_is_served_split_with_transformers_greedy_tokens(
     assert text == AutoTokenizer.from_pretrained(package).decode(expected)
 
 
+def test_an_answer_ends_at_any_end_token_the_generation_config_lists(
+    mesh_factory, tiny_model_factory, tmp_path
+):
+    """A chat model's end-of-turn token that is not its tokenizer's EOS (Gemma's
+    ``<end_of_turn>``, Phi-3's ``<|end|>``) is listed in ``generation_config.json``;
+    the answer ends there, as ``generate`` ends, with finish_reason ``stop``."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mesh.package.builder import build_package
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_model_factory("qwen2", layers=4), source)
+    expected = unsplit_tokens(source)
+    # A greedy token from the fourth on, not seen before it, ends the answer now.
+    at = next(i for i in range(3, NEW_TOKENS) if expected[i] not in expected[:i])
+    config_path = source / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], expected[at]]
+    config_path.write_text(json.dumps(config))
+    package = tmp_path / "pkg"
+    build_package(str(source), package, model_id="tiny-ends")
+    mesh = mesh_factory(package, 2)
+    mesh.wait_serving()
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(
+        model="tiny-ends", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].text == AutoTokenizer.from_pretrained(package).decode(expected[:at])
+    assert reply.usage.completion_tokens == at
+
+
 def test_int4_mesh_serves_the_quantised_model_and_reports_its_memory(
     mesh_factory, tiny_package_factory
 ):
