@@ -60,6 +60,7 @@ from stage.frontend.tool_formats import (
     tool_format,
 )
 from stage.frontend.tools import TemplateTools, generic_messages, template_tools
+from stage.frontend.xml_tools import param_types
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,8 @@ def _chat_prompt(
     if tools and mode is TemplateTools.OTHER:
         raise bad_request(
             "this model's chat template writes tool calls in a format this server does not "
-            "parse (only Hermes-style <tool_call> JSON is); omit tools",
+            "parse (Hermes <tool_call> JSON, Llama 3 JSON, Mistral [TOOL_CALLS], "
+            "Qwen3-Coder and GLM-4.5 XML are); omit tools",
             "tools",
             code="unsupported_parameter",
         )
@@ -398,7 +400,8 @@ def _chat_prompt(
     names = tuple(t["function"]["name"] for t in tools)
     parallel = body.parallel_tool_calls is not False
     spec = _forced_call_spec(fmt, choice, tools, parallel) if prefix and grammar else ""
-    return prompt, ToolUse(names, parallel, prefix, fmt, spec)
+    types = tuple(param_types(tools).items())
+    return prompt, ToolUse(names, parallel, prefix, fmt, spec, types)
 
 
 def _forced_call_spec(

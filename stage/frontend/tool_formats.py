@@ -10,6 +10,10 @@
 - ``MISTRAL``: the answer is ``[TOOL_CALLS]`` and a JSON list of ``{"name": ...,
   "arguments": {...}}`` (Mistral templates that mark calls with ``[TOOL_CALLS]``);
   Mistral's templates want call ids of 9 letters and digits.
+- ``QWEN_XML`` (Qwen3-Coder) and ``GLM_XML`` (GLM-4.5, 4.6): ``<tool_call>`` blocks
+  whose arguments are tagged text, typed by the functions' schemas
+  (``stage/frontend/xml_tools.py``). A forced ``tool_choice`` starts the call; the
+  rest of it is the model's (no grammar holds XML arguments to a schema).
 
 The format comes from the model's chat template (``tool_format``). Each format
 says how to parse a finished answer, from where streamed text must be held back
@@ -23,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -31,6 +35,8 @@ from typing import Any
 from stage.frontend.tools import CALL_CLOSE, CALL_OPEN, ToolCall, call_from_value, held_from
 from stage.frontend.tools import forced_prefix as hermes_prefix
 from stage.frontend.tools import parse_tool_calls as parse_hermes
+from stage.frontend.xml_tools import XmlStyle, parse_xml_calls
+from stage.frontend.xml_tools import forced_prefix as xml_prefix
 
 MISTRAL_MARK = "[TOOL_CALLS]"
 LLAMA_TAG = "<|python_tag|>"
@@ -40,11 +46,20 @@ class ToolFormat(Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    QWEN_XML = "qwen3_coder"
+    GLM_XML = "glm45"
+
+
+_XML_STYLES = {ToolFormat.QWEN_XML: XmlStyle.QWEN, ToolFormat.GLM_XML: XmlStyle.GLM}
 
 
 def tool_format(template: str | None) -> ToolFormat:
     """The format a chat template writes tool calls in (Hermes when it names none)."""
     text = template or ""
+    if CALL_OPEN in text and "<function=" in text and "<parameter=" in text:
+        return ToolFormat.QWEN_XML
+    if CALL_OPEN in text and "<arg_key>" in text:
+        return ToolFormat.GLM_XML
     if CALL_OPEN in text:
         return ToolFormat.HERMES
     if MISTRAL_MARK in text:
@@ -87,6 +102,8 @@ def forced_prefix(fmt: ToolFormat, choice: str | None) -> str:
     function name (that call); '' otherwise."""
     if fmt is ToolFormat.HERMES:
         return hermes_prefix(choice)
+    if fmt in _XML_STYLES:
+        return xml_prefix(_XML_STYLES[fmt], choice)
     if choice in (None, "auto", "none"):
         return ""
     head = MISTRAL_MARK + "[" if fmt is ToolFormat.MISTRAL else ""
@@ -99,7 +116,7 @@ def forced_prefix(fmt: ToolFormat, choice: str | None) -> str:
 def hold_start(fmt: ToolFormat, text: str) -> int:
     """Where streamed text must stop being sent as content, in the answer so far:
     the start of what is or may become a call; ``len(text)`` when nothing is."""
-    if fmt is ToolFormat.HERMES:
+    if fmt is ToolFormat.HERMES or fmt in _XML_STYLES:
         return held_from(text)
     body = text.lstrip()
     opener = "[" if fmt is ToolFormat.MISTRAL else "{"
@@ -114,12 +131,19 @@ def _partial(body: str, fmt: ToolFormat) -> bool:
 
 
 def parse_calls(
-    fmt: ToolFormat, text: str, known: Sequence[str], parallel: bool = True
+    fmt: ToolFormat,
+    text: str,
+    known: Sequence[str],
+    parallel: bool = True,
+    types: Mapping[tuple[str, str], tuple[str, ...]] | None = None,
 ) -> tuple[str | None, list[ToolCall]]:
     """The answer's text (None when it is only calls) and its tool calls; an answer
-    that is not a well-formed call of a known function is all text."""
+    that is not a well-formed call of a known function is all text. ``types``: the
+    JSON types of the functions' parameters, for the XML formats."""
     if fmt is ToolFormat.HERMES:
         return parse_hermes(text, known, parallel)
+    if fmt in _XML_STYLES:
+        return parse_xml_calls(_XML_STYLES[fmt], text, known, parallel, types)
     body = text.strip()
     if fmt is ToolFormat.MISTRAL:
         values = _mistral_values(body.removeprefix(MISTRAL_MARK).strip())
@@ -192,7 +216,7 @@ def forced_call_grammar(
     choice, of that function) whose arguments follow each function's ``parameters``
     schema. '' for ``auto`` and ``none``. A Hermes answer may hold several calls
     (with ``parallel``), a Mistral one several in its list; a Llama answer one."""
-    if choice in (None, "auto", "none"):
+    if choice in (None, "auto", "none") or fmt in _XML_STYLES:
         return ""
     functions = [tool["function"] for tool in tools]
     if choice != "required":
@@ -277,9 +301,11 @@ class ToolUse:
     # The grammar spec (mesh.grammar) the answer after ``prefix`` follows for a
     # forced tool_choice; '' where the answer is free.
     grammar: str = ""
+    # ((function, parameter), JSON types) of the functions' parameters (XML formats).
+    types: tuple[tuple[tuple[str, str], tuple[str, ...]], ...] = ()
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return parse_calls(self.format, text, self.names, self.parallel)
+        return parse_calls(self.format, text, self.names, self.parallel, dict(self.types))
 
     def hold_start(self, text: str) -> int:
         return hold_start(self.format, text)

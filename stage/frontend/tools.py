@@ -12,8 +12,9 @@ and reads results in ``tool`` messages. Two ways in:
   written into the assistant text as the model is asked to write them, and tool
   results come back as user messages wrapped in ``<tool_response>``.
 
-Templates that render tools for Llama 3.x JSON calls or Mistral's ``[TOOL_CALLS]``
-are native too, with their own formats (``stage/frontend/tool_formats.py``); a
+Templates that render tools for Llama 3.x JSON calls, Mistral's ``[TOOL_CALLS]``, or
+Qwen3-Coder's and GLM-4.5's XML calls are native too, with their own formats
+(``stage/frontend/tool_formats.py``); a
 template that renders tools in a format none of these is refused with a 400.
 
 ``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` lets the

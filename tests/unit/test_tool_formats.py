@@ -1,4 +1,5 @@
-"""Tool calls in the Llama 3.x JSON and Mistral ``[TOOL_CALLS]`` formats: which
+"""Tool calls in the Llama 3.x JSON, Mistral ``[TOOL_CALLS]``, Qwen3-Coder XML and
+GLM-4.5 XML formats: which
 templates speak them, parsing, the streamed hold-back, forced prefixes, Mistral's
 call ids; and through the HTTP frontend with the official openai client, a
 tokenizer carrying a template of each kind and a backend that replays the model's
@@ -63,6 +64,61 @@ MISTRAL_STYLE = """
 {%- else %}{{ message.content }}</s>{% endif %}
 {%- endfor %}"""
 
+QWEN_XML_STYLE = """
+{%- if tools %}<|im_start|>system
+Functions:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}Call one as:
+<tool_call>
+<function=NAME>
+<parameter=KEY>
+VALUE
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.tool_calls %}<|im_start|>assistant
+{% for c in message.tool_calls %}<tool_call>
+<function={{ c.function.name }}>
+{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{%- elif message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{%- else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+GLM_XML_STYLE = """
+{%- if tools %}<|system|>
+Functions:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}Call one as:
+<tool_call>NAME
+<arg_key>KEY</arg_key>
+<arg_value>VALUE</arg_value>
+</tool_call>{% endif %}
+{%- for message in messages %}
+{%- if message.tool_calls %}<|assistant|>
+{% for c in message.tool_calls %}<tool_call>{{ c.function.name }}
+{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v if v is string else v | tojson }}</arg_value>
+{% endfor %}</tool_call>{% endfor %}
+{%- elif message.role == "tool" %}<|observation|>
+<tool_response>{{ message.content }}</tool_response>
+{%- else %}<|{{ message.role }}|>
+{{ message.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -75,6 +131,10 @@ WEATHER = {
 def test_templates_name_their_format() -> None:
     assert tool_format(LLAMA_STYLE) is ToolFormat.LLAMA3_JSON
     assert tool_format(MISTRAL_STYLE) is ToolFormat.MISTRAL
+    assert tool_format(QWEN_XML_STYLE) is ToolFormat.QWEN_XML
+    assert tool_format(GLM_XML_STYLE) is ToolFormat.GLM_XML
+    assert template_tools(QWEN_XML_STYLE) is TemplateTools.NATIVE
+    assert template_tools(GLM_XML_STYLE) is TemplateTools.NATIVE
     assert tool_format("{% if tools %}<tool_call>{% endif %}") is ToolFormat.HERMES
     assert tool_format(None) is ToolFormat.HERMES
     assert template_tools(LLAMA_STYLE) is TemplateTools.NATIVE
@@ -190,6 +250,16 @@ ANSWERS = {
         MISTRAL_STYLE,
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
     ),
+    "qwen3-coder": (
+        QWEN_XML_STYLE,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "</function>\n</tool_call>",
+    ),
+    "glm45": (
+        GLM_XML_STYLE,
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+        "</tool_call>",
+    ),
 }
 
 
@@ -244,3 +314,25 @@ def test_plain_answers_stream_as_content(serve, style: str) -> None:
         c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content
     ]
     assert "".join(pieces) == "It is sunny in Oslo." and len(pieces) >= 2
+
+
+@pytest.mark.parametrize(
+    ("style", "rest"),
+    [
+        ("qwen3-coder", "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"),
+        ("glm45", "<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"),
+    ],
+)
+def test_a_named_tool_choice_starts_an_xml_call_the_model_finishes(
+    serve, style: str, rest: str
+) -> None:
+    client, backend, tokenizer = serve(ANSWERS[style][0], rest)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice=choice
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    prompt = tokenizer.decode(backend.requests[-1].prompt_tokens)
+    assert prompt.endswith(forced_prefix(tool_format(ANSWERS[style][0]), "get_weather"))
