@@ -102,13 +102,16 @@ def grammar_spec(kind: str, value: Any = None) -> str:
 def _as_lark(text: Any) -> str:
     """A grammar's text in Lark syntax: Lark (a ``start:`` rule) as it is, GBNF (a
     ``root ::=`` rule, llama.cpp's) converted by the library."""
-    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+    from llguidance.gbnf_to_lark import any_to_lark
 
     if not isinstance(text, str) or not text.strip():
         raise InvalidRequest("grammar needs the grammar's text (Lark, or GBNF as llama.cpp's)")
     try:
         return any_to_lark(text)
-    except GbnfToLarkError as error:
+    # The converter raises its GbnfToLarkError, and plain ``Exception`` for some
+    # faults of the text (a rule used but never defined): every failure to convert
+    # is the grammar's.
+    except Exception as error:
         raise InvalidRequest(
             f"the grammar cannot be used: {error} (GBNF needs a 'root ::=' rule; Lark a "
             "'start:' rule)"

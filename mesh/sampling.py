@@ -49,6 +49,9 @@ NUCLEUS_SORT_BELOW = 4096
 # whole sorted vocabulary (which decide what is kept) then pass it too, whatever
 # their rounding beyond the candidates.
 NUCLEUS_MARGIN = 1e-6
+# The least temperature logits are divided by: a positive one below it samples as
+# this one does (the likeliest token, but for ties within about 1e-5 of it).
+MIN_TEMPERATURE = 1e-6
 
 
 def first_maxima(logits: torch.Tensor) -> list[int]:
@@ -203,17 +206,19 @@ def _temperature(scores: torch.Tensor, params: SamplingParams) -> float:
     entropy of ``softmax(scores)`` over the largest it could have (all its
     tokens of nonzero probability alike), to the power ``dynatemp_exponent``."""
     if params.dynatemp_range <= 0.0:
-        return params.temperature
+        # A positive temperature under MIN_TEMPERATURE would overflow the scaled
+        # logits to infinity (and the softmax to NaN) in float32.
+        return max(params.temperature, MIN_TEMPERATURE)
     low = max(0.0, params.temperature - params.dynatemp_range)
     high = params.temperature + params.dynatemp_range
     probs = torch.softmax(scores, dim=-1)
     live = probs > 0
     count = int(live.sum())
     if count < 2:
-        return max(low, 1e-6)
+        return max(low, MIN_TEMPERATURE)
     entropy = float(-(probs[live] * probs[live].log()).sum())
     share = min(1.0, max(0.0, entropy / float(np.log(count))))
-    return max(low + (high - low) * share**params.dynatemp_exponent, 1e-6)
+    return max(low + (high - low) * share**params.dynatemp_exponent, MIN_TEMPERATURE)
 
 
 def typical(probs: torch.Tensor, mass: float) -> torch.Tensor:

@@ -160,6 +160,12 @@ class MessagesBody(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "stream": bool(self.stream),
         }
+        if all(m["role"] == "system" for m in messages):
+            raise OpenAIError(
+                400,
+                "messages hold no content to answer: each message needs at least one "
+                "text, image, tool_use or tool_result block",
+            )
         last = messages[-1]
         if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
             # A final assistant message is a prefill: the answer continues it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -48,7 +49,46 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         ) from None
     if not isinstance(payload, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(payload, "")
+        if where is not None:
+            raise bad_request(
+                f"the request holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without "
+                f"its pair) in {where or 'a key'}: text must be valid Unicode",
+                where or None,
+                code="invalid_unicode",
+            )
     return payload
+
+
+# A JSON escape of a UTF-16 surrogate: the only way a lone one gets into a string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path (``a.b[2]``) of the first string or key of ``value`` holding a lone
+    surrogate, which no encoder (the tokenizer, the grammar library) takes; None
+    when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if _lone_surrogate(key, path) is not None:
+                return path
+            found = _lone_surrogate(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def serve_app(

@@ -56,6 +56,7 @@ from stage.frontend.tool_formats import (
     ToolUse,
     forced_call_grammar,
     forced_prefix,
+    marks_are_special,
     short_call_ids,
     tool_format,
 )
@@ -552,6 +553,10 @@ async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> Prepared
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
     prepared = prepared_generation("chat", body, [prompt], stop, ctx, tools, prediction)
+    if tools is not None and marks_are_special(ctx.tokenizer, tools.format):
+        # The calls' marks are special tokens: decoded with them kept, or the
+        # answer's text would lose them.
+        prepared = replace(prepared, skip_special_tokens=False)
     reasoning = reasoning_start(ctx.tokenizer, prompt, ctx.limits.reasoning_format)
     if reasoning is None:
         return prepared

@@ -39,6 +39,8 @@ class TokenizeBody(_Body):
 
 
 class DetokenizeBody(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, frozen=True)
+
     model: Annotated[str, Strict(), Field(min_length=1, max_length=512)] | None = None
     tokens: Annotated[list[Int], Field(max_length=DETOKENIZE_MAX_TOKENS)]
 
@@ -93,6 +95,12 @@ async def detokenize(payload: dict[str, Any], ctx: PromptContext) -> dict[str, A
         body = DetokenizeBody.model_validate(payload)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    unknown = sorted(body.model_extra or {})
+    if unknown:
+        raise bad_request(
+            f"unknown parameter '{unknown[0]}'; /detokenize takes tokens (and model)",
+            unknown[0],
+        )
     _check_model(body.model, ctx)
     vocab = len(ctx.tokenizer)
     for index, token in enumerate(body.tokens):

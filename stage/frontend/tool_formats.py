@@ -69,6 +69,32 @@ def tool_format(template: str | None) -> ToolFormat:
     return ToolFormat.HERMES
 
 
+# The tokens of each format that mark its calls.
+_MARKS = {
+    ToolFormat.HERMES: (CALL_OPEN, CALL_CLOSE),
+    ToolFormat.QWEN_XML: (CALL_OPEN, CALL_CLOSE),
+    ToolFormat.GLM_XML: (CALL_OPEN, CALL_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>"),
+    ToolFormat.LLAMA3_JSON: (LLAMA_TAG,),
+    ToolFormat.MISTRAL: (MISTRAL_MARK,),
+}
+
+
+def marks_are_special(tokenizer: Any, fmt: ToolFormat) -> bool:
+    """Whether a tokenizer holds one of ``fmt``'s call marks as a special token, which
+    decoding with special tokens skipped would leave out of the answer's text (GLM
+    tokenizers mark ``<arg_key>`` so): such answers are decoded with them kept."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    named = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for mark in _MARKS[fmt]:
+        ids = tokenizer.encode(mark, add_special_tokens=False)
+        if len(ids) != 1:
+            continue
+        entry = added.get(ids[0])
+        if ids[0] in named or bool(getattr(entry, "special", False)):
+            return True
+    return False
+
+
 def call_id(fmt: ToolFormat) -> str:
     if fmt is ToolFormat.MISTRAL:
         return uuid.uuid4().hex[:9]

@@ -81,6 +81,9 @@ def test_count_tokens_errors_have_anthropics_shape(claude, base_url) -> None:
         {"model": MODEL_ID, "messages": ASK, "typo": 1},
         {"model": MODEL_ID, "messages": [{"role": "robot", "content": "x"}]},
         {"model": MODEL_ID, "messages": ASK, "tools": [{"type": "web_search_20250305"}]},
+        # Nothing to answer: no message with a block of content.
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": []}]},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "thinking"}]}]},
     ):
         response = httpx.post(f"{base_url}/v1/messages/count_tokens", json=body, timeout=30)
         assert response.status_code == 400, response.text
@@ -99,6 +102,19 @@ def test_count_tokens_errors_have_anthropics_shape(claude, base_url) -> None:
         timeout=30,
     )
     assert custom.status_code == 200, custom.text
+
+
+def test_messages_without_content_are_400_not_500(base_url) -> None:
+    for stream in (False, True):
+        body = {
+            "model": MODEL_ID,
+            "max_tokens": 5,
+            "stream": stream,
+            "messages": [{"role": "user", "content": []}],
+        }
+        response = httpx.post(f"{base_url}/v1/messages", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert "no content to answer" in response.json()["error"]["message"]
 
 
 def test_messages_stream_matches_the_message(claude) -> None:

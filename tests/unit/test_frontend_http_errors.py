@@ -291,6 +291,53 @@ def test_malformed_bodies_are_400(http, raw: bytes) -> None:
     assert_openai_error(http.post(CHAT, content=raw, headers=headers), 400, code="invalid_json")
 
 
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (COMPLETIONS, b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+        (
+            COMPLETIONS,
+            b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2, "stream": true}',
+            "prompt[1]",
+        ),
+        (CHAT, b'{"messages": [{"role": "user", "content": "a\\uD83Db"}]}', "messages[0].content"),
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["\\ud800"]}',
+            "guided_choice[0]",
+        ),
+        ("/v1/embeddings", b'{"input": ["a", "\\ud800"]}', "input[1]"),
+        ("/tokenize", b'{"prompt": "\\ud83d"}', "prompt"),
+        ("/completion", b'{"prompt": "\\ud800", "n_predict": 2}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_400_naming_where(
+    http, path: str, raw: bytes, param: str
+) -> None:
+    """A string holding half of a UTF-16 pair (only a JSON escape makes one) is text
+    no tokenizer or grammar takes; a whole pair (an emoji) is fine."""
+    headers = {"content-type": "application/json"}
+    assert_openai_error(
+        http.post(path, content=raw, headers=headers), 400, code="invalid_unicode", param=param
+    )
+    pair = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}'
+    reply = http.post(COMPLETIONS, content=pair, headers=headers)
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_grammar_naming_an_undefined_rule_is_400(http) -> None:
+    for grammar in ("root ::= foo", "root ::= foo bar"):
+        body = with_(OK_CHAT, grammar=grammar)
+        assert_openai_error(http.post(CHAT, json=body), 400)
+
+
+def test_detokenize_refuses_unknown_fields(http) -> None:
+    assert_openai_error(
+        http.post("/detokenize", json={"tokens": [1], "bogus": 1}), 400, param="bogus"
+    )
+    assert http.post("/detokenize", json={"tokens": [1]}).status_code == 200
+
+
 def test_unknown_model_is_404(http) -> None:
     response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, model="gpt-4"))
     assert_openai_error(response, 404, code="model_not_found", param="model")

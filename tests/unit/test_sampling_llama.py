@@ -258,3 +258,13 @@ def test_a_dry_penalty_stays_finite_so_the_only_possible_token_stays_possible() 
     assert sample_token(logits, SamplingParams(**params), 60, history) == 7
     sampled = SamplingParams(temperature=1.0, seed=1, **params)
     assert sample_token(logits, sampled, 60, history) == 7
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-320, 1e-7])
+def test_a_tiny_positive_temperature_samples_the_likeliest_token(temperature: float) -> None:
+    """Logits divided by a temperature under 1e-6 would overflow float32 to infinity
+    and the softmax to NaN (garbage tokens): it samples as 1e-6 does."""
+    logits = torch.randn(2000, generator=torch.Generator().manual_seed(3)) * 20
+    probs = token_probs(logits, SamplingParams(temperature=temperature, seed=1))
+    assert torch.isfinite(probs).all()
+    assert int(probs.argmax()) == int(logits.argmax()) and float(probs.max()) == 1.0

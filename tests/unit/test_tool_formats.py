@@ -221,15 +221,18 @@ def test_mistral_call_ids_are_shortened_the_same_for_call_and_result() -> None:
 
 @pytest.fixture()
 def serve(smollm2_tokenizer_dir) -> Iterator:
-    """serve(template, answer) -> (client, backend): the frontend with a tokenizer
-    carrying ``template``, whose backend answers every request with ``answer``."""
+    """serve(template, answer[, special]) -> (client, backend, tokenizer): the frontend
+    with a tokenizer carrying ``template`` (and ``special`` as special tokens), whose
+    backend answers every request with ``answer``."""
     from transformers import AutoTokenizer
 
     stack: list = []
 
-    def start(template: str, answer: str):
+    def start(template: str, answer: str, special: tuple[str, ...] = ()):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
         tokenizer.chat_template = template
+        if special:
+            tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
         ids = tuple(tokenizer.encode(answer, add_special_tokens=False))
         backend = ScriptedBackend([TokenEvent(ids[:3]), TokenEvent(ids[3:], "stop")])
         ctx = live_server(backend, tokenizer)
@@ -336,3 +339,21 @@ def test_a_named_tool_choice_starts_an_xml_call_the_model_finishes(
     assert json.loads(call.function.arguments) == {"city": "Oslo"}
     prompt = tokenizer.decode(backend.requests[-1].prompt_tokens)
     assert prompt.endswith(forced_prefix(tool_format(ANSWERS[style][0]), "get_weather"))
+
+
+def test_call_marks_that_are_special_tokens_stay_in_the_answer(serve) -> None:
+    """GLM tokenizers hold ``<arg_key>`` and the like as special tokens, which
+    decoding would skip: the answer is decoded with them kept."""
+    marks = (
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+    )
+    client, backend, tokenizer = serve(GLM_XML_STYLE, ANSWERS["glm45"][1], marks)
+    assert tokenizer.decode(tokenizer.encode("<arg_key>"), skip_special_tokens=True) == ""
+    reply = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=[WEATHER])
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
