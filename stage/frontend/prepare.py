@@ -386,7 +386,7 @@ def _chat_prompt(
     fmt = ToolFormat.HERMES
     if mode is TemplateTools.NATIVE:
         fmt = tool_format(getattr(ctx.tokenizer, "chat_template", None))
-        if fmt is ToolFormat.MISTRAL:
+        if fmt in (ToolFormat.MISTRAL, ToolFormat.MISTRAL_ARGS):
             messages = short_call_ids(messages)
         prompt = render_chat(ctx.tokenizer, messages, tools, use)
     elif tools or history:

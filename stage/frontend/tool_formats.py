@@ -10,6 +10,12 @@
 - ``MISTRAL``: the answer is ``[TOOL_CALLS]`` and a JSON list of ``{"name": ...,
   "arguments": {...}}`` (Mistral templates that mark calls with ``[TOOL_CALLS]``);
   Mistral's templates want call ids of 9 letters and digits.
+- ``MISTRAL_ARGS``: ``[TOOL_CALLS]name[ARGS]{...}``, one such run per call (the
+  templates of Mistral Small 3.2, Devstral and Magistral, tokenizers v11 and
+  later; a ``[CALL_ID]id`` between name and ``[ARGS]`` is read too); text before the
+  first ``[TOOL_CALLS]`` is content. Its marks are special tokens, kept in the
+  decoded answer (``marks_are_special``); a forced ``tool_choice`` starts the call
+  and leaves the rest to the model.
 - ``QWEN_XML`` (Qwen3-Coder) and ``GLM_XML`` (GLM-4.5, 4.6): ``<tool_call>`` blocks
   whose arguments are tagged text, typed by the functions' schemas
   (``stage/frontend/xml_tools.py``). A forced ``tool_choice`` starts the call; the
@@ -39,6 +45,8 @@ from stage.frontend.xml_tools import XmlStyle, parse_xml_calls
 from stage.frontend.xml_tools import forced_prefix as xml_prefix
 
 MISTRAL_MARK = "[TOOL_CALLS]"
+ARGS_MARK = "[ARGS]"
+CALL_ID_MARK = "[CALL_ID]"
 LLAMA_TAG = "<|python_tag|>"
 
 
@@ -46,6 +54,7 @@ class ToolFormat(Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    MISTRAL_ARGS = "mistral_args"
     QWEN_XML = "qwen3_coder"
     GLM_XML = "glm45"
 
@@ -62,6 +71,8 @@ def tool_format(template: str | None) -> ToolFormat:
         return ToolFormat.GLM_XML
     if CALL_OPEN in text:
         return ToolFormat.HERMES
+    if MISTRAL_MARK in text and ARGS_MARK in text:
+        return ToolFormat.MISTRAL_ARGS
     if MISTRAL_MARK in text:
         return ToolFormat.MISTRAL
     if LLAMA_TAG in text or "ipython" in text:
@@ -76,6 +87,7 @@ _MARKS = {
     ToolFormat.GLM_XML: (CALL_OPEN, CALL_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>"),
     ToolFormat.LLAMA3_JSON: (LLAMA_TAG,),
     ToolFormat.MISTRAL: (MISTRAL_MARK,),
+    ToolFormat.MISTRAL_ARGS: (MISTRAL_MARK, ARGS_MARK, CALL_ID_MARK),
 }
 
 
@@ -96,7 +108,7 @@ def marks_are_special(tokenizer: Any, fmt: ToolFormat) -> bool:
 
 
 def call_id(fmt: ToolFormat) -> str:
-    if fmt is ToolFormat.MISTRAL:
+    if fmt in (ToolFormat.MISTRAL, ToolFormat.MISTRAL_ARGS):
         return uuid.uuid4().hex[:9]
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -132,6 +144,8 @@ def forced_prefix(fmt: ToolFormat, choice: str | None) -> str:
         return xml_prefix(_XML_STYLES[fmt], choice)
     if choice in (None, "auto", "none"):
         return ""
+    if fmt is ToolFormat.MISTRAL_ARGS:
+        return MISTRAL_MARK if choice == "required" else MISTRAL_MARK + choice + ARGS_MARK
     head = MISTRAL_MARK + "[" if fmt is ToolFormat.MISTRAL else ""
     if choice == "required":
         return head + '{"name": "'
@@ -144,6 +158,8 @@ def hold_start(fmt: ToolFormat, text: str) -> int:
     the start of what is or may become a call; ``len(text)`` when nothing is."""
     if fmt is ToolFormat.HERMES or fmt in _XML_STYLES:
         return held_from(text)
+    if fmt is ToolFormat.MISTRAL_ARGS:
+        return held_from(text, MISTRAL_MARK)
     body = text.lstrip()
     opener = "[" if fmt is ToolFormat.MISTRAL else "{"
     if not body or body.startswith(opener) or _partial(body, fmt):
@@ -170,6 +186,8 @@ def parse_calls(
         return parse_hermes(text, known, parallel)
     if fmt in _XML_STYLES:
         return parse_xml_calls(_XML_STYLES[fmt], text, known, parallel, types)
+    if fmt is ToolFormat.MISTRAL_ARGS:
+        return _mistral_args_calls(text, known, parallel)
     body = text.strip()
     if fmt is ToolFormat.MISTRAL:
         values = _mistral_values(body.removeprefix(MISTRAL_MARK).strip())
@@ -182,6 +200,36 @@ def parse_calls(
         return text, []
     found = [call for call in calls if call is not None]
     return None, found if parallel else found[:1]
+
+
+def _mistral_args_calls(
+    text: str, known: Sequence[str], parallel: bool
+) -> tuple[str | None, list[ToolCall]]:
+    """``[TOOL_CALLS]name[ARGS]{...}`` runs after any text: every run must be a call
+    of a known function with JSON object arguments, else the whole answer is text."""
+    first = text.find(MISTRAL_MARK)
+    if first < 0:
+        return text, []
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    for run in text[first + len(MISTRAL_MARK) :].split(MISTRAL_MARK):
+        name, marked, rest = run.partition(ARGS_MARK)
+        name = name.split(CALL_ID_MARK, 1)[0].strip()
+        rest = rest.strip()
+        try:
+            arguments, end = decoder.raw_decode(rest) if marked else (None, 0)
+        except ValueError:
+            return text, []
+        if rest[end:].strip():
+            return text, []
+        call = call_from_value(
+            {"name": name, "arguments": arguments}, known, call_id(ToolFormat.MISTRAL_ARGS)
+        )
+        if call is None:
+            return text, []
+        calls.append(call)
+    content = text[:first].strip()
+    return (content or None), calls if parallel else calls[:1]
 
 
 def _llama_values(body: str) -> list[Any]:
@@ -242,7 +290,7 @@ def forced_call_grammar(
     choice, of that function) whose arguments follow each function's ``parameters``
     schema. '' for ``auto`` and ``none``. A Hermes answer may hold several calls
     (with ``parallel``), a Mistral one several in its list; a Llama answer one."""
-    if choice in (None, "auto", "none") or fmt in _XML_STYLES:
+    if choice in (None, "auto", "none") or fmt in _XML_STYLES or fmt is ToolFormat.MISTRAL_ARGS:
         return ""
     functions = [tool["function"] for tool in tools]
     if choice != "required":

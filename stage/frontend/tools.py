@@ -227,14 +227,14 @@ def call_from_value(value: Any, known: Sequence[str], call_id: str) -> ToolCall 
     return ToolCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False), call_id)
 
 
-def held_from(text: str) -> int:
+def held_from(text: str, mark: str = CALL_OPEN) -> int:
     """Where streamed text must stop being sent as content: the start of a tool
-    call, or of what may still become one (a prefix of ``<tool_call>`` at the end);
-    ``len(text)`` when none."""
-    found = text.find(CALL_OPEN)
+    call, or of what may still become one (a prefix of ``mark``, ``<tool_call>`` by
+    default, at the end); ``len(text)`` when none."""
+    found = text.find(mark)
     if found >= 0:
         return found
-    for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(CALL_OPEN[:size]):
+    for size in range(min(len(mark) - 1, len(text)), 0, -1):
+        if text.endswith(mark[:size]):
             return len(text) - size
     return len(text)

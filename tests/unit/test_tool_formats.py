@@ -64,6 +64,17 @@ MISTRAL_STYLE = """
 {%- else %}{{ message.content }}</s>{% endif %}
 {%- endfor %}"""
 
+MISTRAL_ARGS_STYLE = """
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == "user" %}[INST]{{ message.content }}[/INST]
+{%- elif message.tool_calls %}
+{%- for c in message.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]\
+{{ c.function.arguments | tojson }}{% endfor %}</s>
+{%- elif message.role == "tool" %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}</s>{% endif %}
+{%- endfor %}"""
+
 QWEN_XML_STYLE = """
 {%- if tools %}<|im_start|>system
 Functions:
@@ -132,6 +143,7 @@ def test_templates_name_their_format() -> None:
     assert tool_format(LLAMA_STYLE) is ToolFormat.LLAMA3_JSON
     assert tool_format(MISTRAL_STYLE) is ToolFormat.MISTRAL
     assert tool_format(QWEN_XML_STYLE) is ToolFormat.QWEN_XML
+    assert tool_format(MISTRAL_ARGS_STYLE) is ToolFormat.MISTRAL_ARGS
     assert tool_format(GLM_XML_STYLE) is ToolFormat.GLM_XML
     assert template_tools(QWEN_XML_STYLE) is TemplateTools.NATIVE
     assert template_tools(GLM_XML_STYLE) is TemplateTools.NATIVE
@@ -253,6 +265,7 @@ ANSWERS = {
         MISTRAL_STYLE,
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
     ),
+    "mistral-args": (MISTRAL_ARGS_STYLE, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'),
     "qwen3-coder": (
         QWEN_XML_STYLE,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
@@ -339,6 +352,57 @@ def test_a_named_tool_choice_starts_an_xml_call_the_model_finishes(
     assert json.loads(call.function.arguments) == {"city": "Oslo"}
     prompt = tokenizer.decode(backend.requests[-1].prompt_tokens)
     assert prompt.endswith(forced_prefix(tool_format(ANSWERS[style][0]), "get_weather"))
+
+
+MISTRAL_MARKS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+
+
+@pytest.mark.parametrize(
+    ("answer", "content", "calls"),
+    [
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', None, [{"city": "Oslo"}]),
+        (
+            'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+            "[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}",
+            "Checking.",
+            [{"city": "Oslo"}, {}],
+        ),
+        ('[TOOL_CALLS]unknown[ARGS]{"x": 1}', "same", []),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Os', "same", []),
+        ("[TOOL_CALLS]get_weather[ARGS][1]", "same", []),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"} and more', "same", []),
+        ("No call at all.", "same", []),
+    ],
+)
+def test_mistral_name_args_calls_are_parsed(answer: str, content, calls: list) -> None:
+    got_content, got = parse_calls(ToolFormat.MISTRAL_ARGS, answer, KNOWN)
+    assert got_content == (answer if content == "same" else content)
+    assert [json.loads(c.arguments) for c in got] == calls
+    assert all(len(c.id) == 9 for c in got)
+    assert hold_start(ToolFormat.MISTRAL_ARGS, "Sure.[TOOL_") == len("Sure.")
+    assert hold_start(ToolFormat.MISTRAL_ARGS, "Sure.") == len("Sure.")
+    assert forced_prefix(ToolFormat.MISTRAL_ARGS, "required") == "[TOOL_CALLS]"
+    assert forced_prefix(ToolFormat.MISTRAL_ARGS, "get_time") == "[TOOL_CALLS]get_time[ARGS]"
+
+
+def test_mistral_marks_that_are_special_tokens_stay_in_the_answer(serve) -> None:
+    """Mistral's tokenizers hold [TOOL_CALLS] and [ARGS] as control tokens."""
+    client, backend, tokenizer = serve(
+        MISTRAL_ARGS_STYLE, ANSWERS["mistral-args"][1], MISTRAL_MARKS
+    )
+    assert len(tokenizer.encode("[ARGS]", add_special_tokens=False)) == 1
+    reply = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=[WEATHER])
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice=choice
+    )
+    prompt = backend.requests[-1].prompt_tokens
+    assert (
+        list(prompt[-3:])
+        == tokenizer.encode("[TOOL_CALLS]get_weather[ARGS]", add_special_tokens=False)[-3:]
+    )
 
 
 def test_call_marks_that_are_special_tokens_stay_in_the_answer(serve) -> None:
