@@ -196,6 +196,8 @@ def local_stage_argv(
             str(serving.stored_responses),
             "--embedding-pooling",
             serving.embedding_pooling,
+            "--sampling-defaults",
+            serving.sampling_defaults,
         ]
         if serving.api_key_file is not None:
             command += ["--api-key-file", str(serving.api_key_file.expanduser().absolute())]

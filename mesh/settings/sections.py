@@ -282,6 +282,14 @@ class FrontendConfig:
         "GET /v1/responses/{id} (0: keep none)",
         minimum=0,
     )
+    sampling_defaults: str = setting(
+        "model",
+        "what a request that leaves temperature, top_p, top_k, min_p or "
+        "repetition_penalty unset samples with: model takes the values the model's "
+        "generation_config.json recommends (as vLLM does), openai OpenAI's (temperature "
+        "1, top_p 1, no top-k)",
+        choices=("model", "openai"),
+    )
     embedding_pooling: str = setting(
         "mean",
         "how /v1/embeddings pools a prompt's positions of the model's final hidden state: "

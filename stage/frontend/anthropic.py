@@ -157,9 +157,10 @@ class MessagesBody(BaseModel):
             "model": self.model or model_id,
             "messages": messages,
             "max_tokens": self.max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
             "stream": bool(self.stream),
         }
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         if all(m["role"] == "system" for m in messages):
             raise OpenAIError(
                 400,

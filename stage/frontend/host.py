@@ -25,6 +25,7 @@ from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
 from stage.frontend.app import create_app
 from stage.frontend.engine_types import EngineLimits
 from stage.frontend.http_server import serve_app, stop_server
+from stage.frontend.model_defaults import SamplingDefaults
 from stage.frontend.prepare import FrontendLimits
 from stage.frontend.scheduler import PipelineScheduler
 from stage.frontend.status_page import STATUS_PATHS, StatusPage
@@ -268,6 +269,11 @@ def start_frontend(
                 reasoning_format=own.value.reasoning_format,
                 stored_responses=own.value.stored_responses,
                 embedding_pooling=own.value.embedding_pooling,
+                sampling_defaults=(
+                    SamplingDefaults.of_package(loaded.package_dir)
+                    if own.value.sampling_defaults == "model"
+                    else SamplingDefaults()
+                ),
             ),
             fingerprint=system_fingerprint(manifest),
             embedding_size=manifest.hidden_size,

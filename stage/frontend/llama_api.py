@@ -42,6 +42,7 @@ from mesh.types import TOP_LOGPROBS_MAX
 from stage.frontend import dry
 from stage.frontend.errors import bad_request, from_mesh_error
 from stage.frontend.generation import GenerationRun
+from stage.frontend.model_defaults import SamplingDefaults
 from stage.frontend.prepare import (
     PreparedGeneration,
     PromptContext,
@@ -325,9 +326,15 @@ async def serve_llama(request: Request, run: GenerationRun, ask: LlamaRequest) -
 
 
 def props(
-    model_id: str, tokenizer: Any, context_length: int, slots: int | None, version: str
+    model_id: str,
+    tokenizer: Any,
+    context_length: int,
+    slots: int | None,
+    version: str,
+    defaults: SamplingDefaults = SamplingDefaults(),
 ) -> dict[str, Any]:
-    """``GET /props``: what llama.cpp clients read of the server."""
+    """``GET /props``: what llama.cpp clients read of the server; ``defaults`` what
+    a request's unset sampling parameters become."""
 
     def token_text(name: str) -> str:
         return str(getattr(tokenizer, name, None) or "")
@@ -337,11 +344,11 @@ def props(
             "n_ctx": context_length,
             "params": {
                 "n_predict": -1,
-                "temperature": 1.0,
-                "top_k": 0,
-                "top_p": 1.0,
-                "min_p": 0.0,
-                "repeat_penalty": 1.0,
+                "temperature": defaults.temperature,
+                "top_k": defaults.top_k,
+                "top_p": defaults.top_p,
+                "min_p": defaults.min_p,
+                "repeat_penalty": defaults.repetition_penalty,
                 "presence_penalty": 0.0,
                 "frequency_penalty": 0.0,
                 "repeat_last_n": -1,

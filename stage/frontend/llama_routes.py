@@ -94,5 +94,12 @@ def add_llama_routes(app: FastAPI, front: Any) -> None:
         front.authorize(request)
         backend = front.backend
         slots = getattr(backend, "request_capacity", None)
-        body = props(front.model_id, front.tokenizer, backend.context_length, slots, __version__)
+        body = props(
+            front.model_id,
+            front.tokenizer,
+            backend.context_length,
+            slots,
+            __version__,
+            front.limits.sampling_defaults,
+        )
         return JSONResponse(body)

@@ -17,7 +17,9 @@ token budget to the context:
 A completion's ``prompt`` may be a batch (strings or token-id lists): each prompt
 gets ``n`` choices (see ``PreparedGeneration.choice_requests``).
 
-Sampling defaults follow OpenAI: temperature 1, top_p 1, no top-k, no penalties.
+Sampling defaults are the model's recommended ones where its generation_config.json
+gives them (stage/frontend/model_defaults.py), else OpenAI's: temperature 1, top_p
+1, no top-k, no penalties.
 A request without ``seed`` gets a fresh random one; a negative seed wraps modulo
 2**64 (as an int64 would), so every seed OpenAI clients send is accepted.
 ``logit_bias`` keys must be token ids of the model's vocabulary.
@@ -44,6 +46,7 @@ from stage.frontend import dry
 from stage.frontend.backend import POOLINGS, GenerationRequest
 from stage.frontend.errors import OpenAIError, bad_request
 from stage.frontend.fim import FimTokens, encode_text, fim_prompt
+from stage.frontend.model_defaults import SamplingDefaults
 from stage.frontend.reasoning import (
     REASONING_FORMATS,
     Thought,
@@ -80,6 +83,8 @@ class FrontendLimits:
     stored_responses: int = 1024
     # How /v1/embeddings pools a prompt's positions (stage/frontend/embeddings.py).
     embedding_pooling: str = "mean"
+    # What unset sampling parameters default to (stage/frontend/model_defaults.py).
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     def __post_init__(self) -> None:
         if self.max_stop_sequences < 0 or self.max_stop_chars < 1:
@@ -230,23 +235,29 @@ def _sampling(
     vocab: int,
     stop_ids: frozenset[int] = frozenset(),
     breakers: tuple[int, ...] = (),
+    defaults: SamplingDefaults = SamplingDefaults(),
 ) -> SamplingParams:
-    """The request's sampling parameters; ``breakers`` are DRY's as token ids."""
+    """The request's sampling parameters, ``defaults`` for those it leaves unset;
+    ``breakers`` are DRY's as token ids."""
     seed = secrets.randbits(63) if body.seed is None else body.seed % 2**64
     # llama.cpp's windows: -1 every token (0 on the wire), 0 the sampler off.
     penalties = body.repeat_last_n != 0
     dry_on = bool(body.dry_multiplier) and body.dry_penalty_last_n != 0
     return SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else body.top_k,
         seed=seed,
         presence_penalty=(body.presence_penalty or 0.0) if penalties else 0.0,
         frequency_penalty=(body.frequency_penalty or 0.0) if penalties else 0.0,
         repetition_penalty=(
-            1.0 if body.repetition_penalty is None or not penalties else body.repetition_penalty
+            1.0
+            if not penalties
+            else defaults.repetition_penalty
+            if body.repetition_penalty is None
+            else body.repetition_penalty
         ),
-        min_p=body.min_p or 0.0,
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         prompt_tokens=prompt_len,
         top_logprobs=body.requested_top_logprobs,
@@ -498,7 +509,14 @@ def prepared_generation(
     breakers = ()
     if body.dry_multiplier:
         breakers = dry.breaker_ids(ctx.tokenizer, dry.breakers_of(body))
-    sampling = _sampling(body, len(prompts[0]), len(ctx.tokenizer), stop_ids, breakers)
+    sampling = _sampling(
+        body,
+        len(prompts[0]),
+        len(ctx.tokenizer),
+        stop_ids,
+        breakers,
+        ctx.limits.sampling_defaults,
+    )
     if tools is not None and tools.grammar and not sampling.grammar:
         # A forced tool_choice, and no constraint of the request's own.
         sampling = replace(sampling, grammar=tools.grammar)

@@ -189,6 +189,39 @@ def test_an_answer_ends_at_any_end_token_the_generation_config_lists(
     assert reply.usage.completion_tokens == at
 
 
+def test_a_request_without_sampling_parameters_gets_the_models_recommended_ones(
+    mesh_factory, tiny_model_factory, tmp_path
+):
+    """The model's generation_config.json recommends temperature 0 here: a request
+    that sets none is greedy (at OpenAI's temperature 1 it would draw other tokens);
+    /props says so."""
+    import json
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from mesh.package.builder import build_package
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_model_factory("qwen2", layers=4), source)
+    expected = unsplit_tokens(source)
+    config_path = source / "generation_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "temperature": 0.0}))
+    package = tmp_path / "pkg"
+    build_package(str(source), package, model_id="tiny-defaults")
+    mesh = mesh_factory(package, 2)
+    mesh.wait_serving()
+    client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+    text = AutoTokenizer.from_pretrained(package).decode(expected)
+    for seed in (1, 2):
+        reply = client.completions.create(
+            model="tiny-defaults", prompt=PROMPT, max_tokens=NEW_TOKENS, seed=seed
+        )
+        assert reply.choices[0].text == text
+    props = httpx.get(mesh.http_url + "/props", timeout=30).json()
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.0
+
+
 def test_int4_mesh_serves_the_quantised_model_and_reports_its_memory(
     mesh_factory, tiny_package_factory
 ):
