@@ -124,6 +124,9 @@ class PreparedGeneration:
     stream: bool
     include_usage: bool
     fingerprint: str | None = None
+    # Streamed chunks with output carry the usage so far (vLLM's
+    # ``continuous_usage_stats``).
+    continuous_usage: bool = False
     tools: ToolUse | None = None
     # ``n``: choices generated for each prompt (see ``choice_requests``).
     choices: int = 1
@@ -556,6 +559,7 @@ def prepared_generation(
         stop=stop,
         stream=bool(body.stream),
         include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
         fingerprint=ctx.fingerprint,
         tools=tools,
         choices=choices,

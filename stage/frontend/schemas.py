@@ -53,6 +53,8 @@ MAX_WINDOW = 64
 
 class StreamOptions(_Body):
     include_usage: Bool | None = None
+    # vLLM's extension: usage so far in every chunk that carries output.
+    continuous_usage_stats: Bool | None = None
 
 
 # OpenAI request fields that do not change what is generated: accepted and ignored.
@@ -299,6 +301,11 @@ class GenerationBody(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return bool(self.stream and options and options.continuous_usage_stats)
 
 
 class ChatCompletionBody(GenerationBody):

@@ -262,9 +262,16 @@ def _chunk(run: GenerationRun, choices: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if p.fingerprint:
         chunk["system_fingerprint"] = p.fingerprint
-    if p.include_usage:
+    if p.continuous_usage and choices:
+        usage = run.usage()
+        chunk["usage"] = {key: usage[key] for key in _RUNNING_USAGE}
+    elif p.include_usage:
         chunk["usage"] = None
     return chunk
+
+
+# The counts a chunk carries with ``continuous_usage_stats``.
+_RUNNING_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def _choice(

@@ -85,6 +85,25 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client) -> None:
     assert last.model_extra["timings"]["predicted_n"] == 8
 
 
+def test_continuous_usage_stats_count_in_every_chunk_with_output(client) -> None:
+    """vLLM's extension: each chunk that carries output says the usage so far."""
+    chunks = list(
+        client.completions.create(
+            model=MODEL_ID,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted == sorted(counted) and counted[-1] == 6 and counted[0] >= 1
+    prompt = chunks[-1].usage.prompt_tokens
+    assert all(c.usage.prompt_tokens == prompt for c in chunks)
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+
+
 def test_stream_without_include_usage_has_no_usage_chunk(client) -> None:
     chunks = list(
         # Greedy: a sampled token of the tiny random model may be its end token.
