@@ -254,6 +254,16 @@ class NodeLeft:
     node_id: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodeUnreachable:
+    """The coordinator could not connect to a node's advertised address before a
+    load: it is left out of plans for a quarantine, as a stalled stage is."""
+
+    node_id: str
+    error: str
+    now: float
+
+
 Event = (
     ModelSelected
     | NodeJoined
@@ -265,6 +275,7 @@ Event = (
     | LoadFailed
     | LoadSucceeded
     | NodeLeft
+    | NodeUnreachable
     | TermObserved
     | SliceProgress
 )
@@ -410,6 +421,11 @@ def apply(state: State, event: Event) -> State:
             )
         case TermObserved():
             return replace(state, term_floor=max(state.term_floor, event.term))
+        case NodeUnreachable():
+            record = state.node(event.node_id)
+            if record is None:
+                return state
+            return _stall(state, record, f"node {event.node_id}: {event.error}", event.now)
         case NodeLeft():
             if not state.is_known(event.node_id):
                 return state

@@ -28,16 +28,20 @@ from mesh.codec import (
     StageStatus,
     StatusReply,
 )
+from mesh.codec_coordinator import check_join
 from mesh.errors import MeshError
-from mesh.grpc_util import abort_with
+from mesh.grpc_util import abort_with, channel
 from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from mesh.settings.sections import CoordinatorConfig
+from mesh.types import check_term
 
 logger = logging.getLogger(__name__)
 
 # The longest a stage waits between heartbeat attempts after failed ones
 # (stage/membership.py RETRY_MAX_S; the coordinator does not import stage code).
 STAGE_RETRY_MAX_S = 5.0
+# How long the coordinator tries to connect to a planned node before a load.
+REACH_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ class CoordinatorService:
         return node.device if node is not None else "cpu"
 
     def join(self, request: JoinRequest) -> JoinReply:
+        check_join(request)
         self.apply(
             registry.NodeJoined(
                 node_id=request.node_id,
@@ -182,6 +187,7 @@ class CoordinatorService:
         )
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatReply:
+        check_term(request.term, "Heartbeat")
         with self._lock:
             if not self.state.is_known(request.node_id):
                 return HeartbeatReply(known=False, term=self.state.term)
@@ -389,6 +395,40 @@ class CoordinatorService:
             stage0_extra_bytes=self.settings.stage0_extra_bytes,
         )
 
+    def _unreachable(self, plan: Plan, state: registry.State) -> list[tuple[str, str]]:
+        """(node id, why) of the plan's nodes the coordinator cannot connect to, tried
+        at once for up to ``REACH_TIMEOUT_S``. The nodes serving the current term are
+        not tried (their frames flow); a load that claimed every other stage before
+        finding a node it cannot reach would stop the pipeline serving now for a plan
+        that cannot load."""
+        serving = (
+            {s.node_id for s in state.topology.stages}
+            if state.topology is not None and state.mesh_state == "serving"
+            else set()
+        )
+        tried = [s for s in plan.stages if s.node_id not in serving]
+        channels = {s.node_id: channel(s.address) for s in tried}
+        try:
+            futures = {n: grpc.channel_ready_future(c) for n, c in channels.items()}
+            deadline = time.monotonic() + REACH_TIMEOUT_S
+            failed = []
+            for stage in tried:
+                try:
+                    futures[stage.node_id].result(timeout=max(0.0, deadline - time.monotonic()))
+                except grpc.FutureTimeoutError:
+                    failed.append(
+                        (
+                            stage.node_id,
+                            f"cannot connect to its address {stage.address} within "
+                            f"{REACH_TIMEOUT_S:.0f} s: give the node an --advertise address "
+                            "the coordinator and the other stages can reach",
+                        )
+                    )
+            return failed
+        finally:
+            for ch in channels.values():
+                ch.close()
+
     def _plan(self, state: registry.State, footprint: ModelFootprint) -> Plan:
         nodes = balance.planning_nodes(state, footprint)
         return plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
@@ -421,6 +461,17 @@ class CoordinatorService:
                 len(registry.alive_nodes(state)),
                 len(plan.stages),
             )
+        unreachable = self._unreachable(plan, state)
+        if unreachable:
+            # Nothing was claimed: the pipeline serving now (if any) stays as it is,
+            # and the next plan leaves these nodes out.
+            for node_id, error in unreachable:
+                logger.warning("node %s is left out of plans: %s", node_id, error)
+                self.apply(
+                    registry.NodeUnreachable(node_id=node_id, error=error, now=time.monotonic())
+                )
+            self._last_attempt = 0.0
+            return
         term = registry.next_term(state)
         if self._on_term is not None:
             try:

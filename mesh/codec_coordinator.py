@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mesh.codec_control import layer_range_from_proto, layer_range_to_proto
+from mesh.errors import InvalidRequest
 from mesh.frames import FrameProgress
+from mesh.netaddr import split_host_port
 from mesh.proto.v1 import coordinator_pb2
-from mesh.types import LayerRange
+from mesh.types import LayerRange, check_term
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,44 @@ class JoinRequest:
             term=pb.term,
             memory_source=pb.memory_source,
         )
+
+
+# Bounds of what a node may say of itself when it joins.
+MAX_NODE_ID_CHARS = 256
+MAX_JOIN_TEXT_CHARS = 1024
+MAX_MEMORY_BYTES = 2**56
+MAX_SPEED_HINT = 1e6
+
+
+def check_join(request: JoinRequest) -> JoinRequest:
+    """``request`` where what it says can be planned with; else InvalidRequest
+    naming the field: an address the coordinator could dial (HOST:PORT), a bounded
+    node id, a finite positive speed, a memory size and term in range."""
+    if not request.node_id or len(request.node_id) > MAX_NODE_ID_CHARS:
+        raise InvalidRequest(f"node_id must hold 1 to {MAX_NODE_ID_CHARS} characters")
+    if not request.node_id.isprintable() or any(c.isspace() for c in request.node_id):
+        raise InvalidRequest(f"node_id {request.node_id!r} holds spaces or control characters")
+    try:
+        _, port = split_host_port(request.address)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536 or any(c.isspace() for c in request.address):
+        raise InvalidRequest(
+            f"address {request.address!r} is not HOST:PORT of the stage's gRPC server; "
+            "give the node an --advertise address the coordinator and stages can reach"
+        )
+    for name in ("address", "device", "http_url", "memory_source"):
+        if len(getattr(request, name)) > MAX_JOIN_TEXT_CHARS:
+            raise InvalidRequest(f"{name} holds more than {MAX_JOIN_TEXT_CHARS} characters")
+    if not (math.isfinite(request.speed_hint) and 0 < request.speed_hint <= MAX_SPEED_HINT):
+        raise InvalidRequest(
+            f"speed_hint must be a finite number in (0, {MAX_SPEED_HINT:g}], got "
+            f"{request.speed_hint}"
+        )
+    if not 0 <= request.memory_bytes <= MAX_MEMORY_BYTES:
+        raise InvalidRequest(f"memory_bytes {request.memory_bytes} is beyond 2^56 (64 PiB)")
+    check_term(request.term, "Join")
+    return request
 
 
 @dataclass(frozen=True)

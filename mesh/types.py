@@ -11,6 +11,20 @@ from mesh.errors import InvalidRequest
 # stage gives to them (--prefix-cache-mb).
 DEFAULT_PREFIX_TOKENS = 16384
 DEFAULT_PREFIX_BYTES = 2048 * 2**20
+# The largest term a node accepts or reports: far beyond any mesh's reloads (one a
+# second for a hundred million years), far below the wire's 64 bits, so the next
+# term (one more than any seen) always fits.
+MAX_TERM = 2**52
+
+
+def check_term(term: int, what: str) -> int:
+    """``term`` where it is at most ``MAX_TERM``; else InvalidRequest."""
+    if not 0 <= term <= MAX_TERM:
+        raise InvalidRequest(
+            f"{what} term {term} is beyond {MAX_TERM} (2^52): terms count a mesh's "
+            "loads; no coordinator sends such a term"
+        )
+    return term
 
 
 @dataclass(frozen=True, order=True)

@@ -43,9 +43,10 @@ from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
 from mesh.runtime import load_stage_runtime
 from mesh.runtime.probe import probe_step
+from mesh.runtime.skeleton import resolve_device, resolve_dtype
 from mesh.runtime.stage import RuntimeStats
 from mesh.threads import NamedThread
-from mesh.types import DEFAULT_PREFIX_BYTES
+from mesh.types import DEFAULT_PREFIX_BYTES, check_term
 from stage.engine import StageEngine
 from stage.hardware import RecentSteps
 from stage.links import DataLink, open_forward_link, open_return_link
@@ -224,6 +225,7 @@ class StageNode:
     # ---- control -------------------------------------------------------------------
 
     def claim(self, request: ClaimRequest) -> int:
+        check_term(request.term, "Claim")
         with self._lock:
             if request.term < self.term:
                 raise StaleTerm(
@@ -266,13 +268,20 @@ class StageNode:
             self._check_term(request.term, "Load")
             started = time.perf_counter()
             package_dir = self._ready_slice(request)
+            device = request.device or self.settings.device
+            dtype = request.torch_dtype or "auto"
+            # What a load could refuse at once is checked before the layers being
+            # served are let go.
+            resolve_device(device)
+            if dtype != "auto":
+                resolve_dtype(dtype)
             if self.loaded is not None:
                 self._release_locked("reloaded")
             runtime = load_stage_runtime(
                 package_dir,
                 request.layer_range,
-                device=request.device or self.settings.device,
-                dtype=request.torch_dtype or "auto",
+                device=device,
+                dtype=dtype,
                 max_sessions=request.max_sessions or 64,
                 max_tokens_per_session=request.max_tokens_per_session or None,
                 compile=self.settings.compile,

@@ -117,7 +117,11 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
 
     def result_bytes(self, body: bytes) -> None:
         """A FrameResult that came over framed TCP (stage 0)."""
-        pb = data_pb2.FrameResult.FromString(body)
+        try:
+            pb = data_pb2.FrameResult.FromString(body)
+        except Exception as error:  # noqa: BLE001 - undecodable: the sender's fault
+            logger.warning("undecodable result over framed TCP refused: %s", error)
+            return
         self.node.metrics.received["return"].count(len(body))
         self.on_result(result_from_proto(pb))
 

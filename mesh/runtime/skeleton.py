@@ -71,6 +71,11 @@ def resolve_device(device: str) -> torch.device:
         raise InvalidRequest(f"device {device!r} is not a torch device: {error}") from error
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest(f"device {device!r} requested but CUDA is not available here")
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise InvalidRequest(
+            f"device {device!r} requested but this host has {torch.cuda.device_count()} "
+            "CUDA device(s) (cuda:0 ...)"
+        )
     if resolved.type == "meta":
         raise InvalidRequest("device 'meta' holds no data; choose cpu or cuda")
     return resolved

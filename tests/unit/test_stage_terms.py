@@ -195,3 +195,26 @@ def test_a_queued_frame_of_stage_0_takes_more_segments_until_the_worker_starts_i
     called: list[bool] = []
     assert not node.amend(2, lambda: called.append(True) or extra)
     assert called == []
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"torch_dtype": "int3"}, "dtype 'int3'"), ({"device": "cuda:99"}, "cuda:99")],
+)
+def test_a_load_it_would_refuse_leaves_the_served_layers_alone(
+    node, tiny_package_factory, change: dict, message: str
+) -> None:
+    """A Load whose dtype or device cannot be used is refused before the layers being
+    served are released: the stage serves on."""
+    from dataclasses import replace
+
+    from mesh.errors import InvalidRequest
+
+    served = node.loaded
+    bad = replace(served.request, **change)
+    with pytest.raises(InvalidRequest, match=message):
+        node.load(bad)
+    assert node.loaded is served and node.state == "serving"
+    node.submit(prefill(3))
+    (answer,) = node.results.get(timeout=30).results
+    assert answer.error is None

@@ -66,6 +66,7 @@ def test_a_state_file_that_cannot_be_written_does_not_stop_a_load(
         raise OSError(28, "No space left on device")
 
     service = CoordinatorService(model, settings, on_term=full_disk)
+    service._unreachable = lambda plan, state: []  # nobody listens: loaded all the same
     service.join(
         JoinRequest(
             node_id="head",
@@ -88,3 +89,40 @@ def test_the_grace_after_a_pause_covers_a_stage_s_longest_retry_wait() -> None:
     from stage import membership
 
     assert server.STAGE_RETRY_MAX_S >= membership.RETRY_MAX_S
+
+
+def test_a_node_the_coordinator_cannot_reach_is_left_out_before_anything_is_claimed(
+    tiny_package_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node whose advertised address nobody can connect to (a wrong --advertise, a
+    firewall): the load that would claim every other stage first never starts; the
+    node is quarantined out of plans like a stalled stage. A node that answers is
+    loaded onto."""
+    from mesh.grpc_util import bind, new_server
+
+    package = tiny_package_factory("llama", layers=2)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+    service = CoordinatorService(model, settings)
+    join = dict(device="cpu", memory_bytes=8 << 30, frontend=True)
+    service.join(JoinRequest(node_id="far", address="127.0.0.1:9", **join))
+    service._load_once()
+    assert service.state.term == 0  # nothing was claimed
+    assert service.state.node("far").health == "stalled"
+    assert "node far is left out of plans: cannot connect to its address 127.0.0.1:9" in (
+        caplog.text
+    )
+    server = new_server(1)
+    port = bind(server, "127.0.0.1:0")
+    server.start()
+    try:
+        service.join(JoinRequest(node_id="near", address=f"127.0.0.1:{port}", **join))
+        service._load_once()
+        # The plan skipped the quarantined node; the load started (and failed at
+        # Claim: this server has no stage service).
+        assert service.state.term == 1
+        assert "near" in service.state.error and "far" not in service.state.error
+    finally:
+        server.stop(0)
