@@ -509,6 +509,15 @@ def _heartbeat(state: State, event: HeartbeatReceived) -> State:
     if event.progress.received != known.progress.received:
         changes["received_at"] = event.now
     after = _update_node(state, event.node_id, **changes)
+    if state.mesh_state == "serving" and event.term > state.term:
+        # A Claim from elsewhere (another coordinator on the same stages) fenced this
+        # stage off: its layers are gone, and frames of this term would wait on it.
+        after = _degrade_if_assigned(
+            after,
+            event.node_id,
+            f"took a claim of term {event.term}, above the mesh's {state.term} (another "
+            "coordinator claimed it)",
+        )
     if known.alive or stalled:
         return after
     # A dead (or stalled) node is never assigned (its stage was dropped when it was

@@ -220,6 +220,20 @@ def test_a_broken_data_link_between_live_stages_degrades_the_mesh_after_the_time
     assert state.node("a").link_error == ""
 
 
+def test_a_serving_stage_fenced_off_by_another_claim_fails_the_mesh_over() -> None:
+    """Another coordinator's Claim (a higher term) took a stage of the serving pipeline:
+    its layers are gone, so the mesh is planned again above that term (before, it
+    went on serving on paper while every request waited on that stage)."""
+    state, _ = serving("a", "b")
+    term = state.term
+    state = beat(state, "a", 20.0)
+    assert state.mesh_state == "serving"
+    state = beat(state, "b", 20.0, term=term + 5)
+    assert (state.mesh_state, state.degraded, state.topology) == ("failed", True, None)
+    assert f"took a claim of term {term + 5}" in state.error
+    assert needs_replan(state) and next_term(state) == term + 6
+
+
 def test_a_link_that_works_again_or_an_old_term_s_report_changes_nothing() -> None:
     state, _ = serving("a", "b")
     state = beat(state, "a", 20.0, "stage 1 is unreachable from stage 0: reset")
