@@ -124,3 +124,12 @@ def test_a_forced_choice_starts_the_call_and_leaves_the_rest_free() -> None:
     rest = qwen_call("edit", {"line": 3})[len(prefix) :]
     _, (call,) = parse_xml_calls(XmlStyle.QWEN, prefix + rest, KNOWN, True, TYPES)
     assert json.loads(call.arguments) == {"line": 3}
+
+
+def test_glm_calls_written_without_line_breaks_are_read() -> None:
+    """GLM-4.7's template writes a call on one line."""
+    text = "<tool_call>edit<arg_key>path</arg_key><arg_value>a.py</arg_value>"
+    text += "<arg_key>line</arg_key><arg_value>7</arg_value></tool_call>"
+    content, (call,) = parse_xml_calls(XmlStyle.GLM, text, KNOWN, True, TYPES)
+    assert content is None and call.name == "edit"
+    assert json.loads(call.arguments) == {"path": "a.py", "line": 7}
