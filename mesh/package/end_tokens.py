@@ -16,8 +16,11 @@ the frontend stops at every id there and at the tokenizer's EOS (``end_tokens``)
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
 # End markers of the common chat formats (as llama.cpp's vocabulary loader treats
@@ -65,6 +68,22 @@ def gguf_end_tokens(reader: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def read_generation_config(package_dir: Path | str | None) -> dict[str, Any]:
+    """A package's ``generation_config.json`` as an object; {} when it is missing,
+    unreadable or not an object (logged)."""
+    if package_dir is None:
+        return {}
+    path = Path(package_dir) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        logger.warning("cannot read %s (%s): it is left out", path, error)
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def end_tokens(tokenizer: Any, package_dir: Path | str | None) -> frozenset[int]:
     """The ids the frontend ends an answer at: the tokenizer's EOS and every
     ``eos_token_id`` of the package's ``generation_config.json``."""
@@ -72,14 +91,9 @@ def end_tokens(tokenizer: Any, package_dir: Path | str | None) -> frozenset[int]
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids.add(int(eos))
-    path = None if package_dir is None else Path(package_dir) / GENERATION_CONFIG
-    if path is not None and path.is_file():
-        try:
-            listed = json.loads(path.read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            listed = None
-        if isinstance(listed, int):
-            ids.add(listed)
-        elif isinstance(listed, list):
-            ids.update(int(token) for token in listed if isinstance(token, int))
+    listed = read_generation_config(package_dir).get("eos_token_id")
+    if isinstance(listed, int):
+        ids.add(listed)
+    elif isinstance(listed, list):
+        ids.update(int(token) for token in listed if isinstance(token, int))
     return frozenset(ids)

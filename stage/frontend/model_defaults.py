@@ -11,16 +11,16 @@ penalty). A value outside what a request could set is ignored, named in the log.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mesh.package.end_tokens import GENERATION_CONFIG, read_generation_config
+
 logger = logging.getLogger(__name__)
 
-GENERATION_CONFIG = "generation_config.json"
 SAMPLING_DEFAULTS = ("model", "openai")
 
 
@@ -38,14 +38,7 @@ class SamplingDefaults:
     def of_package(cls, package_dir: Path | str) -> SamplingDefaults:
         """The defaults ``generation_config.json`` of a package recommends; OpenAI's
         for what it does not set (or when it is missing or unreadable)."""
-        path = Path(package_dir) / GENERATION_CONFIG
-        try:
-            raw = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as error:
-            logger.warning("cannot read %s (%s): OpenAI's sampling defaults apply", path, error)
-            return cls()
-        if not isinstance(raw, dict):
-            return cls()
+        raw = read_generation_config(package_dir)
         found: dict[str, Any] = {}
         for name, low, high, integer in _RANGES:
             value = raw.get(name)
@@ -55,18 +48,13 @@ class SamplingDefaults:
                 found[name] = int(value) if integer else float(value)
             else:
                 logger.warning(
-                    "%s: %s %r is not a value a request could set; ignored", path, name, value
+                    "%s of %s: %s %r is not a value a request could set; ignored",
+                    GENERATION_CONFIG,
+                    package_dir,
+                    name,
+                    value,
                 )
         return cls(**found)
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-        }
 
 
 # (name, least, most, integer): the ranges a request may set.

@@ -106,21 +106,23 @@ class ThoughtTokens:
             self._done = True
 
 
+def is_special_token(tokenizer: Any, text: str) -> bool:
+    """Whether ``text`` is one token the tokenizer holds as special, which decoding
+    with special tokens skipped leaves out of the text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return False
+    entry = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(ids[0])
+    if entry is not None and bool(getattr(entry, "special", False)):
+        return True
+    return ids[0] in set(getattr(tokenizer, "all_special_ids", ()) or ())
+
+
 def tags_are_special(tokenizer: Any, tags: Tags = THINK) -> bool:
     """Whether the tokenizer has the thought's tags as special tokens, which decoding
     would leave out: such a model's text is decoded with special tokens kept, so that
     the split sees its tags."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    named = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    for tag in (tags.open, tags.close):
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        if len(ids) != 1:
-            return False
-        entry = added.get(ids[0])
-        special = bool(getattr(entry, "special", False)) if entry is not None else False
-        if not special and ids[0] not in named:
-            return False
-    return True
+    return all(is_special_token(tokenizer, tag) for tag in (tags.open, tags.close))
 
 
 def _partial_tag(text: str, tag: str) -> int:

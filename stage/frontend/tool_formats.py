@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from stage.frontend.reasoning import is_special_token
 from stage.frontend.tools import CALL_CLOSE, CALL_OPEN, ToolCall, call_from_value, held_from
 from stage.frontend.tools import forced_prefix as hermes_prefix
 from stage.frontend.tools import parse_tool_calls as parse_hermes
@@ -95,16 +96,7 @@ def marks_are_special(tokenizer: Any, fmt: ToolFormat) -> bool:
     """Whether a tokenizer holds one of ``fmt``'s call marks as a special token, which
     decoding with special tokens skipped would leave out of the answer's text (GLM
     tokenizers mark ``<arg_key>`` so): such answers are decoded with them kept."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    named = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    for mark in _MARKS[fmt]:
-        ids = tokenizer.encode(mark, add_special_tokens=False)
-        if len(ids) != 1:
-            continue
-        entry = added.get(ids[0])
-        if ids[0] in named or bool(getattr(entry, "special", False)):
-            return True
-    return False
+    return any(is_special_token(tokenizer, mark) for mark in _MARKS[fmt])
 
 
 def call_id(fmt: ToolFormat) -> str:
