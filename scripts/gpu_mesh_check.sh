@@ -25,7 +25,7 @@ transformers.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$lo
 
 # The GPU tests, and whether a session's logits depend on the frame it runs in.
 step 180 "GPU tests" "$python" -m pytest -q -p no:cacheprovider -rs \
-    tests/unit/test_runtime_graphs.py
+    tests/unit/test_runtime_cuda.py tests/unit/test_runtime_graphs.py
 for dtype in bfloat16 float32; do
     step 90 "graph invariance $dtype" "$python" benchmarks/graph_invariance.py \
         --dtype "$dtype" --json "$out/graph-invariance-$dtype.json"

@@ -168,6 +168,16 @@ def tiny_config(family: str, layers: int = 6, vocab_size: int = 49152):
     raise ValueError(f"unknown family {family}")
 
 
+def reference_attention(model_dir: Path) -> dict[str, str]:
+    """Gemma 2 in eager attention, its definition: transformers' SDPA path leaves out
+    its score cap in some releases (5.17 picks SDPA; 5.24 eager). Other families keep
+    the default, which the runtime's half-precision attention follows."""
+    from transformers import AutoConfig
+
+    gemma2 = AutoConfig.from_pretrained(model_dir).model_type == "gemma2"
+    return {"attn_implementation": "eager"} if gemma2 else {}
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     return smollm2_gguf_path()

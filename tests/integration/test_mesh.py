@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import reference_attention
 from openai import OpenAI
 
 from coordinator.localmesh import MeshProcesses, wait_for
@@ -59,7 +60,9 @@ def unsplit_tokens(model_dir: Path) -> list[int]:
     architecture: a Phi-3 directory runs transformers' Phi-3)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, **reference_attention(model_dir)
+    ).eval()
     generated = model.generate(
         torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=0
     )

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from conftest import TINY_FAMILIES
+from conftest import TINY_FAMILIES, reference_attention
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mesh.package.builder import build_package
-from mesh.runtime import StageRuntime, load_stage_runtime
+from mesh.runtime import Span, StageRuntime, load_stage_runtime
 from mesh.types import LayerRange
 
 # Every family tiny_config builds (tests/conftest.py).
@@ -34,7 +35,9 @@ SPLITS: dict[int, tuple[LayerRange, ...]] = {
 
 
 def reference_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, **reference_attention(model_dir)
+    )
     return model.eval()
 
 
@@ -68,3 +71,45 @@ def full_logits(model: PreTrainedModel, token_ids: torch.Tensor) -> torch.Tensor
 def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     assert got.shape == want.shape, (got.shape, want.shape)
     return (got - want).abs().max().item()
+
+
+def run_batch(stages: list[StageRuntime], spans: list[Span], ids: torch.Tensor) -> list:
+    """Each span's logits (or its error) after the chain, in span order."""
+    activations = ids
+    live = list(range(len(spans)))
+    errors: dict[int, Exception] = {}
+    for stage in stages:
+        out = stage.forward_batch([spans[i] for i in live], activations)
+        for local, error in out.errors.items():
+            errors[live[local]] = error
+        kept = [i for local, i in enumerate(live) if local not in out.errors]
+        if stage.is_last:
+            return [
+                errors.get(i) if i in errors else out.of(live.index(i)) for i in range(len(spans))
+            ]
+        activations = out.rows
+        live = kept
+    raise AssertionError("no last stage")
+
+
+def batch_round(
+    rng: random.Random, lengths: dict[str, int], tokens: dict[str, torch.Tensor]
+) -> list[tuple[str, int, int]]:
+    """(session, pos_start, count) per session: prefill chunks, decode steps, verify
+    windows and crops (pos_start below the held length), in random order."""
+    plan = []
+    for session in rng.sample(sorted(lengths), k=len(lengths)):
+        held = lengths[session]
+        kind = rng.choice(["prefill", "decode", "verify", "crop"]) if held else "prefill"
+        if kind == "prefill":
+            start, count = held, rng.randint(2, 9)
+        elif kind == "decode":
+            start, count = held, 1
+        elif kind == "verify":
+            start, count = held, rng.randint(2, 6)
+        else:
+            start, count = rng.randint(1, held), rng.randint(1, 4)
+        count = min(count, tokens[session].shape[0] - start)
+        if count > 0:
+            plan.append((session, start, count))
+    return plan

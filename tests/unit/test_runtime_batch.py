@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_support import FAMILIES, LAYERS, SPLITS, load_chain, max_diff, package_of, run_chain
+from runtime_support import (
+    FAMILIES,
+    LAYERS,
+    SPLITS,
+    batch_round,
+    load_chain,
+    max_diff,
+    package_of,
+    run_batch,
+    run_chain,
+)
 
-from mesh.runtime import Span, StageRuntime
+from mesh.runtime import Span
 
 TOLERANCE = 1e-4
 VOCAB = 49152
@@ -31,48 +41,6 @@ def packages(
         return cache[family]
 
     return get
-
-
-def run_batch(stages: list[StageRuntime], spans: list[Span], ids: torch.Tensor) -> list:
-    """Each span's logits (or its error) after the chain, in span order."""
-    activations = ids
-    live = list(range(len(spans)))
-    errors: dict[int, Exception] = {}
-    for stage in stages:
-        out = stage.forward_batch([spans[i] for i in live], activations)
-        for local, error in out.errors.items():
-            errors[live[local]] = error
-        kept = [i for local, i in enumerate(live) if local not in out.errors]
-        if stage.is_last:
-            return [
-                errors.get(i) if i in errors else out.of(live.index(i)) for i in range(len(spans))
-            ]
-        activations = out.rows
-        live = kept
-    raise AssertionError("no last stage")
-
-
-def batch_round(
-    rng: random.Random, lengths: dict[str, int], tokens: dict[str, torch.Tensor]
-) -> list[tuple[str, int, int]]:
-    """(session, pos_start, count) per session: prefill chunks, decode steps, verify
-    windows and crops (pos_start below the held length), in random order."""
-    plan = []
-    for session in rng.sample(sorted(lengths), k=len(lengths)):
-        held = lengths[session]
-        kind = rng.choice(["prefill", "decode", "verify", "crop"]) if held else "prefill"
-        if kind == "prefill":
-            start, count = held, rng.randint(2, 9)
-        elif kind == "decode":
-            start, count = held, 1
-        elif kind == "verify":
-            start, count = held, rng.randint(2, 6)
-        else:
-            start, count = rng.randint(1, held), rng.randint(1, 4)
-        count = min(count, tokens[session].shape[0] - start)
-        if count > 0:
-            plan.append((session, start, count))
-    return plan
 
 
 @pytest.mark.parametrize("stage_count", [1, 2, 3])
