@@ -77,7 +77,11 @@ def new_server(max_workers: int, security: MeshSecurity | None = None) -> grpc.S
     """A gRPC server with the mesh's limits that refuses calls without the join token
     when one is set. Bind it with ``bind``."""
     security = active() if security is None else security
-    interceptors = [JoinTokenInterceptor(security.join_token)] if security.join_token else []
+    interceptors: list[grpc.ServerInterceptor] = [RequestDecodingInterceptor()]
+    if security.join_token:
+        # The token is checked first: a caller without it learns nothing of the
+        # methods' messages.
+        interceptors.insert(0, JoinTokenInterceptor(security.join_token))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=SERVER_OPTIONS,
@@ -225,6 +229,90 @@ def _refusing_handler(
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+# ---- requests that do not parse ---------------------------------------------------
+
+
+class _Undecodable:
+    """What a guarded deserializer returns for bytes that are not the method's message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RequestDecodingInterceptor(grpc.ServerInterceptor):
+    """Answers a request whose bytes do not parse as its method's protobuf message
+    with INVALID_ARGUMENT, naming the method and the message expected (grpcio itself
+    answers INTERNAL "Exception deserializing request!", which reads as a server
+    fault). Streamed requests are checked one by one: a bad one ends its call."""
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _decoding_guarded(handler, handler_call_details.method)
+
+
+def _decoding_guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` with a deserializer that never raises and a behaviour that aborts
+    with INVALID_ARGUMENT where a request did not parse."""
+    deserialize = handler.request_deserializer
+    owner = getattr(deserialize, "__self__", None)
+    expected = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "its request message")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # noqa: BLE001 - protobuf raises DecodeError and others
+            return _Undecodable(str(error) or type(error).__name__)
+
+    def refuse(context: grpc.ServicerContext, request: _Undecodable) -> None:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{method}: the request is not a valid {expected} ({request.reason}); send "
+            "the message proto/ defines for this method, serialized by a protobuf "
+            "library, from a client of the same protocol version",
+        )
+
+    def checked(requests: Any, context: grpc.ServicerContext) -> Any:
+        for request in requests:
+            if isinstance(request, _Undecodable):
+                refuse(context, request)
+            yield request
+
+    streaming = bool(handler.request_streaming), bool(handler.response_streaming)
+    if not streaming[0]:
+        behaviour = handler.unary_stream if streaming[1] else handler.unary_unary
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                refuse(context, request)
+            return behaviour(request, context)
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if streaming[1]
+            else (grpc.unary_unary_rpc_method_handler)
+        )
+        return make(
+            unary, request_deserializer=parse, response_serializer=handler.response_serializer
+        )
+    behaviour = handler.stream_stream if streaming[1] else handler.stream_unary
+
+    def stream(requests: Any, context: grpc.ServicerContext) -> Any:
+        return behaviour(checked(requests, context), context)
+
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if streaming[1]
+        else (grpc.stream_unary_rpc_method_handler)
+    )
+    return make(stream, request_deserializer=parse, response_serializer=handler.response_serializer)
 
 
 class _CallDetails(

@@ -293,6 +293,20 @@ def test_stale_term_bad_frame_and_dead_stage(mesh_factory, tiny_package_factory)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "term" in refused.value.details()
 
+    # Bytes that are not the method's message: INVALID_ARGUMENT naming it, on a
+    # stage and on the coordinator.
+    garbage = b"\xff\xff\xff\xff\x0f"
+    coordinator = channel(mesh.coordinator_address)
+    for conn, method, message in (
+        (ch, "/mesh.v1.StageControl/Claim", "mesh.v1.ClaimRequest"),
+        (coordinator, "/mesh.v1.Coordinator/Join", "mesh.v1.JoinRequest"),
+    ):
+        with pytest.raises(grpc.RpcError) as garbled:
+            conn.unary_unary(method)(garbage, timeout=5)
+        assert garbled.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in garbled.value.details()
+    coordinator.close()
+
     # A bad frame (wrong hidden size) fails only its own request, while a real
     # request through the same stage completes with the right tokens.
     client = OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
