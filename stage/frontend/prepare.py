@@ -423,14 +423,27 @@ def _forced_call_spec(
     fmt: ToolFormat, choice: str, tools: Sequence[Mapping[str, Any]], parallel: bool
 ) -> str:
     """The grammar spec that keeps a forced tool_choice's answer to well-formed calls
-    with schema-following arguments; '' (the answer free after its forced start, as
-    the model writes it) where the grammar library cannot follow a function's
-    ``parameters`` schema."""
-    try:
-        return grammar_spec("grammar", forced_call_grammar(fmt, choice, tools, parallel))
-    except InvalidRequest as error:
-        logger.warning("tool_choice %r: the calls are not constrained: %s", choice, error.message)
+    with schema-following arguments. Where the grammar library cannot follow a
+    function's ``parameters`` schema (a reference it cannot resolve, a pattern it
+    cannot compile, two functions defining one name differently), the calls are still
+    held to the request's function names with JSON objects as arguments, and a
+    warning names the reason; '' (the answer free after its forced start) only for
+    formats without a call grammar (the XML styles, Mistral's name/args form)."""
+    if not forced_call_grammar(fmt, choice, tools, parallel, schemas=False):
         return ""
+    try:
+        grammar = forced_call_grammar(fmt, choice, tools, parallel)
+        if not grammar:
+            raise InvalidRequest("two functions' schemas define one name differently")
+        return grammar_spec("grammar", grammar)
+    except InvalidRequest as error:
+        logger.warning(
+            "tool_choice %r: the calls' arguments are held to JSON objects, not to their "
+            "schemas: %s",
+            choice,
+            error.message,
+        )
+    return grammar_spec("grammar", forced_call_grammar(fmt, choice, tools, parallel, False))
 
 
 def chat_prompt_tokens(body: ChatCompletionBody, ctx: PromptContext) -> list[int]:

@@ -274,17 +274,24 @@ _NAMED_END = {
 
 
 def forced_call_grammar(
-    fmt: ToolFormat, choice: str | None, tools: Sequence[Any], parallel: bool = True
+    fmt: ToolFormat,
+    choice: str | None,
+    tools: Sequence[Any],
+    parallel: bool = True,
+    schemas: bool = True,
 ) -> str:
     """For ``tool_choice`` ``required`` or a named function, the grammar (Lark, with
     llguidance's ``%json`` for JSON that follows a schema) of the answer after
     ``forced_prefix``: well-formed calls of the request's functions (for a named
     choice, of that function) whose arguments follow each function's ``parameters``
-    schema. '' for ``auto`` and ``none``. A Hermes answer may hold several calls
-    (with ``parallel``), a Mistral one several in its list; a Llama answer one."""
+    schema (without ``schemas``: any JSON object). '' for ``auto`` and ``none``. A
+    Hermes answer may hold several calls (with ``parallel``), a Mistral one several in
+    its list; a Llama answer one."""
     if choice in (None, "auto", "none") or fmt in _XML_STYLES or fmt is ToolFormat.MISTRAL_ARGS:
         return ""
     functions = [tool["function"] for tool in tools]
+    if not schemas:
+        functions = [{**function, "parameters": None} for function in functions]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice]
     if not functions:

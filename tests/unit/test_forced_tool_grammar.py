@@ -197,6 +197,50 @@ def test_a_free_choice_has_no_grammar_and_clashing_definitions_leave_calls_free(
     assert forced_call_grammar(ToolFormat.HERMES, "required", [BOOKING, same])
 
 
+BROKEN = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"$ref": "#/$defs/Missing"}},
+            "required": ["key"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["lookup", "required"])
+def test_schemas_the_library_cannot_follow_still_hold_calls_to_names_and_objects(
+    smollm2_grammars, smollm2_tokenizer, caplog: pytest.LogCaptureFixture, choice: str
+) -> None:
+    """A schema referring to a definition it lacks cannot be compiled: the answer is
+    still held to a call of the request's functions with a JSON object as arguments
+    (before, it ran free after the forced start), and a warning says why."""
+    from stage.frontend.prepare import _forced_call_spec
+
+    with caplog.at_level("WARNING"):
+        spec = _forced_call_spec(ToolFormat.HERMES, choice, [BROKEN, CLOCK], True)
+    assert "not to their schemas" in caplog.text and "Missing" in caplog.text
+    start = "" if choice == "lookup" else '{"name": "lookup", "arguments": '
+    ids = smollm2_tokenizer.encode(
+        start + '{"key": [1, "x"]}}\n</tool_call>', add_special_tokens=False
+    )
+    assert follows(smollm2_grammars, spec, ids) is not None
+    assert first_refused(smollm2_grammars, spec, smollm2_tokenizer, start + "[1]") is not None
+    if choice == "required":
+        wrong = '{"name": "erase", "arguments": {}}'
+        assert first_refused(smollm2_grammars, spec, smollm2_tokenizer, wrong) is not None
+    # Clashing definitions in two functions: held to names and objects too.
+    other = json.loads(json.dumps(BOOKING))
+    other["function"]["name"] = "rebook"
+    other["function"]["parameters"]["$defs"]["Guest"]["required"] = []
+    spec = _forced_call_spec(ToolFormat.HERMES, "required", [BOOKING, other], True)
+    assert spec and '"rebook' in json.loads(spec)["lark"]
+    # Formats without a call grammar stay free.
+    assert _forced_call_spec(ToolFormat.QWEN_XML, "required", [BROKEN], True) == ""
+
+
 # ---- the request the frontend sends ----------------------------------------------
 
 
