@@ -30,6 +30,7 @@ from stage.frontend.prepare import FrontendLimits
 from stage.frontend.scheduler import PipelineScheduler
 from stage.frontend.status_page import STATUS_PATHS, StatusPage
 from stage.frontend.telemetry import FrontendMetrics
+from stage.frontend.token_bytes import byte_table
 from stage.node import LoadedStage, StageNode
 
 logger = logging.getLogger(__name__)
@@ -252,6 +253,9 @@ def start_frontend(
             from transformers import AutoTokenizer
 
             current["tokenizer"] = AutoTokenizer.from_pretrained(loaded.package_dir)
+            # Each token's bytes (log-probabilities, /tokenize pieces), read once here
+            # rather than on the event loop by the first request that needs them.
+            byte_table(current["tokenizer"])
         tokenizer = current["tokenizer"]
         scheduler.speculation = _drafter(speculation, loaded, tokenizer)
         scheduler.speculation_notes = notes

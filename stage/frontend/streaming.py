@@ -22,6 +22,7 @@ from stage.frontend.errors import OpenAIError, from_mesh_error
 from stage.frontend.generation import GenerationRun
 from stage.frontend.reasoning import split_reasoning, splitter_for
 from stage.frontend.telemetry import FrontendMetrics
+from stage.frontend.token_bytes import token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def chat_logprobs(run: GenerationRun, entries: list[tuple[int, Any]]) -> dict[st
 
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = _token_text(run.tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(run.tokenizer, token))}
 
     return {
         "content": [
@@ -107,7 +108,8 @@ def llama_probabilities(
 
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = _token_text(run.tokenizer, token)
-        return {"id": token, "token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+        raw = list(token_bytes(run.tokenizer, token))
+        return {"id": token, "token": text, "bytes": raw, "logprob": logprob}
 
     return [
         {**item(token, entry.logprob), "top_logprobs": [item(t, v) for t, v in entry.top]}

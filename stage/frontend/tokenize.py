@@ -7,6 +7,10 @@ the tokenizer.
   ``add_special_tokens`` (default true), or chat ``messages`` rendered with the
   model's chat template as a chat request would be (with the assistant's turn
   opened). It answers ``tokens``, ``count`` and ``max_model_len`` (the context).
+  With llama.cpp's ``with_pieces`` each token is ``{"id", "piece"}``, the piece its
+  text where its bytes are whole UTF-8, else the list of its bytes
+  (``stage/frontend/token_bytes.py``); with vLLM's ``return_token_strs`` the answer
+  adds ``token_strs``, the vocabulary's spelling of each token.
 - ``/detokenize`` takes ``tokens`` and answers the text as ``prompt`` (and as
   llama.cpp's ``content``).
 """
@@ -22,6 +26,7 @@ from stage.frontend.errors import bad_request, from_validation_error
 from stage.frontend.prepare import PromptContext, chat_prompt_tokens
 from stage.frontend.schemas import ChatCompletionBody
 from stage.frontend.schemas_base import Bool, Int, Str, _Body
+from stage.frontend.token_bytes import piece
 
 # Longest token list /detokenize takes (a context's worth of a large model).
 DETOKENIZE_MAX_TOKENS = 1_048_576
@@ -54,8 +59,37 @@ def _check_model(model: str | None, ctx: PromptContext) -> None:
         )
 
 
+class TokenViews(_Body):
+    """How ``/tokenize`` spells its tokens (for prompts and chat messages alike)."""
+
+    with_pieces: Bool = False
+    return_token_strs: Bool = False
+
+
+VIEW_KEYS = ("with_pieces", "return_token_strs")
+
+
 async def tokenize(payload: dict[str, Any], ctx: PromptContext) -> dict[str, Any]:
     """The answer of ``POST /tokenize`` for the JSON object ``payload``."""
+    try:
+        views = TokenViews.model_validate({k: payload[k] for k in VIEW_KEYS if k in payload})
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    payload = {k: v for k, v in payload.items() if k not in VIEW_KEYS}
+    tokens = await _tokens(payload, ctx)
+    answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens)}
+    if views.with_pieces:
+        answer["tokens"] = await asyncio.to_thread(
+            lambda: [{"id": t, "piece": piece(ctx.tokenizer, t)} for t in tokens]
+        )
+    answer["max_model_len"] = ctx.context_length
+    if views.return_token_strs:
+        answer["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(tokens)
+    return answer
+
+
+async def _tokens(payload: dict[str, Any], ctx: PromptContext) -> list[int]:
+    """The token ids ``/tokenize`` answers for ``payload`` (its views taken out)."""
     if "messages" in payload:
         try:
             chat = ChatCompletionBody.model_validate(payload)
@@ -72,7 +106,7 @@ async def tokenize(payload: dict[str, Any], ctx: PromptContext) -> dict[str, Any
         if unknown:
             raise bad_request(
                 f"unknown parameter '{unknown[0]}'; /tokenize takes prompt (or content), "
-                "add_special_tokens, or chat messages",
+                "add_special_tokens, with_pieces, return_token_strs, or chat messages",
                 unknown[0],
             )
         _check_model(body.model, ctx)
@@ -86,7 +120,7 @@ async def tokenize(payload: dict[str, Any], ctx: PromptContext) -> dict[str, Any
             special = True if body.add_special is None else body.add_special
         encoded = await asyncio.to_thread(ctx.tokenizer.encode, text, add_special_tokens=special)
         tokens = [int(t) for t in encoded]
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.context_length}
+    return tokens
 
 
 async def detokenize(payload: dict[str, Any], ctx: PromptContext) -> dict[str, Any]:

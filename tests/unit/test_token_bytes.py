@@ -1,0 +1,135 @@
+"""Each token's own bytes (``stage/frontend/token_bytes.py``): joined over a text's
+tokens they give the text's UTF-8, also where a token holds part of a character, for
+a byte-level tokenizer (SmolLM2's) and a SentencePiece-style one with byte
+fallback; and where the API shows them: ``logprobs`` ``bytes`` on chat and
+llama.cpp's completions, and ``/tokenize`` ``with_pieces`` / ``return_token_strs``."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from frontend_support import ScriptedBackend, assert_openai_error, live_server
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import PreTrainedTokenizerFast
+
+from mesh.frames import TokenLogprob
+from stage.frontend.backend import TokenEvent
+from stage.frontend.token_bytes import piece, token_bytes
+
+TEXTS = ["héllo 🙂 世界", " two  spaces\n\ttab", "Ünïcödé — ½ ∑ 𝔘", "日本語のテキスト"]
+
+
+def joined(tokenizer, ids: list[int]) -> bytes:
+    return b"".join(token_bytes(tokenizer, t) for t in ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_byte_level_tokenizer_s_tokens_join_into_the_text(smollm2_tokenizer, text: str) -> None:
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert joined(smollm2_tokenizer, ids) == text.encode("utf-8")
+    # Some of these tokens hold part of a character: decoded alone they are U+FFFD.
+    if any(ord(c) > 0x2FFF for c in text):
+        assert any(smollm2_tokenizer.decode([t]) == "\ufffd" for t in ids)
+
+
+def test_special_tokens_are_their_text(smollm2_tokenizer) -> None:
+    end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert token_bytes(smollm2_tokenizer, end) == b"<|im_end|>"
+    assert piece(smollm2_tokenizer, end) == "<|im_end|>"
+
+
+def sentencepiece_style() -> PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer: spaces as ▁, bytes outside the vocabulary as
+    <0xNN> tokens."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {"▁": 259, "h": 260, "i": 261, "▁h": 262, "hi": 263, "▁hi": 264}
+    merges = [("▁", "h"), ("h", "i"), ("▁h", "i")]
+    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
+    backend = Tokenizer(model)
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def test_a_sentencepiece_tokenizer_s_byte_tokens_are_their_bytes() -> None:
+    tokenizer = sentencepiece_style()
+    text = "hi 世"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids)[-3:] == ["<0xE4>", "<0xB8>", "<0x96>"]
+    # The leading ▁ the normaliser adds is a space, as llama.cpp's pieces have it.
+    assert joined(tokenizer, ids) == b" " + text.encode("utf-8")
+    assert piece(tokenizer, ids[-1]) == [0x96]
+    assert token_bytes(tokenizer, 1) == b"<s>"
+
+
+@pytest.fixture()
+def cjk(smollm2_tokenizer):
+    """(base URL, the answer's text, its ids): a backend answering "世界 ok" with
+    log-probabilities, each token's alternatives the token itself."""
+    text = "世界 ok"
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    logprobs = tuple(TokenLogprob(-0.5, ((t, -0.5),)) for t in ids)
+    backend = ScriptedBackend([TokenEvent(tuple(ids), "stop", logprobs=logprobs)])
+    with live_server(backend, smollm2_tokenizer) as url:
+        yield url, text, ids
+
+
+def test_logprobs_bytes_join_into_the_answer(cjk) -> None:
+    url, text, ids = cjk
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 1,
+            "max_tokens": 16,
+        },
+        timeout=30,
+    ).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids)
+    assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8") == text
+    assert all(entry["top_logprobs"][0]["bytes"] == entry["bytes"] for entry in content)
+    llama = httpx.post(
+        f"{url}/completion", json={"prompt": "hi", "n_predict": 16, "n_probs": 1}, timeout=30
+    ).json()
+    probabilities = llama["completion_probabilities"]
+    assert bytes(b for entry in probabilities for b in entry["bytes"]).decode("utf-8") == text
+
+
+def test_tokenize_with_pieces_and_token_strings(cjk, smollm2_tokenizer) -> None:
+    url, text, ids = cjk
+    answer = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": True}).json()
+    pieces = answer["tokens"]
+    assert [p["id"] for p in pieces] == ids and answer["count"] == len(ids)
+    raw = b"".join(
+        p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces
+    )
+    assert raw.decode("utf-8") == text
+    assert any(isinstance(p["piece"], list) for p in pieces)  # parts of 世 and 界
+    assert pieces[-1]["piece"] == smollm2_tokenizer.decode([ids[-1]])  # a whole token
+    strs = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert strs["tokens"] == ids
+    assert strs["token_strs"] == smollm2_tokenizer.convert_ids_to_tokens(ids)
+    chat = httpx.post(
+        f"{url}/tokenize",
+        json={"messages": [{"role": "user", "content": text}], "with_pieces": True},
+    ).json()
+    assert all(set(p) == {"id", "piece"} for p in chat["tokens"])
+    refused = httpx.post(f"{url}/tokenize", json={"prompt": text, "with_pieces": "yes"})
+    assert_openai_error(refused, 400, param="with_pieces")
+    assert json.loads(refused.text)["error"]["type"] == "invalid_request_error"
