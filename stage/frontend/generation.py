@@ -33,6 +33,9 @@ from stage.frontend.textstream import TextStream
 logger = logging.getLogger(__name__)
 
 _END = object()
+# The prompt's last tokens the completion's text is decoded after (as context, not
+# emitted): enough for a tokenizer to see the word the completion continues.
+PROMPT_CONTEXT_TOKENS = 4
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -73,6 +76,7 @@ class GenerationRun:
             prepared.stop,
             skip_special_tokens=prepared.skip_special_tokens,
             include_stop=prepared.include_stop,
+            context=self.request.prompt_tokens[-PROMPT_CONTEXT_TOKENS:],
         )
         self._metrics = metrics
         self._endpoint = endpoint

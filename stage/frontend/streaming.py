@@ -77,7 +77,10 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+    """A token's text as log-probabilities show it: its own bytes as UTF-8 (U+FFFD
+    where it holds part of a character), so a SentencePiece token keeps the leading
+    space its decoding alone strips, and the tokens of an answer join into it."""
+    return token_bytes(tokenizer, token).decode("utf-8", errors="replace")
 
 
 def chat_logprobs(run: GenerationRun, entries: list[tuple[int, Any]]) -> dict[str, Any] | None:

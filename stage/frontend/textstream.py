@@ -7,6 +7,9 @@ difference, so a token that starts a multi-byte character, or a tokenizer that
 drops a leading space at the start of a decode, never produces wrong text; text
 that ends in an incomplete character is held back until the next token completes it.
 
+A stream may start after context tokens (the prompt's last few), which are decoded
+but not emitted: the first token's text is then what it adds to them.
+
 ``TextStream`` adds stop strings on top: it releases only text that cannot be the
 start of a stop string, and when a stop string appears it cuts the text before it
 (or right after it, with ``include_stop``) and reports ``stopped``.
@@ -29,12 +32,23 @@ class Decoder(Protocol):
 class IncrementalDecoder:
     """Text deltas from a token stream, consistent with a full decode."""
 
-    def __init__(self, tokenizer: Decoder, *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        *,
+        skip_special_tokens: bool = True,
+        context: Sequence[int] = (),
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
+        # ``context``: tokens before the stream (the prompt's last few), decoded as
+        # context only, so that the first token's text is what it adds after them (a
+        # SentencePiece tokenizer strips the leading space of a decode's first word:
+        # " Paris" after "The capital of France is", not "Paris").
+        self._ids: list[int] = list(context)
+        self._context = len(self._ids)
         self._prefix_offset = 0  # start of the context window
-        self._read_offset = 0  # tokens up to here have been turned into text
+        self._read_offset = self._context  # tokens up to here have been turned into text
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(
@@ -45,7 +59,7 @@ class IncrementalDecoder:
 
     @property
     def token_count(self) -> int:
-        return len(self._ids)
+        return len(self._ids) - self._context
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
@@ -95,10 +109,13 @@ class TextStream:
         *,
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        context: Sequence[int] = (),
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
-        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._decoder = IncrementalDecoder(
+            tokenizer, skip_special_tokens=skip_special_tokens, context=context
+        )
         self._stop = tuple(stop)
         # Whether the text keeps the stop string that ended it (it ends right after).
         self._include_stop = include_stop

@@ -299,3 +299,31 @@ def assert_openai_error(
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+def sentencepiece_style() -> Any:
+    """A Llama-2-style tokenizer: spaces as ▁, bytes outside the vocabulary as
+    <0xNN> tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {"▁": 259, "h": 260, "i": 261, "▁h": 262, "hi": 263, "▁hi": 264}
+    merges = [("▁", "h"), ("h", "i"), ("▁h", "i")]
+    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
+    backend = Tokenizer(model)
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )

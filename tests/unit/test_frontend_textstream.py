@@ -137,3 +137,19 @@ def test_streaming_matches_whole_decode(tokenizer, text: str, stops: list[str], 
     assert stream.stopped == stopped
     if not stops:
         assert out == tokenizer.decode(ids)
+
+
+def test_a_stream_after_context_tokens_emits_what_it_adds_to_them(tokenizer) -> None:
+    from frontend_support import sentencepiece_style
+
+    spiece = sentencepiece_style()
+    ids = spiece.encode("hi hi hi", add_special_tokens=False)
+    after = TextStream(spiece, context=ids[:1])
+    assert after.push(ids[1:]) + after.finish() == " hi hi"
+    alone = TextStream(spiece)
+    assert alone.push(ids[1:]) + alone.finish() == "hi hi"
+    # A byte-level tokenizer's decodes join: context changes nothing.
+    text = "Plain words, 世界 and code()"
+    byte_ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = TextStream(tokenizer, context=byte_ids[:3])
+    assert stream.push(byte_ids[3:]) + stream.finish() == tokenizer.decode(byte_ids[3:])

@@ -10,9 +10,12 @@ import json
 
 import httpx
 import pytest
-from frontend_support import ScriptedBackend, assert_openai_error, live_server
-from tokenizers import Tokenizer, decoders, models, normalizers
-from transformers import PreTrainedTokenizerFast
+from frontend_support import (
+    ScriptedBackend,
+    assert_openai_error,
+    live_server,
+    sentencepiece_style,
+)
 
 from mesh.frames import TokenLogprob
 from stage.frontend.backend import TokenEvent
@@ -38,31 +41,6 @@ def test_special_tokens_are_their_text(smollm2_tokenizer) -> None:
     end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert token_bytes(smollm2_tokenizer, end) == b"<|im_end|>"
     assert piece(smollm2_tokenizer, end) == "<|im_end|>"
-
-
-def sentencepiece_style() -> PreTrainedTokenizerFast:
-    """A Llama-2-style tokenizer: spaces as ▁, bytes outside the vocabulary as
-    <0xNN> tokens."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    vocab |= {"▁": 259, "h": 260, "i": 261, "▁h": 262, "hi": 263, "▁hi": 264}
-    merges = [("▁", "h"), ("h", "i"), ("▁h", "i")]
-    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
-    backend = Tokenizer(model)
-    backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    backend.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
 
 
 def test_a_sentencepiece_tokenizer_s_byte_tokens_are_their_bytes() -> None:
@@ -133,3 +111,34 @@ def test_tokenize_with_pieces_and_token_strings(cjk, smollm2_tokenizer) -> None:
     refused = httpx.post(f"{url}/tokenize", json={"prompt": text, "with_pieces": "yes"})
     assert_openai_error(refused, 400, param="with_pieces")
     assert json.loads(refused.text)["error"]["type"] == "invalid_request_error"
+
+
+def test_a_completion_keeps_the_space_before_its_first_word() -> None:
+    """A SentencePiece tokenizer drops the leading space of a decode's first word:
+    the completion's text is decoded after the prompt's last tokens, so it is
+    " hi" after "hi", and echo gives "hi hi" (it gave "hi" and "hihi")."""
+    tokenizer = sentencepiece_style()
+    word = tokenizer.convert_tokens_to_ids("▁hi")
+    backend = ScriptedBackend([TokenEvent((word,), "stop")])
+    with live_server(backend, tokenizer) as url:
+        plain = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30
+        ).json()
+        echoed = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 4, "echo": True},
+            timeout=30,
+        ).json()
+        streamed = []
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 4, "stream": True},
+            timeout=30,
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line[6:])["choices"][0]["text"])
+    assert plain["choices"][0]["text"] == " hi"
+    assert echoed["choices"][0]["text"] == "hi hi"
+    assert "".join(streamed) == " hi"
