@@ -1,4 +1,5 @@
-"""Mixture-of-experts tensors and settings of GGUF models (Qwen3-MoE, Mixtral).
+"""Mixture-of-experts tensors and settings of GGUF models (Qwen3-MoE, Qwen2-MoE,
+Mixtral).
 
 llama.cpp stores a layer's router as ``blk.N.ffn_gate_inp`` ``[experts, hidden]``
 and its experts stacked, one tensor per projection: ``blk.N.ffn_gate_exps`` and
@@ -19,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mesh.errors import PackageError, UnsupportedArchitecture
+from mesh.errors import PackageError
 
 _STACKED = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _SINGLE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -82,12 +83,6 @@ def moe_config(
     experts = metadata.get("expert_count", 0)
     if not experts:
         return config
-    if architecture == "qwen2moe":
-        raise UnsupportedArchitecture(
-            "GGUF files of Qwen2-MoE are not read (their shared experts' tensors are not "
-            "mapped); build the package from the model's Hugging Face safetensors "
-            "checkpoint instead"
-        )
     used = metadata.get("expert_used_count", 0)
     if not 0 < used <= experts:
         raise PackageError(
@@ -97,6 +92,25 @@ def moe_config(
     layers = int(config.num_hidden_layers)
     sparse = [i for i in range(layers) if _is_sparse(tensors, i)]
     inner = _inner_size(tensors, sparse)
+    if architecture == "qwen2moe":
+        shared = metadata.get("expert_shared_feed_forward_length", 0) or _shared_size(
+            tensors, sparse
+        )
+        if not shared:
+            raise PackageError(
+                "GGUF qwen2moe model without shared experts (no ffn_*_shexp tensors); "
+                "Qwen2-MoE layers have one"
+            )
+        config.moe_intermediate_size = inner
+        config.shared_expert_intermediate_size = shared
+        config.num_experts = experts
+        config.num_experts_per_tok = used
+        # llama.cpp's qwen2moe graph leaves the chosen experts' weights as the router
+        # gives them, as Qwen2-MoE's own config does.
+        config.norm_topk_prob = False
+        config.decoder_sparse_step = 1
+        config.mlp_only_layers = [i for i in range(layers) if i not in sparse]
+        return config
     if architecture == "qwen3moe":
         config.moe_intermediate_size = inner
         config.num_experts = experts
@@ -142,3 +156,13 @@ def _inner_size(tensors: dict[str, Any], sparse: list[int]) -> int:
         "GGUF metadata declares experts but no layer holds expert weights "
         "(blk.N.ffn_gate_exps.weight)"
     )
+
+
+def _shared_size(tensors: dict[str, Any], sparse: list[int]) -> int:
+    """The shared expert's inner size, from the first sparse layer's gate projection
+    (0 where there is none)."""
+    for layer in sparse:
+        gate = tensors.get(f"blk.{layer}.ffn_gate_shexp.weight")
+        if gate is not None:
+            return int(gate.shape[0])
+    return 0

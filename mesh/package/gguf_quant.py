@@ -53,6 +53,14 @@ _LAYER_PARTS = {
 # the up rows), and Gemma's norms around attention and MLP (mesh/package/gguf_gemma.py).
 _ARCHITECTURE_PARTS = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Qwen2-MoE's shared expert and its sigmoid gate (one row, which llama.cpp may
+    # store as a vector).
+    "qwen2moe": {
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
     **dict.fromkeys(GEMMA_ARCHITECTURES, gemma.LAYER_PARTS),
 }
 _GLOBAL = {
@@ -126,6 +134,8 @@ class GgufQuantReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape = self._tensor(name).shape
+        if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            return (1, *shape)  # a linear of one output, as transformers holds it
         return shape[1:] if name in self._experts else shape
 
     def nbytes(self, name: str) -> int:

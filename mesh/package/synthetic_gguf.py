@@ -59,6 +59,10 @@ class LlamaShape:
     # Per-head q/k RMSNorms (Qwen3) and their head size (0: hidden / heads).
     qk_norm: bool = False
     head_dim: int = 0
+    # Biases on q/k/v (Qwen2), and a shared expert of this inner size beside the
+    # routed ones, gated by a sigmoid (Qwen2-MoE; 0: none).
+    attn_bias: bool = False
+    shared_expert_intermediate: int = 0
 
     @property
     def head_size(self) -> int:
@@ -98,6 +102,12 @@ def llama_tensors(shape: LlamaShape, types: Callable[..., str] = q4_k_m) -> list
             (prefix + "attn_v.weight", (kv, shape.hidden), layer),
             (prefix + "attn_output.weight", (shape.hidden, q), layer),
         ]
+        if shape.attn_bias:
+            specs += [
+                (prefix + "attn_q.bias", (q,), layer),
+                (prefix + "attn_k.bias", (kv,), layer),
+                (prefix + "attn_v.bias", (kv,), layer),
+            ]
         if shape.qk_norm:
             specs += [
                 (prefix + "attn_q_norm.weight", (head_dim,), layer),
@@ -112,6 +122,15 @@ def llama_tensors(shape: LlamaShape, types: Callable[..., str] = q4_k_m) -> list
                 (prefix + "ffn_up_exps.weight", (count, inner, shape.hidden), layer),
                 (prefix + "ffn_down_exps.weight", (count, shape.hidden, inner), layer),
             ]
+            shared = shape.shared_expert_intermediate
+            if shared:
+                # llama.cpp's names and shapes: the shared expert's gate is one row.
+                specs += [
+                    (prefix + "ffn_gate_inp_shexp.weight", (shape.hidden,), layer),
+                    (prefix + "ffn_gate_shexp.weight", (shared, shape.hidden), layer),
+                    (prefix + "ffn_up_shexp.weight", (shared, shape.hidden), layer),
+                    (prefix + "ffn_down_shexp.weight", (shape.hidden, shared), layer),
+                ]
             continue
         specs += [
             (prefix + "ffn_gate.weight", (shape.intermediate, shape.hidden), layer),
@@ -121,7 +140,12 @@ def llama_tensors(shape: LlamaShape, types: Callable[..., str] = q4_k_m) -> list
     specs.append(("output_norm.weight", (shape.hidden,), None))
     if not shape.tied:
         specs.append(("output.weight", (shape.vocab, shape.hidden), None))
-    return [TensorSpec(name, dims, types(name, layer, shape)) for name, dims, layer in specs]
+    # One-dimensional tensors (norms, biases, a shared expert's gate) are float32, as
+    # llama.cpp writes them.
+    return [
+        TensorSpec(name, dims, "F32" if len(dims) == 1 else types(name, layer, shape))
+        for name, dims, layer in specs
+    ]
 
 
 def gguf_bytes(spec: TensorSpec) -> int:
@@ -192,6 +216,8 @@ def write_llama_gguf(
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_intermediate)
+    if shape.shared_expert_intermediate:
+        writer.add_expert_shared_feed_forward_length(shape.shared_expert_intermediate)
     if tokenizer_from is not None:
         for key, value, kind, sub in _tokenizer_fields(tokenizer_from):
             writer.add_key_value(key, value, kind, sub_type=sub)

@@ -14,7 +14,6 @@ import torch
 from runtime_support import full_logits, max_diff
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mesh.errors import UnsupportedArchitecture
 from mesh.package import weight_store
 from mesh.package.builder import build_package
 from mesh.package.gguf_file import GgufModel
@@ -28,9 +27,15 @@ MOE = dict(experts=4, experts_used=2, expert_intermediate=32)
 SHAPES = {
     # Layer 1 keeps a dense FFN, as Qwen3-MoE's mlp_only_layers allow.
     "qwen3moe": LlamaShape(**COMMON, **MOE, qk_norm=True, head_dim=16, dense_layers=(1,)),
+    # Qwen2-MoE: q/k/v biases, a shared expert beside the routed ones.
+    "qwen2moe": LlamaShape(**COMMON, **MOE, attn_bias=True, shared_expert_intermediate=64),
     "llama": LlamaShape(**COMMON, **MOE),
 }
-ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}
+ARCHITECTURES = {
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "llama": "MixtralForCausalLM",
+}
 TYPES = ("Q4_0", "Q8_0", "F16", "Q4_1")
 
 
@@ -94,6 +99,10 @@ def test_each_expert_of_the_stack_is_stored_and_computes_like_transformers(
     if arch == "qwen3moe":
         assert config["moe_intermediate_size"] == 32 and config["mlp_only_layers"] == [1]
         assert config["norm_topk_prob"] is True
+    elif arch == "qwen2moe":
+        assert config["moe_intermediate_size"] == 32 and config["mlp_only_layers"] == []
+        assert config["shared_expert_intermediate_size"] == 64
+        assert config["norm_topk_prob"] is False
     else:
         assert config["intermediate_size"] == 32 and config["num_local_experts"] == 4
     assert config["num_experts_per_tok"] == 2
@@ -110,6 +119,15 @@ def test_each_expert_of_the_stack_is_stored_and_computes_like_transformers(
             for expert in range(shape.experts):
                 name = f"{prefix}experts.{expert}.{projection}_proj.weight"
                 assert torch.equal(ours[name], stack[expert]), name
+        if shape.shared_expert_intermediate:
+            gate = source[f"blk.{layer}.ffn_gate_inp_shexp.weight"]
+            assert torch.equal(ours[prefix + "shared_expert_gate.weight"], gate.reshape(1, -1))
+            for projection in ("gate", "up", "down"):
+                name = f"{prefix}shared_expert.{projection}_proj.weight"
+                assert torch.equal(ours[name], source[f"blk.{layer}.ffn_{projection}_shexp.weight"])
+        if shape.attn_bias:
+            bias = source[f"blk.{layer}.attn_k.bias"]
+            assert torch.equal(ours[f"model.layers.{layer}.self_attn.k_proj.bias"], bias)
 
     model = hf_model_of(tmp_path / "pkg")
     stages = [load_stage_runtime(tmp_path / "pkg", r) for r in (LayerRange(0, 2), LayerRange(2, 3))]
@@ -181,13 +199,3 @@ def test_a_split_moe_gguf_gives_the_same_package(tmp_path: Path) -> None:
             load_file(str(tmp_path / "b" / path.relative_to(tmp_path / "a"))),
         )
         assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
-
-
-def test_a_qwen2_moe_gguf_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    """Qwen2-MoE is served from safetensors checkpoints; its GGUF files (shared
-    experts' tensors unmapped) are refused before anything is written."""
-    shape = LlamaShape(**COMMON, **MOE)
-    gguf = write_llama_gguf(tmp_path / "model.gguf", shape, types=mixed_types, arch="qwen2moe")[0]
-    with pytest.raises(UnsupportedArchitecture, match="Qwen2-MoE.*safetensors"):
-        build_package(str(gguf), tmp_path / "pkg")
-    assert not (tmp_path / "pkg").exists()
