@@ -182,6 +182,13 @@ def check_grammar(spec: str) -> None:
         raise InvalidRequest(f"{_kind_name(spec)} cannot be used: {problem.strip()}")
 
 
+# Tokens ``TokenGrammars.check`` walks into a grammar.
+CHECK_STEPS = 4
+# How the library words a token its grammar forbids (the other errors of a consumed
+# token are limits of its parser).
+NOT_ALLOWED = "doesn't satisfy the grammar"
+
+
 class TokenGrammars:
     """A stage's grammar compiler: the tokenizer in the library's form (built on first
     use, about a second) and the compiled grammars of recent specs."""
@@ -241,11 +248,30 @@ class TokenGrammars:
                     raise InvalidRequest(
                         f"{_kind_name(spec)} cannot be used: {_library_error(template)}"
                     )
+                # Some limits show only when the first mask is computed (a schema
+                # that refers to itself alone, a regex repeat too large to build):
+                # compute it on a copy, so that they are the request's error here.
+                OutputConstraint(spec, template.deep_copy(), vocab).allowed()
                 self._templates[spec] = template
                 while len(self._templates) > GRAMMAR_CACHE_ENTRIES:
                     self._templates.popitem(last=False)
             self._templates.move_to_end(spec)
             return OutputConstraint(spec, template.deep_copy(), vocab)
+
+    def check(self, spec: str, vocab: int, steps: int = CHECK_STEPS) -> None:
+        """Raise InvalidRequest where the library cannot follow ``spec``: compile it,
+        then take the first allowed token ``steps`` times (its parser's limits show
+        on the first tokens of a schema with no finite instance or a repeat too large
+        to build). Milliseconds once the tokenizer is built; nothing is kept but the
+        compiled grammar."""
+        constraint = self.constraint(spec, vocab)
+        for _ in range(steps):
+            if constraint._matcher.is_stopped():  # noqa: SLF001 - its own class's state
+                return
+            allowed = constraint.allowed().nonzero()
+            if not len(allowed):
+                return
+            constraint.consume(int(allowed[0]))
 
 
 class OutputConstraint:
@@ -293,6 +319,11 @@ class OutputConstraint:
                 )
             counted = False
         elif not self._matcher.consume_token(token):
+            reason = _library_error(self._matcher)
+            if self._matcher.is_error() and NOT_ALLOWED not in reason:
+                # The library gave up on the grammar (a limit of its parser), not on
+                # a token the mask forbids.
+                raise self._unfollowable()
             raise Fatal(
                 f"output token {token} does not follow the request's grammar "
                 f"({_library_error(self._matcher)}); the request cannot go on"
@@ -300,13 +331,22 @@ class OutputConstraint:
         self.consumed.append(token)
         self._counted.append(counted)
 
+    def _unfollowable(self) -> InvalidRequest:
+        """The request's error when the library cannot go on with its grammar: a
+        limit of the grammar library (a schema that refers only to itself, a repeat
+        count too large, one with no finite instance), so the request's own."""
+        return InvalidRequest(
+            f"{_kind_name(self.spec)} cannot be followed: {_library_error(self._matcher)}; "
+            "simplify it (bounded repeats, a schema with a finite instance)"
+        )
+
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next, as a bool tensor ``[vocab]``."""
         from llguidance.torch import fill_next_token_bitmask
 
         fill_next_token_bitmask(self._matcher, self._bits)
         if self._matcher.is_error():
-            raise Fatal(f"grammar matcher failed: {_library_error(self._matcher)}")
+            raise self._unfollowable()
         bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
         return torch.from_numpy(bits[: self.vocab]).to(torch.bool)
 

@@ -139,6 +139,7 @@ class _Frontend:
             fingerprint=self.fingerprint,
             tenant=getattr(request.state, "tenant", "") if request is not None else "",
             fim=self.fim,
+            check_grammar=getattr(self.backend, "check_grammar", None),
         )
 
     def authorize(self, request: Request) -> str:

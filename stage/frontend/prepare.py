@@ -33,7 +33,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -187,6 +187,9 @@ class PromptContext:
     tenant: str = ""
     # The model's fill-in-the-middle tokens (stage/frontend/fim.py), None without.
     fim: FimTokens | None = None
+    # Checks a grammar spec against the served model's tokenizer (InvalidRequest
+    # where the grammar library cannot follow it; blocking), where the backend can.
+    check_grammar: Callable[[str], None] | None = None
 
 
 def check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
@@ -414,13 +417,17 @@ def _chat_prompt(
         prompt += [int(i) for i in ctx.tokenizer.encode(prefix, add_special_tokens=False)]
     names = tuple(t["function"]["name"] for t in tools)
     parallel = body.parallel_tool_calls is not False
-    spec = _forced_call_spec(fmt, choice, tools, parallel) if prefix and grammar else ""
+    spec = _forced_call_spec(fmt, choice, tools, parallel, ctx) if prefix and grammar else ""
     types = tuple(param_types(tools).items())
     return prompt, ToolUse(names, parallel, prefix, fmt, spec, types)
 
 
 def _forced_call_spec(
-    fmt: ToolFormat, choice: str, tools: Sequence[Mapping[str, Any]], parallel: bool
+    fmt: ToolFormat,
+    choice: str,
+    tools: Sequence[Mapping[str, Any]],
+    parallel: bool,
+    ctx: PromptContext | None = None,
 ) -> str:
     """The grammar spec that keeps a forced tool_choice's answer to well-formed calls
     with schema-following arguments. Where the grammar library cannot follow a
@@ -435,7 +442,10 @@ def _forced_call_spec(
         grammar = forced_call_grammar(fmt, choice, tools, parallel)
         if not grammar:
             raise InvalidRequest("two functions' schemas define one name differently")
-        return grammar_spec("grammar", grammar)
+        spec = grammar_spec("grammar", grammar)
+        if ctx is not None and ctx.check_grammar is not None:
+            ctx.check_grammar(spec)  # what only the model's tokenizer shows
+        return spec
     except InvalidRequest as error:
         logger.warning(
             "tool_choice %r: the calls' arguments are held to JSON objects, not to their "

@@ -22,6 +22,7 @@ from typing import Any
 from mesh.config import WindowPolicySpec
 from mesh.errors import MeshError, Unavailable
 from mesh.frames import Frame, FrameResult, Segment
+from mesh.grammar import TokenGrammars
 from mesh.package.manifest import PackageManifest
 from mesh.speculative import DrafterFactory, Telemetry, make_policy
 from mesh.speculative.prediction import PredictionDrafter
@@ -60,6 +61,9 @@ class PipelineScheduler:
         # What the status page shows of the pipeline's recent work.
         self.activity = PipelineActivity(time.perf_counter)
         self._loaded: LoadedStage | None = None
+        # The served model's grammar compiler, for checking a request's constraint
+        # before it is queued.
+        self._grammars: TokenGrammars | None = None
         # Whether a pipeline was ever loaded: then a missing one is being reloaded.
         self._served = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,6 +120,10 @@ class PipelineScheduler:
         self._attach(asyncio.get_running_loop())
         if self._loaded is None:
             raise Unavailable(self.unavailable_reason() or "not ready")
+        if request.sampling.grammar:
+            # Before anything is queued: a grammar the library cannot follow is the
+            # request's 400 now, not an error the last stage finds mid-stream.
+            await asyncio.to_thread(self.check_grammar, request.sampling.grammar)
         run = self.core.add(request)
         request_id = request.request_id
         events: asyncio.Queue = asyncio.Queue()
@@ -142,6 +150,20 @@ class PipelineScheduler:
             self._runs.pop(request_id, None)
             self.core.cancel(request_id)
             self._pump()
+
+    def check_grammar(self, spec: str) -> None:
+        """Compile ``spec`` with the served model's tokenizer and walk its first
+        tokens, as the last stage will (InvalidRequest where the library cannot
+        follow it); the compiled grammar is kept for the next request with the same
+        spec. Blocks (the tokenizer's first build takes a second or more): call it
+        off the event loop."""
+        loaded = self._loaded
+        if loaded is None:
+            return
+        grammars = self._grammars
+        if grammars is None or grammars.tokenizer_dir != loaded.package_dir:
+            grammars = self._grammars = TokenGrammars(loaded.package_dir)
+        grammars.check(spec, loaded.engine.runtime.vocab_size)
 
     def end_all(self, message: str) -> None:
         """End every running generation with a 503 saying ``message`` (the process is

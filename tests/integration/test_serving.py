@@ -239,6 +239,49 @@ def test_bad_input_gets_openai_errors_and_nothing_is_lost(mesh, client: OpenAI):
     assert chat(client, "still there?", max_tokens=3).usage.completion_tokens == 3
 
 
+UNFOLLOWABLE = [
+    {"$ref": "#"},
+    {"type": "string", "pattern": "^a{1000000}$"},
+    {
+        "$defs": {
+            "n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+        },
+        "$ref": "#/$defs/n",
+    },
+]
+
+
+def test_grammars_the_library_cannot_follow_get_400_before_anything_streams(mesh, client):
+    """Schemas and grammars that compile but that the grammar library cannot follow
+    with the model's tokenizer (a schema that is only a reference to itself, a
+    repeat too large to build, no finite instance) are the request's 400, streamed
+    or not; a forced tool call with such parameters falls back to any JSON object."""
+    url = mesh.http_url + "/v1/chat/completions"
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    for schema in UNFOLLOWABLE:
+        form = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        for stream in (False, True):
+            response = httpx.post(url, json={**ask, "response_format": form, "stream": stream})
+            assert response.status_code == 400, (schema, stream, response.text)
+            assert "cannot be followed" in error_of(response)["message"]
+    lark = httpx.post(
+        mesh.http_url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "a",
+            "max_tokens": 4,
+            "guided_grammar": 'start: "a"{1000000}',
+        },
+    )
+    assert lark.status_code == 400, lark.text
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+    forced = httpx.post(
+        url, json={**ask, "max_tokens": 24, "tools": [tool], "tool_choice": "required"}
+    )
+    assert forced.status_code == 200, forced.text
+    assert chat(client, "still there?", max_tokens=3).usage.completion_tokens == 3
+
+
 def test_session_limit_gives_429_with_retry_after(mesh, client: OpenAI):
     def long_request(index: int) -> int:
         response = httpx.post(

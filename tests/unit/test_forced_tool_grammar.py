@@ -6,6 +6,7 @@ what it forbids, where it ends), and the request the frontend sends for it."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from frontend_support import MODEL_ID, ScriptedBackend, live_server
@@ -239,6 +240,13 @@ def test_schemas_the_library_cannot_follow_still_hold_calls_to_names_and_objects
     assert spec and '"rebook' in json.loads(spec)["lark"]
     # Formats without a call grammar stay free.
     assert _forced_call_spec(ToolFormat.QWEN_XML, "required", [BROKEN], True) == ""
+    # A schema that compiles but that the library cannot follow with the model's
+    # tokenizer (only a reference to itself): the check the backend offers finds it.
+    selfish = {"type": "function", "function": {"name": "lookup", "parameters": {"$ref": "#"}}}
+    ctx = SimpleNamespace(check_grammar=lambda spec: smollm2_grammars.check(spec, VOCAB))
+    spec = _forced_call_spec(ToolFormat.HERMES, "lookup", [selfish], True, ctx)
+    ids = smollm2_tokenizer.encode('{"any": 1}}\n</tool_call>', add_special_tokens=False)
+    assert follows(smollm2_grammars, spec, ids) is not None
 
 
 # ---- the request the frontend sends ----------------------------------------------

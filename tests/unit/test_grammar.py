@@ -192,3 +192,48 @@ def test_regex_choice_and_grammar_masks_follow_a_text_and_end_at_eos(
     follow_to_eos(constraint, smollm2_tokenizer, ids)
     # Anything else at the start is forbidden.
     assert not allowed_after(smollm2_grammars, spec, [])[smollm2_tokenizer.encode("Hello")[0]]
+
+
+@pytest.mark.parametrize(
+    "kind, value",
+    [
+        ("json_schema", {"$ref": "#"}),
+        (
+            "json_schema",
+            {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a",
+            },
+        ),
+        ("json_schema", {"type": "string", "pattern": "^a{1000000}$"}),
+        (
+            "json_schema",
+            {
+                "$defs": {
+                    "n": {
+                        "type": "object",
+                        "properties": {"c": {"$ref": "#/$defs/n"}},
+                        "required": ["c"],
+                    }
+                },
+                "$ref": "#/$defs/n",
+            },
+        ),
+        ("grammar", 'start: "a"{1000000}'),
+    ],
+)
+def test_grammars_the_library_cannot_follow_are_the_request_s_error(
+    smollm2_grammars, kind: str, value
+) -> None:
+    """They compile without a tokenizer; with it, their first mask or first tokens
+    fail in the library: InvalidRequest (the request's 400), never Fatal."""
+    spec = grammar_spec(kind, value)
+    with pytest.raises(InvalidRequest, match="cannot be followed"):
+        smollm2_grammars.check(spec, VOCAB)
+
+
+def test_a_sound_grammar_passes_the_check_and_is_kept(smollm2_grammars) -> None:
+    spec = grammar_spec("json_schema", SCHEMA)
+    smollm2_grammars.check(spec, VOCAB)
+    smollm2_grammars.check(grammar_spec("choice", ["yes", "no"]), VOCAB)
+    assert spec in smollm2_grammars._templates  # noqa: SLF001
