@@ -115,7 +115,7 @@ def content_blocks(text: str, tools: ToolUse | None) -> tuple[list[dict[str, Any
 
 
 def stop_of(finish: str | None, stop_string: str | None, called: bool) -> tuple[str, str | None]:
-    if called:
+    if called and finish != "length":
         return "tool_use", None
     if finish == "stop" and stop_string is not None:
         return "stop_sequence", stop_string

@@ -93,8 +93,9 @@ def usage_of(run: GenerationRun) -> dict[str, Any]:
 
 
 def status_of(run: GenerationRun, calls: list[ToolCall]) -> str:
-    """``incomplete`` when the token budget ended an answer that called nothing."""
-    return "incomplete" if run.finish_reason == "length" and not calls else "completed"
+    """``incomplete`` when the token budget ended the answer (its complete calls are
+    kept), else ``completed``."""
+    return "incomplete" if run.finish_reason == "length" else "completed"
 
 
 @dataclass(frozen=True)

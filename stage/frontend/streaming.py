@@ -207,7 +207,8 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
                 "content": content,
                 "tool_calls": [call.to_openai() for call in calls],
             }
-            finish = "tool_calls"
+            # Cut by the token budget stays "length": the answer did not end itself.
+            finish = "length" if finish == "length" else "tool_calls"
         else:
             message["content"] = p.tools.prefix + text
     if p.reasoning is not None:
@@ -420,7 +421,7 @@ async def _choice_events(
                 delta = {"tool_calls": [call.to_openai(index)]}
                 choice = {"index": run.index, "delta": delta, "logprobs": None}
                 yield sse(_chunk(run, [{**choice, "finish_reason": None}])), False
-            finish = "tool_calls"
+            finish = "length" if finish == "length" else "tool_calls"
     last = _chunk(run, [_choice(run, None, finish, _chunk_logprobs(run, sent))])
     last["timings"] = run.timings()
     yield sse(last), False

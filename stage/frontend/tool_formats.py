@@ -378,7 +378,12 @@ class ToolUse:
     types: tuple[tuple[tuple[str, str], tuple[str, ...]], ...] = ()
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return parse_calls(self.format, text, self.names, self.parallel, dict(self.types))
+        content, calls = parse_calls(self.format, text, self.names, self.parallel, dict(self.types))
+        if self.grammar and calls:
+            # A forced choice's grammar lets through nothing but calls: text beside
+            # them is a further call the token budget cut off, not content.
+            content = None
+        return content, calls
 
     def hold_start(self, text: str) -> int:
         return hold_start(self.format, text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from frontend_support import MODEL_ID, ScriptedBackend, live_server
 from openai import OpenAI
@@ -283,3 +284,62 @@ def test_a_forced_choice_sends_its_grammar_and_a_free_one_none(frontend) -> None
     assert "get_time" in json.loads(backend.requests[-1].sampling.grammar)["lark"]
     client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS)
     assert backend.requests[-1].sampling.grammar == ""
+
+
+def test_a_second_call_cut_by_the_budget_is_neither_content_nor_hidden(smollm2_tokenizer) -> None:
+    """tool_choice required: one whole call, then the budget cuts a second one. The
+    whole call comes back, the cut one is not content, and every API says the budget
+    ended the answer (chat "length", Anthropic "max_tokens", Responses incomplete)."""
+    answer = (
+        '{"name": "get_weather", "arguments": ' + WEATHER_ARGS + '}\n</tool_call>\n<tool_call>\n{"'
+    )
+    ids = tuple(smollm2_tokenizer.encode(answer, add_special_tokens=False))
+    backend = ScriptedBackend([TokenEvent(ids, "length")])
+    with live_server(backend, smollm2_tokenizer) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        reply = client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=len(ids)
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL_ID,
+                messages=ASK,
+                tools=TOOLS,
+                tool_choice="required",
+                max_tokens=len(ids),
+                stream=True,
+            )
+        )
+        tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+        anthropic = httpx.post(
+            url + "/v1/messages",
+            json={
+                "model": MODEL_ID,
+                "max_tokens": len(ids),
+                "messages": ASK,
+                "tools": [tool],
+                "tool_choice": {"type": "any"},
+            },
+            timeout=30,
+        ).json()
+        responses = httpx.post(
+            url + "/v1/responses",
+            json={
+                "model": MODEL_ID,
+                "input": ASK[0]["content"],
+                "tools": [{"type": "function", **WEATHER["function"]}],
+                "tool_choice": "required",
+                "max_output_tokens": len(ids),
+            },
+            timeout=30,
+        ).json()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 2}
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert anthropic["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in anthropic["content"]] == ["tool_use"]
+    assert responses["status"] == "incomplete"
+    assert [item["type"] for item in responses["output"]] == ["function_call"]
