@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ class ResponseStore:
         size = len(json.dumps(response)) + len(json.dumps(input_items))
         if not self.enabled or size > self.max_chars:
             return
-        stored = Stored(tenant, response, tuple(input_items), size)
+        stored = Stored(tenant, response, tuple(identified(input_items)), size)
         with self._lock:
             old = self._responses.pop(response["id"], None)
             self._chars -= old.size if old is not None else 0
@@ -104,6 +105,33 @@ class ResponseStore:
                     if isinstance(item, dict) and item.get("id") == item_id:
                         return item
         return None
+
+
+# The id prefix of an input item of each type (others: "item_").
+_ID_PREFIXES = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "reasoning": "rs_",
+}
+
+
+def identified(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``items`` as the store lists them: each with its ``type`` (a message given by
+    its role alone is a ``message``) and an ``id`` (its own, else a new one), so
+    that ``input_items`` pages by id as OpenAI's does."""
+    out = []
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        item = dict(item)
+        if "type" not in item and "role" in item:
+            item["type"] = "message"
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            prefix = _ID_PREFIXES.get(str(item.get("type")), "item_")
+            item["id"] = prefix + uuid.uuid4().hex[:24]
+        out.append(item)
+    return out
 
 
 def input_items(given: Any) -> list[dict[str, Any]]:

@@ -43,7 +43,8 @@ def parse_response_request(
 
 
 def _listed(request: Request, items: list[dict[str, Any]]) -> dict[str, Any]:
-    """``input_items``: OpenAI's list shape, newest first unless ``order=asc``."""
+    """``input_items``: OpenAI's list shape, newest first unless ``order=asc``, a page
+    of ``limit`` items from the one after ``after`` (an item id) on."""
     order = request.query_params.get("order", "desc")
     limit_text = request.query_params.get("limit", "20")
     if order not in ("asc", "desc"):
@@ -51,6 +52,16 @@ def _listed(request: Request, items: list[dict[str, Any]]) -> dict[str, Any]:
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_LIST:
         raise bad_request(f"limit must be 1 to {MAX_LIST}", "limit")
     ordered = items if order == "asc" else items[::-1]
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise bad_request(
+                f"after: no input item {after!r} in this response; pass the last_id of "
+                "the page before",
+                "after",
+            )
+        ordered = ordered[ids.index(after) + 1 :]
     page = ordered[: int(limit_text)]
     return {
         "object": "list",

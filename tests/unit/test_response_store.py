@@ -72,6 +72,16 @@ def test_a_chain_of_turns_reads_the_whole_conversation(tokenizer) -> None:
         items = client.responses.input_items.list(fourth.id, order="asc")
         texts = [getattr(i, "content", None) for i in items.data]
         assert len(texts) == 7  # 4 user turns and 3 answers
+        # Pages of 2, as the SDK walks them (by each page's last id): every item,
+        # each with its type and an id of its own.
+        paged = list(client.responses.input_items.list(fourth.id, limit=2, order="asc"))
+        assert [i.model_dump() for i in paged] == [i.model_dump() for i in items.data]
+        assert len({i.id for i in paged}) == 7 and all(i.type == "message" for i in paged)
+        newest = client.responses.input_items.list(fourth.id, limit=3)
+        assert [i.id for i in newest.data] == [i.id for i in paged][::-1][:3]
+        assert newest.first_id == paged[-1].id and newest.has_more
+        with pytest.raises(openai.BadRequestError, match="after"):
+            client.responses.input_items.list(fourth.id, after="msg_nothing")
         client.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(first.id)
