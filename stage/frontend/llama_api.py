@@ -3,7 +3,7 @@
 and ``POST /apply-template``.
 
 Bodies take llama.cpp's names beside this server's usual parameters
-(``LlamaBody``): ``n_predict`` (-1: up to the context), ``repeat_penalty``,
+(``LlamaBody``): ``n_predict`` (-1 or -2: up to the context), ``repeat_penalty``,
 ``penalty_last_n`` (``repeat_last_n``), ``seed: -1`` (a random seed), ``n_probs``
 (``completion_probabilities`` in the answer and in each streamed event); its samplers
 DRY, XTC, ``typical_p``, ``top_n_sigma`` and dynamic temperature are this server's
@@ -142,12 +142,12 @@ class LlamaBody(GenerationBody):
                 raise bad_request(f"send {theirs} or {ours}, not both", theirs)
             value = data.pop(theirs)
             if theirs == "n_predict" and isinstance(value, int) and not isinstance(value, bool):
-                if value < 0:
-                    continue
-                if value == 0 or value > MAX_TOKENS_MAX:
+                if value in (-1, -2):
+                    continue  # llama.cpp's "no limit" and "until the context is full"
+                if value < -2 or value == 0 or value > MAX_TOKENS_MAX:
                     raise bad_request(
-                        f"n_predict must be -1 (up to the context) or 1 to {MAX_TOKENS_MAX}, "
-                        f"got {value}",
+                        f"n_predict must be -1 or -2 (up to the context) or 1 to "
+                        f"{MAX_TOKENS_MAX}, got {value}",
                         "n_predict",
                     )
             data[ours] = value

@@ -323,7 +323,7 @@ def _budget(
     prompt_len: int, requested: int | None, ctx: PromptContext, param: str, name: str = "the prompt"
 ) -> int:
     if prompt_len == 0:
-        raise bad_request(f"{name} is empty after tokenisation; send some text", param)
+        raise bad_request(f"{name} is empty; send some text or token ids", param)
     room = ctx.context_length - prompt_len
     if room <= 0:
         raise bad_request(

@@ -378,7 +378,20 @@ def parse_body(payload: dict[str, Any], model_id: str) -> tuple[ResponsesBody, C
     either is invalid."""
     try:
         body = ResponsesBody.model_validate(payload)
-        chat = ChatCompletionBody.model_validate(body.chat_body(model_id))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    try:
+        chat = ChatCompletionBody.model_validate(body.chat_body(model_id))
+    except ValidationError as exc:
+        # The chat twin's fields are not the request's: name what was sent.
+        error = from_validation_error(exc)
+        if error.param == "messages" or (error.param or "").startswith("messages."):
+            raise bad_request(
+                "input holds no message to answer (only reasoning or empty items); "
+                "send at least one message or function call output"
+                if "at least 1 item" in error.message
+                else error.message.replace("'messages", "'input"),
+                "input",
+            ) from None
+        raise error from None
     return body, chat

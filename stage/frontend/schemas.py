@@ -52,6 +52,10 @@ MAX_WINDOW = 64
 
 
 class StreamOptions(_Body):
+    # OpenAI's two fields (and vLLM's): anything else is a 400 naming it, as an
+    # unknown top-level field is.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
     include_usage: Bool | None = None
     # vLLM's extension: usage so far in every chunk that carries output.
     continuous_usage_stats: Bool | None = None
@@ -432,7 +436,9 @@ TokenList = Annotated[list[Int], Field(min_length=1)]
 
 
 class CompletionBody(GenerationBody):
-    prompt: Str | TokenList | list[Str] | list[TokenList]
+    # A batch's token lists may be empty here: the check that names which one is
+    # empty comes with the others' tokenisation (prepare.py).
+    prompt: Str | TokenList | list[Str] | list[list[Int]]
     # 0 only with ``echo``: the prompt is read (and scored, with ``logprobs``), nothing
     # is generated (OpenAI's legacy idiom for scoring text).
     max_tokens: Annotated[int, Strict(), Field(ge=0, le=MAX_TOKENS_MAX)] | None = None

@@ -244,6 +244,7 @@ def test_fim_requests_are_refused_clearly(smollm2_tokenizer_dir, coder_tokenizer
         for path, body, param in [
             ("/v1/completions", {"prompt": "a", "suffix": "b", "echo": True}, "suffix"),
             ("/infill", {"input_prefix": "a", "n_predict": 0}, "n_predict"),
+            ("/infill", {"input_prefix": "a", "n_predict": -3}, "n_predict"),
             ("/infill", {"input_prefix": "a", "n_predict": 5, "max_tokens": 5}, "n_predict"),
             ("/infill", {"input_prefix": "a", "n": 2}, "n"),
             ("/infill", {"input_prefix": "a", "n_probs": 21}, "n_probs"),

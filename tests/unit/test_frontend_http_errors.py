@@ -243,6 +243,9 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, modalities=["text", "audio"]), "modalities"),
         (CHAT, with_(OK_CHAT, reasoning_effort="huge"), "reasoning_effort"),
         (COMPLETIONS, with_(OK_COMPLETION, n=40), "n"),
+        (CHAT, with_(OK_CHAT, stream=True, stream_options={"bogus": True}), "stream_options"),
+        (COMPLETIONS, with_(OK_COMPLETION, prompt=[[1, 2], []]), "prompt"),
+        ("/v1/responses", {"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ],
 )
 def test_bad_parameters_are_400(http, path: str, body: dict, param: str) -> None:
@@ -680,3 +683,10 @@ def test_fastapi_validation_errors_are_openai_400s(backend, tokenizer) -> None:
         assert client.get("/typed", params={"count": 3}).json() == {"count": 3}
         assert_openai_error(client.get("/typed", params={"count": "x"}), 400, param="count")
         assert_openai_error(client.get("/typed"), 400, code="missing_field", param="count")
+
+
+def test_an_empty_prompt_of_a_batch_is_named(http) -> None:
+    error = assert_openai_error(
+        http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=[[1, 2], [3], []])), 400
+    )
+    assert "prompt 2 is empty" in error["message"]
