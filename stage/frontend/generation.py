@@ -241,7 +241,9 @@ class GenerationRun:
                 finish = "stop"
         if finish is not None:
             text += self._text.finish()
-            self.finish_reason = finish
+            # The flushed text (an incomplete character at the end, as U+FFFD) can
+            # complete a stop string: then a stop string ended the answer.
+            self.finish_reason = "stop" if self._text.stopped else finish
         return text
 
     async def aclose(self) -> None:

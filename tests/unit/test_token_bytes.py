@@ -142,3 +142,20 @@ def test_a_completion_keeps_the_space_before_its_first_word() -> None:
     assert plain["choices"][0]["text"] == " hi"
     assert echoed["choices"][0]["text"] == "hi hi"
     assert "".join(streamed) == " hi"
+
+
+def test_a_stop_string_completed_by_the_flushed_text_ends_with_stop(smollm2_tokenizer) -> None:
+    """The budget ends an answer inside a character: the flushed text ends in
+    U+FFFD, and a stop string that it completes is a stop, not "length"."""
+    ids = smollm2_tokenizer.encode("ab🎉", add_special_tokens=False)
+    partial = ids[:-1]
+    assert smollm2_tokenizer.decode(partial).endswith("\ufffd")
+    backend = ScriptedBackend([TokenEvent(tuple(partial), "length")])
+    with live_server(backend, smollm2_tokenizer) as url:
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "x", "max_tokens": len(partial), "stop": ["b\ufffd"]},
+            timeout=30,
+        ).json()
+    assert reply["choices"][0]["text"] == "a"
+    assert reply["choices"][0]["finish_reason"] == "stop"
