@@ -123,3 +123,49 @@ def _arguments(text: str) -> Any:
     except ValueError:
         return text
     return value if isinstance(value, dict) else text
+
+
+def tool_message_problem(messages: list[ChatMessage]) -> str | None:
+    """What is wrong with the conversation's tool calls and results, as OpenAI checks
+    them (None when nothing is): every 'tool' message answers a call of the
+    assistant message before its run of tool messages, by that call's id; a call id
+    appears once in an assistant message; and every call is answered before the
+    next message that is not a tool result. Calls sent without ids (some clients
+    drop them) are matched by position only: their results need just to follow."""
+    calls: list[str | None] | None = None  # the open assistant message's call ids
+    opened = -1
+    answered: set[str] = set()
+
+    def unanswered() -> list[str]:
+        return [c for c in calls or () if c is not None and c not in answered]
+
+    for index, message in enumerate(messages):
+        if message.role == "tool":
+            if calls is None:
+                return (
+                    f"message {index} is a 'tool' message, but the message before its run of "
+                    "tool results is not an assistant message with tool_calls; send the "
+                    "assistant's calls before their results"
+                )
+            known = [c for c in calls if c is not None]
+            if len(known) == len(calls) and message.tool_call_id not in known:
+                return (
+                    f"message {index} answers tool_call_id {message.tool_call_id!r}, which is "
+                    f"not a call of message {opened} (its calls: {', '.join(known)})"
+                )
+            answered.add(message.tool_call_id or "")
+            continue
+        if unanswered():
+            return (
+                f"message {opened} called {', '.join(unanswered())} but no 'tool' message "
+                f"answers it before message {index}; send each call's result as a 'tool' "
+                "message with its tool_call_id"
+            )
+        calls, answered = None, set()
+        if message.role == "assistant" and message.tool_calls:
+            calls = [call.id for call in message.tool_calls]
+            known = [c for c in calls if c is not None]
+            if len(set(known)) != len(known):
+                return f"message {index} has two tool calls with one id; give each its own"
+            opened = index
+    return None

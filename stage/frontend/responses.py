@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Strict, Tag, ValidationError, model_validator
 
-from stage.frontend.chat_messages import FunctionName
+from stage.frontend.chat_messages import FunctionName, tool_message_problem
 from stage.frontend.errors import bad_request, from_validation_error
 from stage.frontend.schemas import MAX_TOKENS_MAX, ChatCompletionBody
 from stage.frontend.schemas_base import Bool, Int, Str, _Body
@@ -394,4 +394,8 @@ def parse_body(payload: dict[str, Any], model_id: str) -> tuple[ResponsesBody, C
                 "input",
             ) from None
         raise error from None
+    problem = tool_message_problem(chat.messages)
+    if problem:
+        # Counted over the conversation the input makes (instructions first).
+        raise bad_request(f"input, read as a conversation: {problem}", "input")
     return body, chat

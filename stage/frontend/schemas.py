@@ -16,7 +16,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, Strict
 
-from stage.frontend.chat_messages import ChatMessage, NamedToolChoice, Tool
+from stage.frontend.chat_messages import (
+    ChatMessage,
+    NamedToolChoice,
+    Tool,
+    tool_message_problem,
+)
 from stage.frontend.schemas_base import Bool, Int, Str, _Body
 
 SEED_MIN = -(2**63)
@@ -385,6 +390,9 @@ class ChatCompletionBody(GenerationBody):
                 problems.append(
                     ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
                 )
+        tool_problem = tool_message_problem(self.messages)
+        if tool_problem:
+            problems.append(("messages", tool_problem))
         if self.continue_final_message:
             last = self.messages[-1]
             if last.role != "assistant" or not last.text() or last.tool_calls:

@@ -690,3 +690,93 @@ def test_an_empty_prompt_of_a_batch_is_named(http) -> None:
         http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=[[1, 2], [3], []])), 400
     )
     assert "prompt 2 is empty" in error["message"]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+USER = {"role": "user", "content": "go"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([USER, {"role": "tool", "tool_call_id": "call_1", "content": "r"}], "not an assistant"),
+        (
+            [
+                USER,
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "r"},
+            ],
+            "'call_9'",
+        ),
+        ([USER, {"role": "assistant", "tool_calls": [CALL]}, USER], "no 'tool' message answers"),
+        ([USER, {"role": "assistant", "tool_calls": [CALL, CALL]}], "two tool calls with one id"),
+    ],
+)
+def test_tool_results_that_answer_no_call_are_400(http, messages: list, says: str) -> None:
+    """As OpenAI checks them: results answer the calls before them, by id, and every
+    call is answered before the conversation goes on."""
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 2}
+    error = assert_openai_error(http.post(CHAT, json=body), 400, param="messages")
+    assert says in error["message"]
+
+
+def test_sound_tool_conversations_pass_the_check(http) -> None:
+    nameless = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conversations = [
+        # Two calls answered in either order, then the user goes on.
+        [
+            USER,
+            {"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+            {"role": "tool", "tool_call_id": "call_2", "content": "b"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "a"},
+            {"role": "assistant", "content": "done"},
+            USER,
+        ],
+        # Calls sent back without ids: their results need only follow them.
+        [
+            USER,
+            {"role": "assistant", "tool_calls": [nameless]},
+            {"role": "tool", "tool_call_id": "x", "content": "r"},
+        ],
+        # The last message calls: the answer comes next.
+        [
+            USER,
+            {"role": "assistant", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+        ],
+    ]
+    for messages in conversations:
+        reply = http.post(CHAT, json={"messages": messages, "tools": TOOLS, "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+
+
+def test_responses_and_anthropic_results_answer_calls_too(http) -> None:
+    orphan = [
+        {"role": "user", "content": "go"},
+        {"type": "function_call_output", "call_id": "call_7", "output": "r"},
+    ]
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    reply = http.post("/v1/responses", json={"input": orphan, "tools": tools})
+    assert assert_openai_error(reply, 400, param="input")
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "r"}],
+        },
+    ]
+    anthropic = http.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 2,
+            "messages": messages,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        },
+    )
+    assert anthropic.status_code == 400, anthropic.text
+    assert "toolu_2" in anthropic.text
