@@ -23,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mesh.errors import InvalidRequest
 
@@ -90,11 +91,28 @@ def generate_cluster_certs(
     if days < 1:
         raise InvalidRequest("--days must be at least 1")
     out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InvalidRequest(
+            f"--out {out}: cannot make the directory ({error.strerror}); give a directory "
+            "path (it is created if missing)"
+        ) from None
     ca_cert_path, ca_key_path = out / CA_CERT, out / CA_KEY
     if ca_cert_path.exists() and ca_key_path.exists():
-        ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
-        ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+        try:
+            ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
+            ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+        except (ValueError, TypeError) as error:
+            raise InvalidRequest(
+                f"the CA in {out} cannot be read ({error}); restore {CA_CERT} and {CA_KEY} "
+                "or use an empty --out directory"
+            ) from None
+        if _public(ca_key) != _public(ca_cert):
+            raise InvalidRequest(
+                f"{ca_key_path} is not the key of {ca_cert_path}: certificates it signed would "
+                "not verify against the CA; restore the CA's own key"
+            )
         created = False
         logger.info("signing with the existing CA in %s", ca_cert_path)
     elif ca_cert_path.exists() or ca_key_path.exists():
@@ -264,3 +282,13 @@ def run_certs(args: argparse.Namespace) -> str:
         lines.append(f"{', '.join(node.hosts)}: --tls-cert {node.cert} --tls-key {node.key}")
     lines.append(f"every node: --tls-ca {made.ca_cert} (add --tls-mutual to require client certs)")
     return "\n".join(lines)
+
+
+def _public(holder: Any) -> bytes:
+    """The public key of a private key or a certificate, as PEM bytes."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = holder.public_key()
+    return key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )

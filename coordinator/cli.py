@@ -40,7 +40,13 @@ from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.lifetime import PARENT_PID_ENV
 from mesh.logsetup import configure_logging
 from mesh.metrics import local_stage_metrics_argv, serve_metrics
-from mesh.netaddr import advertise_host, is_wildcard, split_host_port, url_host
+from mesh.netaddr import (
+    advertise_host,
+    host_port_setting,
+    is_wildcard,
+    split_host_port,
+    url_host,
+)
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import (
     MeshSecurity,
@@ -74,13 +80,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = CoordinatorConfig.model
 
 
+def _dial_address(text: str) -> str:
+    """argparse type of an address to dial: HOST:PORT, port 1-65535."""
+    try:
+        return host_port_setting(any_port=False)(text)
+    except InvalidRequest as error:
+        raise argparse.ArgumentTypeError(error.message) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh-coordinator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run the coordinator (and local stages)")
     add_up_arguments(up)
     status = sub.add_parser("status", help="print the topology")
-    status.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
+    status.add_argument(
+        "--coordinator", default="127.0.0.1:7070", type=_dial_address, help="HOST:PORT"
+    )
     status.add_argument("--json", action="store_true", help="print JSON")
     add_security_arguments(status)
     add_certs_parser(sub)
@@ -107,12 +123,21 @@ def resolve_up(args: argparse.Namespace) -> UpConfig:
     toml, source = read_config(args)
     given = vars(args)
     local = {name: given[name] for name in LOCAL_STAGE_FIELDS if name in given}
-    return UpConfig(
+    config = UpConfig(
         coordinator=resolve(CoordinatorConfig, "coordinator", args, toml, toml_source=source),
         stage=resolve(StageConfig, "stage", local, toml, toml_source=source),
         frontend=resolve(FrontendConfig, "frontend", args, toml, toml_source=source),
         toml=toml,
     )
+    coordinator = config.coordinator.value
+    if coordinator.max_stages and coordinator.min_stages > coordinator.max_stages:
+        raise InvalidRequest(
+            f"min_stages {coordinator.min_stages} ({config.coordinator.origin('min_stages')}) "
+            f"is above max_stages {coordinator.max_stages} "
+            f"({config.coordinator.origin('max_stages')}): the mesh would wait for stages "
+            "it may not use; lower min_stages or raise max_stages"
+        )
+    return config
 
 
 def _resolve_model_ref(ref: str, quant: str | None = None) -> str:

@@ -272,8 +272,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except FileNotFoundError as error:
         raise InvalidRequest(f"config file {path} not found; check the --config path") from error
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise InvalidRequest(f"config file {path} is not valid TOML: {error}") from error
+    except OSError as error:
+        raise InvalidRequest(
+            f"config file {path} cannot be read ({error.strerror}); --config takes a TOML file"
+        ) from error
 
 
 def toml_layers(toml: dict[str, Any], model_id: str) -> list[tuple[str, dict[str, Any]]]:

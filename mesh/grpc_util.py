@@ -50,6 +50,10 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 SERVER_OPTIONS = [
+    # gRPC binds with SO_REUSEPORT by default: a second coordinator or stage on a port
+    # already served would share it (the kernel splitting connections between them)
+    # instead of failing to start.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -99,10 +103,44 @@ def bind(srv: grpc.Server, listen: str, security: MeshSecurity | None = None) ->
         else:
             port = srv.add_secure_port(listen, credentials)
     except RuntimeError as error:
-        raise Unavailable(f"cannot listen on {listen}: {error}; is the port in use?") from error
+        # gRPC's own message says only that binding failed.
+        raise Unavailable(f"cannot listen on {listen}: {bind_problem(listen)}") from error
     if port == 0:
-        raise Unavailable(f"cannot listen on {listen}; is the port in use?")
+        raise Unavailable(f"cannot listen on {listen}: {bind_problem(listen)}")
     return port
+
+
+def bind_problem(listen: str) -> str:
+    """Why ``listen`` cannot be bound, found with a plain socket (gRPC says only that
+    it failed): the host does not resolve, is not this host's, or the port is taken."""
+    import errno
+    import socket
+
+    from mesh.netaddr import split_host_port
+
+    try:
+        host, port = split_host_port(listen)
+    except ValueError as error:
+        return f"{error}; write HOST:PORT"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return f"the host {host!r} does not resolve; listen on an address of this host or 0.0.0.0"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} is in use by another process (mesh-coordinator doctor "
+                        "or mesh-stage doctor names it); pick another port"
+                    )
+                if error.errno == errno.EADDRNOTAVAIL:
+                    return f"{host} is not an address of this host; listen on one, or 0.0.0.0"
+                return f"{error.strerror}"
+    return "is the port in use?"
 
 
 def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:

@@ -17,18 +17,53 @@ import ipaddress
 import logging
 import socket
 import subprocess
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
+MAX_PORT = 65535
+
+
 def split_host_port(address: str) -> tuple[str, int]:
-    """``host:port`` (IPv6 hosts in brackets) -> (host, port)."""
+    """``host:port`` (IPv6 hosts in brackets) -> (host, port); ValueError for anything
+    else, a port past 65535 included (a socket would take it modulo 65536)."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not port.isascii():
         raise ValueError(f"{address!r} is not HOST:PORT")
+    if int(port) > MAX_PORT:
+        raise ValueError(f"{address!r}: port {int(port)} is out of range (0-{MAX_PORT})")
     return host.strip("[]") if host.startswith("[") else host, int(port)
+
+
+def host_port_setting(any_port: bool) -> Callable[[str], str]:
+    """A settings ``parse`` for a HOST:PORT value (port 1-65535, or 0 as well where
+    ``any_port``: a listen address taking any free port): the text, checked."""
+
+    def parse(text: str) -> str:
+        from mesh.errors import InvalidRequest
+
+        try:
+            _, port = split_host_port(text)
+        except ValueError as error:
+            raise InvalidRequest(
+                f"{error}; write HOST:PORT, IPv6 hosts in brackets ([::1]:7070)"
+            ) from None
+        if port == 0 and not any_port:
+            raise InvalidRequest(f"{text!r}: port 0 is not an address to dial; give its port")
+        return text
+
+    return parse
+
+
+def coordinator_setting(text: str) -> str:
+    """A settings ``parse`` for a stage's coordinator: HOST:PORT, or auto / auto:PORT
+    (LAN discovery)."""
+    if text == "auto" or (text.startswith("auto:") and text[5:].isdigit()):
+        return text
+    return host_port_setting(any_port=False)(text)
 
 
 def is_wildcard(host: str) -> bool:

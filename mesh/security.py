@@ -193,9 +193,12 @@ def security_from_args(
     )
 
 
-def validate(security: MeshSecurity, serving: bool) -> MeshSecurity:
+def validate(security: MeshSecurity, serving: bool, certificate: bool = True) -> MeshSecurity:
     """Check that the TLS settings fit together and that every file is a readable PEM
-    file; ``serving`` is True for a process that runs a gRPC server."""
+    file; ``serving`` is True for a process that runs a gRPC server, whose
+    certificate (with ``certificate``) must also be valid now, match its key and be
+    signed by ``tls_ca`` (else gRPC fails at bind time with a message about the
+    port, or peers refuse it)."""
     if (security.tls_cert is None) != (security.tls_key is None):
         raise InvalidRequest("--tls-cert and --tls-key go together: give both or neither")
     if security.tls_mutual and security.tls_ca is None:
@@ -212,6 +215,12 @@ def validate(security: MeshSecurity, serving: bool) -> MeshSecurity:
     for path in (security.tls_cert, security.tls_key, security.tls_ca):
         if path is not None:
             read_pem(path)
+    if serving and certificate and security.tls_cert is not None:
+        from mesh.doctor.tls import certificate_problem
+
+        problem = certificate_problem(security)
+        if problem is not None:
+            raise InvalidRequest(problem)
     return security
 
 

@@ -109,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     stage = config.stage.value
     from mesh.runtime import invariant, linear, qkernels
+    from mesh.runtime.skeleton import resolve_device
+
+    # A device this host lacks fails now, not at the first load the coordinator plans.
+    resolve_device(stage.device)
 
     qkernels.MODE = stage.quantised_kernel
     if stage.quantised_gemm and stage.quantised_kernel == "auto":

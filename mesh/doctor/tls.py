@@ -40,11 +40,18 @@ def check_security(
         )
         return results
     try:
-        validate(security, serving=True)
+        validate(security, serving=True, certificate=False)
     except InvalidRequest as error:
         return [*results, failed("tls", error.message, "fix the TLS flags or [security] table")]
     now = now or datetime.datetime.now(datetime.UTC)
     return [*results, _certificate(security, dialled, now)]
+
+
+def certificate_problem(security: MeshSecurity) -> str | None:
+    """What makes this node's certificate unusable (not the key's, expired, not
+    signed by ``tls_ca``), as one line with what to do; None when it is usable."""
+    result = _certificate(security, (), datetime.datetime.now(datetime.UTC))
+    return f"{result.detail}; {result.fix}" if result.status == "FAIL" else None
 
 
 def _token(security: MeshSecurity) -> CheckResult:

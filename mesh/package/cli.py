@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from mesh.errors import MeshError
 from mesh.package.manifest import DTYPES, PackageManifest
@@ -91,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     handlers = {"build": _build, "inspect": _inspect, "verify": _verify, "fetch": _fetch}
+    # A SIGTERM (kill, a container stopping) ends the command as Ctrl-C does: a build
+    # removes its unfinished output on the way out.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return handlers[args.command](args)
     except MeshError as error:
@@ -99,9 +105,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         sys.stderr.write(f"mesh-package {args.command}: error: {error}\n")
         return EXIT_ERROR
+    except SafetensorError as error:
+        sys.stderr.write(
+            f"mesh-package {args.command}: error: a safetensors file cannot be read or "
+            f"written ({error}); check the source's files (truncated? corrupt?) and the "
+            "free space at --out\n"
+        )
+        return EXIT_ERROR
     except KeyboardInterrupt:
         sys.stderr.write(f"mesh-package {args.command}: interrupted\n")
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _build(args: argparse.Namespace) -> int:

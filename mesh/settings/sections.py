@@ -17,9 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from mesh.netaddr import coordinator_setting, host_port_setting
 from mesh.settings.tree import setting
 from mesh.types import DEFAULT_PREFIX_BYTES, DEFAULT_PREFIX_TOKENS
 from mesh.units import parse_bytes
+
+# Most torch threads a stage takes (a bound far above any host's cores).
+MAX_THREADS = 4096
 
 ROW_INVARIANT = ("auto", "on", "off")
 QUANTISED_KERNELS = ("auto", "native", "torch")
@@ -32,7 +36,9 @@ class CoordinatorConfig:
     quant: str | None = setting(
         None, "with --model default: serve a quantised build of it", choices=("int4", "int8")
     )
-    listen: str = setting("0.0.0.0:7070", "coordinator gRPC HOST:PORT")
+    listen: str = setting(
+        "0.0.0.0:7070", "coordinator gRPC HOST:PORT", parse=host_port_setting(any_port=True)
+    )
     advertise: str | None = setting(
         None,
         "address other hosts use to reach this head (its coordinator, stage 0 and HTTP "
@@ -113,8 +119,11 @@ class StageConfig:
         "127.0.0.1:7070",
         "coordinator HOST:PORT, or auto (auto:PORT): find it on this host's networks by "
         "UDP broadcast",
+        parse=coordinator_setting,
     )
-    listen: str = setting("0.0.0.0:7071", "gRPC bind HOST:PORT (port 0: any)")
+    listen: str = setting(
+        "0.0.0.0:7071", "gRPC bind HOST:PORT (port 0: any)", parse=host_port_setting(any_port=True)
+    )
     advertise: str | None = setting(
         None,
         "host other nodes use to reach this one (default: the listen host, or, when "
@@ -141,7 +150,9 @@ class StageConfig:
     )
     speed: float = setting(1.0, "relative speed hint", minimum=0.0)
     cache_dir: Path | None = setting(None, "slice cache directory (default: $MESH_HOME/slices)")
-    threads: int = setting(0, "torch CPU threads (0: torch's default)", minimum=0)
+    threads: int = setting(
+        0, "torch CPU threads (0: torch's default)", minimum=0, maximum=MAX_THREADS
+    )
     compile: bool = setting(
         False,
         "run decode steps through torch.compile (compiles while loading; falls back to "
@@ -233,7 +244,7 @@ class StageConfig:
 @dataclass(frozen=True)
 class FrontendConfig:
     http_host: str = setting("127.0.0.1", "bind host of the OpenAI API (0.0.0.0: every interface)")
-    http_port: int = setting(8000, "port of the OpenAI API (0: any)", minimum=0)
+    http_port: int = setting(8000, "port of the OpenAI API (0: any)", minimum=0, maximum=65535)
     api_key_file: Path | None = setting(
         None,
         "file of HTTP API keys, one per line as KEY or NAME KEY (or set MESH_API_KEY); read "
