@@ -36,6 +36,9 @@ TOKEN_METADATA_KEY = "mesh-join-token"
 REFUSED_MESSAGE = (
     "missing or wrong mesh join token; set MESH_JOIN_TOKEN or --join-token-file on every node"
 )
+# A join token shorter than this is logged as weak (a random secret of 32 hex digits
+# and more is what the docs ask for).
+WEAK_TOKEN_CHARS = 16
 SECURITY_KEYS = ("join_token_file", "tls_cert", "tls_key", "tls_ca", "tls_mutual")
 
 
@@ -115,7 +118,19 @@ def read_token_file(path: Path) -> str:
             f"cannot read the join token file {path}: {error.strerror}; "
             "check --join-token-file (or [security] join_token_file in mesh.toml)"
         ) from error
-    return check_token(text.strip(), f"join token file {path}")
+    token = check_token(text.strip(), f"join token file {path}")
+    try:
+        mode = Path(path).expanduser().stat().st_mode
+    except OSError:
+        mode = 0
+    if mode & 0o077:
+        logger.warning(
+            "the join token file %s can be read by other users of this host (mode %o); "
+            "chmod 600 it",
+            path,
+            mode & 0o777,
+        )
+    return token
 
 
 def check_token(token: str, where: str) -> str:
@@ -274,6 +289,13 @@ def log_posture(security: MeshSecurity, role: str) -> None:
             "%s requires the join token but gRPC is plaintext: the token and activations "
             "cross the network unencrypted; add --tls-cert/--tls-key/--tls-ca",
             role,
+        )
+    if security.join_token and len(security.join_token) < WEAK_TOKEN_CHARS:
+        logger.warning(
+            "the join token has %d characters: a short secret can be guessed; use a random "
+            "one of %d or more (`openssl rand -hex 32`)",
+            len(security.join_token),
+            WEAK_TOKEN_CHARS,
         )
     logger.info("%s security: %s", role, security.describe())
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mesh.doctor.results import CheckResult, failed, passed, warned
 from mesh.errors import InvalidRequest
-from mesh.security import TOKEN_ENV, MeshSecurity, read_pem, validate
+from mesh.security import TOKEN_ENV, WEAK_TOKEN_CHARS, MeshSecurity, read_pem, validate
 
 # A certificate that ends sooner than this is a WARN.
 EXPIRY_WARNING = datetime.timedelta(days=14)
@@ -55,6 +55,12 @@ def certificate_problem(security: MeshSecurity) -> str | None:
 
 
 def _token(security: MeshSecurity) -> CheckResult:
+    if security.join_token and len(security.join_token) < WEAK_TOKEN_CHARS:
+        return warned(
+            "join token",
+            f"set, but {len(security.join_token)} characters: a short secret can be guessed",
+            f"use a random one of {WEAK_TOKEN_CHARS} or more (`openssl rand -hex 32`)",
+        )
     if security.join_token:
         return passed("join token", "set: peers without it are refused")
     return warned(

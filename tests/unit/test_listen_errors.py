@@ -80,3 +80,23 @@ def test_certs_refuses_a_ca_key_that_is_not_the_ca_s(tmp_path: Path) -> None:
     (tmp_path / "a" / other.ca_key.name).write_text("garbage")
     with pytest.raises(InvalidRequest, match="cannot be read"):
         generate_cluster_certs(tmp_path / "a", ("10.0.0.8",), shared=True)
+
+
+def test_a_short_or_shared_join_token_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import mesh.security as security
+    from mesh.doctor.tls import check_security
+
+    token_file = tmp_path / "token"
+    token_file.write_text("short\n")
+    token_file.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        assert security.read_token_file(token_file) == "short"
+    assert "can be read by other users" in caplog.text
+    (token,) = [
+        r for r in check_security(MeshSecurity(join_token="short"), ()) if r.check == "join token"
+    ]
+    assert token.status == "WARN" and "5 characters" in token.detail
+    strong = MeshSecurity(join_token="a-random-secret-0123456789abcdef")
+    assert [r.status for r in check_security(strong, ()) if r.check == "join token"] == ["PASS"]
