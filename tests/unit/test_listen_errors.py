@@ -100,3 +100,22 @@ def test_a_short_or_shared_join_token_is_warned_about(
     assert token.status == "WARN" and "5 characters" in token.detail
     strong = MeshSecurity(join_token="a-random-secret-0123456789abcdef")
     assert [r.status for r in check_security(strong, ()) if r.check == "join token"] == ["PASS"]
+
+
+def test_an_unknown_log_level_from_the_environment_is_said(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import logging
+
+    from mesh.logsetup import configure_logging
+
+    root = logging.getLogger()
+    kept = root.handlers[:]
+    root.handlers.clear()
+    try:
+        monkeypatch.setenv("MESH_LOG_LEVEL", "bogus")
+        configure_logging()
+        assert root.level == logging.INFO
+    finally:
+        root.handlers[:] = kept
+    assert "log level 'BOGUS' is not one of" in capsys.readouterr().err
