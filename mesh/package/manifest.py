@@ -220,6 +220,10 @@ class PackageManifest:
         if not isinstance(body["files"], list):
             raise PackageError(f"{origin}: files must be a list")
         files = tuple(_parse_file(entry, origin) for entry in body["files"])
+        paths = [f.path for f in files]
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        if twice:
+            raise PackageError(f"{origin}: file {twice[0]!r} is listed twice in files[]")
         if body.get("quantization") is not None:
             QuantScheme.from_json(body["quantization"], origin)
         manifest = cls(
@@ -281,6 +285,8 @@ def _parse_file(entry: Any, origin: str) -> PackageFile:
         raise PackageError(f"{origin}: file path {path!r} must be relative and stay inside")
     if len(digest) != 64:
         raise PackageError(f"{origin}: file {path!r} has a malformed sha256")
+    if size < 0:
+        raise PackageError(f"{origin}: file {path!r} has a negative size ({size} bytes)")
     layer_index = entry.get("layer_index")
     if kind == "layer" and not isinstance(layer_index, int):
         raise PackageError(f"{origin}: layer file {path!r} has no integer layer_index")

@@ -155,3 +155,17 @@ def test_corrupt_manifest_via_console_entry_point(package):
     )
     assert result.returncode == 2
     assert "missing field(s)" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("change", ["duplicate", "negative"])
+def test_a_manifest_listing_a_file_twice_or_a_negative_size_is_refused(package, capsys, change):
+    path = package / MANIFEST_NAME
+    body = json.loads(path.read_text())
+    if change == "duplicate":
+        body["files"].append(dict(body["files"][0]))
+    else:
+        body["files"][0]["bytes"] = -5
+    path.write_text(json.dumps(body))
+    assert main(["verify", str(package)]) == 2
+    err = capsys.readouterr().err
+    assert ("listed twice" if change == "duplicate" else "negative size") in err
