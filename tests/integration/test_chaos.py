@@ -161,11 +161,16 @@ def test_a_paused_coordinator_fails_nothing_over(chaos: ChaosRun):
     keeps its text (before, it woke, saw every stage silent and failed them all
     over)."""
     term = chaos.mesh.status().term
+    seen = len(chaos.mesh.coordinator_log())
     record = chaos.round(Fault("pause", "", 8.0))
     assert not record.failover, "nothing failed: nothing fails over"
     assert_no_corruption(chaos, record)
-    assert chaos.mesh.status().term == term
-    assert "judging the stages' heartbeats from now on" in chaos.mesh.coordinator_log()
+    since = chaos.mesh.coordinator_log()[seen:]
+    assert "judging the stages' heartbeats from now on" in since
+    assert "marking it dead" not in since and "is stuck" not in since
+    # The term stays, unless the mesh grew back meanwhile (a stage an earlier test
+    # quarantined may serve again while a slow round runs): a re-plan, not a failover.
+    assert chaos.mesh.status().term == term or "planning again on" in since
 
 
 def test_data_links_reset_between_live_stages_are_opened_again_by_a_new_load(chaos: ChaosRun):
