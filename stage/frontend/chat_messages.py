@@ -130,8 +130,9 @@ def tool_message_problem(messages: list[ChatMessage]) -> str | None:
     them (None when nothing is): every 'tool' message answers a call of the
     assistant message before its run of tool messages, by that call's id; a call id
     appears once in an assistant message; and every call is answered before the
-    next message that is not a tool result. Calls sent without ids (some clients
-    drop them) are matched by position only: their results need just to follow."""
+    next message that is not a tool result, and before the conversation ends. Calls
+    sent without ids (some clients drop them) are matched by position only: their
+    results need just to follow."""
     calls: list[str | None] | None = None  # the open assistant message's call ids
     opened = -1
     answered: set[str] = set()
@@ -168,4 +169,10 @@ def tool_message_problem(messages: list[ChatMessage]) -> str | None:
             if len(set(known)) != len(known):
                 return f"message {index} has two tool calls with one id; give each its own"
             opened = index
+    if unanswered():
+        return (
+            f"message {opened} called {', '.join(unanswered())} but the conversation ends "
+            "before a 'tool' message answers it; send each call's result as a 'tool' message "
+            "with its tool_call_id"
+        )
     return None

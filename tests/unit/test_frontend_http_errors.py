@@ -711,6 +711,7 @@ USER = {"role": "user", "content": "go"}
         ),
         ([USER, {"role": "assistant", "tool_calls": [CALL]}, USER], "no 'tool' message answers"),
         ([USER, {"role": "assistant", "tool_calls": [CALL, CALL]}], "two tool calls with one id"),
+        ([USER, {"role": "assistant", "tool_calls": [CALL]}], "conversation ends before"),
     ],
 )
 def test_tool_results_that_answer_no_call_are_400(http, messages: list, says: str) -> None:
