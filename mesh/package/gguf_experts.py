@@ -101,23 +101,13 @@ def moe_config(
                 "GGUF qwen2moe model without shared experts (no ffn_*_shexp tensors); "
                 "Qwen2-MoE layers have one"
             )
-        config.moe_intermediate_size = inner
         config.shared_expert_intermediate_size = shared
-        config.num_experts = experts
-        config.num_experts_per_tok = used
         # llama.cpp's qwen2moe graph leaves the chosen experts' weights as the router
         # gives them, as Qwen2-MoE's own config does.
         config.norm_topk_prob = False
-        config.decoder_sparse_step = 1
-        config.mlp_only_layers = [i for i in range(layers) if i not in sparse]
-        return config
+        return _qwen_moe(config, inner, experts, used, sparse)
     if architecture == "qwen3moe":
-        config.moe_intermediate_size = inner
-        config.num_experts = experts
-        config.num_experts_per_tok = used
-        config.decoder_sparse_step = 1
-        config.mlp_only_layers = [i for i in range(layers) if i not in sparse]
-        return config
+        return _qwen_moe(config, inner, experts, used, sparse)
     if architecture == "llama" and config.model_type in ("llama", "mistral"):
         from transformers import MixtralConfig
 
@@ -136,6 +126,17 @@ def moe_config(
             sliding_window=None,
             router_aux_loss_coef=0.0,
         )
+    return config
+
+
+def _qwen_moe(config: Any, inner: int, experts: int, used: int, sparse: list[int]) -> Any:
+    """The expert settings Qwen2-MoE and Qwen3-MoE configs share: every layer of
+    ``sparse`` routes to experts, the others are dense."""
+    config.moe_intermediate_size = inner
+    config.num_experts = experts
+    config.num_experts_per_tok = used
+    config.decoder_sparse_step = 1
+    config.mlp_only_layers = [i for i in range(int(config.num_hidden_layers)) if i not in sparse]
     return config
 
 
