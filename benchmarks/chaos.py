@@ -3,7 +3,9 @@ stream against the no-fault output (see coordinator/chaos.py for the rounds).
 
 Starts a mesh of ``--stages`` stage processes and a coordinator on 127.0.0.1, takes
 every request's no-fault output (the shared workloads, greedy, plus the same
-requests with seeded sampling, plus varied prompts of its own, plus embeddings
+requests with seeded sampling, plus varied prompts of its own, plus chat requests
+with ``n``, log-probabilities, a forced tool call, a JSON schema, predictions and
+stop strings, plus embeddings
 requests of several long texts, judged within 1e-4), then runs
 ``--faults`` rounds: each starts ``--streams`` concurrent streams, injects one random
 fault (kill, stop for 1-15 s, throttle, coordinator kill and restart) into a
@@ -44,6 +46,7 @@ from coordinator.chaos import (  # noqa: E402 - after the path set-up
     StreamSpec,
     default_specs,
     embedding_specs,
+    feature_specs,
     render_table,
     summarize,
 )
@@ -97,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         help="embeddings requests among the requests (each of --embedding-inputs texts)",
     )
     parser.add_argument("--embedding-inputs", type=int, default=12)
+    parser.add_argument(
+        "--features",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add chat requests with n, logprobs, a forced tool call, a JSON schema, "
+        "predictions and stop strings (default on)",
+    )
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     parser.add_argument("--workloads", type=Path, default=None)
@@ -123,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = args.workloads or default_workloads_path()
     if workloads.exists():
         specs += workload_specs(workloads, args.max_tokens, rng)
+    if args.features:
+        specs += feature_specs(args.max_tokens, rng)
     specs += embedding_specs(args.embeddings, args.embedding_inputs, rng)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mesh-chaos-"))
     hosts = None

@@ -28,6 +28,7 @@ After each round the mesh is brought back to its full size before the next. Used
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import signal
@@ -36,6 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.localmesh import MeshProcesses, wait_for
 
@@ -65,6 +67,10 @@ class StreamSpec:
     seed: int | None = None
     messages: tuple[dict[str, str], ...] = ()
     inputs: tuple[str, ...] = ()
+    # More request fields (``n``, ``logprobs``, ``tools``, ``response_format``,
+    # ``prediction``, ``stop``...) as JSON text by name, with a label for the tables.
+    extra: tuple[tuple[str, str], ...] = ()
+    feature: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,9 @@ class StreamOutcome:
     error: str | None = None
     # An embeddings request's vectors.
     vectors: tuple[tuple[float, ...], ...] = ()
+    # A request with ``logprobs``: every streamed token's log-probability, in order
+    # (the tokens themselves are part of ``text``).
+    logprobs: tuple[float, ...] = ()
 
 
 # The largest difference between an embedding under a fault and without one that
@@ -102,8 +111,12 @@ class RoundRecord:
 
 
 def request_kind(spec: StreamSpec) -> str:
-    """``embeddings``, ``chat`` or ``completion``."""
-    return "embeddings" if spec.inputs else "chat" if spec.messages else "completion"
+    """``embeddings``, ``chat`` or ``completion``, and the feature a chat request
+    exercises (``chat+tools``...)."""
+    if spec.inputs:
+        return "embeddings"
+    kind = "chat" if spec.messages else "completion"
+    return f"{kind}+{spec.feature}" if spec.feature else kind
 
 
 TOPICS = ["rivers", "prime numbers", "bread", "the moon", "chess", "glaciers", "owls"]
@@ -120,6 +133,85 @@ def default_specs(count: int, max_tokens: int, rng: random.Random) -> list[Strea
         else:
             specs.append(StreamSpec(prompt, max_tokens))
     return specs
+
+
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "count_things",
+        "description": "Count something about a subject.",
+        "parameters": {
+            "type": "object",
+            # Short values: the call ends within a few dozen tokens on any model.
+            "properties": {
+                "subject": {"type": "string", "maxLength": 12},
+                "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["subject", "count"],
+            "additionalProperties": False,
+        },
+    },
+}
+_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "facts",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "topic": {"type": "string", "maxLength": 24},
+                "facts": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 40},
+                    "maxItems": 3,
+                },
+            },
+            "required": ["topic", "facts"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def feature_specs(max_tokens: int, rng: random.Random) -> list[StreamSpec]:
+    """Chat requests that take the frontend's other paths through a fault: ``n``
+    choices, log-probabilities, a forced tool call (a grammar on the last stage),
+    a JSON schema, Predicted Outputs (right and wrong), stop strings."""
+    ask = ({"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."},)
+    text = " ".join(f"{rng.choice(TOPICS)} {rng.randrange(100)}" for _ in range(24))
+    copy = ({"role": "user", "content": f"Repeat this text exactly, nothing else: {text}"},)
+    seed = rng.randrange(1 << 31)
+
+    def spec(
+        feature: str, messages: tuple, temperature: float = 0.0, tokens: int = 0, **fields: Any
+    ) -> StreamSpec:
+        extra = tuple((k, json.dumps(v)) for k, v in sorted(fields.items()))
+        return StreamSpec(
+            "",
+            tokens or max_tokens,
+            temperature,
+            seed if temperature else None,
+            messages,
+            extra=extra,
+            feature=feature,
+        )
+
+    return [
+        spec("n", ask, 0.8, n=2),
+        spec("logprobs", ask, logprobs=True, top_logprobs=3),
+        spec(
+            "tools",
+            ask,
+            tokens=256,
+            tools=[_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        ),
+        spec("schema", ask, 0.8, tokens=256, response_format=_SCHEMA),
+        spec("prediction", copy, prediction={"type": "content", "content": text}),
+        spec("prediction", ask, prediction={"type": "content", "content": text}),
+        spec("stop", ask, 0.8, stop=[".", "\n\n"]),
+    ]
 
 
 def embedding_specs(count: int, inputs: int, rng: random.Random) -> list[StreamSpec]:
@@ -152,6 +244,8 @@ def run_stream(
         seed=spec.seed,
         stream=True,
     )
+    if spec.extra:
+        return _run_featured(client, params, spec, started)
     try:
         if spec.inputs:
             if started is not None:
@@ -180,6 +274,57 @@ def run_stream(
     return StreamOutcome("".join(pieces), finish)
 
 
+def _run_featured(
+    client: Any, params: dict[str, Any], spec: StreamSpec, started: threading.Event | None
+) -> StreamOutcome:
+    """A chat request with ``spec.extra``'s fields, streamed; its outcome's text holds
+    every choice's content, tool calls, finish reason and log-probability tokens (as
+    JSON), so a choice that changes under a fault is seen whichever part changed."""
+    from openai import OpenAIError
+
+    choices: dict[int, dict[str, Any]] = {}
+    values: list[float] = []
+    chunks = 0
+
+    def state(index: int) -> dict[str, Any]:
+        return choices.setdefault(index, {"content": "", "calls": {}, "tokens": [], "finish": None})
+
+    def outcome(error: str | None = None) -> StreamOutcome:
+        text = json.dumps([choices[i] for i in sorted(choices)], sort_keys=True)
+        finishes = {c["finish"] for c in choices.values()}
+        finish = finishes.pop() if len(finishes) == 1 else ",".join(sorted(map(str, finishes)))
+        return StreamOutcome(text, finish, error, logprobs=tuple(values))
+
+    extra = {key: json.loads(value) for key, value in spec.extra}
+    try:
+        stream = client.chat.completions.create(
+            messages=list(spec.messages), extra_body=extra, **params
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                entry = state(choice.index)
+                entry["content"] += choice.delta.content or ""
+                for call in choice.delta.tool_calls or ():
+                    slot = entry["calls"].setdefault(str(call.index), {"name": "", "args": ""})
+                    if call.function is not None:
+                        slot["name"] += call.function.name or ""
+                        slot["args"] += call.function.arguments or ""
+                for item in (choice.logprobs.content or ()) if choice.logprobs else ():
+                    entry["tokens"].append([item.token, [t.token for t in item.top_logprobs]])
+                    values.append(item.logprob)
+                    values.extend(t.logprob for t in item.top_logprobs)
+                entry["finish"] = choice.finish_reason or entry["finish"]
+            chunks += 1
+            if started is not None and chunks >= 2:
+                started.set()
+    except OpenAIError as error:
+        return outcome(f"{type(error).__name__}: {error}")
+    finally:
+        if started is not None:
+            started.set()
+    return outcome()
+
+
 def classify(outcome: StreamOutcome, expected: StreamOutcome) -> str:
     """One of OUTCOMES for a stream run under a fault."""
     if outcome.error is not None:
@@ -192,6 +337,13 @@ def classify(outcome: StreamOutcome, expected: StreamOutcome) -> str:
         )
         return "identical" if same else "corrupted"
     same = outcome.text == expected.text and outcome.finish_reason == expected.finish_reason
+    if same and expected.logprobs:
+        # Log-probabilities of a prompt read again after a failover may be summed in
+        # other chunks: equal within the embeddings' tolerance, the tokens exactly.
+        same = len(outcome.logprobs) == len(expected.logprobs) and all(
+            abs(a - b) <= EMBEDDING_TOLERANCE
+            for a, b in zip(outcome.logprobs, expected.logprobs, strict=True)
+        )
     return "identical" if same else "corrupted"
 
 
@@ -248,10 +400,12 @@ class ChaosRun:
             return Fault("pause", "", round(self.rng.uniform(1.0, 12.0), 1))
         return Fault("coordinator", "", round(self.rng.uniform(0.5, 4.0), 1))
 
-    def round(self, fault: Fault) -> RoundRecord:
-        """Run one round with ``fault``; then restore the mesh to full size."""
+    def round(self, fault: Fault, chosen: list[int] | None = None) -> RoundRecord:
+        """Run one round with ``fault`` (during the specs of index ``chosen``, else
+        ``streams_per_round`` drawn at random); then restore the mesh to full size."""
         record = RoundRecord(fault)
-        chosen = self.rng.sample(range(len(self.specs)), self.streams_per_round)
+        if chosen is None:
+            chosen = self.rng.sample(range(len(self.specs)), self.streams_per_round)
         started = [threading.Event() for _ in chosen]
         term_before = self.mesh.status().term
         # A hang starts before the streams (on a thread of its own, which must also

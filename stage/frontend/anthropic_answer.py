@@ -96,10 +96,8 @@ def content_blocks(text: str, tools: ToolUse | None) -> tuple[list[dict[str, Any
     """The answer's content blocks (``text`` after the tools' prefix), and whether it
     called a tool."""
     prefix = tools.prefix if tools is not None else ""
-    content, calls = tools.parse(prefix + text) if tools is not None else (text, [])
+    content, calls = tools.split(prefix + text) if tools is not None else (text, [])
     blocks: list[dict[str, Any]] = []
-    if not calls:
-        content = prefix + text
     if content:
         blocks.append({"type": "text", "text": content})
     for call in calls:

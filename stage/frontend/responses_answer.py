@@ -163,12 +163,11 @@ class ResponseShape:
             thought, text = split_reasoning(text, run.prepared.reasoning)
         tools = run.prepared.tools
         prefix = tools.prefix if tools is not None else ""
-        content, calls = tools.parse(prefix + text) if tools is not None else (text, [])
-        if not calls:
-            content = prefix + text
+        content, calls = tools.split(prefix + text) if tools is not None else (text, [])
         status = status_of(run, calls)
         output = [reasoning_item(new_id("rs"), thought, "completed")] if thought else []
-        if content or not calls:
+        # No message where a forced call was all the budget allowed (content None).
+        if content or (not calls and content is not None):
             output.append(message_item(new_id("msg"), content or "", status))
         output += [call_item(new_id("fc"), call, call.arguments, "completed") for call in calls]
         return self._finished(self.response(status, output, usage_of(run)))
@@ -222,11 +221,9 @@ class ResponseShape:
             message.output_index = len(output)
         # The held text (a tool was given: ``answer`` is empty otherwise).
         held = answer[released:]
-        content, calls = tools.parse(held) if tools is not None and held else (held, [])
-        if not calls:
-            content = held
+        content, calls = tools.split(held) if tools is not None and held else (held, [])
         status = status_of(run, calls)
-        for chunk in message.add(content or "", force=not calls):
+        for chunk in message.add(content or "", force=not calls and content is not None):
             yield chunk
         if message.opened:
             for chunk in message.close(status):

@@ -200,17 +200,12 @@ def _final_choice(run: GenerationRun, text: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = run.finish_reason
     if p.tools is not None:
-        content, calls = p.tools.parse(p.tools.prefix + text)
+        content, calls = p.tools.split(p.tools.prefix + text)
+        message["content"] = content
         if calls:
-            message = {
-                "role": "assistant",
-                "content": content,
-                "tool_calls": [call.to_openai() for call in calls],
-            }
+            message["tool_calls"] = [call.to_openai() for call in calls]
             # Cut by the token budget stays "length": the answer did not end itself.
             finish = "length" if finish == "length" else "tool_calls"
-        else:
-            message["content"] = p.tools.prefix + text
     if p.reasoning is not None:
         message["reasoning_content"] = thought
     return {
@@ -411,12 +406,10 @@ async def _choice_events(
     finish = run.finish_reason
     held = answer[released:]
     if tools is not None and held:
-        content, calls = tools.parse(held)
-        if not calls:
-            yield sse(_chunk(run, [_choice(run, held, None)])), False
-        else:
-            if content:
-                yield sse(_chunk(run, [_choice(run, content, None)])), False
+        content, calls = tools.split(held)
+        if content:
+            yield sse(_chunk(run, [_choice(run, content, None)])), False
+        if calls:
             for index, call in enumerate(calls):
                 delta = {"tool_calls": [call.to_openai(index)]}
                 choice = {"index": run.index, "delta": delta, "logprobs": None}

@@ -379,10 +379,20 @@ class ToolUse:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls = parse_calls(self.format, text, self.names, self.parallel, dict(self.types))
-        if self.grammar and calls:
+        if self.grammar:
             # A forced choice's grammar lets through nothing but calls: text beside
-            # them is a further call the token budget cut off, not content.
+            # them (or with no whole call at all) is a call the token budget cut
+            # off, not content.
             content = None
+        return content, calls
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The answer's content and calls: an answer without a whole call is all
+        content, except under a forced choice, where every token was (part of) a
+        call: one the token budget cut off is dropped, never shown as text."""
+        content, calls = self.parse(text)
+        if not calls and not self.grammar:
+            content = text
         return content, calls
 
     def hold_start(self, text: str) -> int:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from coordinator.chaos import ChaosRun, Fault, default_specs, embedding_specs
+from coordinator.chaos import ChaosRun, Fault, default_specs, embedding_specs, feature_specs
 from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.errors import MeshError
 
@@ -39,6 +39,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_package_factory):
     try:
         mesh.start().wait_serving()
         specs = default_specs(6, 160, random.Random(7)) + embedding_specs(2, 6, random.Random(5))
+        specs += feature_specs(48, random.Random(3))
         run = ChaosRun(mesh, MODEL, specs, random.Random(11))
         run.baseline()
         yield run
@@ -94,6 +95,23 @@ def test_a_killed_stage_fails_over_and_the_mesh_grows_back(chaos: ChaosRun):
     # The restarted stage took its place back: the mesh serves on 3 stages again.
     assigned = [s.node_id for s in chaos.mesh.status().stages if s.assigned]
     assert target in assigned and len(assigned) == 3
+
+
+def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
+    """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
+    the last stage), predictions and stop strings, all in flight when the last stage
+    dies: each continues on the new pipeline to its no-fault answer."""
+    featured = [i for i, spec in enumerate(chaos.specs) if spec.feature]
+    assert len(featured) >= 7
+    # The no-fault answers took those paths: two choices, calls, log-probabilities.
+    answers = {chaos.specs[i].feature: json.loads(chaos.expected[i].text) for i in featured}
+    assert len(answers["n"]) == 2
+    assert answers["tools"][0]["calls"] and not answers["tools"][0]["content"]
+    assert answers["logprobs"][0]["tokens"] and chaos.expected[featured[1]].logprobs
+    json.loads(answers["schema"][0]["content"])
+    record = chaos.round(Fault("kill", last_stage(chaos)), chosen=featured)
+    assert record.failover
+    assert_no_corruption(chaos, record)
 
 
 def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(

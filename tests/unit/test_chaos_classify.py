@@ -11,6 +11,7 @@ from coordinator.chaos import (
     StreamOutcome,
     classify,
     embedding_specs,
+    feature_specs,
     render_table,
     request_kind,
     summarize,
@@ -52,3 +53,25 @@ def test_rounds_are_counted_by_request_kind_too() -> None:
         "chat": {"identical": 0, "failed": 1, "corrupted": 0},
     }
     assert "embeddings 1 identical, 0 failed, 0 corrupted" in render_table(summary)
+
+
+def test_log_probabilities_are_equal_within_the_tolerance_and_tokens_exactly() -> None:
+    want = StreamOutcome('[{"tokens": [["a", ["a", "b"]]]}]', "stop", logprobs=(-0.5, -0.5, -2.0))
+    close = (-0.5 + EMBEDDING_TOLERANCE / 2, -0.5, -2.0)
+    assert classify(StreamOutcome(want.text, "stop", logprobs=close), want) == "identical"
+    far = (-0.5, -0.5, -2.0 + 10 * EMBEDDING_TOLERANCE)
+    assert classify(StreamOutcome(want.text, "stop", logprobs=far), want) == "corrupted"
+    assert classify(StreamOutcome(want.text, "stop", logprobs=close[:2]), want) == "corrupted"
+    other = want.text.replace('"b"', '"c"')
+    assert classify(StreamOutcome(other, "stop", logprobs=want.logprobs), want) == "corrupted"
+
+
+def test_feature_requests_cover_the_frontends_paths_and_are_labelled() -> None:
+    specs = feature_specs(32, random.Random(2))
+    features = {spec.feature for spec in specs}
+    assert {"n", "logprobs", "tools", "schema", "prediction", "stop"} <= features
+    assert all(spec.messages and request_kind(spec).startswith("chat+") for spec in specs)
+    fields = {key for spec in specs for key, _ in spec.extra}
+    assert {"n", "tools", "tool_choice", "response_format", "prediction", "stop"} <= fields
+    # Seeded where sampled, greedy otherwise: every answer is reproducible.
+    assert all((spec.seed is not None) == (spec.temperature > 0) for spec in specs)

@@ -286,13 +286,24 @@ def test_a_forced_choice_sends_its_grammar_and_a_free_one_none(frontend) -> None
     assert backend.requests[-1].sampling.grammar == ""
 
 
-def test_a_second_call_cut_by_the_budget_is_neither_content_nor_hidden(smollm2_tokenizer) -> None:
-    """tool_choice required: one whole call, then the budget cuts a second one. The
-    whole call comes back, the cut one is not content, and every API says the budget
-    ended the answer (chat "length", Anthropic "max_tokens", Responses incomplete)."""
-    answer = (
-        '{"name": "get_weather", "arguments": ' + WEATHER_ARGS + '}\n</tool_call>\n<tool_call>\n{"'
-    )
+WHOLE_CALL = '{"name": "get_weather", "arguments": ' + WEATHER_ARGS + "}\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("answer", "whole"),
+    [
+        (WHOLE_CALL + '\n<tool_call>\n{"', 1),
+        ('{"name": "get_weather", "arguments": {"city": "Os', 0),
+    ],
+    ids=["second-call-cut", "only-call-cut"],
+)
+def test_a_call_cut_by_the_budget_is_neither_content_nor_hidden(
+    smollm2_tokenizer, answer: str, whole: int
+) -> None:
+    """tool_choice required, and the budget cuts a call (after a whole one, or the
+    first). Whole calls come back, the cut one is not content (its markup is never
+    shown as text), and every API says the budget ended the answer (chat "length",
+    Anthropic "max_tokens", Responses incomplete)."""
     ids = tuple(smollm2_tokenizer.encode(answer, add_special_tokens=False))
     backend = ScriptedBackend([TokenEvent(ids, "length")])
     with live_server(backend, smollm2_tokenizer) as url:
@@ -333,13 +344,52 @@ def test_a_second_call_cut_by_the_budget_is_neither_content_nor_hidden(smollm2_t
             },
             timeout=30,
         ).json()
+        streamed_texts = []
+        for path, body in (
+            (
+                "/v1/messages",
+                {
+                    "model": MODEL_ID,
+                    "max_tokens": len(ids),
+                    "messages": ASK,
+                    "tools": [tool],
+                    "tool_choice": {"type": "any"},
+                },
+            ),
+            (
+                "/v1/responses",
+                {
+                    "model": MODEL_ID,
+                    "input": ASK[0]["content"],
+                    "tools": [{"type": "function", **WEATHER["function"]}],
+                    "tool_choice": "required",
+                    "max_output_tokens": len(ids),
+                },
+            ),
+        ):
+            events = httpx.post(url + path, json={**body, "stream": True}, timeout=30).text
+            streamed_texts += [
+                json.loads(line[5:]) for line in events.splitlines() if line.startswith("data:")
+            ]
+    # Neither streamed API shows call markup as text.
+    text_deltas = [
+        e
+        for e in streamed_texts
+        if e.get("type") == "response.output_text.delta"
+        or (e.get("type") == "content_block_delta" and e["delta"].get("type") == "text_delta")
+    ]
+    assert not [e for e in text_deltas if "city" in json.dumps(e)], text_deltas
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 2}
+    calls = choice.message.tool_calls or []
+    assert len(calls) == whole
+    for call in calls:
+        assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 2}
     assert chunks[-1].choices[0].finish_reason == "length"
     assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    streamed = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(streamed) == whole
     assert anthropic["stop_reason"] == "max_tokens"
-    assert [b["type"] for b in anthropic["content"]] == ["tool_use"]
+    assert [b["type"] for b in anthropic["content"]] == ["tool_use"] * whole
     assert responses["status"] == "incomplete"
-    assert [item["type"] for item in responses["output"]] == ["function_call"]
+    assert [item["type"] for item in responses["output"]] == ["function_call"] * whole
