@@ -179,6 +179,9 @@ class StageNode:
         self.metrics.watch(self)
         # Compute time of the last frames, for the coordinator's rebalance.
         self.steps = RecentSteps()
+        # The last stage's grammar compiler, kept across loads of the same package:
+        # its tokenizer takes a second or more to build, inside a frame's processing.
+        self._grammars: TokenGrammars | None = None
         self._worker = NamedThread(target=self._work_loop, name="stage-worker", daemon=True)
         self._worker.start()
         self._sweeper = NamedThread(target=self._sweep_loop, name="idle-sweep", daemon=True)
@@ -290,7 +293,7 @@ class StageNode:
             runtime.set_prefix_bytes(self.settings.prefix_cache_bytes)
             probe = probe_step(runtime)
             self.steps.clear()
-            grammars = TokenGrammars(package_dir) if runtime.is_last else None
+            grammars = self._grammars_for(package_dir) if runtime.is_last else None
             engine = StageEngine(runtime, request.stage_index, request.term, grammars)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
             try:
@@ -603,6 +606,14 @@ class StageNode:
     def _downstream_ack(self, ack: FrameAck) -> None:
         if ack.error is not None:
             logger.info("downstream refused frame %s: %s", ack.frame_id, ack.error.message)
+
+    def _grammars_for(self, package_dir: Path) -> TokenGrammars:
+        """The grammar compiler of ``package_dir``'s tokenizer: the one of an earlier
+        load of the same package (a failover or a new plan keeps its tokenizer and
+        compiled grammars), else a new one."""
+        if self._grammars is None or self._grammars.tokenizer_dir != package_dir:
+            self._grammars = TokenGrammars(package_dir)
+        return self._grammars
 
     def _downstream_broken(self, loaded: LoadedStage, error: Exception) -> None:
         index = loaded.request.stage_index

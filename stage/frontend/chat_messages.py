@@ -12,16 +12,31 @@ from stage.frontend.schemas_base import Bool, Str, _Body
 
 
 class ContentPart(_Body):
+    """A text part, or (in an assistant message sent back) a refusal part, whose
+    words are the turn's text as the model wrote them."""
+
     type: Str
     text: Str | None = None
+    refusal: Str | None = None
 
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
+        if self.type == "refusal":
+            if self.refusal is None:
+                raise ValueError("a 'refusal' content part needs a 'refusal' string")
+            return self
         if self.type != "text":
-            raise ValueError(f"content part type {self.type!r} is not supported; only 'text'")
+            raise ValueError(
+                f"content part type {self.type!r} is not supported; only 'text' (and "
+                "'refusal' in assistant messages)"
+            )
         if self.text is None:
             raise ValueError("a 'text' content part needs a 'text' string")
         return self
+
+    @property
+    def words(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
 FunctionName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -76,6 +91,9 @@ class ChatMessage(_Body):
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role!r} message needs 'content'")
+        if self.role != "assistant" and isinstance(self.content, list):
+            if any(part.type == "refusal" for part in self.content):
+                raise ValueError("only an 'assistant' message may hold a 'refusal' part")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an 'assistant' message may carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
@@ -90,7 +108,7 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text or "" for part in self.content)
+        return "\n".join(part.words for part in self.content)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it; 'developer' is a system

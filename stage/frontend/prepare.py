@@ -192,6 +192,10 @@ class PromptContext:
     check_grammar: Callable[[str], None] | None = None
 
 
+# The top_p a request's 0 stands for: only the likeliest token passes it.
+MIN_TOP_P = 1e-9
+
+
 def check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
     if body.model is not None and body.model != ctx.model_id:
         raise OpenAIError(
@@ -251,7 +255,9 @@ def _sampling(
     dry_on = bool(body.dry_multiplier) and body.dry_penalty_last_n != 0
     return SamplingParams(
         temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        # top_p 0 (OpenAI takes it) keeps the likeliest token alone, as the least
+        # positive top_p does.
+        top_p=defaults.top_p if body.top_p is None else max(body.top_p, MIN_TOP_P),
         top_k=defaults.top_k if body.top_k is None else body.top_k,
         seed=seed,
         presence_penalty=(body.presence_penalty or 0.0) if penalties else 0.0,

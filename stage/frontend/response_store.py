@@ -118,8 +118,9 @@ _ID_PREFIXES = {
 
 def identified(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``items`` as the store lists them: each with its ``type`` (a message given by
-    its role alone is a ``message``) and an ``id`` (its own, else a new one), so
-    that ``input_items`` pages by id as OpenAI's does."""
+    its role alone is a ``message``, its text content as one ``input_text`` part, or
+    ``output_text`` for the assistant's, and a ``status``) and an ``id`` (its own,
+    else a new one), so that ``input_items`` pages by id as OpenAI's does."""
     out = []
     for item in items:
         if not isinstance(item, dict):
@@ -127,6 +128,12 @@ def identified(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item = dict(item)
         if "type" not in item and "role" in item:
             item["type"] = "message"
+        if item.get("type") == "message":
+            # As OpenAI lists them: content as parts, and a status.
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
         if not isinstance(item.get("id"), str) or not item["id"]:
             prefix = _ID_PREFIXES.get(str(item.get("type")), "item_")
             item["id"] = prefix + uuid.uuid4().hex[:24]
@@ -149,7 +156,8 @@ def expand(
     previous = payload.get("previous_response_id")
     own = input_items(payload.get("input"))
     if previous is None and not any(_is_reference(item) for item in own):
-        return payload, own, None
+        # An explicit null (what the SDKs send for None) is no previous response.
+        return {k: v for k, v in payload.items() if k != "previous_response_id"}, own, None
     if not store.enabled:
         raise bad_request(
             "this server keeps no responses (its responses store is off); send the whole "

@@ -28,6 +28,9 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 TOP_K_MAX = 2**32 - 1
 MAX_TOKENS_MAX = 2**31 - 1
+# Tokens a completion generates when the request sets no ``max_tokens`` (OpenAI's
+# default for its completions API; chat has none: the room left in the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Longest ``stop_token_ids`` list (an extension).
 STOP_TOKEN_IDS_MAX = 64
 USER_MAX_CHARS = 256
@@ -57,13 +60,16 @@ MAX_WINDOW = 64
 
 
 class StreamOptions(_Body):
-    # OpenAI's two fields (and vLLM's): anything else is a 400 naming it, as an
+    # OpenAI's fields (and vLLM's): anything else is a 400 naming it, as an
     # unknown top-level field is.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     include_usage: Bool | None = None
     # vLLM's extension: usage so far in every chunk that carries output.
     continuous_usage_stats: Bool | None = None
+    # OpenAI's padding of streamed chunks against length side channels: accepted and
+    # not applied (chunks carry no padding field).
+    include_obfuscation: Bool | None = None
 
 
 # OpenAI request fields that do not change what is generated: accepted and ignored.
@@ -154,7 +160,7 @@ class GenerationBody(_Body):
     model: Annotated[str, Strict(), Field(min_length=1, max_length=512)] | None = None
     max_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_MAX)] | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Strict(), Field(ge=0, le=TOP_K_MAX)] | None = None
     seed: Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: Str | list[Str] | None = None
@@ -454,6 +460,11 @@ class CompletionBody(GenerationBody):
     logprobs: Annotated[int, Strict(), Field(ge=0, le=5)] | None = None
     best_of: Int | None = None
     suffix: Str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int:
+        """``max_tokens``, or OpenAI's default for completions (16) when left out."""
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property
     def requested_top_logprobs(self) -> int:

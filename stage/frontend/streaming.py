@@ -139,11 +139,17 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [entry.logprob for _, entry in entries],
-        "top_logprobs": [
-            {_token_text(run.tokenizer, t): v for t, v in entry.top} for _, entry in entries
-        ],
+        "top_logprobs": [_legacy_top(run, token, entry) for token, entry in entries],
         "text_offset": _offsets(tokens, offset),
     }
+
+
+def _legacy_top(run: GenerationRun, token: int, entry: Any) -> dict[str, float]:
+    """One position's legacy ``top_logprobs``: the alternatives by text, and always
+    the chosen token (as OpenAI's: up to ``logprobs`` + 1 entries)."""
+    top = {_token_text(run.tokenizer, t): v for t, v in entry.top}
+    top.setdefault(_token_text(run.tokenizer, token), entry.logprob)
+    return top
 
 
 def prompt_logprobs(run: GenerationRun) -> dict[str, Any] | None:
@@ -157,7 +163,10 @@ def prompt_logprobs(run: GenerationRun) -> dict[str, Any] | None:
         "tokens": tokens,
         "token_logprobs": [None] + [entry.logprob for entry in entries],
         "top_logprobs": [None]
-        + [{_token_text(run.tokenizer, t): v for t, v in entry.top} for entry in entries],
+        + [
+            _legacy_top(run, token, entry)
+            for token, entry in zip(run.request.prompt_tokens[1:], entries, strict=False)
+        ],
         "text_offset": _prompt_offsets(run, tokens),
     }
 

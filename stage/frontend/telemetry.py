@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -139,11 +140,16 @@ class EdgeMiddleware:
         response_started = False
         completed = False
 
+        request_id = _request_id(scope)
+
         async def send_recording(message: Message) -> None:
             nonlocal status, response_started, completed
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 response_started = True
+                headers = list(message.get("headers", ()))
+                headers.append((b"x-request-id", request_id))
+                message = {**message, "headers": headers}
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 completed = True
@@ -154,12 +160,17 @@ class EdgeMiddleware:
             await self.app(scope, receive, send_recording)
         except Exception:
             self.metrics.internal_errors.inc()
-            logger.exception("unexpected error serving %s %s", scope.get("method"), path)
+            logger.exception(
+                "unexpected error serving %s %s (x-request-id %s)",
+                scope.get("method"),
+                path,
+                request_id.decode(),
+            )
             if response_started:
                 status, completed = 500, True
                 raise
             status = 500
-            await _send_internal_error(send)
+            await _send_internal_error(send, request_id)
             completed = True
         finally:
             in_flight.dec()
@@ -172,7 +183,17 @@ class EdgeMiddleware:
             )
 
 
-async def _send_internal_error(send: Send) -> None:
+def _request_id(scope: Scope) -> bytes:
+    """The ``x-request-id`` of the response (OpenAI's clients read it as the
+    request's id): the client's own when it sent a short printable one, else new."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id" and 0 < len(value) <= 128 and value.isascii():
+            if all(32 < byte < 127 for byte in value):
+                return bytes(value)
+    return b"req_" + uuid.uuid4().hex.encode()
+
+
+async def _send_internal_error(send: Send, request_id: bytes) -> None:
     body = json.dumps(
         {
             "error": {
@@ -190,6 +211,7 @@ async def _send_internal_error(send: Send) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id),
             ],
         }
     )

@@ -291,7 +291,7 @@ def forced_call_grammar(
         return ""
     functions = [tool["function"] for tool in tools]
     if not schemas:
-        functions = [{**function, "parameters": None} for function in functions]
+        functions = [{**function, "parameters": ANY_OBJECT} for function in functions]
     if choice != "required":
         functions = [f for f in functions if f["name"] == choice]
     if not functions:
@@ -329,10 +329,17 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+# A function's arguments where its ``parameters`` are left out (or empty): as OpenAI
+# reads that, a function of no parameters, called with ``{}``.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+# Arguments of any shape (forced calls whose schemas cannot be compiled).
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
 def _styled(schema: Any) -> dict[str, Any]:
-    """A function's ``parameters`` (an object of any shape when absent) with the
-    JSON style of a forced call."""
-    base = dict(schema) if isinstance(schema, dict) else {"type": "object"}
+    """A function's ``parameters`` (no parameters when absent) with the JSON style of
+    a forced call."""
+    base = dict(schema) if isinstance(schema, dict) and schema else NO_PARAMETERS
     return {**base, "x-guidance": _JSON_STYLE}
 
 
@@ -345,7 +352,7 @@ def _hermes_calls(functions: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     branches: list[dict[str, Any]] = []
     hoisted: dict[str, dict[str, Any]] = {}
     for function in functions:
-        parameters = dict(function.get("parameters") or {"type": "object"})
+        parameters = dict(function.get("parameters") or NO_PARAMETERS)
         for key in ("$defs", "definitions"):
             for name, value in (parameters.pop(key, None) or {}).items():
                 if hoisted.setdefault(key, {}).setdefault(name, value) != value:

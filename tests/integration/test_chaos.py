@@ -47,6 +47,13 @@ def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_package_factory):
         mesh.close()
 
 
+def long_round(run: ChaosRun, fault: Fault):
+    """A round of the long greedy and seeded streams and the embeddings (not the
+    short feature requests, which may end before a fault has anything to catch)."""
+    plain = [i for i, spec in enumerate(run.specs) if not spec.feature]
+    return run.round(fault, chosen=run.rng.sample(plain, run.streams_per_round))
+
+
 def last_stage(run: ChaosRun) -> str:
     stages = [s for s in run.mesh.status().stages if s.assigned]
     return max(stages, key=lambda s: s.stage_index).node_id
@@ -64,7 +71,7 @@ def assert_no_corruption(run: ChaosRun, record) -> None:
 
 def test_a_frozen_last_stage_that_wakes_up_corrupts_nothing(chaos: ChaosRun):
     target = last_stage(chaos)
-    record = chaos.round(Fault("stop", target, 8.0))
+    record = long_round(chaos, Fault("stop", target, 8.0))
     assert record.failover, "an 8 s freeze outlasts the heartbeat timeout"
     assert_no_corruption(chaos, record)
     # On waking, the stage learned from the coordinator that its term was over and
@@ -74,44 +81,27 @@ def test_a_frozen_last_stage_that_wakes_up_corrupts_nothing(chaos: ChaosRun):
 
 
 def test_a_frozen_middle_stage_that_wakes_up_fails_nothing(chaos: ChaosRun):
-    record = chaos.round(Fault("stop", middle_stage(chaos), 6.0))
+    record = long_round(chaos, Fault("stop", middle_stage(chaos), 6.0))
     assert record.failover
     assert_no_corruption(chaos, record)
 
 
 def test_a_slow_stage_and_a_short_freeze_change_no_output(chaos: ChaosRun):
-    record = chaos.round(Fault("throttle", middle_stage(chaos), 3.0))
+    record = long_round(chaos, Fault("throttle", middle_stage(chaos), 3.0))
     assert_no_corruption(chaos, record)
-    record = chaos.round(Fault("stop", last_stage(chaos), 1.0))
+    record = long_round(chaos, Fault("stop", last_stage(chaos), 1.0))
     assert not record.failover, "a 1 s freeze is within the heartbeat timeout"
     assert_no_corruption(chaos, record)
 
 
 def test_a_killed_stage_fails_over_and_the_mesh_grows_back(chaos: ChaosRun):
     target = middle_stage(chaos)
-    record = chaos.round(Fault("kill", target))
+    record = long_round(chaos, Fault("kill", target))
     assert record.failover
     assert_no_corruption(chaos, record)
     # The restarted stage took its place back: the mesh serves on 3 stages again.
     assigned = [s.node_id for s in chaos.mesh.status().stages if s.assigned]
     assert target in assigned and len(assigned) == 3
-
-
-def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
-    """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
-    the last stage), predictions and stop strings, all in flight when the last stage
-    dies: each continues on the new pipeline to its no-fault answer."""
-    featured = [i for i, spec in enumerate(chaos.specs) if spec.feature]
-    assert len(featured) >= 7
-    # The no-fault answers took those paths: two choices, calls, log-probabilities.
-    answers = {chaos.specs[i].feature: json.loads(chaos.expected[i].text) for i in featured}
-    assert len(answers["n"]) == 2
-    assert answers["tools"][0]["calls"] and not answers["tools"][0]["content"]
-    assert answers["logprobs"][0]["tokens"] and chaos.expected[featured[1]].logprobs
-    json.loads(answers["schema"][0]["content"])
-    record = chaos.round(Fault("kill", last_stage(chaos)), chosen=featured)
-    assert record.failover
-    assert_no_corruption(chaos, record)
 
 
 def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(
@@ -125,7 +115,7 @@ def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(
     new pipeline with the same text. Before, they waited for the threads (forever,
     for a hang that does not end)."""
     target = middle_stage(chaos)
-    record = chaos.round(Fault("hang", target, 3 * STALL_TIMEOUT_S))
+    record = long_round(chaos, Fault("hang", target, 3 * STALL_TIMEOUT_S))
     assert record.failover, "a hang three times the stall timeout ends the term"
     assert_no_corruption(chaos, record)
     log = chaos.mesh.coordinator_log()
@@ -134,7 +124,7 @@ def test_a_stage_whose_frame_threads_hang_while_it_heartbeats_is_planned_around(
     # The answers stage 0 waits for stuck on their way back (its answer reader
     # hangs): every stage passed the frame, so the last stage's return link is
     # blamed, and the new load gives stage 0 a new reader.
-    record = chaos.round(Fault("hang", "stage-0", 3 * STALL_TIMEOUT_S))
+    record = long_round(chaos, Fault("hang", "stage-0", 3 * STALL_TIMEOUT_S))
     assert record.failover
     assert_no_corruption(chaos, record)
     assert "the return link to stage 0 is stuck" in chaos.mesh.coordinator_log()
@@ -180,7 +170,7 @@ def test_a_paused_coordinator_fails_nothing_over(chaos: ChaosRun):
     over)."""
     term = chaos.mesh.status().term
     seen = len(chaos.mesh.coordinator_log())
-    record = chaos.round(Fault("pause", "", 8.0))
+    record = long_round(chaos, Fault("pause", "", 8.0))
     assert not record.failover, "nothing failed: nothing fails over"
     assert_no_corruption(chaos, record)
     since = chaos.mesh.coordinator_log()[seen:]
@@ -198,7 +188,7 @@ def test_data_links_reset_between_live_stages_are_opened_again_by_a_new_load(cha
     load opens new links: the streams continue with the same text (before, the
     mesh stayed on the broken links and every request timed out)."""
     for target in (middle_stage(chaos), last_stage(chaos)):
-        record = chaos.round(Fault("reset", target))
+        record = long_round(chaos, Fault("reset", target))
         assert record.failover, "a broken data link ends its term"
         assert_no_corruption(chaos, record)
     assert "reports a broken data link" in chaos.mesh.coordinator_log()
@@ -206,12 +196,12 @@ def test_data_links_reset_between_live_stages_are_opened_again_by_a_new_load(cha
 
 def test_a_restarted_coordinator_takes_the_mesh_back_and_fails_over_later(chaos: ChaosRun):
     term = chaos.mesh.status().term
-    record = chaos.round(Fault("coordinator", "", 2.0))
+    record = long_round(chaos, Fault("coordinator", "", 2.0))
     assert_no_corruption(chaos, record)
     status = chaos.mesh.status()
     assert status.state == "serving" and status.term > term
     # The new coordinator supervises: a stage killed now fails over as before.
-    record = chaos.round(Fault("kill", last_stage(chaos)))
+    record = long_round(chaos, Fault("kill", last_stage(chaos)))
     assert record.failover
     assert_no_corruption(chaos, record)
 
@@ -239,6 +229,25 @@ def test_a_coordinator_restarted_without_its_state_file_still_goes_above_the_sta
         assert "claim with term" not in mesh.coordinator_log().split("listening on")[-1]
     finally:
         mesh.close()
+
+
+def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
+    """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
+    the last stage), predictions and stop strings, all in flight when the last stage
+    dies: each continues on the new pipeline to its no-fault answer. (Last of the
+    module's rounds: the new last stage's first grammars make a round of a second or
+    more, which raises the stall deadline of the hang tests for the next rounds.)"""
+    featured = [i for i, spec in enumerate(chaos.specs) if spec.feature]
+    assert len(featured) >= 7
+    # The no-fault answers took those paths: two choices, calls, log-probabilities.
+    answers = {chaos.specs[i].feature: json.loads(chaos.expected[i].text) for i in featured}
+    assert len(answers["n"]) == 2
+    assert answers["tools"][0]["calls"] and not answers["tools"][0]["content"]
+    assert answers["logprobs"][0]["tokens"] and chaos.expected[featured[1]].logprobs
+    json.loads(answers["schema"][0]["content"])
+    record = chaos.round(Fault("kill", last_stage(chaos)), chosen=featured)
+    assert record.failover
+    assert_no_corruption(chaos, record)
 
 
 def test_local_stages_do_not_outlive_up(tmp_path, tiny_package_factory):

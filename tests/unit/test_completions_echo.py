@@ -53,6 +53,8 @@ def assert_scores_match(
         expected = {
             tokenizer.decode([t]): v for t, v in zip(indices.tolist(), values.tolist(), strict=True)
         }
+        # The scored token itself is always there too (OpenAI's: up to k + 1).
+        expected.setdefault(tokenizer.decode([token]), float(row[token]))
         assert top.keys() == expected.keys()
         for text, value in expected.items():
             assert top[text] == pytest.approx(value, abs=1e-4)
@@ -325,3 +327,24 @@ def test_a_bos_token_the_tokenizer_adds_takes_no_room_in_the_echoed_text(
     logprobs = choice["logprobs"]
     assert logprobs["tokens"][0] == "<|im_start|>" and logprobs["text_offset"][:2] == [0, 0]
     assert_offsets_fit(PROMPT, {k: v[1:] for k, v in logprobs.items()})
+
+
+def test_legacy_top_logprobs_always_hold_the_sampled_token(tokenizer) -> None:
+    """As OpenAI's completions: ``top_logprobs`` holds the ``logprobs`` likeliest
+    tokens and the sampled one where it is not among them (up to logprobs + 1), and
+    with ``logprobs: 0`` the sampled one alone."""
+    from frontend_support import MODEL_ID, ScriptedBackend, live_server
+
+    from mesh.frames import TokenLogprob
+    from stage.frontend.backend import TokenEvent
+
+    sampled, other = 11, 12
+    for k, alternatives in ((1, ((other, -0.1),)), (0, ())):
+        entry = TokenLogprob(-3.0, alternatives)
+        backend = ScriptedBackend([TokenEvent((sampled,), "length", logprobs=(entry,))])
+        with live_server(backend, tokenizer) as url:
+            body = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 1, "logprobs": k}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        top = reply["choices"][0]["logprobs"]["top_logprobs"][0]
+        assert top[tokenizer.decode([sampled])] == -3.0
+        assert len(top) == k + 1

@@ -393,3 +393,19 @@ def test_a_call_cut_by_the_budget_is_neither_content_nor_hidden(
     assert [b["type"] for b in anthropic["content"]] == ["tool_use"] * whole
     assert responses["status"] == "incomplete"
     assert [item["type"] for item in responses["output"]] == ["function_call"] * whole
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(
+    smollm2_grammars, smollm2_tokenizer
+) -> None:
+    """OpenAI reads a function with no ``parameters`` as one of no parameters: a
+    forced call of it takes ``{}`` and nothing else (not an object of any shape)."""
+    ping = [{"type": "function", "function": {"name": "ping"}}]
+    spec = grammar_spec("grammar", forced_call_grammar(ToolFormat.HERMES, "ping", ping, False))
+    assert follows(smollm2_grammars, spec, smollm2_tokenizer.encode("{}")) is not None
+    refused = first_refused(smollm2_grammars, spec, smollm2_tokenizer, '{"host": "a"}')
+    assert refused == '{"'
+    # The schema-less fallback still takes any object.
+    free = forced_call_grammar(ToolFormat.HERMES, "ping", ping, False, schemas=False)
+    ids = smollm2_tokenizer.encode('{"host": "a"}')
+    assert follows(smollm2_grammars, grammar_spec("grammar", free), ids) is not None

@@ -85,7 +85,7 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, temperature=-0.5), "temperature"),
         (CHAT, with_(OK_CHAT, temperature=2.5), "temperature"),
         (CHAT, with_(OK_CHAT, temperature=True), "temperature"),
-        (CHAT, with_(OK_CHAT, top_p=0), "top_p"),
+        (CHAT, with_(OK_CHAT, top_p=-0.1), "top_p"),
         (CHAT, with_(OK_CHAT, top_p=1.5), "top_p"),
         (CHAT, with_(OK_CHAT, top_k=-1), "top_k"),
         (CHAT, with_(OK_CHAT, top_k=2.5), "top_k"),
@@ -781,3 +781,56 @@ def test_responses_and_anthropic_results_answer_calls_too(http) -> None:
     )
     assert anthropic.status_code == 400, anthropic.text
     assert "toolu_2" in anthropic.text
+
+
+def test_a_completion_without_max_tokens_gets_openais_default_of_16(http, backend) -> None:
+    body = {key: value for key, value in OK_COMPLETION.items() if key != "max_tokens"}
+    reply = http.post(COMPLETIONS, json=body)
+    assert reply.status_code == 200, reply.text
+    assert backend.requests[-1].max_new_tokens == 16
+    assert reply.json()["usage"]["completion_tokens"] <= 16
+    # Chat keeps the room left in the context (the stream is left at its start).
+    with http.stream("POST", CHAT, json={"model": MODEL_ID, "messages": [USER], "stream": True}):
+        pass
+    assert backend.requests[-1].max_new_tokens > 16
+
+
+def test_an_assistant_refusal_part_sent_back_is_read_as_its_text(http, backend) -> None:
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    body = {"model": MODEL_ID, "messages": [USER, refused, USER], "max_tokens": 2}
+    reply = http.post(CHAT, json=body)
+    assert reply.status_code == 200, reply.text
+    # Only the assistant's own turn may hold one.
+    user_refusal = {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}
+    error = assert_openai_error(
+        http.post(CHAT, json={**body, "messages": [user_refusal]}), 400, param="messages"
+    )
+    assert "refusal" in error["message"]
+
+
+def test_top_p_0_keeps_the_likeliest_token_alone(http, backend) -> None:
+    """OpenAI takes top_p 0; it samples as the least positive top_p, which only the
+    likeliest token passes."""
+    reply = http.post(CHAT, json=with_(OK_CHAT, top_p=0, temperature=1.0, seed=3))
+    assert reply.status_code == 200, reply.text
+    assert 0 < backend.requests[-1].sampling.top_p <= 1e-6
+
+
+def test_every_response_carries_an_x_request_id(http, base_url) -> None:
+    """OpenAI's clients read ``x-request-id`` as the request's id (``_request_id``,
+    and on their errors): a new one per response, or the client's own."""
+    from openai import OpenAI
+
+    first, second = http.post(CHAT, json=OK_CHAT), http.get("/v1/nothing")
+    ids = [first.headers["x-request-id"], second.headers["x-request-id"]]
+    assert all(i.startswith("req_") for i in ids) and ids[0] != ids[1]
+    own = http.post(CHAT, json=OK_CHAT, headers={"x-request-id": "trace-42"})
+    assert own.headers["x-request-id"] == "trace-42"
+    client = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    assert client.chat.completions.create(**OK_CHAT)._request_id.startswith("req_")
+
+
+def test_stream_options_include_obfuscation_is_taken(http) -> None:
+    body = with_(OK_CHAT, stream=True, stream_options={"include_obfuscation": False})
+    with http.stream("POST", CHAT, json=body) as reply:
+        assert reply.status_code == 200

@@ -50,8 +50,13 @@ def test_a_chain_of_turns_reads_the_whole_conversation(tokenizer) -> None:
     backend = _backend(tokenizer)
     with live_server(backend, tokenizer) as url:
         client = _client(url)
+        # previous_response_id None (sent as null by the SDKs: an agent's first turn)
+        # is no previous response.
         first = client.responses.create(
-            model=MODEL_ID, instructions="Be brief.", input="My name is Ada."
+            model=MODEL_ID,
+            instructions="Be brief.",
+            input="My name is Ada.",
+            previous_response_id=None,
         )
         assert first.store is True and first.output_text == ANSWER
         second = client.responses.create(
@@ -72,6 +77,12 @@ def test_a_chain_of_turns_reads_the_whole_conversation(tokenizer) -> None:
         items = client.responses.input_items.list(fourth.id, order="asc")
         texts = [getattr(i, "content", None) for i in items.data]
         assert len(texts) == 7  # 4 user turns and 3 answers
+        # As OpenAI lists them: text as parts (input_text for the user's, output_text
+        # for the answers), each message completed.
+        assert items.data[0].content[0].text == "My name is Ada."
+        assert [i.content[0].type for i in items.data[:2]] == ["input_text", "output_text"]
+        assert items.data[1].content[0].text == ANSWER
+        assert all(i.status == "completed" for i in items.data)
         # Pages of 2, as the SDK walks them (by each page's last id): every item,
         # each with its type and an id of its own.
         paged = list(client.responses.input_items.list(fourth.id, limit=2, order="asc"))
