@@ -129,6 +129,18 @@ def resolve_up(args: argparse.Namespace) -> UpConfig:
         frontend=resolve(FrontendConfig, "frontend", args, toml, toml_source=source),
         toml=toml,
     )
+    ignored = sorted(
+        set(toml.get("stage", {}) if isinstance(toml.get("stage"), dict) else ())
+        - set(LOCAL_STAGE_FIELDS)
+    )
+    if ignored:
+        logger.warning(
+            "up does not take [stage] %s from %s for its local stages (those are `mesh-stage "
+            "join` settings); fix the local stage 0's ports with [coordinator] stage0_port "
+            "and stage0_data_port (--stage0-port, --stage0-data-port)",
+            ", ".join(ignored),
+            source,
+        )
     coordinator = config.coordinator.value
     if coordinator.max_stages and coordinator.min_stages > coordinator.max_stages:
         raise InvalidRequest(
@@ -173,6 +185,10 @@ def local_stage_argv(
     so that stages on other hosts can reach it. Stage 0's serving and speculation
     settings are not flags: they reach it with every Load."""
     stage = config.stage.value
+    head = config.coordinator.value
+    # Stage 0 is the one stages on other hosts reach (its return link): its ports may
+    # be fixed; other local stages take free ones (several share this host).
+    port = head.stage0_port if frontend else 0
     command = [
         sys.executable,
         "-m",
@@ -181,7 +197,7 @@ def local_stage_argv(
         "--coordinator",
         coordinator,
         "--listen",
-        f"{url_host(listen_host)}:0",
+        f"{url_host(listen_host)}:{port}",
         "--advertise",
         advertise,
         "--node-id",
@@ -205,6 +221,8 @@ def local_stage_argv(
     if log_level:
         command += ["--log-level", log_level]
     command += security.child_argv()
+    if frontend and head.stage0_data_port:
+        command += ["--data-port", str(head.stage0_data_port)]
     if frontend:
         serving = config.frontend.value
         command += [

@@ -172,6 +172,12 @@ def _ports(config: UpConfig) -> list[CheckResult]:
         results.append(check_udp_port(host, port, "LAN discovery"))
     if not coord.no_local_stage:
         results.append(check_port(serving.http_host, serving.http_port, "--http-port"))
+        for flag, fixed in (
+            ("--stage0-port", coord.stage0_port),
+            ("--stage0-data-port", coord.stage0_data_port),
+        ):
+            if fixed:
+                results.append(check_port(host, fixed, flag))
     return results
 
 

@@ -114,9 +114,12 @@ def answer_for(
     return _canonical(fields)
 
 
-def read_answer(data: bytes, source: str, nonce: str, token: str | None) -> Offer | None:
+def read_answer(
+    data: bytes, source: str, nonce: str, token: str | None, refused: set[str] | None = None
+) -> Offer | None:
     """The offer in an answer datagram from ``source``, or None when it is not an
-    answer to this query or (with a token) does not prove the coordinator has it."""
+    answer to this query or (with a token) does not prove the coordinator has it
+    (then ``source`` joins ``refused``, and the warning is logged once per source)."""
     fields = _message(data, ANSWER)
     if fields is None or fields.get("nonce") != nonce:
         return None
@@ -126,11 +129,15 @@ def read_answer(data: bytes, source: str, nonce: str, token: str | None) -> Offe
     needs_token = fields.get("token") is True
     if token is not None:
         if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(token, fields)):
-            logger.warning(
-                "ignoring a discovery answer from %s: it does not prove the join token "
-                "(another mesh, or a host answering in a coordinator's place)",
-                source,
-            )
+            if refused is None or source not in refused:
+                logger.warning(
+                    "ignoring a discovery answer from %s: it does not prove this node's "
+                    "join token (a coordinator with another token: check MESH_JOIN_TOKEN "
+                    "or --join-token-file; or a host answering in a coordinator's place)",
+                    source,
+                )
+            if refused is not None:
+                refused.add(source)
             return None
     elif needs_token:
         logger.warning(
@@ -234,11 +241,16 @@ class DiscoveryResponder:
 
 
 def discover(
-    port: int, token: str | None, wait_s: float, targets: Sequence[str] | None = None
+    port: int,
+    token: str | None,
+    wait_s: float,
+    targets: Sequence[str] | None = None,
+    refused: set[str] | None = None,
 ) -> list[Offer]:
     """Ask once (to ``targets``, by default every broadcast address of this host and
     127.0.0.1) and collect the offers that come within ``wait_s``, one per
-    coordinator (the first answer of each)."""
+    coordinator (the first answer of each); hosts whose answers did not prove the
+    join token are added to ``refused``."""
     nonce = secrets.token_hex(16)
     query = _canonical({"kind": QUERY, "v": VERSION, "nonce": nonce})
     offers: dict[str, Offer] = {}
@@ -257,7 +269,7 @@ def discover(
                 data, source = sock.recvfrom(MAX_DATAGRAM)
             except TimeoutError:
                 break
-            offer = read_answer(data, source[0], nonce, token)
+            offer = read_answer(data, source[0], nonce, token, refused)
             if offer is not None:
                 offers.setdefault(offer.coordinator_id or offer.address, offer)
     return list(offers.values())
@@ -299,8 +311,9 @@ def find_coordinator(
     coordinators answering is an error that lists them."""
     deadline = time.monotonic() + timeout_s
     said = False
+    refused: set[str] = set()
     while True:
-        offers = discover(port, token, round_s, targets)
+        offers = discover(port, token, round_s, targets, refused)
         if len(offers) == 1:
             return offers[0]
         if len(offers) > 1:
@@ -310,6 +323,13 @@ def find_coordinator(
                 "name one with --coordinator HOST:PORT"
             )
         if time.monotonic() >= deadline:
+            if refused:
+                raise InvalidRequest(
+                    f"a coordinator answered on UDP port {port} (from "
+                    f"{', '.join(sorted(refused))}) but not with this node's join token: "
+                    "give this node the mesh's token (MESH_JOIN_TOKEN or "
+                    "--join-token-file, the same on every node)"
+                )
             raise InvalidRequest(
                 f"no coordinator answered on UDP port {port} within {timeout_s:g} s; is "
                 "`mesh-coordinator up` running on this network (with discovery on, and "

@@ -46,6 +46,20 @@ class CoordinatorConfig:
         "listening on 0.0.0.0",
     )
     no_local_stage: bool = setting(False, "do not run a local stage 0")
+    stage0_port: int = setting(
+        0,
+        "gRPC port of the local stage 0, at the listen host (0: any free port); fix it, "
+        "with stage0_data_port, where a firewall opens only known ports",
+        minimum=0,
+        maximum=65535,
+    )
+    stage0_data_port: int = setting(
+        0,
+        "framed TCP data port of the local stage 0 (0: any free port); the last stage "
+        "sends it the tokens there",
+        minimum=0,
+        maximum=65535,
+    )
     spawn_stages: int = setting(0, "extra local stage processes", minimum=0)
     min_stages: int = setting(0, "wait for this many stages", minimum=0)
     max_stages: int = setting(0, "use at most this many stages (0: no limit)", minimum=0)

@@ -142,3 +142,19 @@ def test_a_hostile_datagram_does_not_silence_the_responder() -> None:
         assert [o.model_id for o in offers] == ["model-a"]
     finally:
         responder.stop()
+
+
+def test_a_coordinator_with_another_token_is_named_not_called_absent(caplog) -> None:
+    """A coordinator answers, but not with this node's token: the error says that (and
+    the warning is logged once, not once a second)."""
+    port = _free_udp_port("127.0.0.2")
+    responder = DiscoveryResponder("127.0.0.2", port, lambda: "m", "", False, "right")
+    assert responder.start()
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(InvalidRequest) as raised:
+            find_coordinator(port, "wrong", 1.0, targets=["127.0.0.2"], round_s=0.2)
+    finally:
+        responder.stop()
+    message = str(raised.value)
+    assert "127.0.0.2" in message and "join token" in message and "MESH_JOIN_TOKEN" in message
+    assert caplog.text.count("ignoring a discovery answer") == 1

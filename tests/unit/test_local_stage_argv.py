@@ -91,3 +91,22 @@ def test_up_refuses_a_bad_api_key_file_before_starting_anything(
     assert "line 2" in capsys.readouterr().err
     assert main([*base, "--api-key-file", str(tmp_path / "missing")]) == 2
     assert "cannot read the API key file" in capsys.readouterr().err
+
+
+def test_the_local_stage_0s_ports_can_be_fixed_for_a_firewall(tmp_path, caplog) -> None:
+    """Stages on other hosts reach the head's stage 0 (the last stage's return link):
+    `up --stage0-port/--stage0-data-port` fix its gRPC and data ports; other local
+    stages keep free ports (several share the host)."""
+    flags = ["--stage0-port", "7071", "--stage0-data-port", "7072"]
+    _, head = _local(flags, 0, True)
+    assert head.stage.value.listen.endswith(":7071") and head.stage.value.data_port == 7072
+    _, other = _local(flags, 1, False)
+    assert other.stage.value.listen.endswith(":0") and other.stage.value.data_port == 0
+    _, free = _local([], 0, True)
+    assert free.stage.value.listen.endswith(":0") and free.stage.value.data_port == 0
+    # [stage] listen / data_port in up's file are join's settings: said, not silent.
+    config = tmp_path / "mesh.toml"
+    config.write_text('[stage]\nlisten = "0.0.0.0:7071"\ndata_port = 7072\n')
+    with caplog.at_level("WARNING"):
+        resolve_up(coordinator_parser().parse_args(["up", "--config", str(config)]))
+    assert "data_port, listen" in caplog.text and "stage0_port" in caplog.text
