@@ -19,7 +19,7 @@ from mesh.codec import JoinRequest
 from mesh.config import add_speculation_arguments
 from mesh.discovery import find_coordinator, parse_auto, rediscover
 from mesh.doctor import add_doctor_arguments
-from mesh.errors import MeshError
+from mesh.errors import InvalidRequest, MeshError
 from mesh.gcpause import GcPauses
 from mesh.grpc_util import bind, new_server
 from mesh.lifetime import watch_parent
@@ -143,6 +143,15 @@ def run(args: argparse.Namespace) -> int:
     port = bind(server, stage.listen)
     host = advertise_host(split_host_port(stage.listen)[0], stage.advertise, stage.coordinator)
     address = f"{url_host(host)}:{port}"
+    if security.tls_cert is not None:
+        # Peers dial the advertised address and check that the certificate names it:
+        # one that does not would join and never be reached (found late, and read
+        # as an unreachable address).
+        from mesh.doctor.tls import certificate_problem
+
+        problem = certificate_problem(security, ((host, "advertised"),))
+        if problem is not None:
+            raise InvalidRequest(problem)
     node = StageNode(
         NodeSettings(
             node_id=node_id,

@@ -47,10 +47,14 @@ def check_security(
     return [*results, _certificate(security, dialled, now)]
 
 
-def certificate_problem(security: MeshSecurity) -> str | None:
+def certificate_problem(
+    security: MeshSecurity, dialled: Sequence[tuple[str, str]] = ()
+) -> str | None:
     """What makes this node's certificate unusable (not the key's, expired, not
-    signed by ``tls_ca``), as one line with what to do; None when it is usable."""
-    result = _certificate(security, (), datetime.datetime.now(datetime.UTC))
+    signed by ``tls_ca``, not naming a ``(host, where)`` of ``dialled``: the
+    addresses peers dial it at), as one line with what to do; None when it is
+    usable."""
+    result = _certificate(security, dialled, datetime.datetime.now(datetime.UTC))
     return f"{result.detail}; {result.fix}" if result.status == "FAIL" else None
 
 

@@ -119,3 +119,23 @@ def test_an_unknown_log_level_from_the_environment_is_said(
     finally:
         root.handlers[:] = kept
     assert "log level 'BOGUS' is not one of" in capsys.readouterr().err
+
+
+def test_a_stage_whose_certificate_does_not_name_its_advertised_address_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Peers dial a stage at its advertised address and check that its certificate
+    names it: `join` refuses to start with one that does not (before, the stage
+    joined, was never reached, and the coordinator blamed an unreachable address)."""
+    import subprocess
+    import sys
+
+    made = generate_cluster_certs(tmp_path / "pki", ("10.88.0.2",), shared=True)
+    node = made.nodes[0]
+    argv = [sys.executable, "-m", "stage.cli", "join", "--coordinator", "127.0.0.1:1"]
+    argv += ["--listen", "127.0.0.1:0", "--advertise", "127.0.0.1", "--device", "cpu"]
+    argv += ["--tls-cert", str(node.cert), "--tls-key", str(node.key)]
+    argv += ["--tls-ca", str(made.ca_cert), "--cache-dir", str(tmp_path / "cache")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "names 10.88.0.2, not 127.0.0.1 (advertised)" in done.stderr, done.stderr
