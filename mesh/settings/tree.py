@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import logging
 import os
 import types
 import typing
@@ -26,6 +28,11 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from mesh.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+# Environment variables already said to be unknown (a section is resolved more than
+# once in some processes).
+_UNKNOWN_SAID: set[str] = set()
 
 BUILT_IN = "built-in default"
 T = TypeVar("T")
@@ -241,7 +248,26 @@ def resolve(
             continue
         values[name] = _check(cls, field, value, f"{section}.{name} from {where}", text)
         origins[name] = where
+    _say_unknown_variables(cls, section, env)
     return Resolved(section=section, value=cls(**values), origins=origins)
+
+
+def _say_unknown_variables(cls: type, section: str, env: Mapping[str, str]) -> None:
+    """Log the ``MESH_<SECTION>_*`` variables no setting of ``section`` reads (a typo
+    in one is otherwise silent, where the same typo in TOML is an error)."""
+    prefix = f"MESH_{section}_".upper()
+    known = {env_name(section, f.name) for f in dataclasses.fields(cls)}
+    for variable in sorted(env):
+        if not variable.startswith(prefix) or variable in known or variable in _UNKNOWN_SAID:
+            continue
+        _UNKNOWN_SAID.add(variable)
+        close = difflib.get_close_matches(variable, sorted(known), n=1)
+        logger.warning(
+            "environment variable %s is not a [%s] setting and is ignored%s",
+            variable,
+            section,
+            f"; did you mean {close[0]}?" if close else "",
+        )
 
 
 def describe(resolved: Iterable[Resolved]) -> str:

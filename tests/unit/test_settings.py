@@ -190,3 +190,15 @@ def test_print_config_shows_every_value_and_its_source(tmp_path: Path) -> None:
     assert '"cuda:3"' in lines["stage.device"] and "MESH_STAGE_DEVICE" in lines["stage.device"]
     assert "(CLI --http-port)" in lines["frontend.http_port"]
     assert "(built-in default)" in lines["frontend.max_queued"]
+
+
+def test_an_unknown_variable_of_a_section_is_said_with_the_closest_name(caplog) -> None:
+    """A typo in a MESH_<SECTION>_* variable is logged (the same typo in TOML is an
+    error); a known one and other sections' variables are not."""
+    env = {"MESH_STAGE_THREDS": "2", "MESH_STAGE_THREADS": "1", "MESH_JOIN_TOKEN": "x"}
+    with caplog.at_level("WARNING"):
+        resolved = resolve(StageConfig, "stage", env=env)
+    assert resolved.value.threads == 1
+    assert "MESH_STAGE_THREDS is not a [stage] setting" in caplog.text
+    assert "did you mean MESH_STAGE_THREADS?" in caplog.text
+    assert "MESH_JOIN_TOKEN" not in caplog.text
