@@ -509,7 +509,9 @@ def fetch_status(coordinator: str, security: MeshSecurity | None = None) -> Stat
         )
     except grpc.RpcError as error:
         hint = (
-            f"; {unavailable_hint(security)}" if error.code() == grpc.StatusCode.UNAVAILABLE else ""
+            f"; {unavailable_hint(security, str(error.details()))}"
+            if error.code() == grpc.StatusCode.UNAVAILABLE
+            else ""
         )
         raise MeshError(
             f"cannot reach the coordinator at {coordinator}: {error.code().name} "

@@ -300,8 +300,26 @@ def log_posture(security: MeshSecurity, role: str) -> None:
     logger.info("%s security: %s", role, security.describe())
 
 
-def unavailable_hint(security: MeshSecurity) -> str:
-    """What to check when a peer cannot be reached: TLS mismatches look like that."""
+_UNRESOLVED = "the name does not resolve: give an address or a resolvable name"
+# How the network says a peer is not there (in gRPC's error details): no TLS
+# setting changes these.
+_NETWORK_FAILURES = (
+    ("no route to host", "no route to that host from here: check the address and routing"),
+    ("network is unreachable", "that network is unreachable from here: check routing"),
+    ("connection refused", "nothing listens there: is it running, on that port?"),
+    ("dns resolution failed", _UNRESOLVED),
+    ("name or service not known", _UNRESOLVED),
+)
+
+
+def unavailable_hint(security: MeshSecurity, details: str = "") -> str:
+    """What to check when a peer cannot be reached (``details``: the error's text):
+    what the network said where it said something, else TLS mismatches, which look
+    like an unreachable peer."""
+    lowered = details.lower()
+    for failure, hint in _NETWORK_FAILURES:
+        if failure in lowered:
+            return hint
     if not security.tls_enabled:
         return (
             "is it running, and does the mesh use TLS? then give --tls-ca "

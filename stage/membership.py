@@ -90,7 +90,11 @@ class Membership:
     def _unreachable(self, what: str, error: grpc.RpcError) -> None:
         """Log the first failure of an outage; later ones only at debug level."""
         code = error.code()
-        hint = f"; {unavailable_hint(active())}" if code == grpc.StatusCode.UNAVAILABLE else ""
+        hint = (
+            f"; {unavailable_hint(active(), str(error.details()))}"
+            if code == grpc.StatusCode.UNAVAILABLE
+            else ""
+        )
         if self._outage_since is None:
             self._outage_since = time.monotonic()
             logger.warning(

@@ -139,3 +139,14 @@ def test_a_stage_whose_certificate_does_not_name_its_advertised_address_is_refus
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "names 10.88.0.2, not 127.0.0.1 (advertised)" in done.stderr, done.stderr
+
+
+def test_an_unreachable_peer_is_explained_by_what_the_network_said() -> None:
+    """A routing failure is not a TLS question: the hint names what the network said,
+    and only an unexplained failure points at TLS settings."""
+    from mesh.security import unavailable_hint
+
+    routed = unavailable_hint(OPEN, "failed to connect: No route to host")
+    assert "route" in routed and "TLS" not in routed
+    assert "nothing listens" in unavailable_hint(OPEN, "connect: Connection refused (111)")
+    assert "TLS" in unavailable_hint(OPEN, "Socket closed")
