@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 STAGE_RETRY_MAX_S = 5.0
 # How long the coordinator tries to connect to a planned node before a load.
 REACH_TIMEOUT_S = 3.0
+# Load steps whose failure at a worker leaves that worker out of plans for a while.
+QUARANTINED_STEPS = frozenset({"Prepare", "Inventory", "Load"})
 
 
 @dataclass(frozen=True)
@@ -492,6 +494,28 @@ class CoordinatorService:
                 # claim again at once, above it. Not a failure of the model.
                 logger.info("stage holds term %s; claiming again above it", error.held_term)
                 self.apply(registry.TermObserved(term=error.held_term))
+                self._last_attempt = 0.0
+                return
+            stage = error.stage
+            if stage is not None and stage.stage_index > 0 and error.step in QUARANTINED_STEPS:
+                # One worker cannot take its slice (a corrupt local copy of the package,
+                # a fetch that ran out of time, a load that failed): plan around it
+                # for a quarantine, at once, rather than trying the same plan again
+                # and again while the mesh serves nothing (stage 0 is not left out:
+                # no plan is made without it).
+                logger.warning(
+                    "node %s is left out of plans: its load failed at %s",
+                    stage.node_id,
+                    error.step,
+                )
+                self.apply(
+                    registry.NodeUnreachable(
+                        node_id=stage.node_id,
+                        error=f"its load failed: {error.message}",
+                        now=time.monotonic(),
+                    )
+                )
+                self._failed(error.message)
                 self._last_attempt = 0.0
                 return
             self._failed(error.message)

@@ -126,3 +126,42 @@ def test_a_node_the_coordinator_cannot_reach_is_left_out_before_anything_is_clai
         assert "near" in service.state.error and "far" not in service.state.error
     finally:
         server.stop(0)
+
+
+def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
+    tiny_package_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's Prepare fails (a corrupt local copy of the package): the worker is
+    quarantined and the next attempt, at once, plans without it (before, the same
+    plan was tried again and again with backoff while the mesh served nothing)."""
+    from coordinator.driver import LoadError, LoadOutcome
+    from mesh.codec import Ready
+
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+    service = CoordinatorService(model, settings)
+    service._unreachable = lambda plan, state: []
+    plans: list[tuple[str, ...]] = []
+
+    class Driver:
+        def load(self, plan, term, load):
+            plans.append(tuple(s.node_id for s in plan.stages))
+            bad = [s for s in plan.stages if s.node_id == "corrupt"]
+            if bad:
+                raise LoadError(bad[0], "Prepare", "sha256 mismatch in layers/00002.safetensors")
+            return LoadOutcome(term, tuple(Ready(term, "x:1") for _ in plan.stages))
+
+    service._driver = Driver()
+    memory = dict(device="cpu", memory_bytes=8 << 30)
+    service.join(JoinRequest(node_id="head", address="127.0.0.1:1", frontend=True, **memory))
+    service.join(JoinRequest(node_id="corrupt", address="127.0.0.1:2", **memory))
+    service._load_once()
+    assert plans == [("head", "corrupt")]
+    assert service.state.node("corrupt").health == "stalled"
+    assert "node corrupt is left out of plans: its load failed at Prepare" in caplog.text
+    assert service._last_attempt == 0.0  # the next attempt comes at once
+    service._load_once()
+    assert plans[-1] == ("head",) and service.state.mesh_state == "serving"
