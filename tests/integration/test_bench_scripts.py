@@ -114,11 +114,13 @@ def test_chaos_bench_judges_every_stream_of_every_round(tiny_package_factory, wo
     argv += ["--out", str(out), "--workdir", str(tmp_path / "w")]
     assert chaos.main(argv) == 0
     body = json.loads(out.read_text())
-    # Its own prompts, each workload line twice, one embeddings request.
-    assert body["requests"] == 8 + 2 * 3 + 1
+    # Its own prompts, each workload line twice, the feature requests (n, logprobs,
+    # tools, schema, predictions, stop strings), one embeddings request.
+    assert body["requests"] == 8 + 2 * 3 + 7 + 1
     assert len(body["rounds"]) == 2 and all(len(r["outcomes"]) == 2 for r in body["rounds"])
     kinds = {kind for r in body["rounds"] for kind in r["requests"]}
-    assert kinds <= {"chat", "embeddings"} and all(len(r["requests"]) == 2 for r in body["rounds"])
+    assert all(k == "embeddings" or k.split("+")[0] == "chat" for k in kinds)
+    assert all(len(r["requests"]) == 2 for r in body["rounds"])
     totals = body["summary"]["totals"]
     assert totals["faults"] == 2 and totals["corrupted"] == 0
     assert totals["identical"] + totals["failed"] == 4
