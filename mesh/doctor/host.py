@@ -107,11 +107,28 @@ def listener_of(port: int) -> str | None:
         try:
             for fd in (pid_dir / "fd").iterdir():
                 if os.readlink(fd) in inodes:
-                    command = (pid_dir / "comm").read_text().strip()
-                    return f"pid {pid_dir.name} ({command})"
+                    return f"pid {pid_dir.name} ({_command_of(pid_dir)})"
         except OSError:
             continue
     return None
+
+
+def _command_of(pid_dir: Path) -> str:
+    """A process's command as an operator knows it: a Python's script (or module) and
+    its first argument, ``mesh-coordinator up`` (its ``comm`` is cut to 15
+    characters: ``mesh-coordinato``); else the program's name."""
+    comm = (pid_dir / "comm").read_text().strip()
+    try:
+        raw = (pid_dir / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return comm
+    words = [a.decode(errors="replace") for a in raw if a]
+    if not words:
+        return comm
+    if Path(words[0]).name.startswith("python") and len(words) > 1:
+        rest = words[2:] if words[1] == "-m" else [Path(words[1]).name, *words[2:]]
+        return " ".join(rest[:2]) or comm
+    return Path(words[0]).name
 
 
 # ---- memory -----------------------------------------------------------------------------

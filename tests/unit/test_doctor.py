@@ -460,3 +460,31 @@ def test_stage_quantised_kernels(tmp_path, capsys, monkeypatch):
     assert kernels["status"] == "FAIL" and "install a C compiler" in kernels["fix"]
     _, checks = stage_doctor([*argv, "--quantised-kernel", "torch"], capsys)
     assert checks["quantised kernels"]["status"] == "PASS"
+
+
+def test_a_listener_is_named_by_its_command_not_its_cut_comm(tmp_path) -> None:
+    """/proc's comm is cut to 15 characters (``mesh-coordinato``): the listener of a
+    port is named by its script and first argument."""
+    import subprocess
+    import sys
+    import time
+
+    from mesh.doctor.host import listener_of
+
+    script = tmp_path / "mesh-coordinator-like"
+    script.write_text(
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True); time.sleep(60)\n"
+    )
+    argv = [sys.executable, str(script), "up"]
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        deadline = time.monotonic() + 10
+        while (named := listener_of(port)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert named == f"pid {holder.pid} (mesh-coordinator-like up)"
+    finally:
+        holder.kill()
+        holder.wait()
