@@ -364,11 +364,15 @@ async def _choice_events(
 ) -> AsyncIterator[tuple[bytes, bool]]:
     """One choice's SSE chunks, each with whether it reports an error (the choice's
     last chunk then)."""
-    if run.prepared.kind == "chat":
-        first = {"index": run.index, "delta": {"role": "assistant", "content": ""}}
-        yield sse(_chunk(run, [{**first, "logprobs": None, "finish_reason": None}])), False
     chat = run.prepared.kind == "chat"
     tools = run.prepared.tools if chat else None
+    if chat:
+        # With tools the answer may be calls alone: its content starts as null (as
+        # OpenAI's does for calls), so that a client's accumulated message does not
+        # read "" where the same answer unstreamed reads null.
+        opening = {"role": "assistant", "content": "" if tools is None else None}
+        first = {"index": run.index, "delta": opening}
+        yield sse(_chunk(run, [{**first, "logprobs": None, "finish_reason": None}])), False
     # With tools, text from (what may become) a tool call on is held back and sent
     # as tool-call deltas once the answer is complete.
     answer = tools.prefix if tools is not None else ""

@@ -409,3 +409,17 @@ def test_a_function_without_parameters_is_called_with_an_empty_object(
     free = forced_call_grammar(ToolFormat.HERMES, "ping", ping, False, schemas=False)
     ids = smollm2_tokenizer.encode('{"host": "a"}')
     assert follows(smollm2_grammars, grammar_spec("grammar", free), ids) is not None
+
+
+def test_a_streamed_answer_of_calls_alone_has_no_content(frontend) -> None:
+    """Streamed with tools, the first delta's content is null (OpenAI's, for calls):
+    the SDK's stream helper then ends with content None, as the same answer
+    unstreamed has, not ""."""
+    client, _ = frontend
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with client.chat.completions.stream(
+        model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=named
+    ) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content is None and message.tool_calls[0].function.name == "get_weather"
