@@ -10,7 +10,8 @@ token budget to the context:
 - ``max_tokens`` (or ``max_completion_tokens``) larger than the room left after the
   prompt is clamped to that room, and generation then ends with
   ``finish_reason="length"`` when it runs out; with no ``max_tokens`` the budget is
-  ``limits.default_max_tokens`` or, when that is None, the whole room;
+  ``limits.default_max_tokens`` or, when that is None, the body's ``unset_max_tokens``
+  (16 on completions, as OpenAI's) or the whole room;
 - ``max_tokens`` 0 (completions with ``echo`` only) reads the prompt and generates
   nothing; with ``logprobs`` too the prompt is scored (``score_prompt``).
 
@@ -326,7 +327,12 @@ def _logit_bias(bias: Mapping[str, float], vocab: int) -> tuple[tuple[int, float
 
 
 def _budget(
-    prompt_len: int, requested: int | None, ctx: PromptContext, param: str, name: str = "the prompt"
+    prompt_len: int,
+    requested: int | None,
+    ctx: PromptContext,
+    param: str,
+    name: str = "the prompt",
+    unset: int | None = None,
 ) -> int:
     if prompt_len == 0:
         raise bad_request(f"{name} is empty; send some text or token ids", param)
@@ -339,6 +345,7 @@ def _budget(
             code="context_length_exceeded",
         )
     wanted = requested if requested is not None else ctx.limits.default_max_tokens
+    wanted = wanted if wanted is not None else unset
     return room if wanted is None else min(wanted, room)
 
 
@@ -532,7 +539,7 @@ def prepared_generation(
     param = "messages" if kind == "chat" else "prompt"
     names = ["the prompt"] if len(prompts) == 1 else [f"prompt {i}" for i in range(len(prompts))]
     budgets = [
-        _budget(len(p), body.requested_max_tokens, ctx, param, name)
+        _budget(len(p), body.requested_max_tokens, ctx, param, name, body.unset_max_tokens)
         for p, name in zip(prompts, names, strict=True)
     ]
     # One seed for the whole request: prompt p's choice i is the answer of that

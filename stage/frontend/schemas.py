@@ -309,6 +309,12 @@ class GenerationBody(_Body):
         return self.max_tokens
 
     @property
+    def unset_max_tokens(self) -> int | None:
+        """The budget of a request that sets no ``max_tokens`` where the operator set
+        no default: None, the room left in the context."""
+        return None
+
+    @property
     def requested_top_logprobs(self) -> int:
         """-1: no log-probabilities; else how many alternatives per token."""
         return -1
@@ -462,9 +468,10 @@ class CompletionBody(GenerationBody):
     suffix: Str | None = None
 
     @property
-    def requested_max_tokens(self) -> int:
-        """``max_tokens``, or OpenAI's default for completions (16) when left out."""
-        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+    def unset_max_tokens(self) -> int | None:
+        """OpenAI's default for completions (16): the budget of a request that sets no
+        ``max_tokens`` where the operator set no default either."""
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
 
     @property
     def requested_top_logprobs(self) -> int:

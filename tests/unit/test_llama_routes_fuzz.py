@@ -14,7 +14,7 @@ import pytest
 from frontend_support import MODEL_ID, TinyModelBackend, assert_openai_error, live_server
 from fuzz_support import json_values as fuzz_json_values
 from fuzz_support import token_budget
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from stage.frontend.prepare import FrontendLimits
@@ -107,6 +107,14 @@ def http(fim_model_dir) -> Iterator[httpx.Client]:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(request=requests())
+# A completion without max_tokens takes the operator's default (3 here) before
+# OpenAI's 16.
+@example(
+    request=(
+        "/v1/completions",
+        json.dumps({**BASE["/v1/completions"], "max_tokens": None}).encode(),
+    )
+)
 def test_no_body_produces_a_server_error(http: httpx.Client, request: tuple[str, bytes]) -> None:
     path, raw = request
     response = http.post(path, content=raw, headers={"content-type": "application/json"})
