@@ -106,32 +106,44 @@ class LoadDriver:
             for ch in channels.values():
                 ch.close()
 
+    def stage_ahead(
+        self,
+        newcomers: list[StageAssignment],
+        term: int,
+        moved: list[StageAssignment],
+        serving_term: int,
+        settings: LoadSettings,
+        abort: Callable[[], str | None],
+    ) -> None:
+        """Get the slices of a plan ready while the pipeline of ``serving_term`` goes on
+        serving: Claim and Prepare ``newcomers`` (nodes serving nothing now) at
+        ``term``, Prepare ``moved`` (serving stages whose layer range changes) at the
+        term they serve, which fences nothing, and wait until every slice is ready.
+        ``abort()`` is asked between polls and ends the wait (a LoadError of step
+        "Abort") when it names a reason. On a failure the newcomers are released and
+        the serving stages left as they are; on success the newcomers stay claimed for
+        ``load``, whose Prepare then finds every slice ready."""
+        stages = newcomers + moved
+        channels = {s.node_id: channel(s.address) for s in stages}
+        stubs = {n: stage_pb2_grpc.StageControlStub(c) for n, c in channels.items()}
+        terms = {s.node_id: term for s in newcomers} | {s.node_id: serving_term for s in moved}
+        try:
+            self._claim(newcomers, stubs, term, settings)
+            self._prepare(stages, stubs, terms, settings)
+            self._await_inventory(stages, stubs, terms, settings, abort)
+        except LoadError as error:
+            logger.warning("slices ahead of term %s: %s", term, error.message)
+            self._release_all(newcomers, stubs, term, f"slices ahead failed: {error.message}")
+            raise
+        finally:
+            for ch in channels.values():
+                ch.close()
+
     def _load(self, stages, stubs, term: int, settings: LoadSettings):
-        for stage in stages:
-            self._call(
-                stage,
-                "Claim",
-                lambda s=stage: stubs[s.node_id].Claim(
-                    ClaimRequest(
-                        term=term,
-                        coordinator_id=self.coordinator_id,
-                        model_id=settings.model_id,
-                    ).to_proto(),
-                    timeout=CONTROL_DEADLINE_S,
-                ),
-            )
-        for stage in stages:
-            self._call(
-                stage,
-                "Prepare",
-                lambda s=stage: stubs[s.node_id].Prepare(
-                    PrepareRequest(
-                        term=term, package_ref=settings.package_ref, layer_range=s.layer_range
-                    ).to_proto(),
-                    timeout=CONTROL_DEADLINE_S,
-                ),
-            )
-        self._await_inventory(stages, stubs, term, settings)
+        terms = {s.node_id: term for s in stages}
+        self._claim(stages, stubs, term, settings)
+        self._prepare(stages, stubs, terms, settings)
+        self._await_inventory(stages, stubs, terms, settings)
         ready: dict[int, Ready] = {}
         downstream: PeerRef | None = None
         stage0 = stages[0]
@@ -175,7 +187,44 @@ class LoadDriver:
             )
         return LoadOutcome(term, tuple(ready[i] for i in range(len(stages))))
 
-    def _await_inventory(self, stages, stubs, term: int, settings: LoadSettings) -> None:
+    def _claim(self, stages, stubs, term: int, settings: LoadSettings) -> None:
+        for stage in stages:
+            self._call(
+                stage,
+                "Claim",
+                lambda s=stage: stubs[s.node_id].Claim(
+                    ClaimRequest(
+                        term=term,
+                        coordinator_id=self.coordinator_id,
+                        model_id=settings.model_id,
+                    ).to_proto(),
+                    timeout=CONTROL_DEADLINE_S,
+                ),
+            )
+
+    def _prepare(self, stages, stubs, terms: dict[str, int], settings: LoadSettings) -> None:
+        for stage in stages:
+            self._call(
+                stage,
+                "Prepare",
+                lambda s=stage: stubs[s.node_id].Prepare(
+                    PrepareRequest(
+                        term=terms[s.node_id],
+                        package_ref=settings.package_ref,
+                        layer_range=s.layer_range,
+                    ).to_proto(),
+                    timeout=CONTROL_DEADLINE_S,
+                ),
+            )
+
+    def _await_inventory(
+        self,
+        stages,
+        stubs,
+        terms: dict[str, int],
+        settings: LoadSettings,
+        abort: Callable[[], str | None] | None = None,
+    ) -> None:
         deadline = time.monotonic() + settings.inventory_timeout_s
         pending = {s.node_id: s for s in stages}
         last: dict[str, InventoryReply] = {}
@@ -186,7 +235,8 @@ class LoadDriver:
                         stage,
                         "Inventory",
                         lambda s=stage: stubs[s.node_id].Inventory(
-                            InventoryRequest(term=term).to_proto(), timeout=CONTROL_DEADLINE_S
+                            InventoryRequest(term=terms[s.node_id]).to_proto(),
+                            timeout=CONTROL_DEADLINE_S,
                         ),
                     )
                 )
@@ -209,6 +259,9 @@ class LoadDriver:
                     del pending[node_id]
             if not pending:
                 return
+            reason = abort() if abort is not None else None
+            if reason:
+                raise LoadError(None, "Abort", reason)
             if time.monotonic() > deadline:
                 slow = next(iter(pending.values()))
                 inv = last.get(slow.node_id)

@@ -1,6 +1,7 @@
 """The coordinator serves its package's files (``PackageFiles``) to workers that
 cannot read the package directory: a worker may read the manifest, and the files
-of the layer range it is assigned in the current plan, nothing else. Transfers are
+of the layer range it is assigned in the current plan (or in the plan whose
+slices are being prepared while the current one serves), nothing else. Transfers are
 streamed in chunks from any offset (a broken transfer resumes) and at most
 ``max_concurrent`` run at once. The join token and TLS of the coordinator's server
 apply as to every other call."""
@@ -48,15 +49,14 @@ class PackageFilesServicer(coordinator_pb2_grpc.PackageFilesServicer):
         return directory
 
     def _allowed(self, node_id: str, path: str) -> bool:
-        state = self.service.state
-        stage = state.topology.stage_of(node_id) if state.topology is not None else None
-        if stage is None:
+        ranges = self.service.assigned_ranges(node_id)
+        if not ranges:
             raise StaleTerm(
                 f"node {node_id or '(unnamed)'} is not assigned a layer range in the current "
                 "plan; it may read package files only while it is"
             )
-        needed = self.service.model.manifest.files_for(stage.layer_range)
-        return any(entry.path == path for entry in needed)
+        manifest = self.service.model.manifest
+        return any(entry.path == path for r in ranges for entry in manifest.files_for(r))
 
     def Manifest(self, request: coordinator_pb2.PackageManifestRequest, context):
         try:

@@ -17,7 +17,13 @@ from coordinator import balance, registry
 from coordinator.driver import LoadDriver, LoadError, LoadSettings, release_nodes
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.model import ModelInfo
-from coordinator.planner import ModelFootprint, Plan, footprint_from_manifest, plan_layers
+from coordinator.planner import (
+    ModelFootprint,
+    Plan,
+    StageAssignment,
+    footprint_from_manifest,
+    plan_layers,
+)
 from coordinator.rebalance import Rebalancer
 from coordinator.topology_view import status_from_state
 from mesh.codec import (
@@ -33,7 +39,7 @@ from mesh.errors import MeshError
 from mesh.grpc_util import abort_with, channel
 from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from mesh.settings.sections import CoordinatorConfig
-from mesh.types import check_term
+from mesh.types import LayerRange, check_term
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +127,9 @@ class CoordinatorService:
             settings.rebalance_spread, settings.rebalance_min_frames, settings.rebalance_check_s
         )
         self._served_once = False
+        # The plan whose slices are prepared while another pipeline serves (its
+        # nodes may read their slices' files from the package server meanwhile).
+        self._preparing: Plan | None = None
         # (node id, address) of processes told their node id was taken (logged once).
         self._superseded_seen: set[tuple[str, str]] = set()
         # Heartbeats are judged from this time on (set when this process was found
@@ -147,6 +156,13 @@ class CoordinatorService:
                 self._changed.set()
             self.metrics.observe(before, event, self.state)
             return self.state
+
+    def assigned_ranges(self, node_id: str) -> list[LayerRange]:
+        """The layer ranges ``node_id`` may read the package files of: its range in
+        the current plan, and in the plan whose slices are prepared ahead of a load."""
+        plans = (self.state.topology, self._preparing)
+        stages = [p.stage_of(node_id) for p in plans if p is not None]
+        return [s.layer_range for s in stages if s is not None]
 
     def _slice_progress(self, node_id: str, bytes_done: int, bytes_total: int) -> None:
         self.apply(
@@ -297,6 +313,17 @@ class CoordinatorService:
 
     def _supervise_once(self) -> None:
         """Check heartbeats and progress, then load, grow or rebalance as needed."""
+        after = self._check_heartbeats()
+        if self._should_load(after):
+            self._load_once()
+        elif self._should_regrow(after):
+            self._load_once(grow_from=len(after.topology.stages))
+        elif self._should_rebalance(after):
+            self._rebalance(after)
+
+    def _check_heartbeats(self) -> registry.State:
+        """Judge the stages' heartbeats and progress now; a lost stage of the pipeline
+        releases the others at once. Returns the state after."""
         before = self.state
         after = self.apply(
             registry.HeartbeatsChecked(
@@ -309,12 +336,7 @@ class CoordinatorService:
         )
         if before.topology is not None and after.topology is None and after.degraded:
             self._release_survivors(before)
-        if self._should_load(after):
-            self._load_once()
-        elif self._should_regrow(after):
-            self._load_once(grow_from=len(after.topology.stages))
-        elif self._should_rebalance(after):
-            self._rebalance(after)
+        return after
 
     def _should_load(self, state: registry.State) -> bool:
         if self.gave_up is not None:
@@ -435,6 +457,68 @@ class CoordinatorService:
         nodes = balance.planning_nodes(state, footprint)
         return plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
 
+    def _slices_ready(self, plan: Plan, term: int, state: registry.State) -> bool:
+        """For a plan made while a pipeline serves (growing back, a rebalance): get
+        every slice the plan needs ready before the load fences the serving stages,
+        which go on answering meanwhile (before, the mesh answered 503 for as long as
+        a newcomer took to fetch its layers). Nodes new to the pipeline are claimed
+        and prepared; serving stages whose layers change prepare them at the term
+        they serve. False when the attempt ends here: a newcomer failed (it is left
+        out of plans for a while), or the serving pipeline changed meanwhile."""
+        newcomers, moved = _ahead(plan, state)
+        if not newcomers and not moved:
+            return True
+        serving_term = state.term
+        logger.info(
+            "term %s: slices for %s prepared while term %s serves",
+            term,
+            ", ".join(f"{s.node_id} {s.layer_range}" for s in newcomers + moved),
+            serving_term,
+        )
+
+        def abort() -> str | None:
+            now = self._check_heartbeats()
+            if now.term != serving_term or now.mesh_state != "serving":
+                return f"the pipeline of term {serving_term} stopped serving meanwhile"
+            lost = [s.node_id for s in newcomers if not _alive(now, s.node_id)]
+            if lost:
+                return f"node(s) {', '.join(lost)} were lost while preparing"
+            return None
+
+        self._preparing = plan
+        try:
+            self._driver.stage_ahead(
+                newcomers, term, moved, serving_term, self.settings.load, abort
+            )
+        except LoadError as error:
+            self._preparing = None
+            if error.step == "Abort":
+                logger.info("term %s not loaded: %s", term, error.message)
+                self._last_attempt = 0.0  # plan again at once, from what is left
+                return False
+            if error.held_term > term:
+                self.apply(registry.TermObserved(term=error.held_term))
+                self._last_attempt = 0.0
+                return False
+            stage = error.stage
+            is_newcomer = stage is not None and stage in newcomers
+            if is_newcomer and error.step in QUARANTINED_STEPS:
+                logger.warning(
+                    "node %s is left out of plans: it could not prepare its slice",
+                    stage.node_id,
+                )
+                self.apply(
+                    registry.NodeUnreachable(
+                        node_id=stage.node_id,
+                        error=f"its load failed: {error.message}",
+                        now=time.monotonic(),
+                    )
+                )
+                self._last_attempt = 0.0
+            self._failed(error.message)
+            return False
+        return True
+
     def _load_once(self, grow_from: int = 0, plan: Plan | None = None) -> None:
         """Plan and load a new term. With ``grow_from`` (the stage count serving now),
         load only when the plan uses more stages than that; ``plan``: load this one."""
@@ -483,8 +567,12 @@ class CoordinatorService:
                 # the file only helps a restarted coordinator, which also goes above
                 # every term its stages report.
                 logger.error("cannot record term %s in the state file: %s", term, error)
+        if not self._slices_ready(plan, term, state):
+            self.rebalancer.reset()  # nothing was loaded: a rebalance was not tried
+            return
         logger.info("term %s: loading\n%s", term, plan.describe())
         self.apply(registry.LoadStarted(term=term, plan=plan))
+        self._preparing = None  # the plan is the current one now
         try:
             outcome = self._driver.load(plan, term, load)
         except LoadError as error:
@@ -536,6 +624,25 @@ class CoordinatorService:
         self._failures = 0
         self._undersized_since: float | None = None
         logger.info("term %s: serving %s", term, self.model.manifest.model_id)
+
+
+def _alive(state: registry.State, node_id: str) -> bool:
+    node = state.node(node_id)
+    return node is not None and node.health == "alive"
+
+
+def _ahead(
+    plan: Plan, state: registry.State
+) -> tuple[list[StageAssignment], list[StageAssignment]]:
+    """The plan's stages whose slices can be prepared while the pipeline serving now
+    goes on: (stages on nodes outside that pipeline, stages of its nodes whose layer
+    range changes). Nothing when no pipeline serves."""
+    if state.topology is None or state.mesh_state != "serving":
+        return [], []
+    serving = {s.node_id: s.layer_range for s in state.topology.stages}
+    newcomers = [s for s in plan.stages if s.node_id not in serving]
+    moved = [s for s in plan.stages if s.node_id in serving and serving[s.node_id] != s.layer_range]
+    return newcomers, moved
 
 
 def _stage_status(stage, step: balance.StageStep | None) -> StageStatus:

@@ -49,6 +49,18 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
 ]
+# Bulk transfers (package files) get a TCP connection of their own: on a slow link
+# the control calls sharing one with them (heartbeats, Claim) waited behind megabytes
+# of queued file data, missed their deadlines, and the node was declared dead. Its
+# keepalive allows as long as a read may stall (a ping's answer queues behind the
+# data too).
+BULK_CHANNEL_OPTIONS = [
+    *(o for o in CHANNEL_OPTIONS if not o[0].startswith("grpc.keepalive_")),
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 60_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 SERVER_OPTIONS = [
     # gRPC binds with SO_REUSEPORT by default: a second coordinator or stage on a port
     # already served would share it (the kernel splitting connections between them)
@@ -62,16 +74,20 @@ SERVER_OPTIONS = [
 ]
 
 
-def channel(address: str, security: MeshSecurity | None = None) -> grpc.Channel:
+def channel(
+    address: str, security: MeshSecurity | None = None, *, bulk: bool = False
+) -> grpc.Channel:
     """A channel to ``host:port`` with the mesh's limits: TLS when configured, and the
     join token on every call when one is set. ``security`` defaults to the installed
-    settings (``mesh.security.install``)."""
+    settings (``mesh.security.install``). ``bulk``: for large transfers, on a TCP
+    connection of its own (``BULK_CHANNEL_OPTIONS``)."""
     security = active() if security is None else security
     credentials = channel_credentials(security)
+    options = BULK_CHANNEL_OPTIONS if bulk else CHANNEL_OPTIONS
     if credentials is None:
-        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        ch = grpc.insecure_channel(address, options=options)
     else:
-        ch = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        ch = grpc.secure_channel(address, credentials, options=options)
     if security.join_token:
         ch = grpc.intercept_channel(ch, JoinTokenClientInterceptor(security.join_token))
     return ch

@@ -41,7 +41,7 @@ class CoordinatorPackageSource:
         return f"the coordinator at {self.coordinator}"
 
     def manifest(self, ref: str) -> PackageManifest:
-        ch = channel(self.coordinator)
+        ch = channel(self.coordinator, bulk=True)
         try:
             reply = coordinator_pb2_grpc.PackageFilesStub(ch).Manifest(
                 PackageManifestRequest(ref, self.node_id).to_proto(), timeout=CONTROL_DEADLINE_S
@@ -102,7 +102,7 @@ class CoordinatorPackageSource:
         offset: int,
         progress: Callable[[int], None],
     ) -> None:
-        ch = channel(self.coordinator)
+        ch = channel(self.coordinator, bulk=True)
         request = ReadFileRequest(ref, entry.path, offset, self.node_id).to_proto()
         # The deadline scales with the size: a slow link is not a broken one.
         deadline_s = READ_IDLE_TIMEOUT_S + (entry.bytes - offset) / (1 << 20)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -115,15 +116,22 @@ class Recipe:
         extra = extra or {}
         up = recipe("mesh-coordinator up", self.head_ip, package) + extra.get("head", [])
         self.head = hosts.popen("head", up, workdir / "head.log", self._home("head"))
+        self.package = package
+        self.extra = extra
+        self.hide_package = hide_package
         self.workers = {}
         for name in ("worker-1", "worker-2"):
-            join = recipe("mesh-stage join", self.head_ip, package) + extra.get(name, [])
-            if hide_package:
-                hide = f"mount -t tmpfs tmpfs {shlex.quote(str(package.parent))}"
-                join = ["unshare", "-m", "sh", "-c", f"{hide} && exec {shlex.join(join)}"]
-            self.workers[name] = hosts.popen(name, join, workdir / f"{name}.log", self._home(name))
+            self.start_worker(name)
         self.status_argv = recipe("mesh-coordinator status", self.head_ip, package)
         self.status_argv += extra.get("client", [])
+
+    def start_worker(self, name: str) -> None:
+        join = recipe("mesh-stage join", self.head_ip, self.package) + self.extra.get(name, [])
+        if self.hide_package:
+            hide = f"mount -t tmpfs tmpfs {shlex.quote(str(self.package.parent))}"
+            join = ["unshare", "-m", "sh", "-c", f"{hide} && exec {shlex.join(join)}"]
+        log = self.workdir / f"{name}.log"
+        self.workers[name] = self.hosts.popen(name, join, log, self._home(name))
 
     def _home(self, name: str) -> dict[str, str]:
         # Each host has its own cache (its own disk); the shared package path stands
@@ -308,6 +316,43 @@ def test_workers_without_the_package_fetch_their_slices_from_the_head(
             wanted = manifest.files_for(LayerRange(*stage["layer_range"]))
             assert cached == {Path(e.path).name for e in wanted} | {"model-package.json"}
     finally:
+        mesh.stop()
+
+
+def test_a_newcomer_fetching_its_slice_over_a_slow_link_does_not_stop_serving(
+    hosts, package, expected, tmp_path
+):
+    """The mesh grows back onto a worker that must fetch its layers over a slow link:
+    the pipeline serving now goes on answering while the newcomer downloads (before,
+    the coordinator fenced the serving stages first and the mesh answered 503 for the
+    whole download); only the load itself pauses it."""
+    mesh = Recipe(hosts, package, tmp_path, hide_package=True)
+    try:
+        status = mesh.wait_serving(stages=3)
+        mesh.kill("worker-2")
+        shrunk = mesh.wait_serving(stages=2, above_term=status["term"])
+        shutil.rmtree(tmp_path / "worker-2" / "home")  # its cache is gone: it fetches again
+        hosts.limit_rate("worker-2", "4mbit")
+        mesh.start_worker("worker-2")
+        marker = "prepared while term"
+        wait_for(lambda: marker in mesh.log("head"), 120, "the newcomer to start preparing")
+
+        def loading() -> bool:
+            return "loading" in mesh.log("head").split(marker, 1)[1]
+
+        # Requests sent while the newcomer downloads (before the coordinator begins
+        # the load that fences the serving stages) are answered.
+        answers = []
+        while not loading():
+            try:
+                answers.append(client_completion(hosts, shrunk["http_url"] + "/v1", "tiny-llama"))
+            except AssertionError:
+                assert loading(), "a request failed while the newcomer was downloading"
+        assert len(answers) >= 2 and set(answers) == {expected}, answers
+        grown = mesh.wait_serving(stages=3, above_term=shrunk["term"])
+        assert client_completion(hosts, grown["http_url"] + "/v1", "tiny-llama") == expected
+    finally:
+        hosts.limit_rate("worker-2", None)
         mesh.stop()
 
 

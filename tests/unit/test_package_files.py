@@ -91,3 +91,34 @@ def test_unassigned_nodes_and_other_packages_are_refused(coordinator, tmp_path) 
         )
     with pytest.raises(NotFound, match="serves package"):
         CoordinatorPackageSource(address, "worker").manifest("/some/other/package")
+
+
+def test_a_node_prepared_ahead_of_a_load_reads_its_next_range(coordinator, tmp_path) -> None:
+    """While the coordinator prepares a new plan's slices with the current pipeline
+    still serving, a node may read the files of its range in that plan too (a
+    newcomer is in no current plan yet); nothing else."""
+    service, package, address = coordinator
+    source = CoordinatorPackageSource(address, "newcomer")
+    manifest = service.model.manifest
+    embed = next(e for e in manifest.files if e.kind == "embed")
+    with pytest.raises(StaleTerm, match="not assigned"):
+        source.download(str(package), embed, tmp_path / "embed", lambda n: None, lambda: False)
+    first_layer = next(e for e in manifest.files if e.kind == "layer" and e.layer_index == 0)
+    head = service.state.node("head")
+    assert head is not None
+    from coordinator.planner import Plan, StageAssignment
+    from mesh.types import LayerRange
+
+    service._preparing = Plan(
+        stages=(
+            StageAssignment("head", head.address, 0, LayerRange(0, 2), 0),
+            StageAssignment("newcomer", "127.0.0.1:9", 1, LayerRange(2, 4), 0),
+        )
+    )
+    wanted = manifest.files_for(LayerRange(2, 4))
+    entry = next(e for e in wanted if e.kind == "layer")
+    source.download(str(package), entry, tmp_path / "layer", lambda n: None, lambda: False)
+    assert sha256_file(tmp_path / "layer") == entry.sha256
+    assert first_layer not in wanted
+    with pytest.raises(InvalidRequest, match="assigned"):
+        source.download(str(package), first_layer, tmp_path / "l0", lambda n: None, lambda: False)

@@ -1,8 +1,9 @@
 """The coordinator's rebalance decision on a serving mesh whose stages report their
 probes and step times: plan again when it pays, say why not when it does not, and
 stop after a rebalance that did not help. The stages' addresses refuse connections,
-so a decided load fails at its first Claim (a real gRPC failure) and leaves its term
-behind."""
+so a decided rebalance fails where it first calls a stage (a real gRPC failure): at
+the Prepare of the moved stages' new slices, made before anything is fenced, so the
+pipeline of the serving term is left as it is."""
 
 from __future__ import annotations
 
@@ -86,9 +87,13 @@ def test_a_rebalance_that_pays_loads_a_new_term(service, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="coordinator.rebalance"):
         service._rebalance(state)
     assert "planning again (slowest stage 40.00 ms measured" in caplog.text
-    # The new term's load was tried (and failed at the stages' refused Claim).
-    assert service.state.term == 2
-    assert service.state.mesh_state == "failed"
+    # The new plan's slices were asked for (and the refused Prepare failed it) while
+    # term 1 went on serving: nothing was fenced, the failure is counted.
+    assert service.state.term == 1
+    assert service.state.mesh_state == "serving"
+    assert service._failures == 1
+    # Nothing was loaded, so the rebalance counts as not tried.
+    assert not service.rebalancer.stopped
 
 
 def test_no_rebalance_when_no_plan_is_estimated_faster(service, caplog) -> None:
@@ -102,9 +107,11 @@ def test_no_rebalance_when_no_plan_is_estimated_faster(service, caplog) -> None:
 
 def test_rebalancing_stops_after_one_that_did_not_help(service, caplog) -> None:
     plan = service.state.topology
+    # A rebalance whose new plan is loaded (term 3, the old plan again, as if the
+    # layers had not moved): its slowest stage is no faster than 40 ms.
+    service._slices_ready = lambda plan, term, state: True
     service._rebalance(measured(service, {"a": 10.0, "b": 10.0, "c": 40.0}))
-    assert service.state.term == 2
-    # The mesh serves again (term 3), and its slowest stage is no faster than 40 ms.
+    assert service.state.term == 2  # tried (and failed at the refused Claim)
     service.apply(registry.LoadStarted(term=3, plan=plan))
     for node_id in NODES:
         service.apply(registry.StageReady(node_id=node_id, param_bytes=1, term=3))

@@ -165,3 +165,109 @@ def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
     assert service._last_attempt == 0.0  # the next attempt comes at once
     service._load_once()
     assert plans[-1] == ("head",) and service.state.mesh_state == "serving"
+
+
+class _Driver:
+    """Records the load driver's calls; ``ahead`` decides what stage_ahead does."""
+
+    def __init__(self, ahead=None) -> None:
+        self.calls: list[tuple] = []
+        self.ahead = ahead
+
+    def load(self, plan, term, load):
+        from coordinator.driver import LoadOutcome
+        from mesh.codec import Ready
+
+        self.calls.append(("load", term, plan.node_ids()))
+        return LoadOutcome(term, tuple(Ready(term, "x:1") for _ in plan.stages))
+
+    def stage_ahead(self, newcomers, term, moved, serving_term, load, abort):
+        self.calls.append(
+            ("ahead", term, [s.node_id for s in newcomers], [s.node_id for s in moved])
+        )
+        if self.ahead is not None:
+            self.ahead(newcomers, abort)
+
+
+def _serving_on_two(tiny_package_factory, driver: _Driver, **settings) -> CoordinatorService:
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    load = LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    service = CoordinatorService(model, CoordinatorSettings(load=load, **settings))
+    service._unreachable = lambda plan, state: []
+    service._driver = driver
+    memory = dict(device="cpu", memory_bytes=8 << 30)
+    service.join(JoinRequest(node_id="head", address="127.0.0.1:1", frontend=True, **memory))
+    service.join(JoinRequest(node_id="w1", address="127.0.0.1:2", **memory))
+    service._load_once()
+    assert service.state.mesh_state == "serving" and len(service.state.topology.stages) == 2
+    service.join(JoinRequest(node_id="w2", address="127.0.0.1:3", **memory))
+    return service
+
+
+def test_growing_prepares_the_newcomer_s_slice_before_fencing_the_serving_stages(
+    tiny_package_factory,
+) -> None:
+    """A node joins a serving mesh: its slice (and the serving stages' new ranges) are
+    prepared first, without a claim on the serving stages; only then the load."""
+    driver = _Driver()
+    service = _serving_on_two(tiny_package_factory, driver)
+    service._load_once(grow_from=2)
+    assert [c[0] for c in driver.calls] == ["load", "ahead", "load"]
+    _, term, newcomers, moved = driver.calls[1]
+    assert term == 2 and newcomers == ["w2"] and "w1" in moved
+    assert driver.calls[2] == ("load", 2, ("head", "w1", "w2"))
+    assert service.state.term == 2 and service.state.mesh_state == "serving"
+    assert service._preparing is None
+
+
+def test_a_newcomer_that_cannot_prepare_leaves_the_serving_pipeline_untouched(
+    tiny_package_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    from coordinator.driver import LoadError
+
+    def fail(newcomers, abort):
+        raise LoadError(newcomers[0], "Prepare", "sha256 mismatch in layers/00003.safetensors")
+
+    driver = _Driver(fail)
+    service = _serving_on_two(tiny_package_factory, driver)
+    service._load_once(grow_from=2)
+    assert [c[0] for c in driver.calls] == ["load", "ahead"]  # no load: nothing fenced
+    assert service.state.term == 1 and service.state.mesh_state == "serving"
+    assert service.state.node("w2").health == "stalled"
+    assert "node w2 is left out of plans: it could not prepare its slice" in caplog.text
+    assert service._preparing is None
+
+
+def test_losing_a_serving_stage_while_a_newcomer_prepares_ends_the_attempt(
+    tiny_package_factory,
+) -> None:
+    """The wait for a newcomer's slice may be long: the serving stages' heartbeats are
+    judged meanwhile, and a lost one ends the attempt at once (its survivors are
+    released; the next pass plans from who is left)."""
+    from coordinator.driver import LoadError
+
+    def beat(*node_ids: str) -> None:
+        for node_id in node_ids:
+            service.heartbeat(HeartbeatRequest(node_id=node_id, term=1, state="serving"))
+
+    def lose_w1(newcomers, abort):
+        beat("head", "w1", "w2")
+        assert abort() is None  # every stage heard from: the wait goes on
+        deadline = time.monotonic() + 5
+        while (reason := abort()) is None:  # w1 falls silent
+            assert time.monotonic() < deadline
+            beat("head", "w2")
+            time.sleep(0.05)
+        reasons.append(reason)
+        raise LoadError(None, "Abort", reason)
+
+    reasons: list[str] = []
+    driver = _Driver(lose_w1)
+    service = _serving_on_two(tiny_package_factory, driver, heartbeat_timeout_s=0.3)
+    service._load_once(grow_from=2)
+    assert [c[0] for c in driver.calls] == ["load", "ahead"]
+    assert service.state.node("w1").health == "dead"
+    assert service.state.topology is None  # the next pass plans again
+    assert reasons == ["the pipeline of term 1 stopped serving meanwhile"]
+    assert service._failures == 0 and service._last_attempt == 0.0
