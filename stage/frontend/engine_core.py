@@ -23,6 +23,7 @@ carries on; past the recovery deadline it fails. Any other error fails the reque
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
@@ -54,8 +55,13 @@ from stage.frontend.step_cost import StepCostFit, acceptance, paying_window, row
 
 logger = logging.getLogger(__name__)
 
-# Answered rounds the stall rule's "longest recent round" looks back over.
+# Answered rounds the stall rule's "longest recent round" looks back over: at most
+# this many, none older than ROUND_MAX_AGE_S, and a high percentile of them rather
+# than the longest, so that one slow round (a first grammar, a stage that hung and
+# woke) does not stretch the stall deadline for long after.
 ROUNDS_KEPT = 64
+ROUND_MAX_AGE_S = 120.0
+ROUND_PERCENTILE = 0.9
 
 
 class EngineCore(PromptSteps):
@@ -88,7 +94,8 @@ class EngineCore(PromptSteps):
         self._next_frame_id = 1
         # Rounds (seconds from send to answer) of the latest answered frames of the
         # current term, for the coordinator's stall rule (``oldest_unanswered``).
-        self.rounds: deque[float] = deque(maxlen=ROUNDS_KEPT)
+        # (answered at, round seconds) of the latest answered frames of the term.
+        self.rounds: deque[tuple[float, float]] = deque(maxlen=ROUNDS_KEPT)
 
     def set_limits(self, limits: EngineLimits) -> None:
         """New limits (stage 0's serving settings arrive with every Load). Requests
@@ -460,7 +467,8 @@ class EngineCore(PromptSteps):
         """Apply the answers of one frame (or the failures of some of its segments)."""
         sent = self.frames.get(result.frame_id)
         if sent is not None and self.info is not None and sent.term == self.info.term:
-            self.rounds.append(self.clock() - sent.sent_at)
+            now = self.clock()
+            self.rounds.append((now, now - sent.sent_at))
         if sent is not None and result.timings and sent.term == result.term:
             # The last stage's answer: the cost of a frame of decode and verify rows on
             # its slowest stage (prompt chunks run in another regime of the kernels).
@@ -598,8 +606,8 @@ class EngineCore(PromptSteps):
 
     def oldest_unanswered(self) -> tuple[int, float, float] | None:
         """The oldest frame of the current term still waiting for its answer: its id,
-        when it was sent (this core's clock) and the longest of the latest rounds (0:
-        none answered yet); None when nothing of this term is in the pipe."""
+        when it was sent (this core's clock) and the long round of the latest ones
+        (``long_round``; 0: none answered lately); None when nothing of this term is in the pipe."""
         info = self.info
         if info is None:
             return None
@@ -607,7 +615,16 @@ class EngineCore(PromptSteps):
         if not current:
             return None
         oldest = min(current, key=lambda f: f.frame_id)
-        return oldest.frame_id, oldest.sent_at, max(self.rounds, default=0.0)
+        return oldest.frame_id, oldest.sent_at, self.long_round()
+
+    def long_round(self) -> float:
+        """The stall rule's "longest recent round": the ROUND_PERCENTILE (nearest rank)
+        of the rounds answered in the last ROUND_MAX_AGE_S; 0 when none."""
+        since = self.clock() - ROUND_MAX_AGE_S
+        recent = sorted(r for at, r in self.rounds if at >= since)
+        if not recent:
+            return 0.0
+        return recent[math.ceil(ROUND_PERCENTILE * len(recent)) - 1]
 
     def in_flight_sessions(self) -> Iterator[str]:
         for request_id, tracked in self.running.items():

@@ -754,3 +754,34 @@ def test_second_choices_copy_their_first_choice_under_load(
         for rid, tokens in expected.items():
             if got[rid][1] != "cancelled":
                 assert got[rid][2] is None and got[rid][0] == tokens, (seed, rid)
+
+
+def test_one_slow_round_does_not_stretch_the_stall_rule_for_long() -> None:
+    """The "longest recent round" the stall deadline grows with is a high percentile
+    of the rounds answered in the last two minutes: one round that took 25 s (a stage
+    that hung and woke) neither counts once many short ones followed, nor once it is
+    old (before, the longest of the last 64 rounds, however old)."""
+    from stage.frontend.engine_core import ROUND_MAX_AGE_S
+
+    core, clock = core_with()
+    pipe = FakePipeline()
+    core.add(request("a", (1, 2, 3), max_new=40))
+
+    def round_of(seconds: float) -> None:
+        frame = core.next_frame()
+        clock.now += seconds
+        core.on_result(pipe.answer(frame))
+
+    round_of(25.0)
+    assert core.long_round() == 25.0  # the only round seen: nothing else to go by
+    for _ in range(19):
+        round_of(0.05)
+    assert core.long_round() == pytest.approx(0.05)
+    # Slow rounds that keep coming are what rounds take now: they count.
+    for _ in range(5):
+        round_of(3.0)
+    assert core.long_round() == 3.0
+    clock.now += ROUND_MAX_AGE_S + 1
+    assert core.long_round() == 0.0
+    frame = core.next_frame()
+    assert core.oldest_unanswered() == (frame.frame_id, clock.now, 0.0)
