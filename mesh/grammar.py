@@ -190,8 +190,9 @@ NOT_ALLOWED = "doesn't satisfy the grammar"
 
 
 class TokenGrammars:
-    """A stage's grammar compiler: the tokenizer in the library's form (built on first
-    use, about a second) and the compiled grammars of recent specs."""
+    """A stage's grammar compiler: the tokenizer in the library's form (built by
+    ``warm`` at load, or on first use: 1-4 s) and the compiled grammars of recent
+    specs."""
 
     def __init__(self, tokenizer_dir: Path) -> None:
         self.tokenizer_dir = tokenizer_dir
@@ -234,6 +235,27 @@ class TokenGrammars:
             time.perf_counter() - started,
         )
         return self._tokenizer
+
+    def warm(self, vocab: int) -> threading.Thread:
+        """Build the tokenizer now, in a background thread, so that the first request
+        with structured output does not wait for it (1-4 s: on the last stage, the
+        whole frame carrying that request, every session in it, would wait). A
+        ``constraint`` or ``check`` meanwhile waits for this build; a tokenizer that
+        cannot be built is logged here and reported to the first request that needs
+        it."""
+
+        def build() -> None:
+            try:
+                with self._lock:
+                    self._library_tokenizer(vocab)
+            except InvalidRequest as error:
+                logger.info("structured output will not be available: %s", error.message)
+            except Exception:  # noqa: BLE001 - a background build must not die silently
+                logger.exception("building the grammar tokenizer failed")
+
+        thread = threading.Thread(target=build, name="grammar-tokenizer", daemon=True)
+        thread.start()
+        return thread
 
     def constraint(self, spec: str, vocab: int) -> OutputConstraint:
         """A fresh constraint for one session (``vocab``: the width of the logits)."""

@@ -294,6 +294,8 @@ class StageNode:
             probe = probe_step(runtime)
             self.steps.clear()
             grammars = self._grammars_for(package_dir) if runtime.is_last else None
+            if grammars is not None:
+                grammars.warm(runtime.vocab_size)
             engine = StageEngine(runtime, request.stage_index, request.term, grammars)
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
             try:

@@ -160,10 +160,18 @@ class PipelineScheduler:
         loaded = self._loaded
         if loaded is None:
             return
+        self._checker(loaded).check(spec, loaded.engine.runtime.vocab_size)
+
+    def _checker(self, loaded: LoadedStage) -> TokenGrammars:
+        """The grammar compiler stage 0 checks constraints with: the last stage's own
+        when stage 0 is also the last stage (one tokenizer build, one cache), else
+        one of its own for the loaded package."""
+        if loaded.engine.grammars is not None:
+            return loaded.engine.grammars
         grammars = self._grammars
         if grammars is None or grammars.tokenizer_dir != loaded.package_dir:
             grammars = self._grammars = TokenGrammars(loaded.package_dir)
-        grammars.check(spec, loaded.engine.runtime.vocab_size)
+        return grammars
 
     def end_all(self, message: str) -> None:
         """End every running generation with a 503 saying ``message`` (the process is
@@ -326,6 +334,9 @@ class PipelineScheduler:
         info = None
         if loaded is not None:
             runtime = loaded.engine.runtime
+            checker = self._checker(loaded)
+            if checker is not loaded.engine.grammars:  # the last stage's warms itself
+                checker.warm(runtime.vocab_size)
             self.context_length = runtime.max_tokens_per_session
             self.model_id = PackageManifest.load(loaded.package_dir).model_id
             info = PipelineInfo(

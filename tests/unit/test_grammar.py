@@ -237,3 +237,31 @@ def test_a_sound_grammar_passes_the_check_and_is_kept(smollm2_grammars) -> None:
     smollm2_grammars.check(spec, VOCAB)
     smollm2_grammars.check(grammar_spec("choice", ["yes", "no"]), VOCAB)
     assert spec in smollm2_grammars._templates  # noqa: SLF001
+
+
+def test_warming_builds_the_tokenizer_before_the_first_request(
+    smollm2_tokenizer_dir, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stage warms its grammar compiler at load: the tokenizer is built in the
+    background, and the first constraint finds it built (before, the first request
+    with structured output built it inside its frame). A directory without a
+    tokenizer logs why and fails the first request that needs it, clearly."""
+    import logging
+
+    from mesh.errors import InvalidRequest
+    from mesh.grammar import TokenGrammars, grammar_spec
+
+    grammars = TokenGrammars(smollm2_tokenizer_dir)
+    with caplog.at_level(logging.INFO, logger="mesh.grammar"):
+        grammars.warm(49152).join(timeout=120)
+        assert caplog.text.count("grammar tokenizer ready") == 1
+        spec = grammar_spec("json_object")
+        grammars.constraint(spec, 49152).allowed()
+        assert caplog.text.count("grammar tokenizer ready") == 1  # not built again
+
+    empty = TokenGrammars(tmp_path)
+    with caplog.at_level(logging.INFO, logger="mesh.grammar"):
+        empty.warm(49152).join(timeout=60)
+    assert "structured output will not be available" in caplog.text
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        empty.constraint(grammar_spec("json_object"), 49152)
