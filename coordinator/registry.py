@@ -548,7 +548,12 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
         )
         reason = f"missed heartbeats for {silent_s:.1f} s (timeout {event.timeout_s:g} s)"
         after = _degrade_if_assigned(after, record.node_id, reason)
-        after = replace(_update_node(after, record.node_id, health="dead"), membership_changed=True)
+        # Its last report says nothing of now: it holds no sessions and no KV the
+        # mesh can count on (status and the metrics showed them until it came back).
+        dead = _update_node(
+            after, record.node_id, health="dead", active_sessions=0, kv_bytes=0, prefix_bytes=0
+        )
+        after = replace(dead, membership_changed=True)
     return _check_stalls(_check_links(after, event), event)
 
 

@@ -403,3 +403,18 @@ def test_waiting_for_says_what_the_mesh_waits_for() -> None:
     assert waiting_for(state, min_stages=3, served_once=True) == (
         "the frontend stage (stage 0) to rejoin"
     )
+
+
+def test_a_dead_node_holds_no_sessions_or_kv() -> None:
+    """Its last report says nothing of now: status and the metrics showed a dead
+    node's sessions and KV until it came back."""
+    state = joined("a", "b")
+    report = HeartbeatReceived(
+        node_id="b", now=1.0, active_sessions=3, kv_bytes=5 << 20, prefix_bytes=1 << 20
+    )
+    state = apply(state, report)
+    assert (state.node("b").active_sessions, state.node("b").kv_bytes) == (3, 5 << 20)
+    state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=10.0))
+    record = state.node("b")
+    assert record.health == "dead"
+    assert (record.active_sessions, record.kv_bytes, record.prefix_bytes) == (0, 0, 0)
