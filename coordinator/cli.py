@@ -74,6 +74,7 @@ from mesh.settings.commands import (
     read_config,
     serving_settings,
 )
+from mesh.settings.tree import env_name
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     add_security_arguments(up)
 
 
+STAGE_ENV_PREFIX = "MESH_STAGE_"
+
+
 def resolve_up(args: argparse.Namespace) -> UpConfig:
     """Resolve ``up``'s configuration once (CLI > environment > TOML > built-in) and
     check it whole, speculation included; errors name the key and its source."""
@@ -133,14 +137,18 @@ def resolve_up(args: argparse.Namespace) -> UpConfig:
         set(toml.get("stage", {}) if isinstance(toml.get("stage"), dict) else ())
         - set(LOCAL_STAGE_FIELDS)
     )
-    if ignored:
-        logger.warning(
-            "up does not take [stage] %s from %s for its local stages (those are `mesh-stage "
-            "join` settings); fix the local stage 0's ports with [coordinator] stage0_port "
-            "and stage0_data_port (--stage0-port, --stage0-data-port)",
-            ", ".join(ignored),
-            source,
-        )
+    local_env = {env_name("stage", name) for name in LOCAL_STAGE_FIELDS}
+    ignored_env = sorted(
+        k for k in os.environ if k.startswith(STAGE_ENV_PREFIX) and k not in local_env
+    )
+    for keys, where in ((ignored, f"[stage] {{}} from {source}"), (ignored_env, "{}")):
+        if keys:
+            logger.warning(
+                "up does not take %s for its local stages (those are `mesh-stage join` "
+                "settings); fix the local stage 0's ports with [coordinator] stage0_port "
+                "and stage0_data_port (--stage0-port, --stage0-data-port)",
+                where.format(", ".join(keys)),
+            )
     coordinator = config.coordinator.value
     if coordinator.max_stages and coordinator.min_stages > coordinator.max_stages:
         raise InvalidRequest(
@@ -265,8 +273,12 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 
 def _spawn_stage(command: list[str], security: MeshSecurity) -> subprocess.Popen:
+    # Up gives its local stages their settings on the command line; a MESH_STAGE_*
+    # variable of up's environment is not theirs (MESH_STAGE_DATA_PORT would have
+    # every local stage bind the same port), as [stage] keys of up's file are not.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(STAGE_ENV_PREFIX)}
     # The stage exits when this process dies, however it dies (see mesh.lifetime).
-    env = security.child_env(os.environ) | {PARENT_PID_ENV: str(os.getpid())}
+    env = security.child_env(inherited) | {PARENT_PID_ENV: str(os.getpid())}
     return subprocess.Popen(command, env=env, start_new_session=True)
 
 

@@ -110,3 +110,34 @@ def test_the_local_stage_0s_ports_can_be_fixed_for_a_firewall(tmp_path, caplog) 
     with caplog.at_level("WARNING"):
         resolve_up(coordinator_parser().parse_args(["up", "--config", str(config)]))
     assert "data_port, listen" in caplog.text and "stage0_port" in caplog.text
+
+
+def test_up_s_stage_environment_reaches_its_local_stages_only_through_their_flags(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """MESH_STAGE_* variables of up's environment: the local stages' settings among
+    them become flags; the others (join's, such as MESH_STAGE_DATA_PORT, which would
+    have every local stage bind one port) are said to be ignored and are not
+    inherited."""
+    import json
+    import sys
+
+    from coordinator.cli import _spawn_stage
+
+    monkeypatch.setenv("MESH_STAGE_DATA_PORT", "7072")
+    monkeypatch.setenv("MESH_STAGE_DEVICE", "cuda:1")
+    with caplog.at_level("WARNING"):
+        config = resolve_up(coordinator_parser().parse_args(["up"]))
+    argv = local_stage_argv("127.0.0.1:7070", 1, config, 2, False, MeshSecurity())
+    assert "up does not take MESH_STAGE_DATA_PORT" in caplog.text
+    assert "MESH_STAGE_DEVICE" not in caplog.text
+    seen = tmp_path / "env.json"
+    dump = f"import json, os; open({str(seen)!r}, 'w').write(json.dumps(dict(os.environ)))"
+    assert _spawn_stage([sys.executable, "-c", dump], MeshSecurity()).wait(60) == 0
+    env = json.loads(seen.read_text())
+    assert not [k for k in env if k.startswith("MESH_STAGE_")]
+    # The local stage, in that environment, from its flags:
+    monkeypatch.delenv("MESH_STAGE_DATA_PORT")
+    monkeypatch.delenv("MESH_STAGE_DEVICE")
+    joined = resolve_join(stage_parser().parse_args(argv[3:])).stage.value
+    assert joined.device == "cuda:1" and joined.data_port == 0
