@@ -456,8 +456,27 @@ def _node_joined(state: State, event: NodeJoined) -> State:
         )
         logger.debug("node %s joined from %s (%s)", event.node_id, event.address, event.device)
         return replace(state, nodes=state.nodes + (record,), membership_changed=True)
-    logger.info("node %s joined again from %s", event.node_id, event.address)
-    after = _degrade_if_assigned(state, event.node_id, "joined again (its process restarted)")
+    known = state.node(event.node_id)
+    moved = known is not None and known.address != event.address
+    if moved and known.alive:
+        # Another process took the id while the one it named still beats (two stages
+        # given one --node-id, or a stage moved to another address): the later wins.
+        logger.warning(
+            "node %s joined from %s while the process at %s still held this node id: the "
+            "later one takes it. If these are two stages, give each its own --node-id",
+            event.node_id,
+            event.address,
+            known.address,
+        )
+        why = f"its node id was taken by a process at {event.address}"
+    else:
+        logger.info("node %s joined again from %s", event.node_id, event.address)
+        why = (
+            f"joined again from another address ({event.address}, was {known.address})"
+            if moved
+            else "joined again (its process restarted)"
+        )
+    after = _degrade_if_assigned(state, event.node_id, why)
     return replace(
         _update_node(
             after,

@@ -418,3 +418,23 @@ def test_a_dead_node_holds_no_sessions_or_kv() -> None:
     record = state.node("b")
     assert record.health == "dead"
     assert (record.active_sessions, record.kv_bytes, record.prefix_bytes) == (0, 0, 0)
+
+
+def test_a_node_id_taken_by_another_live_process_is_said_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two stages started with one --node-id: the second join is not a restart of the
+    first (whose process still beats), and the log says what to do."""
+    state, _ = serving("a", "b")
+    with caplog.at_level("INFO", logger="coordinator.registry"):
+        state = apply(state, NodeJoined(node_id="b", address="10.0.0.9:7071", now=1.0))
+    assert "while the process at 10.0.0.2:7071 still held this node id" in caplog.text
+    assert "give each its own --node-id" in caplog.text
+    assert "taken by a process at 10.0.0.9:7071" in state.error
+    caplog.clear()
+    # A process that comes back at another address after the old one died moved.
+    state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=10.0))
+    with caplog.at_level("INFO", logger="coordinator.registry"):
+        apply(state, NodeJoined(node_id="b", address="10.0.0.7:7071", now=101.0))
+    assert "joined again from 10.0.0.7:7071" in caplog.text
+    assert "still held" not in caplog.text
