@@ -349,16 +349,23 @@ class _Frontend:
         request: Request,
         endpoint: str,
         parse: Callable[[dict[str, Any]], tuple[ChatCompletionBody, AnswerShape]],
+        messages_param: str = "messages",
     ) -> Response:
         """Another API's generation route (stage/frontend/translated.py): ``parse``
-        turns the body into its chat twin and the shape to answer in."""
+        turns the body into its chat twin and the shape to answer in; an error about
+        the twin's ``messages`` names ``messages_param``, that API's field."""
         arrival = time.perf_counter()
         payload = await self.payload(request)
         if payload is None:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         chat, shape = parse(payload)
         await self.check_ready()
-        prepared = await prepare_chat(chat, self.prompt_context(request))
+        try:
+            prepared = await prepare_chat(chat, self.prompt_context(request))
+        except OpenAIError as error:
+            if error.param == "messages":
+                error.param = messages_param
+            raise
         prompt_tokens = len(prepared.request.prompt_tokens)
         (release,) = self.claim_slots(prepared.request.tenant, 1, prompt_tokens)
         run = GenerationRun(
@@ -477,7 +484,10 @@ def create_app(
     @app.post(RESPONSES_PATH)
     async def create_response(request: Request) -> Response:
         return await front.translated(
-            request, RESPONSES_PATH, lambda payload: front.openai_response(payload, request)
+            request,
+            RESPONSES_PATH,
+            lambda payload: front.openai_response(payload, request),
+            messages_param="input",
         )
 
     add_response_routes(app, front)

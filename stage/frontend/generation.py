@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from mesh.errors import CapacityExceeded, InvalidRequest
 from mesh.speculative.prediction import prediction_counts
 from stage.frontend.backend import (
     FINISH_REASONS,
@@ -85,6 +86,7 @@ class GenerationRun:
         if tenant:
             self._produced.append(metrics.tenant_tokens.labels(tenant=tenant, kind="completion"))
         self._failed = False
+        self._refused = False
         self._arrival_s = arrival_s
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -117,6 +119,9 @@ class GenerationRun:
         first = await self._queue.get()
         if isinstance(first, BaseException):
             self._failed = True
+            # Refused before anything ran (a full queue's 429, a 400): not a generation
+            # that ended in error (mesh_http_requests_total counts it by status).
+            self._refused = isinstance(first, CapacityExceeded | InvalidRequest)
             await self.aclose()
             raise first
         if self.index % self.prepared.choices == 0:  # the prompt's other choices share it
@@ -269,7 +274,9 @@ class GenerationRun:
         if self._active:
             self._active = False
             self._metrics.active_requests.dec()
-            self._metrics.generations.labels(endpoint=self._endpoint, reason=self._end()).inc()
+            if not self._refused:
+                reason = self._end()
+                self._metrics.generations.labels(endpoint=self._endpoint, reason=reason).inc()
             if self.completion_tokens >= 2 and self._first_token_s and self._last_event_s:
                 per_token = (self._last_event_s - self._first_token_s) / (
                     self.completion_tokens - 1

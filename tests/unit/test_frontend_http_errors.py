@@ -361,7 +361,12 @@ def test_prompt_longer_than_context_is_400(http, backend) -> None:
     response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=prompt))
     assert_openai_error(response, 400, code="context_length_exceeded", param="prompt")
     chat = with_(OK_CHAT, messages=[{"role": "user", "content": "word " * 600}])
-    assert_openai_error(http.post(CHAT, json=chat), 400, code="context_length_exceeded")
+    assert_openai_error(
+        http.post(CHAT, json=chat), 400, code="context_length_exceeded", param="messages"
+    )
+    # The Responses API names its own field (its body has no "messages").
+    response = http.post("/v1/responses", json={"model": MODEL_ID, "input": "word " * 600})
+    assert_openai_error(response, 400, code="context_length_exceeded", param="input")
 
 
 def test_max_tokens_beyond_context_is_clamped(http, backend) -> None:

@@ -138,3 +138,19 @@ def test_an_error_mid_stream_ends_the_generation_as_an_error(tokenizer) -> None:
     assert value(text, "mesh_completion_tokens_total", endpoint=COMPLETIONS) == 2
     # The stream itself ended properly (with an error event): 200.
     assert value(text, "mesh_http_requests_total", endpoint=COMPLETIONS, status="200") == 1
+
+
+def test_a_request_refused_before_it_started_is_not_a_generation(tokenizer) -> None:
+    """A full queue's 429: nothing was generated, so mesh_generations_total does not
+    count an "error" (an alert on generation errors fired on ordinary back-pressure);
+    mesh_http_requests_total counts the 429."""
+    from mesh.errors import CapacityExceeded
+
+    refused = ScriptedBackend([CapacityExceeded("16 requests in flight and 32 queued")])
+    with live_server(refused, tokenizer) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=2)
+        text = scrape(url)
+    assert value(text, "mesh_generations_total", endpoint=COMPLETIONS) == 0
+    assert value(text, "mesh_http_requests_total", endpoint=COMPLETIONS, status="429") == 1
