@@ -28,7 +28,7 @@ from mesh.codec import (
     StageLoadRequest,
     WireDType,
 )
-from mesh.errors import MeshError, StaleTerm
+from mesh.errors import CapacityExceeded, MeshError, StaleTerm
 from mesh.grpc_util import CONTROL_DEADLINE_S, LOAD_DEADLINE_S, channel, error_from_rpc
 from mesh.proto.v1 import stage_pb2_grpc
 from mesh.settings.sections import FrontendConfig
@@ -60,7 +60,12 @@ class LoadError(MeshError):
     http_status = 503
 
     def __init__(
-        self, stage: StageAssignment | None, step: str, cause: str, held_term: int = 0
+        self,
+        stage: StageAssignment | None,
+        step: str,
+        cause: str,
+        held_term: int = 0,
+        busy: bool = False,
     ) -> None:
         where = (
             f"stage {stage.stage_index} ({stage.node_id} at {stage.address})"
@@ -72,6 +77,9 @@ class LoadError(MeshError):
         self.step = step
         # The term the stage holds when it refused a stale term (0 otherwise).
         self.held_term = held_term
+        # A Claim ``only_if_idle`` refused: the stage serves requests (nothing was
+        # fenced, nothing is released).
+        self.busy = busy
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,17 @@ class LoadDriver:
         finally:
             for ch in channels.values():
                 ch.close()
+
+    def claim_if_idle(self, stage0: StageAssignment, term: int, settings: LoadSettings) -> None:
+        """Claim stage 0 with ``term`` unless it serves requests now: a LoadError with
+        ``busy`` then, and nothing is fenced. Once it is claimed, ``load`` claims it
+        again (the same term: nothing more happens there)."""
+        ch = channel(stage0.address)
+        try:
+            stub = stage_pb2_grpc.StageControlStub(ch)
+            self._claim([stage0], {stage0.node_id: stub}, term, settings, only_if_idle=True)
+        finally:
+            ch.close()
 
     def stage_ahead(
         self,
@@ -187,7 +206,9 @@ class LoadDriver:
             )
         return LoadOutcome(term, tuple(ready[i] for i in range(len(stages))))
 
-    def _claim(self, stages, stubs, term: int, settings: LoadSettings) -> None:
+    def _claim(
+        self, stages, stubs, term: int, settings: LoadSettings, only_if_idle: bool = False
+    ) -> None:
         for stage in stages:
             self._call(
                 stage,
@@ -197,6 +218,7 @@ class LoadDriver:
                         term=term,
                         coordinator_id=self.coordinator_id,
                         model_id=settings.model_id,
+                        only_if_idle=only_if_idle,
                     ).to_proto(),
                     timeout=CONTROL_DEADLINE_S,
                 ),
@@ -280,7 +302,8 @@ class LoadDriver:
         except grpc.RpcError as error:
             cause = error_from_rpc(error, step)
             held = cause.held_term if isinstance(cause, StaleTerm) else 0
-            raise LoadError(stage, step, _strip(cause.message, step), held) from None
+            busy = step == "Claim" and isinstance(cause, CapacityExceeded)
+            raise LoadError(stage, step, _strip(cause.message, step), held, busy) from None
 
     def _release_all(self, stages, stubs, term: int, reason: str) -> None:
         for stage in stages:

@@ -317,7 +317,11 @@ class CoordinatorService:
         if self._should_load(after):
             self._load_once()
         elif self._should_regrow(after):
-            self._load_once(grow_from=len(after.topology.stages))
+            # Before the regrow has waited out a busy stage 0, stage 0 says at the
+            # Claim whether it is still idle (its heartbeat may be a second old).
+            since = self._undersized_since or time.monotonic()
+            waited = time.monotonic() - since >= self.settings.regrow_busy_after_s
+            self._load_once(grow_from=len(after.topology.stages), if_idle=not waited)
         elif self._should_rebalance(after):
             self._rebalance(after)
 
@@ -378,7 +382,7 @@ class CoordinatorService:
         """Plan again with the measured compute (coordinator/rebalance.py decides)."""
         plan = self.rebalancer.decide(state, self._footprint(), self._plan, time.monotonic())
         if plan is not None:
-            self._load_once(plan=plan)
+            self._load_once(plan=plan, if_idle=True)
 
     def _backoff_s(self) -> float:
         if self._failures == 0:
@@ -519,9 +523,32 @@ class CoordinatorService:
             return False
         return True
 
-    def _load_once(self, grow_from: int = 0, plan: Plan | None = None) -> None:
+    def _stage0_idle(self, plan: Plan, term: int) -> bool:
+        """Claim stage 0 with ``term`` only if it serves no request at that moment
+        (the heartbeat that said it was idle may be a second old). False, with
+        nothing fenced, when it is busy (the pipeline serving now goes on; the next
+        check tries again) or cannot be claimed."""
+        try:
+            self._driver.claim_if_idle(plan.stages[0], term, self.settings.load)
+        except LoadError as error:
+            self.apply(registry.TermObserved(term=term))  # never used again
+            self.rebalancer.reset()
+            if error.busy:
+                logger.info("term %s not loaded now: %s", term, error.message)
+            else:
+                logger.warning("term %s not loaded: %s", term, error.message)
+                self._failed(error.message)
+            return False
+        return True
+
+    def _load_once(
+        self, grow_from: int = 0, plan: Plan | None = None, if_idle: bool = False
+    ) -> None:
         """Plan and load a new term. With ``grow_from`` (the stage count serving now),
-        load only when the plan uses more stages than that; ``plan``: load this one."""
+        load only when the plan uses more stages than that; ``plan``: load this one;
+        ``if_idle``: only if stage 0 serves no request when it is claimed (a reload
+        that only pays when idle must not cut running requests: the heartbeat that
+        said idle may be a second old)."""
         self._last_attempt = time.monotonic()
         load = self.settings.load
         if plan is None:  # planned for another reason than a rebalance
@@ -569,6 +596,8 @@ class CoordinatorService:
                 logger.error("cannot record term %s in the state file: %s", term, error)
         if not self._slices_ready(plan, term, state):
             self.rebalancer.reset()  # nothing was loaded: a rebalance was not tried
+            return
+        if if_idle and not self._stage0_idle(plan, term):
             return
         logger.info("term %s: loading\n%s", term, plan.describe())
         self.apply(registry.LoadStarted(term=term, plan=plan))

@@ -60,15 +60,20 @@ class ClaimRequest:
     term: int
     coordinator_id: str
     model_id: str
+    # Refuse rather than fence a loaded term while the stage serves requests.
+    only_if_idle: bool = False
 
     def to_proto(self) -> stage_pb2.ClaimRequest:
         return stage_pb2.ClaimRequest(
-            term=self.term, coordinator_id=self.coordinator_id, model_id=self.model_id
+            term=self.term,
+            coordinator_id=self.coordinator_id,
+            model_id=self.model_id,
+            only_if_idle=self.only_if_idle,
         )
 
     @classmethod
     def from_proto(cls, pb: stage_pb2.ClaimRequest) -> ClaimRequest:
-        return cls(pb.term, pb.coordinator_id, pb.model_id)
+        return cls(pb.term, pb.coordinator_id, pb.model_id, pb.only_if_idle)
 
 
 @dataclass(frozen=True)

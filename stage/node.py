@@ -25,7 +25,7 @@ from mesh.codec import (
     frame_to_proto,
     result_to_proto,
 )
-from mesh.errors import InvalidRequest, MeshError, StaleTerm, Unavailable
+from mesh.errors import CapacityExceeded, InvalidRequest, MeshError, StaleTerm, Unavailable
 from mesh.frames import (
     ErrorInfo,
     Frame,
@@ -172,6 +172,9 @@ class StageNode:
         self._on_newer_term: Callable[[], None] | None = None
         # Stage 0's frame that waits longest for an answer (its scheduler sets it).
         self.waiting: WaitingFrame | None = None
+        # Requests the frontend on this node serves now (stage 0 sets it): a Claim
+        # ``only_if_idle`` is refused while there are any.
+        self.busy: Callable[[], int] | None = None
         # The frame being processed now and since when (the stuck-frame watchdog).
         self._processing: tuple[int, float] | None = None
         self._exit: Callable[[int], None] = os._exit
@@ -237,6 +240,13 @@ class StageNode:
                     held_term=self.term,
                 )
             if request.term > self.term and self.loaded is not None:
+                running = self.busy() if request.only_if_idle and self.busy else 0
+                if running:
+                    raise CapacityExceeded(
+                        f"node {self.settings.node_id} serves {running} request(s) of term "
+                        f"{self.term}; term {request.term} was to be loaded only while it "
+                        "is idle"
+                    )
                 logger.info("term %s fences off term %s: releasing", request.term, self.term)
                 self._release_locked("fenced by a newer term")
             self.term = request.term

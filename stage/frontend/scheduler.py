@@ -73,6 +73,9 @@ class PipelineScheduler:
         self.metrics = EngineMetrics(node.metrics.registry, self)
         node.set_result_sink(self._on_result)
         node.on_load_change(self._on_load_change)
+        # A reload that only pays while stage 0 is idle (a rebalance) is refused
+        # while generations run or wait here.
+        node.busy = lambda: len(self._queues)
 
     @property
     def recoveries(self) -> int:

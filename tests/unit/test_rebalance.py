@@ -110,6 +110,7 @@ def test_rebalancing_stops_after_one_that_did_not_help(service, caplog) -> None:
     # A rebalance whose new plan is loaded (term 3, the old plan again, as if the
     # layers had not moved): its slowest stage is no faster than 40 ms.
     service._slices_ready = lambda plan, term, state: True
+    service._stage0_idle = lambda plan, term: True
     service._rebalance(measured(service, {"a": 10.0, "b": 10.0, "c": 40.0}))
     assert service.state.term == 2  # tried (and failed at the refused Claim)
     service.apply(registry.LoadStarted(term=3, plan=plan))

@@ -218,3 +218,40 @@ def test_a_load_it_would_refuse_leaves_the_served_layers_alone(
     node.submit(prefill(3))
     (answer,) = node.results.get(timeout=30).results
     assert answer.error is None
+
+
+def test_a_claim_only_if_idle_is_refused_while_the_frontend_serves(node) -> None:
+    """A reload that only pays while stage 0 is idle (a rebalance) asks stage 0 at the
+    Claim itself: refused over gRPC (nothing fenced, the term and layers stay) while
+    it serves requests, taken once it serves none. A plain Claim fences as before."""
+    from coordinator.driver import LoadDriver, LoadError, LoadSettings
+    from coordinator.planner import StageAssignment
+    from mesh.grpc_util import bind, new_server
+    from mesh.proto.v1 import stage_pb2_grpc
+    from stage.servicers import ControlServicer
+
+    server = new_server(2)
+    stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
+    port = bind(server, "127.0.0.1:0")
+    server.start()
+    stage0 = StageAssignment("n", f"127.0.0.1:{port}", 0, LayerRange(0, 2), 0)
+    driver = LoadDriver("coord", lambda node_id: "cpu")
+    settings = LoadSettings("pkg", "", "tiny-llama")
+    running = {"n": 2}
+    node.busy = lambda: running["n"]
+    try:
+        with pytest.raises(LoadError) as refused:
+            driver.claim_if_idle(stage0, 4, settings)
+        assert refused.value.busy and "serves 2 request(s)" in refused.value.message
+        assert node.term == 3 and node.loaded is not None
+        running["n"] = 0
+        driver.claim_if_idle(stage0, 4, settings)
+        assert node.term == 4 and node.loaded is None
+    finally:
+        server.stop(0)
+
+
+def test_a_plain_claim_fences_a_busy_stage(node) -> None:
+    node.busy = lambda: 5
+    node.claim(ClaimRequest(4, "coord", "tiny-llama"))
+    assert node.term == 4 and node.loaded is None

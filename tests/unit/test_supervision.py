@@ -173,6 +173,7 @@ class _Driver:
     def __init__(self, ahead=None) -> None:
         self.calls: list[tuple] = []
         self.ahead = ahead
+        self.busy = False
 
     def load(self, plan, term, load):
         from coordinator.driver import LoadOutcome
@@ -180,6 +181,13 @@ class _Driver:
 
         self.calls.append(("load", term, plan.node_ids()))
         return LoadOutcome(term, tuple(Ready(term, "x:1") for _ in plan.stages))
+
+    def claim_if_idle(self, stage0, term, load):
+        from coordinator.driver import LoadError
+
+        self.calls.append(("claim_if_idle", term))
+        if self.busy:
+            raise LoadError(stage0, "Claim", "node head serves 1 request(s)", busy=True)
 
     def stage_ahead(self, newcomers, term, moved, serving_term, load, abort):
         self.calls.append(
@@ -271,3 +279,23 @@ def test_losing_a_serving_stage_while_a_newcomer_prepares_ends_the_attempt(
     assert service.state.topology is None  # the next pass plans again
     assert reasons == ["the pipeline of term 1 stopped serving meanwhile"]
     assert service._failures == 0 and service._last_attempt == 0.0
+
+
+def test_a_reload_that_waits_for_an_idle_stage_0_is_put_off_while_it_is_busy(
+    tiny_package_factory,
+) -> None:
+    """A rebalance (or a regrow that has not waited out a busy stage 0) claims stage 0
+    only if it serves nothing at that moment: refused, nothing is loaded or fenced,
+    the serving term stays, no failure is counted and the term is not used again."""
+    driver = _Driver()
+    service = _serving_on_two(tiny_package_factory, driver)
+    driver.busy = True
+    service._load_once(grow_from=2, if_idle=True)
+    assert [c[0] for c in driver.calls] == ["load", "ahead", "claim_if_idle"]
+    assert service.state.term == 1 and service.state.mesh_state == "serving"
+    assert service._failures == 0
+    driver.busy = False
+    service._load_once(grow_from=2, if_idle=True)
+    assert [c[0] for c in driver.calls][3:] == ["ahead", "claim_if_idle", "load"]
+    assert driver.calls[-1][1] == 3  # term 2 was not used again
+    assert service.state.term == 3 and len(service.state.topology.stages) == 3

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("term", "coordinator_id", "model_id")
+    __slots__ = ("term", "coordinator_id", "model_id", "only_if_idle")
     TERM_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ONLY_IF_IDLE_FIELD_NUMBER: _ClassVar[int]
     term: int
     coordinator_id: str
     model_id: str
-    def __init__(self, term: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    only_if_idle: bool
+    def __init__(self, term: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., model_id: _Optional[str] = ..., only_if_idle: _Optional[bool] = ...) -> None: ...
 
 class ClaimReply(_message.Message):
     __slots__ = ("term", "node_id")
