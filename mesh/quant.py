@@ -111,6 +111,23 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((high, low), dim=-1).reshape(packed.shape[0], -1)
 
 
+def _scale_up(scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``scales`` as float16, rounded up where rounding to nearest went down
+    (a group's largest value then still fits the codes: in float16's subnormal range
+    a scale rounded down clipped its group's ends)."""
+    stored = scales.to(torch.float16)
+    low = stored.float() < scales
+    return torch.where(low, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
+
+
+def _divisor(scales: torch.Tensor) -> torch.Tensor:
+    """The stored float16 ``scales`` as float32 divisors: exactly what dequantisation
+    multiplies by (subnormals included), and 1 where a scale is 0 (a group of equal
+    values, whose codes are then 0)."""
+    stored = scales.float()
+    return torch.where(stored == 0, torch.ones_like(stored), stored)
+
+
 def quantize_int4(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     """Round-to-nearest asymmetric 4-bit codes per group of ``group`` inputs."""
     check_groups(tuple(weight.shape), group, "int4 weight")
@@ -118,10 +135,12 @@ def quantize_int4(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     grouped = weight.detach().to(torch.float32).reshape(rows, cols // group, group)
     low = grouped.amin(dim=-1)
     high = grouped.amax(dim=-1)
-    scales = ((high - low) / 15).to(torch.float16)
+    scales = _scale_up((high - low) / 15)
     mins = low.to(torch.float16)
-    # Codes are chosen against the float16 scale and min actually stored.
-    scale32 = scales.float().clamp(min=torch.finfo(torch.float16).tiny).unsqueeze(-1)
+    # Codes are chosen against the float16 scale and min actually stored (a scale
+    # below float16's smallest normal is stored as a subnormal: dividing by a clamped
+    # one shrank such groups up to 2x and more).
+    scale32 = _divisor(scales).unsqueeze(-1)
     codes = ((grouped - mins.float().unsqueeze(-1)) / scale32).round().clamp(0, 15)
     return {
         "qweight": pack_int4(codes.reshape(rows, cols)),
@@ -161,8 +180,8 @@ def quantize_int8_groups(weight: torch.Tensor, group: int = EMBED_GROUP) -> dict
     check_groups(tuple(weight.shape), group, "int8 embedding")
     rows, cols = weight.shape
     grouped = weight.detach().to(torch.float32).reshape(rows, cols // group, group)
-    scales = (grouped.abs().amax(dim=-1) / 127).to(torch.float16)
-    scale32 = scales.float().clamp(min=torch.finfo(torch.float16).tiny).unsqueeze(-1)
+    scales = _scale_up(grouped.abs().amax(dim=-1) / 127)
+    scale32 = _divisor(scales).unsqueeze(-1)
     codes = (grouped / scale32).round().clamp(-127, 127).to(torch.int8)
     return {"qweight": codes.reshape(rows, cols), "scales": scales}
 
