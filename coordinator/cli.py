@@ -199,6 +199,9 @@ def local_stage_argv(
     port = head.stage0_port if frontend else 0
     command = [
         sys.executable,
+        # -P: the working directory is not searched first, so a folder of the
+        # operator's named mesh/ or stage/ cannot shadow the installed packages.
+        "-P",
         "-m",
         "stage.cli",
         "join",

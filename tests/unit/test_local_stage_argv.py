@@ -16,8 +16,8 @@ from stage.cli import resolve_join
 def _local(flags: list[str], index: int, frontend: bool):
     config = resolve_up(coordinator_parser().parse_args(["up", *flags]))
     argv = local_stage_argv("127.0.0.1:7070", index, config, 2, frontend, MeshSecurity())
-    assert argv[1:3] == ["-m", "stage.cli"]
-    return argv, resolve_join(stage_parser().parse_args(argv[3:]))
+    assert argv[1:4] == ["-P", "-m", "stage.cli"]
+    return argv, resolve_join(stage_parser().parse_args(argv[4:]))
 
 
 @pytest.mark.parametrize(
@@ -139,5 +139,5 @@ def test_up_s_stage_environment_reaches_its_local_stages_only_through_their_flag
     # The local stage, in that environment, from its flags:
     monkeypatch.delenv("MESH_STAGE_DATA_PORT")
     monkeypatch.delenv("MESH_STAGE_DEVICE")
-    joined = resolve_join(stage_parser().parse_args(argv[3:])).stage.value
+    joined = resolve_join(stage_parser().parse_args(argv[4:])).stage.value
     assert joined.device == "cuda:1" and joined.data_port == 0
