@@ -183,6 +183,22 @@ class Checkpoint(ABC):
         self.close()
 
 
+def refuse_prequantised(config: dict[str, Any], where: Path) -> None:
+    """A checkpoint quantised by another tool (FP8 with its scales, GPTQ, AWQ,
+    bitsandbytes: ``quantization_config`` in its config) holds tensors no stage reads:
+    refused here, not at the first load."""
+    quantized = config.get("quantization_config")
+    if quantized is None:
+        return
+    method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "unknown"
+    raise PackageError(
+        f"{where} is a pre-quantised checkpoint ({method}): its tensors are not plain "
+        "weights, and packages are built from float weights (float32, float16, bfloat16) "
+        "or a GGUF file. Build from the unquantised checkpoint (add --quant int4 or int8 "
+        "for small weights) or from a GGUF of the model"
+    )
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """An HF model directory with ``*.safetensors`` weights, sharded or not."""
 
@@ -203,6 +219,7 @@ class SafetensorsCheckpoint(Checkpoint):
             raise PackageError(f"{config_path} is not valid JSON: {error}") from error
         if not isinstance(self.config_json, dict):
             raise PackageError(f"{config_path}: expected a JSON object")
+        refuse_prequantised(self.config_json, config_path)
         architecture = architecture_of(self.config_json)
         try:
             config = AutoConfig.from_pretrained(self.directory)

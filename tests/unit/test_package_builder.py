@@ -236,3 +236,19 @@ def test_gguf_sources_are_recognised(tmp_path, monkeypatch):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(PackageError, match="not a .gguf"):
         sources.open_checkpoint(str(tmp_path / "weights.bin"))
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "bitsandbytes"])
+def test_a_pre_quantised_checkpoint_is_refused_naming_its_method(
+    method: str, tiny_model_factory, tmp_path
+):
+    """FP8 (with its scales), GPTQ, AWQ and bitsandbytes checkpoints hold tensors no
+    stage reads: before, they built (FP8 scales dropped) and only a stage's load
+    failed, saying to rebuild."""
+    model = copy_model(tiny_model_factory("llama"), tmp_path / method)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PackageError, match=rf"pre-quantised checkpoint \({method}\)"):
+        build_package(str(model), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
