@@ -117,6 +117,7 @@ class MeshConfig:
     data_transport: str = "tcp"  # mesh-stage join --data-transport
     prompts_ahead: bool = True  # stage 0's --prompts-ahead / --no-prompts-ahead
     inline_frames: bool = True  # mesh-stage join --inline-frames / --no-inline-frames
+    decode_stall_ms: float | None = None  # stage 0's --decode-stall-ms (None: its default)
 
     @property
     def label(self) -> str:
@@ -166,6 +167,8 @@ class MeshConfig:
             cache = ("--prefix-cache-tokens", str(self.prefix_cache_tokens))
         if not self.prompts_ahead:
             cache += ("--no-prompts-ahead",)
+        if self.decode_stall_ms is not None:
+            cache += ("--decode-stall-ms", f"{self.decode_stall_ms:g}")
         if self.speculation == "package":
             return cache
         return ("--spec-type", self.speculation, *cache)

@@ -322,6 +322,14 @@ class FrontendConfig:
         "that way)",
         choices=("mean", "last"),
     )
+    decode_stall_ms: float = setting(
+        250.0,
+        "while other requests decode, a prompt chunk is cut so that its step costs about "
+        "this long (ms) by the measured cost of prompt rows: their next tokens wait about "
+        "this long for a long prompt, not a whole --max-batch-tokens chunk (0: the step "
+        "token budget alone)",
+        minimum=0,
+    )
     prompts_ahead: bool = setting(
         True,
         "with the pipe full, send new requests' first prompt chunks at once in one extra "
@@ -355,6 +363,7 @@ SERVING_FIELDS = (
     "max_batch_tokens",
     "max_windows_in_flight",
     "prompts_ahead",
+    "decode_stall_ms",
 )
 
 SECTIONS = {"coordinator": CoordinatorConfig, "stage": StageConfig, "frontend": FrontendConfig}

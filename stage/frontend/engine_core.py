@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 # than the longest, so that one slow round (a first grammar, a stage that hung and
 # woke) does not stretch the stall deadline for long after.
 ROUNDS_KEPT = 64
+# Prompt rows a frame may always hold while requests decode (``_prompt_rows``).
+MIN_PROMPT_ROWS = 16
 ROUND_MAX_AGE_S = 120.0
 ROUND_PERCENTILE = 0.9
 
@@ -78,6 +80,8 @@ class EngineCore(PromptSteps):
         self.waiting: deque[RequestRun] = deque()
         self.frames: dict[int, SentFrame] = {}
         self.step_cost = StepCostFit()
+        # The same for frames holding prompt rows (``decode_stall_ms``).
+        self.prompt_cost = StepCostFit()
         self.stale: list[str] = []
         self.recoveries = 0
         # Windows drafted ahead (stage/frontend/ahead.py), and the slowest stage's
@@ -299,8 +303,9 @@ class EngineCore(PromptSteps):
             segment = self._decode_segment(tracked, info.term, share, threshold, now)
             segments.append(segment)
             rows += segment.token_count
+        prompt_cap = self._prompt_rows(rows, budget)
         for tracked in self.running.values():
-            room = budget - rows
+            room = min(budget, prompt_cap) - rows
             if room <= 0:
                 break
             if tracked.prefilling and tracked.in_flight is None and tracked.recover_by is None:
@@ -315,6 +320,23 @@ class EngineCore(PromptSteps):
         if not segments:
             return None
         return self._pack(segments, info, now)
+
+    def _prompt_rows(self, decode_rows: int, budget: int) -> int:
+        """The rows a frame may hold with its prompt chunks: the step budget, or while
+        requests decode (their next tokens wait for this frame, on every stage) what
+        keeps the frame near ``limits.decode_stall_ms`` by the measured cost of
+        prompt frames, and at least MIN_PROMPT_ROWS of prompt (a long prompt still
+        progresses). Before prompt frames of different sizes were measured, the
+        budget."""
+        stall_ms = self.limits.decode_stall_ms
+        if stall_ms <= 0 or all(t.prefilling for t in self.running.values()):
+            return budget
+        model = self.prompt_cost.model()
+        if model is None or model[1] <= 0:
+            return budget
+        fixed_ms, per_row_ms = model
+        rows = int((stall_ms - fixed_ms) / per_row_ms)
+        return min(budget, max(rows, decode_rows + MIN_PROMPT_ROWS))
 
     def _take_ends(self) -> list[Segment]:
         """The END segments not sent yet: they go first in the next frame, ahead of
@@ -472,8 +494,10 @@ class EngineCore(PromptSteps):
         if sent is not None and result.timings and sent.term == result.term:
             # The last stage's answer: the cost of a frame of decode and verify rows on
             # its slowest stage (prompt chunks run in another regime of the kernels).
+            slowest_ms = max(t.compute_ms for t in result.timings)
+            if SegmentKind.PREFILL in sent.kinds.values():
+                self.prompt_cost.observe(sent.rows, slowest_ms)
             if all(k in (SegmentKind.DECODE, SegmentKind.VERIFY) for k in sent.kinds.values()):
-                slowest_ms = max(t.compute_ms for t in result.timings)
                 self.step_cost.observe(sent.rows, slowest_ms)
                 step_s = slowest_ms / 1000.0
                 self.step_s = (

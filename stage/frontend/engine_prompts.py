@@ -31,7 +31,7 @@ SCORED_CHUNK_TOKENS = 128
 
 class PromptSteps:
     """Prompt segments of an ``EngineCore`` (whose ``_pack``, ``_take_ends``,
-    ``_claim_flights`` and ``_forget`` they call)."""
+    ``_claim_flights``, ``_forget`` and ``_prompt_rows`` they call)."""
 
     # Set by EngineCore.__init__.
     limits: EngineLimits
@@ -58,7 +58,9 @@ class PromptSteps:
         if not self.limits.prompts_ahead or self._prompts_frame() is not None:
             return None
         now = self.clock()
-        segments = self._fresh_prompts(info.step_tokens or self.limits.step_tokens, info, now)
+        # Frames of decode rows queue behind this one on every stage.
+        room = self._prompt_rows(0, info.step_tokens or self.limits.step_tokens)
+        segments = self._fresh_prompts(room, info, now)
         if not segments:
             return None
         return self._pack(self._take_ends() + segments, info, now, prompts_ahead=True)
@@ -129,7 +131,7 @@ class PromptSteps:
         if info is None or sent is None or not self._joinable(sent, info):
             return []
         now = self.clock()
-        budget = info.step_tokens or self.limits.step_tokens
+        budget = self._prompt_rows(0, info.step_tokens or self.limits.step_tokens)
         segments = self._fresh_prompts(budget - sent.rows, info, now, frame_id)
         if not segments:
             return []

@@ -34,6 +34,7 @@ class EngineLimits:
     prefix_cache_tokens: int = FrontendConfig.prefix_cache_tokens
     max_depth: int = FrontendConfig.max_windows_in_flight
     prompts_ahead: bool = FrontendConfig.prompts_ahead
+    decode_stall_ms: float = FrontendConfig.decode_stall_ms
 
     @classmethod
     def of(cls, serving: FrontendConfig) -> EngineLimits:
@@ -45,6 +46,7 @@ class EngineLimits:
             prefix_cache_tokens=serving.prefix_cache_tokens,
             max_depth=serving.max_windows_in_flight,
             prompts_ahead=serving.prompts_ahead,
+            decode_stall_ms=serving.decode_stall_ms,
         )
 
 

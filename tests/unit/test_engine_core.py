@@ -785,3 +785,32 @@ def test_one_slow_round_does_not_stretch_the_stall_rule_for_long() -> None:
     assert core.long_round() == 0.0
     frame = core.next_frame()
     assert core.oldest_unanswered() == (frame.frame_id, clock.now, 0.0)
+
+
+@pytest.mark.parametrize(("stall_ms", "cut"), [(250.0, True), (0.0, False)])
+def test_a_long_prompt_is_cut_to_the_decode_stall_while_others_decode(
+    stall_ms: float, cut: bool
+) -> None:
+    """Decode rows share a frame with a prompt chunk, and wait for it on every stage:
+    while requests decode, the frame's rows are cut to what the measured prompt
+    frames say costs about ``decode_stall_ms`` (here 10 ms + 2 ms a row: about 120
+    rows in 250 ms, one of them the decoding request's). Alone, a prompt takes the
+    step budget (a 512-row chunk); so it does with no stall limit (511 beside the
+    decode row)."""
+    core, _ = core_with(decode_stall_ms=stall_ms, prefix_cache_tokens=0)
+    for rows in (64, 128, 256, 512, 100, 300):
+        core.prompt_cost.observe(rows, 10.0 + 2.0 * rows)
+    pipe = FakePipeline()
+    core.add(request("alone", tuple(range(1, 90)) * 10, max_new=2))
+    first = core.next_frame()
+    assert [s.token_count for s in first.segments] == [512]
+    core.on_result(pipe.answer(first))
+    run_to_end(core, pipe)
+    core.add(request("short", (7, 8, 9), max_new=50))
+    core.on_result(pipe.answer(core.next_frame()))  # its prompt: it decodes now
+    core.add(request("long", tuple(range(2, 91)) * 10, max_new=2))
+    frame = core.next_frame()
+    kinds = [s.kind for s in frame.segments]
+    assert kinds == [SegmentKind.DECODE, SegmentKind.PREFILL]
+    chunk = frame.segments[1].token_count
+    assert 110 <= chunk <= 119 if cut else chunk == 512 - 1
