@@ -246,7 +246,11 @@ def _meta_files(directory: Path) -> list[PackageFile]:
         if path.is_file() and path.relative_to(directory).parts[0] not in _TENSOR_DIRS
     )
     if not any(name.startswith("tokenizer") for name in found):
-        logger.warning("the source has no tokenizer files; the package cannot serve text")
+        logger.warning(
+            "the source has no tokenizer files: stage 0 cannot serve this package (it reads "
+            "every request through the tokenizer); put the model's tokenizer files next to "
+            "its config.json and build again to serve it"
+        )
     found.sort(key=lambda name: (name != "config.json", name))
     return [_describe_file(directory, name, "meta") for name in found]
 

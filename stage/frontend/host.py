@@ -17,7 +17,7 @@ from typing import Any
 
 from mesh.api_keys import KeySource
 from mesh.config import SpeculationConfig, cli_speculation_args, resolve_speculation
-from mesh.errors import MeshError
+from mesh.errors import InvalidRequest, MeshError
 from mesh.netaddr import is_wildcard, url_host
 from mesh.package.end_tokens import end_tokens
 from mesh.package.manifest import PackageManifest
@@ -252,7 +252,13 @@ def start_frontend(
         if not same_package:
             from transformers import AutoTokenizer
 
-            current["tokenizer"] = AutoTokenizer.from_pretrained(loaded.package_dir)
+            try:
+                current["tokenizer"] = AutoTokenizer.from_pretrained(loaded.package_dir)
+            except (OSError, ValueError, TypeError) as error:
+                raise InvalidRequest(
+                    f"the package at {loaded.package_dir} has no tokenizer stage 0 can load "
+                    f"({error}); rebuild it from a source with the model's tokenizer files"
+                ) from None
             # Each token's bytes (log-probabilities, /tokenize pieces), read once here
             # rather than on the event loop by the first request that needs them.
             byte_table(current["tokenizer"])
