@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -102,28 +104,20 @@ class LoadDriver:
 
     def load(self, plan: Plan, term: int, settings: LoadSettings) -> LoadOutcome:
         stages = list(plan.stages)
-        channels = {s.node_id: channel(s.address) for s in stages}
-        stubs = {n: stage_pb2_grpc.StageControlStub(c) for n, c in channels.items()}
-        try:
-            return self._load(stages, stubs, term, settings)
-        except LoadError as error:
-            logger.error("load of term %s failed: %s", term, error.message)
-            self._release_all(stages, stubs, term, f"load failed: {error.message}")
-            raise
-        finally:
-            for ch in channels.values():
-                ch.close()
+        with _stubs(stages) as stubs:
+            try:
+                return self._load(stages, stubs, term, settings)
+            except LoadError as error:
+                logger.error("load of term %s failed: %s", term, error.message)
+                self._release_all(stages, stubs, term, f"load failed: {error.message}")
+                raise
 
     def claim_if_idle(self, stage0: StageAssignment, term: int, settings: LoadSettings) -> None:
         """Claim stage 0 with ``term`` unless it serves requests now: a LoadError with
         ``busy`` then, and nothing is fenced. Once it is claimed, ``load`` claims it
         again (the same term: nothing more happens there)."""
-        ch = channel(stage0.address)
-        try:
-            stub = stage_pb2_grpc.StageControlStub(ch)
-            self._claim([stage0], {stage0.node_id: stub}, term, settings, only_if_idle=True)
-        finally:
-            ch.close()
+        with _stubs([stage0]) as stubs:
+            self._claim([stage0], stubs, term, settings, only_if_idle=True)
 
     def stage_ahead(
         self,
@@ -143,20 +137,16 @@ class LoadDriver:
         the serving stages left as they are; on success the newcomers stay claimed for
         ``load``, whose Prepare then finds every slice ready."""
         stages = newcomers + moved
-        channels = {s.node_id: channel(s.address) for s in stages}
-        stubs = {n: stage_pb2_grpc.StageControlStub(c) for n, c in channels.items()}
         terms = {s.node_id: term for s in newcomers} | {s.node_id: serving_term for s in moved}
-        try:
-            self._claim(newcomers, stubs, term, settings)
-            self._prepare(stages, stubs, terms, settings)
-            self._await_inventory(stages, stubs, terms, settings, abort)
-        except LoadError as error:
-            logger.warning("slices ahead of term %s: %s", term, error.message)
-            self._release_all(newcomers, stubs, term, f"slices ahead failed: {error.message}")
-            raise
-        finally:
-            for ch in channels.values():
-                ch.close()
+        with _stubs(stages) as stubs:
+            try:
+                self._claim(newcomers, stubs, term, settings)
+                self._prepare(stages, stubs, terms, settings)
+                self._await_inventory(stages, stubs, terms, settings, abort)
+            except LoadError as error:
+                logger.warning("slices ahead of term %s: %s", term, error.message)
+                self._release_all(newcomers, stubs, term, f"slices ahead failed: {error.message}")
+                raise
 
     def _load(self, stages, stubs, term: int, settings: LoadSettings):
         terms = {s.node_id: term for s in stages}
@@ -319,6 +309,17 @@ class LoadDriver:
                     stage.address,
                     error.code().name,
                 )
+
+
+@contextmanager
+def _stubs(stages: list[StageAssignment]) -> Iterator[dict[str, Any]]:
+    """StageControl stubs by node id, their channels closed on exit."""
+    channels = {s.node_id: channel(s.address) for s in stages}
+    try:
+        yield {n: stage_pb2_grpc.StageControlStub(c) for n, c in channels.items()}
+    finally:
+        for ch in channels.values():
+            ch.close()
 
 
 def release_nodes(addresses: list[tuple[str, str]], term: int, reason: str) -> None:

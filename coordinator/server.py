@@ -461,6 +461,15 @@ class CoordinatorService:
         nodes = balance.planning_nodes(state, footprint)
         return plan_layers(nodes, footprint, max_stages=self.settings.max_stages or None)
 
+    def _quarantine(self, node_id: str, why: str, error: LoadError) -> None:
+        """Leave a worker whose load failed out of plans for a while."""
+        logger.warning("node %s is left out of plans: %s", node_id, why)
+        self.apply(
+            registry.NodeUnreachable(
+                node_id=node_id, error=f"its load failed: {error.message}", now=time.monotonic()
+            )
+        )
+
     def _slices_ready(self, plan: Plan, term: int, state: registry.State) -> bool:
         """For a plan made while a pipeline serves (growing back, a rebalance): get
         every slice the plan needs ready before the load fences the serving stages,
@@ -507,17 +516,7 @@ class CoordinatorService:
             stage = error.stage
             is_newcomer = stage is not None and stage in newcomers
             if is_newcomer and error.step in QUARANTINED_STEPS:
-                logger.warning(
-                    "node %s is left out of plans: it could not prepare its slice",
-                    stage.node_id,
-                )
-                self.apply(
-                    registry.NodeUnreachable(
-                        node_id=stage.node_id,
-                        error=f"its load failed: {error.message}",
-                        now=time.monotonic(),
-                    )
-                )
+                self._quarantine(stage.node_id, "it could not prepare its slice", error)
                 self._last_attempt = 0.0
             self._failed(error.message)
             return False
@@ -620,18 +619,7 @@ class CoordinatorService:
                 # for a quarantine, at once, rather than trying the same plan again
                 # and again while the mesh serves nothing (stage 0 is not left out:
                 # no plan is made without it).
-                logger.warning(
-                    "node %s is left out of plans: its load failed at %s",
-                    stage.node_id,
-                    error.step,
-                )
-                self.apply(
-                    registry.NodeUnreachable(
-                        node_id=stage.node_id,
-                        error=f"its load failed: {error.message}",
-                        now=time.monotonic(),
-                    )
-                )
+                self._quarantine(stage.node_id, f"its load failed at {error.step}", error)
                 self._failed(error.message)
                 self._last_attempt = 0.0
                 return
