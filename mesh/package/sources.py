@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from mesh.errors import PackageError, UnsupportedArchitecture
 from mesh.package import hub
@@ -32,6 +33,9 @@ from mesh.package.gguf_rope import ROPE_TENSORS, rope_config
 from mesh.package.manifest import TRANSLATED_ARCHITECTURES, check_source_architecture
 
 logger = logging.getLogger(__name__)
+# What transformers raises for a config it cannot read (a wrongly typed field is a
+# huggingface_hub validation error).
+CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
 
 META_FILES = (
     "generation_config.json",
@@ -223,7 +227,7 @@ class SafetensorsCheckpoint(Checkpoint):
         architecture = architecture_of(self.config_json)
         try:
             config = AutoConfig.from_pretrained(self.directory)
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except CONFIG_ERRORS as error:
             raise PackageError(
                 f"{config_path} cannot be loaded by transformers: {error}"
             ) from error
@@ -329,7 +333,7 @@ class GgufCheckpoint(Checkpoint):
             )
         try:
             config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
+        except CONFIG_ERRORS + (RuntimeError,) as error:
             raise PackageError(
                 f"cannot read the model config of GGUF {self.path}: {error}"
             ) from error

@@ -252,3 +252,14 @@ def test_a_pre_quantised_checkpoint_is_refused_naming_its_method(
     with pytest.raises(PackageError, match=rf"pre-quantised checkpoint \({method}\)"):
         build_package(str(model), tmp_path / "pkg")
     assert not (tmp_path / "pkg").exists()
+
+
+def test_a_wrongly_typed_config_field_is_a_package_error(tiny_model_factory, tmp_path):
+    """transformers refuses `"hidden_size": "64"` with a huggingface_hub validation
+    error, which went through as a traceback."""
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "typed")
+    config = json.loads((model / "config.json").read_text())
+    config["hidden_size"] = str(config["hidden_size"])
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PackageError, match="cannot be loaded by transformers.*hidden_size"):
+        build_package(str(model), tmp_path / "pkg")
