@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from mesh.errors import InvalidRequest
 from mesh.grammar import grammar_spec
@@ -373,6 +373,13 @@ def render_chat(
         extra["tools"] = list(tools)
     if use.continue_final:
         extra["continue_final_message"] = True
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request(
+            "this model has no chat template, so chat messages cannot be turned into a "
+            "prompt: send the prompt text, in the format the model expects, to "
+            "/v1/completions",
+            "messages",
+        )
     try:
         encoded = tokenizer.apply_chat_template(
             [dict(m) for m in messages],
@@ -381,6 +388,16 @@ def render_chat(
             return_dict=True,
             **extra,
         )
+    except TemplateSyntaxError as exc:
+        # The package's fault, not the request's: every chat request meets it.
+        raise OpenAIError(
+            500,
+            f"the model's chat template cannot be compiled ({exc}); the operator must "
+            "fix the package's chat template (tokenizer_config.json or "
+            "chat_template.jinja); /v1/completions still serves prompt text",
+            error_type="server_error",
+            code="chat_template_broken",
+        ) from None
     except TemplateError as exc:
         message = f"the model's chat template rejected the messages: {exc}"
         raise bad_request(message, "messages") from None
