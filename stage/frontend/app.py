@@ -140,6 +140,7 @@ class _Frontend:
             tenant=getattr(request.state, "tenant", "") if request is not None else "",
             fim=self.fim,
             check_grammar=getattr(self.backend, "check_grammar", None),
+            model_vocab=getattr(self.backend, "vocab_size", 0) or 0,
         )
 
     def authorize(self, request: Request) -> str:

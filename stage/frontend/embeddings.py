@@ -106,19 +106,19 @@ def input_tokens(body: EmbeddingBody, ctx: PromptContext) -> list[list[int]]:
     """Each input's token ids (text through the model's tokenizer, token ids checked
     against its vocabulary); 400 for an empty input or one longer than the context."""
     items = body.inputs()
-    vocab = len(ctx.tokenizer)
+    vocab = ctx.vocab()
     encoded: list[list[int]] = []
     for index, item in enumerate(items):
         name = "input" if len(items) == 1 else f"input {index}"
-        if isinstance(item, str):
-            tokens = [int(t) for t in ctx.tokenizer.encode(item)]
-        else:
-            bad = next((t for t in item if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise bad_request(
-                    f"{name} holds token {bad}, outside the vocabulary [0, {vocab})", "input"
-                )
-            tokens = list(item)
+        tokens = (
+            [int(t) for t in ctx.tokenizer.encode(item)] if isinstance(item, str) else list(item)
+        )
+        # Text too: a tokenizer may hold added tokens the model has no rows for.
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"{name} holds token {bad}, outside the vocabulary [0, {vocab})", "input"
+            )
         if not tokens:
             raise bad_request(f"{name} is empty after tokenisation; send some text", "input")
         if len(tokens) > ctx.context_length:

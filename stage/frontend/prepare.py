@@ -191,6 +191,14 @@ class PromptContext:
     # Checks a grammar spec against the served model's tokenizer (InvalidRequest
     # where the grammar library cannot follow it; blocking), where the backend can.
     check_grammar: Callable[[str], None] | None = None
+    # Rows of the served model's embedding (0: unknown): a tokenizer may hold more
+    # tokens (added ones) than the model has.
+    model_vocab: int = 0
+
+    def vocab(self) -> int:
+        """Token ids a request may use: the tokenizer's, within the model's rows."""
+        size = len(self.tokenizer)
+        return min(size, self.model_vocab) if self.model_vocab > 0 else size
 
 
 # The top_p a request's 0 stands for: only the likeliest token passes it.
@@ -228,7 +236,7 @@ def check_common(body: GenerationBody, ctx: PromptContext) -> tuple[str, ...]:
 def _stop_ids(body: GenerationBody, ctx: PromptContext) -> frozenset[int]:
     """The token ids that end the output: the model's (none with ``ignore_eos``) and
     the request's ``stop_token_ids``."""
-    vocab = len(ctx.tokenizer)
+    vocab = ctx.vocab()
     extra = body.stop_token_ids or []
     for token in extra:
         if not 0 <= token < vocab:
@@ -540,6 +548,25 @@ def _prediction(body: GenerationBody, ctx: PromptContext) -> tuple[int, ...] | N
     )
 
 
+def _check_model_vocab(
+    prompts: Sequence[list[int]], names: Sequence[str], param: str, ctx: PromptContext
+) -> None:
+    """400 for a prompt holding a token the tokenizer has and the model does not (an
+    added token: the tokenizer is larger than the model's vocabulary), naming its
+    text, which the sender may not know maps to such a token."""
+    vocab = ctx.vocab()
+    for prompt, name in zip(prompts, names, strict=True):
+        beyond = [t for t in prompt if not 0 <= t < vocab]
+        if beyond:
+            text = ctx.tokenizer.decode([beyond[0]]) if beyond[0] < len(ctx.tokenizer) else ""
+            raise bad_request(
+                f"{name} holds token {beyond[0]} ({text!r}), outside the model's vocabulary "
+                f"[0, {vocab}): the tokenizer has {len(ctx.tokenizer)} tokens, the model "
+                f"{ctx.model_vocab}; leave that text out",
+                param,
+            )
+
+
 def prepared_generation(
     kind: Literal["chat", "completion"],
     body: GenerationBody,
@@ -565,10 +592,11 @@ def prepared_generation(
     breakers = ()
     if body.dry_multiplier:
         breakers = dry.breaker_ids(ctx.tokenizer, dry.breakers_of(body))
+    _check_model_vocab(prompts, names, param, ctx)
     sampling = _sampling(
         body,
         len(prompts[0]),
-        len(ctx.tokenizer),
+        ctx.vocab(),
         stop_ids,
         breakers,
         ctx.limits.sampling_defaults,

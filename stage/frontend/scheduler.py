@@ -106,6 +106,12 @@ class PipelineScheduler:
         return self._serving()
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the loaded model's embedding (0 before a load)."""
+        loaded = self._loaded
+        return loaded.engine.runtime.vocab_size if loaded is not None else 0
+
+    @property
     def active_requests(self) -> int:
         """Generations running or queued now (each choice of a request is one)."""
         return len(self._queues)

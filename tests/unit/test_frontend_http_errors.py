@@ -839,3 +839,28 @@ def test_stream_options_include_obfuscation_is_taken(http) -> None:
     body = with_(OK_CHAT, stream=True, stream_options={"include_obfuscation": False})
     with http.stream("POST", CHAT, json=body) as reply:
         assert reply.status_code == 200
+
+
+def test_tokens_the_tokenizer_has_and_the_model_does_not_are_400(http, backend) -> None:
+    """A tokenizer larger than the model's vocabulary (added tokens without embedding
+    rows): a prompt, explicit or typed as text, holding such a token, a stop token id
+    or a logit_bias key beyond the model's rows gets a 400 naming the model's bound
+    (before: the tokenizer's bound, an opaque stage error, or a bias silently
+    dropped)."""
+    backend.vocab_size = 100  # the model's rows; the tokenizer has 49152
+    try:
+        text = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt="hello world"))
+        assert_openai_error(text, 400, param="prompt")
+        assert "outside the model's vocabulary [0, 100)" in text.json()["error"]["message"]
+        ids = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=[5, 150]))
+        assert_openai_error(ids, 400, param="prompt")
+        chat = http.post(CHAT, json=OK_CHAT)
+        assert_openai_error(chat, 400, param="messages")
+        biased = with_(OK_COMPLETION, prompt=[5, 6], logit_bias={"200": 5})
+        assert_openai_error(http.post(COMPLETIONS, json=biased), 400, param="logit_bias")
+        embedded = http.post("/v1/embeddings", json={"model": MODEL_ID, "input": "hello"})
+        assert_openai_error(embedded, 400, param="input")
+        fine = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=[5, 6]))
+        assert fine.status_code == 200, fine.text
+    finally:
+        del backend.vocab_size
