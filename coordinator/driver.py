@@ -199,35 +199,38 @@ class LoadDriver:
     def _claim(
         self, stages, stubs, term: int, settings: LoadSettings, only_if_idle: bool = False
     ) -> None:
-        for stage in stages:
-            self._call(
-                stage,
-                "Claim",
-                lambda s=stage: stubs[s.node_id].Claim(
-                    ClaimRequest(
-                        term=term,
-                        coordinator_id=self.coordinator_id,
-                        model_id=settings.model_id,
-                        only_if_idle=only_if_idle,
-                    ).to_proto(),
-                    timeout=CONTROL_DEADLINE_S,
-                ),
-            )
+        self._each(
+            stages,
+            "Claim",
+            lambda s: stubs[s.node_id].Claim(
+                ClaimRequest(
+                    term=term,
+                    coordinator_id=self.coordinator_id,
+                    model_id=settings.model_id,
+                    only_if_idle=only_if_idle,
+                ).to_proto(),
+                timeout=CONTROL_DEADLINE_S,
+            ),
+        )
 
     def _prepare(self, stages, stubs, terms: dict[str, int], settings: LoadSettings) -> None:
+        self._each(
+            stages,
+            "Prepare",
+            lambda s: stubs[s.node_id].Prepare(
+                PrepareRequest(
+                    term=terms[s.node_id],
+                    package_ref=settings.package_ref,
+                    layer_range=s.layer_range,
+                ).to_proto(),
+                timeout=CONTROL_DEADLINE_S,
+            ),
+        )
+
+    def _each(self, stages, step: str, call: Callable[[StageAssignment], object]) -> None:
+        """``call`` each stage in order, as load step ``step``."""
         for stage in stages:
-            self._call(
-                stage,
-                "Prepare",
-                lambda s=stage: stubs[s.node_id].Prepare(
-                    PrepareRequest(
-                        term=terms[s.node_id],
-                        package_ref=settings.package_ref,
-                        layer_range=s.layer_range,
-                    ).to_proto(),
-                    timeout=CONTROL_DEADLINE_S,
-                ),
-            )
+            self._call(stage, step, lambda s=stage: call(s))
 
     def _await_inventory(
         self,

@@ -60,10 +60,10 @@ logger = logging.getLogger(__name__)
 # than the longest, so that one slow round (a first grammar, a stage that hung and
 # woke) does not stretch the stall deadline for long after.
 ROUNDS_KEPT = 64
-# Prompt rows a frame may always hold while requests decode (``_prompt_rows``).
-MIN_PROMPT_ROWS = 16
 ROUND_MAX_AGE_S = 120.0
 ROUND_PERCENTILE = 0.9
+# Prompt rows a frame may always hold while requests decode (``_prompt_rows``).
+MIN_PROMPT_ROWS = 16
 
 
 class EngineCore(PromptSteps):
@@ -96,9 +96,8 @@ class EngineCore(PromptSteps):
         self.cached_tokens_total = 0
         self._ends: list[Segment] = []
         self._next_frame_id = 1
-        # Rounds (seconds from send to answer) of the latest answered frames of the
-        # current term, for the coordinator's stall rule (``oldest_unanswered``).
-        # (answered at, round seconds) of the latest answered frames of the term.
+        # (answered at, seconds from send to answer) of the latest answered frames of
+        # the current term, for the coordinator's stall rule (``oldest_unanswered``).
         self.rounds: deque[tuple[float, float]] = deque(maxlen=ROUNDS_KEPT)
 
     def set_limits(self, limits: EngineLimits) -> None:
