@@ -36,6 +36,7 @@ from mesh.package.tensors import EMBED_TENSOR, HEAD_TENSOR, NORM_TENSOR, classif
 from mesh.package.weight_store import WeightStore
 from mesh.package.weight_store import convert_plain as _convert
 from mesh.quant import QuantScheme, make_scheme
+from mesh.runtime.skeleton import CHECKPOINT_REMEDY, LayerChecker, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def write_package(
         config["torch_dtype"] = dtype
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     checkpoint.write_meta(directory)
+    _check_tokenizer(directory, description.vocab_size)
 
     vocab, hidden = description.vocab_size, description.hidden_size
     _check_shape(layout.embed, checkpoint.shape(layout.embed), (vocab, hidden))
@@ -137,16 +139,25 @@ def write_package(
         (layer_path(i), [source for _, source in entries])
         for i, entries in enumerate(layout.layers)
     ]
+    # The stages' own check of each layer's tensors, run on what is written.
+    remedy = CHECKPOINT_REMEDY
+    if dtype == "float16":
+        remedy += " (values beyond float16's range become infinite: build with --dtype bfloat16)"
+    checker = LayerChecker(load_config(directory), scheme, remedy)
     with BuildProgress(checkpoint, plan) as progress:
         store = WeightStore(checkpoint, scheme, torch_dtype, progress.read)
         progress.start(EMBED_PATH)
-        _save(directory, EMBED_PATH, store.embedding(EMBED_TENSOR, layout.embed))
+        embedding = store.embedding(EMBED_TENSOR, layout.embed)
+        checker.check_finite("embed", embedding)
+        _save(directory, EMBED_PATH, embedding)
+        del embedding
         progress.start(HEAD_PATH)
         # A tied head is written again into the head file: the last stage needs no
         # embed file.
         head = store.linear(HEAD_TENSOR, head_source, tied=description.tied_embeddings, head=True)
         head[NORM_TENSOR] = _convert(checkpoint.tensor(layout.norm), torch_dtype)
         progress.read(layout.norm, checkpoint.nbytes(layout.norm))
+        checker.check_finite("head", head)
         _save(directory, HEAD_PATH, head)
         del head
         for index, entries in enumerate(layout.layers):
@@ -154,6 +165,7 @@ def write_package(
             tensors: dict[str, torch.Tensor] = {}
             for name, source in entries:
                 tensors.update(store.layer_tensor(name, source))
+            checker.check(index, tensors)
             _save(directory, layer_path(index), tensors)
             logger.debug("wrote layer %d/%d", index + 1, description.layer_count)
             del tensors
@@ -253,6 +265,36 @@ def _meta_files(directory: Path) -> list[PackageFile]:
         )
     found.sort(key=lambda name: (name != "config.json", name))
     return [_describe_file(directory, name, "meta") for name in found]
+
+
+def _check_tokenizer(directory: Path, vocab: int) -> None:
+    """Warn where stage 0 will not serve the package as the operator expects: a
+    tokenizer that does not load, or one with ids beyond the model's embedding (text
+    that tokenizes to them is refused with a 400 at serving time)."""
+    if not any(path.name.startswith("tokenizer") for path in directory.iterdir()):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except Exception as error:  # noqa: BLE001 - any failure is the same warning
+        logger.warning(
+            "the package's tokenizer does not load (%s: %s): stage 0 cannot serve this "
+            "package; fix the source's tokenizer files and build again",
+            type(error).__name__,
+            error,
+        )
+        return
+    size = len(tokenizer)
+    if size > vocab:
+        logger.warning(
+            "the tokenizer has %d tokens, the model's embedding %d rows: text that "
+            "tokenizes to ids %d and above cannot be served (such requests get a 400); "
+            "check that the tokenizer belongs to this model",
+            size,
+            vocab,
+            vocab,
+        )
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mesh import quant
+from mesh.errors import PackageError
 from mesh.package.sources import Checkpoint
 from mesh.quant import QuantScheme
 
@@ -36,6 +37,17 @@ def convert_plain(tensor: torch.Tensor, torch_dtype: torch.dtype) -> torch.Tenso
     if tensor.is_floating_point():
         tensor = tensor.to(torch_dtype)
     return tensor.contiguous()
+
+
+def _check_floats(source: str, tensor: torch.Tensor) -> None:
+    """A model weight is read as floats (a GGUF block type dequantised); integers here
+    mean a damaged or foreign checkpoint, which no conversion would make right."""
+    if not tensor.is_floating_point():
+        raise PackageError(
+            f"checkpoint tensor {source} is {tensor.dtype}, not floating point: the "
+            "checkpoint is damaged or in a form this builder does not read; fix or "
+            "re-download it"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,9 @@ class WeightStore:
         ):
             return self.linear(name, source)
         self._count(source, self.checkpoint.nbytes(source))
-        return {name: convert_plain(self.checkpoint.tensor(source), self.torch_dtype)}
+        tensor = self.checkpoint.tensor(source)
+        _check_floats(source, tensor)
+        return {name: convert_plain(tensor, self.torch_dtype)}
 
     def linear(
         self, name: str, source: str, tied: bool = False, head: bool = False
@@ -200,6 +214,7 @@ class WeightStore:
             else:
                 assert convert is not None
                 rows = checkpoint.rows(source, first, count)
+                _check_floats(source, rows)
                 parts = convert(rows)
             if rows is not None and restore is not None and deviation is not None:
                 deviation.add(restore(parts), rows)

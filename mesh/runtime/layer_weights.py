@@ -24,6 +24,13 @@ _QUANT_DTYPES = {
 }
 
 
+def check_finite(what: str, tensor: torch.Tensor, remedy: str) -> None:
+    """PackageError unless every value of the floating-point ``tensor`` is finite."""
+    bad = int(tensor.numel() - torch.isfinite(tensor).sum())
+    if bad:
+        raise PackageError(f"{what} holds {bad} NaN or infinite value(s); {remedy}")
+
+
 class ModuleTensors:
     """The tensors of one module, checked against its meta-device twin."""
 
@@ -35,10 +42,13 @@ class ModuleTensors:
         quant_kind: str | None,
         group_size: int = 0,
         expected: Mapping[str, tuple[int, ...]] | None = None,
+        remedy: str = "rebuild the package",
     ) -> None:
         """``expected`` replaces names and shapes of the module's state dict (a sparse
-        layer's stacked experts are stored one expert at a time: mesh/runtime/moe.py)."""
+        layer's stacked experts are stored one expert at a time: mesh/runtime/moe.py);
+        ``remedy`` ends every error (what the reader should do)."""
         self.what = what
+        self.remedy = remedy
         self.quant_kind = quant_kind
         self.group_size = group_size
         self._tensors = dict(tensors)
@@ -65,8 +75,31 @@ class ModuleTensors:
             raise PackageError(
                 f"{self.what}: tensor names do not match the model config "
                 f"(missing: {missing[:6] or 'none'}; unexpected: {unexpected[:6] or 'none'}); "
-                "the package was built for a different model: rebuild it"
+                f"{self.remedy}"
             )
+
+    def check_all(self) -> None:
+        """Check every expected tensor's shape and dtype now (a stage checks each as it
+        builds; a package build checks them all before a stage ever sees them)."""
+        for name, shape in self._expected.items():
+            if name not in self._tensors:
+                # Stored quantised: _check_names found its parts.
+                assert self.quant_kind is not None
+                parts = self.quant_parts(name, self.quant_kind, *shape)
+                for part, tensor in parts.items():
+                    if tensor.dtype.is_floating_point:
+                        self._check_finite(f"{name}.{part}", tensor)
+                continue
+            tensor = self.plain(name)
+            if not tensor.dtype.is_floating_point:
+                raise PackageError(
+                    f"{self.what}: tensor {name} is {tensor.dtype}, a floating-point "
+                    f"tensor is expected; {self.remedy}"
+                )
+            self._check_finite(name, tensor)
+
+    def _check_finite(self, name: str, tensor: torch.Tensor) -> None:
+        check_finite(f"{self.what}: tensor {name}", tensor, self.remedy)
 
     def _part_names(self, name: str) -> tuple[str, ...]:
         if self.quant_kind is None or name.split(".")[-1] != "weight":
@@ -82,7 +115,7 @@ class ModuleTensors:
         if tuple(tensor.shape) != expected:
             raise PackageError(
                 f"{self.what}: tensor {name} has shape {tuple(tensor.shape)}, "
-                f"the config expects {expected}; rebuild the package"
+                f"the config expects {expected}; {self.remedy}"
             )
         return tensor
 
@@ -112,12 +145,12 @@ class ModuleTensors:
         if set(parts) != set(dtypes):
             raise PackageError(
                 f"{self.what}: {name} has parts {sorted(parts)}, a {kind} weight has "
-                f"{sorted(dtypes)}; rebuild the package"
+                f"{sorted(dtypes)}; {self.remedy}"
             )
         if kind != "int8" and (self.group_size < 1 or cols % self.group_size):
             raise PackageError(
                 f"{self.what}: {name} has {cols} inputs, not a multiple of the package's "
-                f"group size {self.group_size}; rebuild the package"
+                f"group size {self.group_size}; {self.remedy}"
             )
         groups = cols // self.group_size if kind != "int8" else 1
         expected = {
@@ -129,6 +162,6 @@ class ModuleTensors:
             if tensor.dtype != dtypes[part] or tuple(tensor.shape) != expected[part]:
                 raise PackageError(
                     f"{self.what}: {name}.{part} is {tensor.dtype} {tuple(tensor.shape)}, "
-                    f"expected {dtypes[part]} {expected[part]}; rebuild the package"
+                    f"expected {dtypes[part]} {expected[part]}; {self.remedy}"
                 )
         return parts

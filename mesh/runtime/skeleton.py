@@ -31,7 +31,7 @@ from mesh.runtime.block import (
     check_structure,
     norm_eps,
 )
-from mesh.runtime.layer_weights import ModuleTensors
+from mesh.runtime.layer_weights import ModuleTensors, check_finite
 from mesh.runtime.linear import (
     DenseLinear,
     Embedding,
@@ -251,6 +251,55 @@ def build_stage_modules(
         rope_kinds=rope_kinds,
         logit_cap=_logit_cap(config),
     )
+
+
+CHECKPOINT_REMEDY = (
+    "the checkpoint's weights and its model config do not belong together, or a file is "
+    "damaged: fix or re-download the checkpoint"
+)
+
+
+class LayerChecker:
+    """Checks decoder layers' tensors as a stage will load them, without loading:
+    names, shapes and dtypes against the config's meta-device model. A package build
+    runs it on every layer it writes, so that a checkpoint missing a tensor or
+    holding one of the wrong shape is refused where it is built, not on the stages."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        scheme: QuantScheme | None,
+        remedy: str = CHECKPOINT_REMEDY,
+    ) -> None:
+        check_config_architecture(config, "the model config")
+        self.remedy = remedy
+        with torch.device("meta"):
+            self._decoder = AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager"
+            ).model
+        self._kind = None if scheme is None else scheme.kind
+        self._group = 0 if scheme is None else scheme.group_size
+
+    def check(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise PackageError (or UnsupportedArchitecture) for layer ``index``."""
+        layer = self._decoder.layers[index]
+        check_structure(layer, index)
+        found = ModuleTensors(
+            layer,
+            tensors,
+            f"decoder layer {index}",
+            self._kind,
+            self._group,
+            _shapes(layer),
+            remedy=self.remedy,
+        )
+        found.check_all()
+
+    def check_finite(self, what: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """PackageError unless every floating-point value of ``tensors`` is finite."""
+        for name, tensor in tensors.items():
+            if tensor.dtype.is_floating_point:
+                check_finite(f"{what}: tensor {name}", tensor, self.remedy)
 
 
 # Architectures whose rotary embedding turns interleaved pairs (x[2i], x[2i + 1]).

@@ -190,6 +190,124 @@ def test_missing_layer_tensors_are_refused(tiny_model_factory, tmp_path):
         build_package(str(model), tmp_path / "pkg")
 
 
+def _drop(tensors: dict, name: str) -> None:
+    del tensors[name]
+
+
+def _reshape(tensors: dict, name: str) -> None:
+    rows, cols = tensors[name].shape
+    tensors[name] = torch.zeros(rows // 2, cols)
+
+
+def _extra(tensors: dict, name: str) -> None:
+    tensors[name.replace("up_proj", "side_proj")] = torch.zeros(128, 64)
+
+
+def _nan(tensors: dict, name: str) -> None:
+    tensors[name][3, 5] = float("nan")
+
+
+def _inf(tensors: dict, name: str) -> None:
+    tensors[name][0, 0] = float("-inf")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_drop, r"missing: \['mlp.up_proj.weight'\]"),
+        (_reshape, r"mlp.up_proj.weight has shape \(64, 64\), the config expects \(128, 64\)"),
+        (_extra, r"unexpected: \['mlp.side_proj.weight"),
+        (_nan, "mlp.up_proj.weight holds 1 NaN or infinite value"),
+        (_inf, "mlp.up_proj.weight holds 1 NaN or infinite value"),
+    ],
+)
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_a_damaged_layer_tensor_is_refused_at_build(
+    damage, message, quant, tiny_model_factory, tmp_path
+):
+    """What a stage would refuse at load (names, shapes, dtypes), and values a stage
+    would compute garbage from, are refused where the package is built, naming the
+    layer and tensor, with nothing left behind."""
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "damaged")
+    tensors = load_file(model / "model.safetensors")
+    damage(tensors, "model.layers.2.mlp.up_proj.weight")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    if quant == "int4" and damage in (_nan, _inf):
+        message = message.replace("weight holds", "weight.scales holds")
+    if quant == "int4" and damage is _reshape:
+        message = r"mlp.up_proj.weight.qweight is torch.uint8 \(64, 32\), expected .* \(128, 32\)"
+    with pytest.raises(PackageError, match=f"decoder layer 2: .*{message}") as error:
+        build_package(str(model), tmp_path / "pkg", quant=quant)
+    assert "fix or re-download the checkpoint" in str(error.value)
+    assert not (tmp_path / "pkg").exists()
+    assert not list(tmp_path.glob(".pkg.*"))
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_an_integer_weight_is_refused_at_build(quant, tiny_model_factory, tmp_path):
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "damaged")
+    tensors = load_file(model / "model.safetensors")
+    name = "model.layers.2.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackageError, match=f"{name} is torch.int32, not floating point"):
+        build_package(str(model), tmp_path / "pkg", quant=quant)
+
+
+def test_a_non_finite_embedding_is_refused_at_build(tiny_model_factory, tmp_path):
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "damaged")
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.embed_tokens.weight"][7, 1] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackageError, match="embed: tensor .* holds 1 NaN"):
+        build_package(str(model), tmp_path / "pkg")
+
+
+def test_values_beyond_float16_are_refused_with_the_dtype_to_use(tiny_model_factory, tmp_path):
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "wide")
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"][1, 1] = 1e6
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackageError, match="build with --dtype bfloat16"):
+        build_package(str(model), tmp_path / "pkg", dtype="float16")
+    build_package(str(model), tmp_path / "pkg", dtype="bfloat16")
+
+
+def test_a_tokenizer_larger_than_the_model_is_warned_about(smollm2_tokenizer_dir, tmp_path, caplog):
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2, vocab_size=512))
+    model.save_pretrained(tmp_path / "small-vocab")
+    AutoTokenizer.from_pretrained(smollm2_tokenizer_dir).save_pretrained(tmp_path / "small-vocab")
+    with caplog.at_level("WARNING", logger="mesh.package.builder"):
+        build_package(str(tmp_path / "small-vocab"), tmp_path / "pkg")
+    assert "the tokenizer has 49152 tokens, the model's embedding 512 rows" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mesh.package.builder"):
+        build_package(str(_full_vocab_model(tmp_path, smollm2_tokenizer_dir)), tmp_path / "b")
+    assert "tokenizer" not in caplog.text
+
+
+def _full_vocab_model(tmp_path: Path, tokenizer_dir: Path) -> Path:
+    """A 2-layer tiny model whose embedding covers SmolLM2's tokenizer."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "full-vocab"
+    AutoModelForCausalLM.from_config(tiny_config("llama", layers=2)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def test_a_tokenizer_that_does_not_load_is_warned_about(tiny_model_factory, tmp_path, caplog):
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "broken-tokenizer")
+    (model / "tokenizer.json").write_text("{ not json")
+    with caplog.at_level("WARNING", logger="mesh.package.builder"):
+        build_package(str(model), tmp_path / "pkg")
+    assert "the package's tokenizer does not load" in caplog.text
+
+
 def test_out_directory_rules(tiny_model_factory, tmp_path):
     source = str(tiny_model_factory("llama"))
     other = tmp_path / "other"
