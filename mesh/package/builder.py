@@ -70,12 +70,22 @@ def build_package(
     scheme = None if quant is None else make_scheme(quant, group_size, head_quant)
     if scheme is None and (group_size or head_quant):
         raise InvalidRequest("--group-size and --head-quant apply only with --quant")
+    if model_id is not None and not model_id.strip():
+        raise InvalidRequest(
+            "--model-id is empty: give the name clients will ask for, or leave it out"
+        )
     generation = None if speculative is None else speculative_block(speculative)
     out = Path(out).expanduser().absolute()
     _check_out(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with open_checkpoint(src) as checkpoint:
-        build_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            build_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+        except OSError as error:
+            raise PackageError(
+                f"cannot write the package at --out {out}: {error.strerror or error} "
+                f"(a build writes into a new directory in {out.parent}, then renames it)"
+            ) from error
         build_dir.chmod(0o755)
         try:
             manifest = write_package(

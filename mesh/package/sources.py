@@ -30,7 +30,11 @@ from mesh.package.gguf_file import GgufModel, split_stem
 from mesh.package.gguf_gemma import gemma_config
 from mesh.package.gguf_quant import GgufQuantReader
 from mesh.package.gguf_rope import ROPE_TENSORS, rope_config
-from mesh.package.manifest import TRANSLATED_ARCHITECTURES, check_source_architecture
+from mesh.package.manifest import (
+    MANIFEST_NAME,
+    TRANSLATED_ARCHITECTURES,
+    check_source_architecture,
+)
 
 logger = logging.getLogger(__name__)
 # What transformers raises for a config it cannot read (a wrongly typed field is a
@@ -468,6 +472,12 @@ def _open_source(src: str) -> Checkpoint:
         return GgufCheckpoint(resolved, source, resolved.stem)
     if path.is_dir():
         resolved = path.resolve()
+        if (resolved / MANIFEST_NAME).is_file():
+            raise PackageError(
+                f"{resolved} is already a model package ({MANIFEST_NAME}), not a checkpoint: "
+                "serve it as it is (`mesh-coordinator up --model` that directory), or build "
+                "from the checkpoint it was made from"
+            )
         if (resolved / "config.json").is_file():
             source = {"kind": "hf-dir", "path": str(resolved)}
             return SafetensorsCheckpoint(resolved, source, resolved.name)

@@ -308,6 +308,25 @@ def test_a_tokenizer_that_does_not_load_is_warned_about(tiny_model_factory, tmp_
     assert "the package's tokenizer does not load" in caplog.text
 
 
+def test_a_package_given_as_the_source_is_refused_saying_to_serve_it(
+    tiny_package_factory, tmp_path
+):
+    with pytest.raises(PackageError, match="is already a model package .* serve it as it is"):
+        build_package(str(tiny_package_factory("llama")), tmp_path / "again")
+
+
+def test_an_empty_model_id_is_refused(tiny_model_factory, tmp_path):
+    with pytest.raises(InvalidRequest, match="--model-id is empty"):
+        build_package(str(tiny_model_factory("llama")), tmp_path / "pkg", model_id="  ")
+
+
+def test_an_out_where_nothing_can_be_written_is_a_package_error(tiny_model_factory, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(PackageError, match="cannot write the package at --out .*a-file/pkg"):
+        build_package(str(tiny_model_factory("llama")), blocker / "pkg")
+
+
 def test_out_directory_rules(tiny_model_factory, tmp_path):
     source = str(tiny_model_factory("llama"))
     other = tmp_path / "other"
