@@ -50,6 +50,7 @@ from stage.frontend.llama_routes import add_llama_routes
 from stage.frontend.prepare import (
     FrontendLimits,
     PromptContext,
+    checked_chat_prompt,
     prepare_chat,
     prepare_completion,
 )
@@ -386,6 +387,21 @@ class _Frontend:
         tenant = getattr(request.state, "tenant", "")
         return parse_response_request(payload, self.responses, tenant, self.model_id)
 
+    async def response_input_tokens(self, request: Request) -> Response:
+        """``POST /v1/responses/input_tokens``: the prompt tokens a Responses request
+        would take (its stored previous turns included), by the tokenizer alone."""
+        payload = await self.payload(request)
+        if payload is None:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        chat, _ = self.openai_response({"model": self.model_id, **payload}, request)
+        try:
+            prompt = await checked_chat_prompt(chat, self.prompt_context())
+        except OpenAIError as error:
+            if error.param == "messages":
+                error.param = "input"
+            raise
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: the tokenizer alone, no pipeline needed."""
         payload = await self.payload(request)
@@ -490,6 +506,10 @@ def create_app(
             lambda payload: front.openai_response(payload, request),
             messages_param="input",
         )
+
+    @app.post(RESPONSES_PATH + "/input_tokens")
+    async def response_input_tokens(request: Request) -> Response:
+        return await front.response_input_tokens(request)
 
     add_response_routes(app, front)
 

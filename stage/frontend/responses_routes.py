@@ -79,7 +79,16 @@ def add_response_routes(app: FastAPI, front: Any) -> None:
     @app.get(RESPONSES_PATH + "/{response_id}")
     async def get_response(request: Request, response_id: str) -> JSONResponse:
         tenant = front.authorize(request)
-        return JSONResponse(front.responses.get(tenant, response_id).response)
+        stored = front.responses.get(tenant, response_id)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
+            # Streaming a retrieve replays a background response; every response here
+            # was answered in the foreground and is stored whole.
+            raise bad_request(
+                f"response {response_id} was not created with background=true, so it cannot "
+                "be streamed: retrieve it without stream",
+                "stream",
+            )
+        return JSONResponse(stored.response)
 
     @app.delete(RESPONSES_PATH + "/{response_id}")
     async def delete_response(request: Request, response_id: str) -> JSONResponse:

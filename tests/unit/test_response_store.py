@@ -74,6 +74,11 @@ def test_a_chain_of_turns_reads_the_whole_conversation(tokenizer) -> None:
         assert fourth.output_text == ANSWER
         # Retrieve, list the input, delete.
         assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+        # Streaming a retrieve replays a background response; none is: a clear 400,
+        # not an empty stream.
+        with pytest.raises(openai.BadRequestError, match="not created with background") as no:
+            client.responses.retrieve(second.id, stream=True)
+        assert no.value.body["param"] == "stream"
         items = client.responses.input_items.list(fourth.id, order="asc")
         texts = [getattr(i, "content", None) for i in items.data]
         assert len(texts) == 7  # 4 user turns and 3 answers
@@ -109,6 +114,36 @@ def test_a_chain_of_turns_reads_the_whole_conversation(tokenizer) -> None:
             {"role": "user", "content": ask},
         ]
         assert list(backend.requests[turn].prompt_tokens) == _prompt(tokenizer, conversation)
+
+
+def test_input_tokens_counts_the_prompt_a_create_would_take(tokenizer) -> None:
+    backend = _backend(tokenizer)
+    with live_server(backend, tokenizer) as url:
+        client = _client(url)
+        first = client.responses.create(model=MODEL_ID, input="My name is Ada.")
+        counted = client.responses.input_tokens.count(
+            model=MODEL_ID, input="What is my name?", previous_response_id=first.id
+        )
+        alone = client.responses.input_tokens.count(input="My name is Ada.")
+        with pytest.raises(openai.NotFoundError):
+            client.responses.input_tokens.count(input="Hi", previous_response_id="resp_none")
+        with pytest.raises(openai.BadRequestError) as empty:
+            client.responses.input_tokens.count(input=[])
+        second = client.responses.create(
+            model=MODEL_ID, input="What is my name?", previous_response_id=first.id
+        )
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == second.usage.input_tokens
+    conversation = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    assert counted.input_tokens == len(_prompt(tokenizer, conversation))
+    assert alone.input_tokens == len(_prompt(tokenizer, conversation[:1]))
+    assert empty.value.body["param"] == "input"
+    # Counting stores nothing and runs nothing: two creates reached the backend.
+    assert len(backend.requests) == 2
 
 
 def test_store_false_keeps_nothing_and_references_resolve(tokenizer) -> None:
