@@ -67,6 +67,19 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1, max_length=128)]
+
+
+class AllowedToolsChoice(_Body):
+    """OpenAI's ``allowed_tools`` tool_choice: of ``tools``, only these are offered
+    (and may be called), with ``mode`` auto or required."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class CalledFunction(_Body):
     name: FunctionName
     arguments: Str

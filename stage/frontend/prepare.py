@@ -422,7 +422,7 @@ def _chat_prompt(
     forced tool_choice's grammar too (token counts need none)."""
     messages = [m.template_dict() for m in body.messages]
     choice = body.tool_choice_name if body.tools else "none"
-    tools = [t.template_dict() for t in body.tools or ()] if choice != "none" else None
+    tools = [t.template_dict() for t in body.offered_tools or ()] if choice != "none" else None
     mode = template_tools(getattr(ctx.tokenizer, "chat_template", None))
     if tools and mode is TemplateTools.OTHER:
         raise bad_request(

@@ -201,6 +201,25 @@ class FunctionChoice(_Body):
         return self
 
 
+class AllowedFunction(_Body):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class ResponsesAllowedTools(_Body):
+    """The Responses API's ``allowed_tools`` tool_choice (flat: mode and tools beside
+    the type)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[AllowedFunction], Field(min_length=1, max_length=128)]
+
+    def chat(self) -> dict[str, Any]:
+        """The same choice in the chat API's shape."""
+        named = [{"type": "function", "function": {"name": tool.name}} for tool in self.tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": self.mode, "tools": named}}
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
@@ -243,7 +262,9 @@ class ResponsesBody(_Body):
     top_p: Annotated[float, Strict(), Field(gt=0.0, le=1.0)] | None = None
     stream: Bool | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
-    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
+    tool_choice: (
+        Literal["auto", "none", "required"] | ResponsesAllowedTools | FunctionChoice | None
+    ) = None
     parallel_tool_calls: Bool | None = None
     text: TextConfig | None = None
     user: Str | None = None
@@ -302,7 +323,8 @@ class ResponsesBody(_Body):
                 )
             )
         if not self.tools and (
-            self.tool_choice == "required" or isinstance(self.tool_choice, FunctionChoice)
+            self.tool_choice == "required"
+            or isinstance(self.tool_choice, FunctionChoice | ResponsesAllowedTools)
         ):
             problems.append(("tool_choice", "this tool_choice needs 'tools'"))
         return problems
@@ -342,6 +364,8 @@ class ResponsesBody(_Body):
             choice = self.tool_choice
             if isinstance(choice, FunctionChoice):
                 body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            elif isinstance(choice, ResponsesAllowedTools):
+                body["tool_choice"] = choice.chat()
             elif choice is not None:
                 body["tool_choice"] = choice
             if self.parallel_tool_calls is not None:

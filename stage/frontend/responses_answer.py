@@ -34,7 +34,7 @@ from mesh.errors import MeshError
 from stage.frontend.errors import from_mesh_error
 from stage.frontend.generation import GenerationRun
 from stage.frontend.reasoning import split_pieces, split_reasoning
-from stage.frontend.responses import FunctionChoice, ResponsesBody
+from stage.frontend.responses import FunctionChoice, ResponsesAllowedTools, ResponsesBody
 from stage.frontend.tools import ToolCall
 
 
@@ -122,6 +122,8 @@ class ResponseShape:
         choice = request.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "name": choice.name}
+        elif isinstance(choice, ResponsesAllowedTools):
+            choice = choice.model_dump()
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         metadata = (request.model_extra or {}).get("metadata")
         return {

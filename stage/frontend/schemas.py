@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict
 
 from stage.frontend.chat_messages import (
+    AllowedToolsChoice,
     ChatMessage,
     NamedToolChoice,
     Tool,
@@ -335,7 +336,9 @@ class ChatCompletionBody(GenerationBody):
     logprobs: Bool | None = None
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None
+    ) = None
     parallel_tool_calls: Bool | None = None
     functions: list[Any] | None = None
     # Extension (vLLM's and llama.cpp's name): more variables for the model's chat
@@ -367,7 +370,26 @@ class ChatCompletionBody(GenerationBody):
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             return choice.function.name
+        if isinstance(choice, AllowedToolsChoice):
+            return choice.allowed_tools.mode
         return choice or "auto"
+
+    @property
+    def allowed_names(self) -> set[str] | None:
+        """The function names an ``allowed_tools`` tool_choice allows (None: every tool)."""
+        choice = self.tool_choice
+        if not isinstance(choice, AllowedToolsChoice):
+            return None
+        return {tool.function.name for tool in choice.allowed_tools.tools}
+
+    @property
+    def offered_tools(self) -> list[Tool] | None:
+        """The tools the model is shown and may call: ``tools``, narrowed to the
+        ``allowed_tools`` of such a tool_choice."""
+        allowed = self.allowed_names
+        if allowed is None or not self.tools:
+            return self.tools
+        return [tool for tool in self.tools if tool.function.name in allowed]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -401,6 +423,15 @@ class ChatCompletionBody(GenerationBody):
             if choice not in ("none", "auto", "required") and choice not in names:
                 problems.append(
                     ("tool_choice", f"tool_choice names {choice!r}, which is not in tools")
+                )
+            unknown = sorted((self.allowed_names or set()) - set(names))
+            if unknown:
+                problems.append(
+                    (
+                        "tool_choice",
+                        f"tool_choice.allowed_tools names {', '.join(map(repr, unknown))}, "
+                        "which is not in tools",
+                    )
                 )
         tool_problem = tool_message_problem(self.messages)
         if tool_problem:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from frontend_support import MODEL_ID, ScriptedBackend, live_server
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from mesh.grammar import TokenGrammars, grammar_spec
 from stage.frontend.backend import TokenEvent
@@ -284,6 +284,60 @@ def test_a_forced_choice_sends_its_grammar_and_a_free_one_none(frontend) -> None
     assert "get_time" in json.loads(backend.requests[-1].sampling.grammar)["lark"]
     client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS)
     assert backend.requests[-1].sampling.grammar == ""
+
+
+def _allowed(mode: str, *names: str) -> dict:
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+def test_allowed_tools_offers_only_those_in_their_mode(frontend, smollm2_tokenizer) -> None:
+    """OpenAI's ``allowed_tools`` tool_choice: the prompt describes only the allowed
+    tools, ``required`` forces a call among them, ``auto`` leaves the choice free."""
+    client, backend = frontend
+    allowed = _allowed("required", "get_weather", "get_time")
+    client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=allowed)
+    lark = json.loads(backend.requests[-1].sampling.grammar)["lark"]
+    assert "get_weather" in lark and "get_time" in lark and '"book"' not in lark
+    prompt = smollm2_tokenizer.decode(backend.requests[-1].prompt_tokens)
+    assert "get_weather" in prompt and '"book"' not in prompt
+    # The same prompt as a request that sends only the allowed tools.
+    client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=TOOLS[:2], tool_choice="required"
+    )
+    assert backend.requests[-1].prompt_tokens == backend.requests[-2].prompt_tokens
+    client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=_allowed("auto", "book")
+    )
+    assert backend.requests[-1].sampling.grammar == ""
+    prompt = smollm2_tokenizer.decode(backend.requests[-1].prompt_tokens)
+    assert '"book"' in prompt and "get_weather" not in prompt
+    # The Responses API's flat shape.
+    answer = client.responses.create(
+        model=MODEL_ID,
+        input="Weather in Oslo for two days?",
+        tools=[{"type": "function", **tool["function"]} for tool in TOOLS],
+        tool_choice={
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "get_weather"}],
+        },
+    )
+    lark = json.loads(backend.requests[-1].sampling.grammar)["lark"]
+    assert "get_weather" in lark and "get_time" not in lark
+    assert answer.tool_choice.type == "allowed_tools" and answer.tool_choice.mode == "required"
+    assert [tool["name"] for tool in answer.tool_choice.tools] == ["get_weather"]
+    requests = len(backend.requests)
+    with pytest.raises(BadRequestError, match="allowed_tools names 'nope'") as unknown:
+        client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=_allowed("auto", "nope")
+        )
+    assert unknown.value.body["param"] == "tool_choice"
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=_allowed("sometimes", "book")
+        )
+    assert len(backend.requests) == requests
 
 
 WHOLE_CALL = '{"name": "get_weather", "arguments": ' + WEATHER_ARGS + "}\n</tool_call>"
