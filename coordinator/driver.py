@@ -30,7 +30,7 @@ from mesh.codec import (
     StageLoadRequest,
     WireDType,
 )
-from mesh.errors import CapacityExceeded, MeshError, StaleTerm
+from mesh.errors import CapacityExceeded, LinkUnreachable, MeshError, StaleTerm
 from mesh.grpc_util import CONTROL_DEADLINE_S, LOAD_DEADLINE_S, channel, error_from_rpc
 from mesh.proto.v1 import stage_pb2_grpc
 from mesh.settings.sections import FrontendConfig
@@ -68,6 +68,7 @@ class LoadError(MeshError):
         cause: str,
         held_term: int = 0,
         busy: bool = False,
+        unreachable_link: str = "",
     ) -> None:
         where = (
             f"stage {stage.stage_index} ({stage.node_id} at {stage.address})"
@@ -82,6 +83,9 @@ class LoadError(MeshError):
         # A Claim ``only_if_idle`` refused: the stage serves requests (nothing was
         # fenced, nothing is released).
         self.busy = busy
+        # The data link the stage could not open at Load (``forward``, ``return``;
+        # "": another failure): the node it could not reach is the one to blame.
+        self.unreachable_link = unreachable_link
 
 
 @dataclass(frozen=True)
@@ -296,7 +300,8 @@ class LoadDriver:
             cause = error_from_rpc(error, step)
             held = cause.held_term if isinstance(cause, StaleTerm) else 0
             busy = step == "Claim" and isinstance(cause, CapacityExceeded)
-            raise LoadError(stage, step, _strip(cause.message, step), held, busy) from None
+            link = cause.link if isinstance(cause, LinkUnreachable) else ""
+            raise LoadError(stage, step, _strip(cause.message, step), held, busy, link) from None
 
     def _release_all(self, stages, stubs, term: int, reason: str) -> None:
         for stage in stages:

@@ -29,6 +29,13 @@ def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.
     return subprocess.run(command, capture_output=True, text=True, timeout=30, check=check)
 
 
+def firewall_reason() -> str | None:
+    """Why ``block_port`` cannot work here (None when it can)."""
+    if shutil.which("iptables") is None:
+        return "iptables is not installed (`make test` installs it where apt-get can)"
+    return None
+
+
 def unavailable_reason() -> str | None:
     """None when namespaces can be made here, else why not."""
     if shutil.which("ip") is None:
@@ -148,6 +155,20 @@ class NetnsHosts:
                  "burst", str(burst), "latency", "100ms"],
                 capture_output=True, text=True, check=True, timeout=30,
             )  # fmt: skip
+
+    def block_port(self, name: str, port: int, blocked: bool = True) -> None:
+        """Drop (or stop dropping) TCP packets to ``port`` on host ``name``, as a
+        firewall there would: the port's connections time out, other ports answer.
+        Needs ``iptables`` (see ``firewall_reason``)."""
+        rule = ["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"]
+        prefix = ["ip", "netns", "exec", self.netns(name), "iptables"]
+        if blocked:
+            subprocess.run([*prefix, "-A", *rule], check=True, capture_output=True, timeout=30)
+            return
+        while (
+            subprocess.run([*prefix, "-D", *rule], capture_output=True, timeout=30).returncode == 0
+        ):
+            pass
 
     def set_link(self, name: str, up: bool) -> None:
         """Take ``name``'s link down or up (its processes keep running)."""

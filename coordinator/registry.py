@@ -289,6 +289,13 @@ def alive_nodes(state: State) -> tuple[NodeRecord, ...]:
     return tuple(n for n in state.nodes if n.alive)
 
 
+def joined_nodes(state: State) -> tuple[NodeRecord, ...]:
+    """Nodes that joined and heartbeat: the alive ones and those left out of plans for
+    a quarantine (a stall, a load they failed). What ``--min-stages`` counts: a
+    joined node that cannot serve for now does not hold back the first load."""
+    return tuple(n for n in state.nodes if n.alive or n.health == "stalled")
+
+
 def planner_nodes(state: State) -> list[NodeCapacity]:
     """What the planner needs from every alive node, in join order."""
     return [n.capacity() for n in alive_nodes(state)]
@@ -345,9 +352,10 @@ def waiting_for(
     if any(n.frontend for n in state.nodes) and not any(n.frontend for n in alive):
         return "the frontend stage (stage 0) to rejoin"
     needed = 1 if served_once else min_stages
-    if len(alive) < needed:
+    joined = len(joined_nodes(state))
+    if joined < needed or not alive:
         return (
-            f"{needed - len(alive)} more stage(s) to join ({len(alive)} alive, "
+            f"{max(1, needed - joined)} more stage(s) to join ({len(alive)} alive, "
             f"--min-stages {min_stages})"
         )
     if state.mesh_state == "failed":

@@ -351,8 +351,9 @@ class CoordinatorService:
         if not (registry.needs_replan(state) or retry):
             return False
         # min_stages gates the first load only; after a loss, serve with who is left.
+        # A node quarantined meanwhile has joined: the load goes ahead without it.
         needed = 1 if self._served_once else self.settings.min_stages
-        if len(registry.alive_nodes(state)) < needed:
+        if len(registry.joined_nodes(state)) < needed or not registry.alive_nodes(state):
             return False
         if any(n.frontend for n in state.nodes) and not any(
             n.frontend for n in registry.alive_nodes(state)
@@ -612,14 +613,20 @@ class CoordinatorService:
                 self.apply(registry.TermObserved(term=error.held_term))
                 self._last_attempt = 0.0
                 return
-            stage = error.stage
+            stage = _to_blame(plan, error)
             if stage is not None and stage.stage_index > 0 and error.step in QUARANTINED_STEPS:
                 # One worker cannot take its slice (a corrupt local copy of the package,
                 # a fetch that ran out of time, a load that failed): plan around it
                 # for a quarantine, at once, rather than trying the same plan again
                 # and again while the mesh serves nothing (stage 0 is not left out:
                 # no plan is made without it).
-                self._quarantine(stage.node_id, f"its load failed at {error.step}", error)
+                why = f"its load failed at {error.step}"
+                if stage is not error.stage and error.stage is not None:
+                    why = (
+                        f"stage {error.stage.stage_index} could not open its data link to it "
+                        "at Load (a firewall or route between them)"
+                    )
+                self._quarantine(stage.node_id, why, error)
                 self._failed(error.message)
                 self._last_attempt = 0.0
                 return
@@ -700,3 +707,15 @@ def serve(service: CoordinatorService, listen: str, workers: int = 16) -> tuple[
     port = bind(server, listen)
     server.start()
     return server, port
+
+
+def _to_blame(plan: Plan, error: LoadError) -> StageAssignment | None:
+    """The stage whose node a failed load is held against: the one that failed, except
+    where it could not open its data link: then the node that link was to reach (the
+    next stage's for a forward link; a last stage that cannot reach stage 0 is itself
+    the one to leave out, since no plan is made without stage 0)."""
+    stage = error.stage
+    if stage is None or error.unreachable_link != "forward":
+        return stage
+    following = [s for s in plan.stages if s.stage_index == stage.stage_index + 1]
+    return following[0] if following else stage

@@ -58,6 +58,17 @@ class Unavailable(MeshError):
     openai_type = "service_unavailable"
 
 
+class LinkUnreachable(Unavailable):
+    """A stage could not open its data link to a neighbour: ``link`` is ``forward``
+    (to the next stage) or ``return`` (the last stage's, to stage 0). The coordinator
+    plans around the node the link could not reach (mesh/grpc_util.py carries
+    ``link`` in the status's trailing metadata)."""
+
+    def __init__(self, message: str, link: str) -> None:
+        super().__init__(message)
+        self.link = link
+
+
 class StaleTerm(MeshError):
     """A request carried a term older than one already accepted. ``held_term`` is
     the term the refusing node holds (0: not said)."""

@@ -20,7 +20,14 @@ from typing import Any
 
 import grpc
 
-from mesh.errors import MeshError, StaleTerm, Unavailable, from_code, grpc_code_name
+from mesh.errors import (
+    LinkUnreachable,
+    MeshError,
+    StaleTerm,
+    Unavailable,
+    from_code,
+    grpc_code_name,
+)
 from mesh.security import (
     REFUSED_MESSAGE,
     TOKEN_METADATA_KEY,
@@ -38,6 +45,8 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CONTROL_DEADLINE_S = 10.0
 # Trailing metadata of a FAILED_PRECONDITION refusal: the term the refusing node holds.
 HELD_TERM_KEY = "mesh-held-term"
+# The data link a stage could not open (LinkUnreachable: forward or return).
+UNREACHABLE_LINK_KEY = "mesh-unreachable-link"
 LOAD_DEADLINE_S = 600.0
 
 CHANNEL_OPTIONS = [
@@ -165,6 +174,8 @@ def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
     message = error.message if isinstance(error, MeshError) else f"internal error: {error}"
     if isinstance(error, StaleTerm) and error.held_term:
         context.set_trailing_metadata(((HELD_TERM_KEY, str(error.held_term)),))
+    if isinstance(error, LinkUnreachable):
+        context.set_trailing_metadata(((UNREACHABLE_LINK_KEY, error.link),))
     context.abort(code, message)
 
 
@@ -181,10 +192,13 @@ def error_from_rpc(error: grpc.RpcError, what: str) -> MeshError:
     name = code.name if code is not None else "UNAVAILABLE"
     details = error.details() if hasattr(error, "details") else str(error)
     typed = from_code(name, f"{what}: {details}")
-    if isinstance(typed, StaleTerm) and hasattr(error, "trailing_metadata"):
-        for key, value in error.trailing_metadata() or ():
-            if key == HELD_TERM_KEY and value.isdigit():
-                typed.held_term = int(value)
+    if not hasattr(error, "trailing_metadata"):
+        return typed
+    for key, value in error.trailing_metadata() or ():
+        if isinstance(typed, StaleTerm) and key == HELD_TERM_KEY and value.isdigit():
+            typed.held_term = int(value)
+        if isinstance(typed, Unavailable) and key == UNREACHABLE_LINK_KEY:
+            typed = LinkUnreachable(typed.message, value)
     return typed
 
 

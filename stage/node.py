@@ -25,7 +25,14 @@ from mesh.codec import (
     frame_to_proto,
     result_to_proto,
 )
-from mesh.errors import CapacityExceeded, InvalidRequest, MeshError, StaleTerm, Unavailable
+from mesh.errors import (
+    CapacityExceeded,
+    InvalidRequest,
+    LinkUnreachable,
+    MeshError,
+    StaleTerm,
+    Unavailable,
+)
 from mesh.frames import (
     ErrorInfo,
     Frame,
@@ -328,10 +335,11 @@ class StageNode:
                 for link in (loaded.forward, loaded.returns):
                     if link is not None:
                         link.close()
-                raise Unavailable(
+                raise LinkUnreachable(
                     f"{error.message}. This stage ({self.address}) must reach the address "
                     "its neighbours advertise: check routes and firewalls between the hosts, "
-                    "or give that node an --advertise address this host can reach"
+                    "or give that node an --advertise address this host can reach",
+                    "forward" if loaded.forward is None and request.downstream else "return",
                 ) from error
             self.loaded = loaded
             self.state = "serving"

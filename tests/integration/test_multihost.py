@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from coordinator.localmesh import wait_for
-from coordinator.netns_hosts import NetnsHosts, unavailable_reason
+from coordinator.netns_hosts import NetnsHosts, firewall_reason, unavailable_reason
 from mesh.package.manifest import PackageManifest
 from mesh.types import LayerRange
 
@@ -292,6 +292,39 @@ def test_a_worker_link_down_and_up_during_streams_corrupts_nothing(hosts, packag
         assert after["term"] > status["term"]
         assert "this stage still held term" in mesh.log("worker-2")
     finally:
+        mesh.stop()
+
+
+@pytest.mark.skipif(firewall_reason() is not None, reason=str(firewall_reason()))
+def test_a_worker_whose_data_port_a_firewall_drops_is_planned_around(
+    hosts, package, expected, tmp_path
+):
+    """worker-1's host drops its data port while its control port answers: its
+    heartbeats arrive, but no stage can open a data link to it. The load that fails
+    at that link is held against worker-1, not against the stage that could not reach
+    it (stage 0 cannot be left out, and a plan of the same nodes would fail the same
+    way for as long as the firewall stays): worker-1 is left out for a quarantine
+    and the mesh serves on the head and worker-2; with the port open again, it grows
+    back to three stages."""
+    port = 7072
+    hosts.block_port("worker-1", port)
+    extra = {"worker-1": ["--listen", "0.0.0.0:7071", "--data-port", str(port)]}
+    mesh = Recipe(hosts, package, tmp_path, extra)
+    try:
+        status = mesh.wait_serving(stages=2)
+        worker_1 = f"{hosts.address('worker-1')}:7071"
+        assigned = [s["address"] for s in status["stages"] if s["assigned"]]
+        assert worker_1 not in assigned
+        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
+        log = mesh.log("head")
+        assert "could not open its data link to it at Load" in log
+        assert f"cannot reach {hosts.address('worker-1')}:{port}" in log
+        hosts.block_port("worker-1", port, blocked=False)
+        grown = mesh.wait_serving(stages=3, above_term=status["term"])
+        assert worker_1 in [s["address"] for s in grown["stages"] if s["assigned"]]
+        assert client_completion(hosts, grown["http_url"] + "/v1", "tiny-llama") == expected
+    finally:
+        hosts.block_port("worker-1", port, blocked=False)
         mesh.stop()
 
 

@@ -167,6 +167,56 @@ def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
     assert plans[-1] == ("head",) and service.state.mesh_state == "serving"
 
 
+@pytest.mark.parametrize(("link", "blamed"), [("forward", "w1"), ("return", "w2")])
+def test_a_data_link_that_cannot_be_opened_is_held_against_the_node_it_was_to_reach(
+    link: str, blamed: str, tiny_package_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A firewall drops a worker's data port while its control port answers. Stage 0
+    fails at Load because its forward link cannot reach w1: w1 is left out, not the
+    stage that could not reach it (stage 0 is never left out, and the same plan would
+    fail again for as long as the firewall stays). A last stage that cannot reach
+    stage 0 is itself left out. ``--min-stages`` counts the quarantined node as
+    joined, so the first load goes ahead without it."""
+    from coordinator.driver import LoadError, LoadOutcome
+    from mesh.codec import Ready
+
+    package = tiny_package_factory("llama", layers=6)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id),
+        min_stages=3,
+    )
+    service = CoordinatorService(model, settings)
+    service._unreachable = lambda plan, state: []
+    plans: list[tuple[str, ...]] = []
+
+    class Driver:
+        def load(self, plan, term, load):
+            nodes = tuple(s.node_id for s in plan.stages)
+            plans.append(nodes)
+            if blamed in nodes:
+                failing = plan.stages[0] if link == "forward" else plan.stages[-1]
+                cause = "forward link: cannot reach 10.0.0.2:7072 within 10s: timed out"
+                raise LoadError(failing, "Load", cause, unreachable_link=link)
+            return LoadOutcome(term, tuple(Ready(term, "x:1") for _ in plan.stages))
+
+    service._driver = Driver()
+    memory = dict(device="cpu", memory_bytes=8 << 30)
+    service.join(JoinRequest(node_id="head", address="127.0.0.1:1", frontend=True, **memory))
+    service.join(JoinRequest(node_id="w1", address="127.0.0.1:2", **memory))
+    service.join(JoinRequest(node_id="w2", address="127.0.0.1:3", **memory))
+    service._load_once()
+    assert plans == [("head", "w1", "w2")]
+    assert service.state.node(blamed).health == "stalled"
+    assert service.state.node("head").health == "alive"
+    if link == "forward":
+        assert "node w1 is left out of plans: stage 0 could not open its data link" in caplog.text
+    assert service._last_attempt == 0.0
+    assert service._should_load(service.state)  # 2 alive + 1 quarantined: --min-stages 3
+    service._load_once()
+    assert blamed not in plans[-1] and service.state.mesh_state == "serving"
+
+
 class _Driver:
     """Records the load driver's calls; ``ahead`` decides what stage_ahead does."""
 
