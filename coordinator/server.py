@@ -479,10 +479,11 @@ class CoordinatorService:
         and prepared; serving stages whose layers change prepare them at the term
         they serve. False when the attempt ends here: a newcomer failed (it is left
         out of plans for a while), or the serving pipeline changed meanwhile."""
-        newcomers, moved = _ahead(plan, state)
-        if not newcomers and not moved:
+        serving = _serving_now(state, adopt=not self._served_once)
+        newcomers, moved = _ahead(plan, serving)
+        if serving is None or (not newcomers and not moved):
             return True
-        serving_term = state.term
+        serving_term = serving[0]
         logger.info(
             "term %s: slices for %s prepared while term %s serves",
             term,
@@ -491,10 +492,10 @@ class CoordinatorService:
         )
 
         def abort() -> str | None:
-            now = self._check_heartbeats()
-            if now.term != serving_term or now.mesh_state != "serving":
+            now = _serving_now(self._check_heartbeats(), adopt=not self._served_once)
+            if now is None or now[0] != serving_term or not set(serving[1]) <= set(now[1]):
                 return f"the pipeline of term {serving_term} stopped serving meanwhile"
-            lost = [s.node_id for s in newcomers if not _alive(now, s.node_id)]
+            lost = [s.node_id for s in newcomers if not _alive(self.state, s.node_id)]
             if lost:
                 return f"node(s) {', '.join(lost)} were lost while preparing"
             return None
@@ -655,17 +656,41 @@ def _alive(state: registry.State, node_id: str) -> bool:
     return node is not None and node.health == "alive"
 
 
+def _serving_now(
+    state: registry.State, adopt: bool
+) -> tuple[int, dict[str, LayerRange | None]] | None:
+    """The pipeline that serves now, as (its term, node id -> layer range): this
+    coordinator's serving topology; else, with ``adopt`` (a coordinator that has not
+    loaded a pipeline yet: it was restarted while one served), the alive nodes that
+    report serving the term stage 0 serves, ranges unknown (None). None when no
+    pipeline serves."""
+    if state.topology is not None:
+        if state.mesh_state != "serving":
+            return None
+        return state.term, {s.node_id: s.layer_range for s in state.topology.stages}
+    if not adopt:
+        return None
+    alive = registry.alive_nodes(state)
+    heads = [n for n in alive if n.frontend and n.stage_state == "serving" and n.accepted_term]
+    if not heads:
+        return None
+    term = heads[0].accepted_term
+    nodes = [n for n in alive if n.stage_state == "serving" and n.accepted_term == term]
+    return term, {n.node_id: None for n in nodes}
+
+
 def _ahead(
-    plan: Plan, state: registry.State
+    plan: Plan, serving: tuple[int, dict[str, LayerRange | None]] | None
 ) -> tuple[list[StageAssignment], list[StageAssignment]]:
     """The plan's stages whose slices can be prepared while the pipeline serving now
-    goes on: (stages on nodes outside that pipeline, stages of its nodes whose layer
-    range changes). Nothing when no pipeline serves."""
-    if state.topology is None or state.mesh_state != "serving":
+    (``_serving_now``) goes on: (stages on nodes outside that pipeline, stages of its
+    nodes whose layer range changes or is not known). Nothing when no pipeline
+    serves."""
+    if serving is None:
         return [], []
-    serving = {s.node_id: s.layer_range for s in state.topology.stages}
-    newcomers = [s for s in plan.stages if s.node_id not in serving]
-    moved = [s for s in plan.stages if s.node_id in serving and serving[s.node_id] != s.layer_range]
+    ranges = serving[1]
+    newcomers = [s for s in plan.stages if s.node_id not in ranges]
+    moved = [s for s in plan.stages if s.node_id in ranges and ranges[s.node_id] != s.layer_range]
     return newcomers, moved
 
 

@@ -349,3 +349,63 @@ def test_a_reload_that_waits_for_an_idle_stage_0_is_put_off_while_it_is_busy(
     assert [c[0] for c in driver.calls][3:] == ["ahead", "claim_if_idle", "load"]
     assert driver.calls[-1][1] == 3  # term 2 was not used again
     assert service.state.term == 3 and len(service.state.topology.stages) == 3
+
+
+def test_a_restarted_coordinator_prepares_a_newcomer_while_the_old_pipeline_serves(
+    tiny_package_factory,
+) -> None:
+    """A coordinator restarted while a pipeline serves (term 2 on head and w1) and a
+    newcomer (w2) joins: its first plan takes all three, and the newcomer's slice is
+    prepared, with the serving nodes' ranges at the term they serve, before the load
+    fences them. Before, the restarted coordinator fenced the serving pipeline at
+    once and it answered nothing for as long as the newcomer took to fetch its slice.
+    A pipeline that stops serving meanwhile ends the wait."""
+    driver = _Driver()
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    load = LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    service = CoordinatorService(model, CoordinatorSettings(load=load, min_stages=3))
+    service._unreachable = lambda plan, state: []
+    service._driver = driver
+    memory = dict(device="cpu", memory_bytes=8 << 30)
+    nodes = {"head": ("127.0.0.1:1", True), "w1": ("127.0.0.1:2", False)}
+    for node_id, (address, frontend) in nodes.items():
+        service.join(
+            JoinRequest(node_id=node_id, address=address, frontend=frontend, term=2, **memory)
+        )
+        service.heartbeat(HeartbeatRequest(node_id=node_id, term=2, state="serving"))
+    service.join(JoinRequest(node_id="w2", address="127.0.0.1:3", term=1, **memory))
+    seen: list[str | None] = []
+    driver.ahead = lambda newcomers, abort: seen.append(abort())
+    service._load_once()
+    assert [c[0] for c in driver.calls] == ["ahead", "load"]
+    _, term, newcomers, moved = driver.calls[0]
+    assert term == 3 and newcomers == ["w2"] and sorted(moved) == ["head", "w1"]
+    assert seen == [None]
+    assert driver.calls[1] == ("load", 3, ("head", "w1", "w2"))
+    # Once this coordinator has loaded a pipeline, only its own topology counts.
+    assert service.state.mesh_state == "serving" and service._served_once
+
+    # A restarted coordinator whose serving pipeline stops serving while it waits.
+    driver = _Driver()
+    service = CoordinatorService(model, CoordinatorSettings(load=load, min_stages=3))
+    service._unreachable = lambda plan, state: []
+    service._driver = driver
+    for node_id, (address, frontend) in nodes.items():
+        service.join(
+            JoinRequest(node_id=node_id, address=address, frontend=frontend, term=2, **memory)
+        )
+        service.heartbeat(HeartbeatRequest(node_id=node_id, term=2, state="serving"))
+    service.join(JoinRequest(node_id="w2", address="127.0.0.1:3", term=1, **memory))
+
+    def released(newcomers, abort):
+        service.heartbeat(HeartbeatRequest(node_id="w1", term=2, state="idle"))
+        seen.append(abort())
+        from coordinator.driver import LoadError
+
+        raise LoadError(None, "Abort", seen[-1])
+
+    driver.ahead = released
+    service._load_once()
+    assert [c[0] for c in driver.calls] == ["ahead"]
+    assert seen[-1] == "the pipeline of term 2 stopped serving meanwhile"
