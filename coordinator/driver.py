@@ -37,6 +37,12 @@ from mesh.settings.sections import FrontendConfig
 
 logger = logging.getLogger(__name__)
 
+# How often a Load in progress looks at ``abort`` (a stage lost meanwhile), and how
+# long a Release may take (a stage that does not answer learns that its term is over
+# from its next heartbeat's reply).
+ABORT_POLL_S = 0.25
+RELEASE_DEADLINE_S = 3.0
+
 
 @dataclass(frozen=True)
 class LoadSettings:
@@ -106,11 +112,21 @@ class LoadDriver:
         self._devices = devices
         self._on_progress = on_progress
 
-    def load(self, plan: Plan, term: int, settings: LoadSettings) -> LoadOutcome:
+    def load(
+        self,
+        plan: Plan,
+        term: int,
+        settings: LoadSettings,
+        abort: Callable[[], str | None] | None = None,
+    ) -> LoadOutcome:
+        """Load ``plan`` at ``term``. ``abort()`` is asked while slices are awaited and
+        while a stage loads, and ends the attempt (a LoadError of step "Abort") when
+        it names a reason: a stage that hangs in Load (a stopped process, a swapping
+        host) would otherwise hold the fenced mesh for the Load deadline."""
         stages = list(plan.stages)
         with _stubs(stages) as stubs:
             try:
-                return self._load(stages, stubs, term, settings)
+                return self._load(stages, stubs, term, settings, abort)
             except LoadError as error:
                 logger.error("load of term %s failed: %s", term, error.message)
                 self._release_all(stages, stubs, term, f"load failed: {error.message}")
@@ -152,11 +168,11 @@ class LoadDriver:
                 self._release_all(newcomers, stubs, term, f"slices ahead failed: {error.message}")
                 raise
 
-    def _load(self, stages, stubs, term: int, settings: LoadSettings):
+    def _load(self, stages, stubs, term: int, settings: LoadSettings, abort=None):
         terms = {s.node_id: term for s in stages}
         self._claim(stages, stubs, term, settings)
         self._prepare(stages, stubs, terms, settings)
-        self._await_inventory(stages, stubs, terms, settings)
+        self._await_inventory(stages, stubs, terms, settings, abort)
         ready: dict[int, Ready] = {}
         downstream: PeerRef | None = None
         stage0 = stages[0]
@@ -183,8 +199,9 @@ class LoadDriver:
             reply = self._call(
                 stage,
                 "Load",
-                lambda s=stage, r=request: stubs[s.node_id].Load(
-                    r.to_proto(), timeout=LOAD_DEADLINE_S
+                lambda s=stage, r=request: _awaited(
+                    stubs[s.node_id].Load.future(r.to_proto(), timeout=LOAD_DEADLINE_S),
+                    abort,
                 ),
             )
             ready[index] = Ready.from_proto(reply)
@@ -304,12 +321,15 @@ class LoadDriver:
             raise LoadError(stage, step, _strip(cause.message, step), held, busy, link) from None
 
     def _release_all(self, stages, stubs, term: int, reason: str) -> None:
-        for stage in stages:
+        """Release every stage at once (one that hangs delays none of the others)."""
+        request = ReleaseRequest(term=term, reason=reason).to_proto()
+        calls = [
+            (stage, stubs[stage.node_id].Release.future(request, timeout=RELEASE_DEADLINE_S))
+            for stage in stages
+        ]
+        for stage, call in calls:
             try:
-                stubs[stage.node_id].Release(
-                    ReleaseRequest(term=term, reason=reason).to_proto(),
-                    timeout=CONTROL_DEADLINE_S,
-                )
+                call.result()
             except grpc.RpcError as error:
                 logger.warning(
                     "release of stage %s (%s) failed: %s",
@@ -342,6 +362,19 @@ def release_nodes(addresses: list[tuple[str, str]], term: int, reason: str) -> N
             logger.info("release of %s at %s: %s", node_id, address, error.code().name)
         finally:
             ch.close()
+
+
+def _awaited(call: Any, abort: Callable[[], str | None] | None) -> object:
+    """The reply of the gRPC ``call`` (a future), asking ``abort`` while it runs: a
+    reason cancels the call and ends the attempt."""
+    while True:
+        try:
+            return call.result(timeout=ABORT_POLL_S)
+        except grpc.FutureTimeoutError:
+            reason = abort() if abort is not None else None
+            if reason:
+                call.cancel()
+                raise LoadError(None, "Abort", reason) from None
 
 
 def _strip(message: str, step: str) -> str:

@@ -288,19 +288,7 @@ class CoordinatorService:
             self._changed.clear()
             if self._stop.is_set():
                 return
-            now = time.monotonic()
-            if now - last_pass > self.settings.heartbeat_timeout_s:
-                # This process did not run for a while (stopped, a paused VM, a
-                # starved host): the heartbeats it missed meanwhile were not the
-                # stages' fault. Judge silence from now on.
-                logger.warning(
-                    "the coordinator's checks ran %.1f s late (was it stopped or starved?); "
-                    "judging the stages' heartbeats from now on",
-                    now - last_pass,
-                )
-                # Beyond a heartbeat timeout from now: a stage whose heartbeats failed
-                # meanwhile waits up to its longest retry pause before the next one.
-                self._judged_from = now + STAGE_RETRY_MAX_S
+            self._forgive_gap(last_pass)
             try:
                 self._supervise_once()
             except Exception:  # noqa: BLE001 - supervision must outlive any one pass
@@ -310,6 +298,34 @@ class CoordinatorService:
             # From the end of a pass: a pass that loads may take minutes (heartbeats
             # are taken meanwhile); only a wait that overran means a stopped process.
             last_pass = time.monotonic()
+
+    def _forgive_gap(self, last_check: float) -> None:
+        """When this process did not run for a while since ``last_check`` (stopped, a
+        paused VM, a starved host), the heartbeats it missed meanwhile were not the
+        stages' fault: judge silence from now on."""
+        now = time.monotonic()
+        if now - last_check <= self.settings.heartbeat_timeout_s:
+            return
+        logger.warning(
+            "the coordinator's checks ran %.1f s late (was it stopped or starved?); "
+            "judging the stages' heartbeats from now on",
+            now - last_check,
+        )
+        # Beyond a heartbeat timeout from now: a stage whose heartbeats failed
+        # meanwhile waits up to its longest retry pause before the next one.
+        self._judged_from = now + STAGE_RETRY_MAX_S
+
+    def _judge_while_loading(self) -> Callable[[], registry.State]:
+        """A check of the stages' heartbeats for a wait inside a load attempt, which
+        forgives a gap in its own calls as the supervision loop does."""
+        last = [time.monotonic()]
+
+        def check() -> registry.State:
+            self._forgive_gap(last[0])
+            last[0] = time.monotonic()
+            return self._check_heartbeats()
+
+        return check
 
     def _supervise_once(self) -> None:
         """Check heartbeats and progress, then load, grow or rebalance as needed."""
@@ -491,8 +507,10 @@ class CoordinatorService:
             serving_term,
         )
 
+        judge = self._judge_while_loading()
+
         def abort() -> str | None:
-            now = _serving_now(self._check_heartbeats(), adopt=not self._served_once)
+            now = _serving_now(judge(), adopt=not self._served_once)
             if now is None or now[0] != serving_term or not set(serving[1]) <= set(now[1]):
                 return f"the pipeline of term {serving_term} stopped serving meanwhile"
             lost = [s.node_id for s in newcomers if not _alive(self.state, s.node_id)]
@@ -603,10 +621,25 @@ class CoordinatorService:
         logger.info("term %s: loading\n%s", term, plan.describe())
         self.apply(registry.LoadStarted(term=term, plan=plan))
         self._preparing = None  # the plan is the current one now
+        judge = self._judge_while_loading()
+
+        def abort() -> str | None:
+            # The stages' heartbeats are judged while they load: one that stops (a
+            # stopped process, a swapping host) ends the attempt, as it would end a
+            # serving pipeline, instead of holding the fenced mesh for the Load deadline.
+            now = judge()
+            lost = [s.node_id for s in plan.stages if not _alive(now, s.node_id)]
+            return f"node(s) {', '.join(lost)} were lost while loading" if lost else None
+
         try:
-            outcome = self._driver.load(plan, term, load)
+            outcome = self._driver.load(plan, term, load, abort)
         except LoadError as error:
             self.apply(registry.LoadFailed(term=term, error=error.message))
+            if error.step == "Abort":
+                # Not a failure of the model: plan again at once, from who is left.
+                logger.warning("term %s not loaded: %s", term, error.message)
+                self._last_attempt = 0.0
+                return
             if error.held_term > term:
                 # A stage holds a newer term (a coordinator before this one used it):
                 # claim again at once, above it. Not a failure of the model.

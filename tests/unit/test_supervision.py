@@ -147,7 +147,7 @@ def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
     plans: list[tuple[str, ...]] = []
 
     class Driver:
-        def load(self, plan, term, load):
+        def load(self, plan, term, load, abort=None):
             plans.append(tuple(s.node_id for s in plan.stages))
             bad = [s for s in plan.stages if s.node_id == "corrupt"]
             if bad:
@@ -191,7 +191,7 @@ def test_a_data_link_that_cannot_be_opened_is_held_against_the_node_it_was_to_re
     plans: list[tuple[str, ...]] = []
 
     class Driver:
-        def load(self, plan, term, load):
+        def load(self, plan, term, load, abort=None):
             nodes = tuple(s.node_id for s in plan.stages)
             plans.append(nodes)
             if blamed in nodes:
@@ -225,7 +225,7 @@ class _Driver:
         self.ahead = ahead
         self.busy = False
 
-    def load(self, plan, term, load):
+    def load(self, plan, term, load, abort=None):
         from coordinator.driver import LoadOutcome
         from mesh.codec import Ready
 
@@ -409,3 +409,52 @@ def test_a_restarted_coordinator_prepares_a_newcomer_while_the_old_pipeline_serv
     service._load_once()
     assert [c[0] for c in driver.calls] == ["ahead"]
     assert seen[-1] == "the pipeline of term 2 stopped serving meanwhile"
+
+
+def test_a_stage_lost_while_the_pipeline_loads_ends_the_attempt_at_once(
+    tiny_package_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stage stops (SIGSTOP, a swapping host) while the stages load: its heartbeats
+    are judged during the load, the attempt ends as soon as it is found dead (before,
+    the fenced mesh waited for it up to the 600 s Load deadline), and the next
+    attempt, at once and not counted as a failure, plans without it."""
+    from coordinator.driver import LoadError, LoadOutcome
+    from mesh.codec import Ready
+
+    package = tiny_package_factory("llama", layers=6)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id),
+        heartbeat_timeout_s=0.3,
+    )
+    service = CoordinatorService(model, settings)
+    service._unreachable = lambda plan, state: []
+    plans: list[tuple[str, ...]] = []
+
+    class Driver:
+        def load(self, plan, term, load, abort=None):
+            plans.append(plan.node_ids())
+            if "w1" not in plan.node_ids():
+                return LoadOutcome(term, tuple(Ready(term, "x:1") for _ in plan.stages))
+            deadline = time.monotonic() + 5
+            while (reason := abort()) is None:  # w1 hangs in Load: its beats stop
+                assert time.monotonic() < deadline
+                for node_id in ("head", "w2"):
+                    service.heartbeat(HeartbeatRequest(node_id=node_id, term=term, state="loaded"))
+                time.sleep(0.05)
+            raise LoadError(None, "Abort", reason)
+
+    service._driver = Driver()
+    memory = dict(device="cpu", memory_bytes=8 << 30)
+    for node_id, port in (("head", 1), ("w1", 2), ("w2", 3)):
+        frontend = node_id == "head"
+        service.join(
+            JoinRequest(node_id=node_id, address=f"127.0.0.1:{port}", frontend=frontend, **memory)
+        )
+    service._load_once()
+    assert plans == [("head", "w1", "w2")]
+    assert service.state.node("w1").health == "dead"
+    assert "node(s) w1 were lost while loading" in caplog.text
+    assert service._failures == 0 and service._last_attempt == 0.0
+    service._load_once()
+    assert plans[-1] == ("head", "w2") and service.state.mesh_state == "serving"
