@@ -525,6 +525,10 @@ class CoordinatorService:
             )
         except LoadError as error:
             self._preparing = None
+            # Newcomers may have taken ``term``: it is never used again (terms fence
+            # off old work only while they grow; a newcomer restarted since would
+            # report none of it).
+            self.apply(registry.TermObserved(term=term))
             if error.step == "Abort":
                 logger.info("term %s not loaded: %s", term, error.message)
                 self._last_attempt = 0.0  # plan again at once, from what is left

@@ -295,6 +295,10 @@ def test_a_newcomer_that_cannot_prepare_leaves_the_serving_pipeline_untouched(
     assert service.state.node("w2").health == "stalled"
     assert "node w2 is left out of plans: it could not prepare its slice" in caplog.text
     assert service._preparing is None
+    # w2 may hold term 2 (or, restarted, report nothing): it is never used again.
+    from coordinator.registry import next_term
+
+    assert next_term(service.state) == 3
 
 
 def test_losing_a_serving_stage_while_a_newcomer_prepares_ends_the_attempt(
