@@ -243,6 +243,7 @@ class LoadDriver:
                     term=terms[s.node_id],
                     package_ref=settings.package_ref,
                     layer_range=s.layer_range,
+                    manifest_sha256=settings.manifest_sha256,
                 ).to_proto(),
                 timeout=CONTROL_DEADLINE_S,
             ),

@@ -94,9 +94,12 @@ class PrepareRequest:
     term: int
     package_ref: str
     layer_range: LayerRange
+    manifest_sha256: str = ""
 
     def to_proto(self) -> stage_pb2.PrepareRequest:
-        pb = stage_pb2.PrepareRequest(term=self.term, package_ref=self.package_ref)
+        pb = stage_pb2.PrepareRequest(
+            term=self.term, package_ref=self.package_ref, manifest_sha256=self.manifest_sha256
+        )
         _set_range(pb, "layer_range", self.layer_range)
         return pb
 
@@ -105,7 +108,7 @@ class PrepareRequest:
         if not pb.HasField("layer_range"):
             raise InvalidRequest("PrepareRequest has no layer_range; say which layers to prepare")
         layer_range = layer_range_from_proto(pb.layer_range, "PrepareRequest.layer_range")
-        return cls(pb.term, pb.package_ref, layer_range)
+        return cls(pb.term, pb.package_ref, layer_range, pb.manifest_sha256)
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,9 @@ class StageNode:
     def prepare(self, request: PrepareRequest) -> None:
         with self._lock:
             self._check_term(request.term, "Prepare")
-            self.resolver.start(request.package_ref, request.layer_range)
+            self.resolver.start(
+                request.package_ref, request.layer_range, expected=request.manifest_sha256
+            )
             if self.loaded is None:
                 self.state = "preparing"
 

@@ -132,9 +132,11 @@ class _Job:
         cache_dir: Path,
         chunk_bytes: int,
         remote: RemotePackageSource | None = None,
+        expected: str = "",
     ) -> None:
-        self.key = (ref, revision, layer_range)
+        self.key = (ref, revision, layer_range, expected)
         self.remote = remote
+        self.expected = expected
         self.ref, self.revision, self.layer_range = ref, revision, layer_range
         self.cache_dir = cache_dir
         self.chunk_bytes = chunk_bytes
@@ -210,7 +212,7 @@ class _Job:
         self.done.set()
 
     def _materialise(self) -> Path:
-        origin = resolve_ref(self.ref, self.revision, self.remote)
+        origin = self._passed_over(resolve_ref(self.ref, self.revision, self.remote))
         if origin.remote is not None:
             logger.info("fetching slice %s of %s", self.layer_range, origin)
         manifest, fetch = _open_package(origin)
@@ -236,6 +238,26 @@ class _Job:
                 self._set_file(entry, "failed", 0, error.message)
                 raise
         return slice_dir
+
+    def _passed_over(self, origin: PackageOrigin) -> PackageOrigin:
+        """``origin``, or the coordinator's copy where ``origin`` is a local directory
+        holding another package than the expected one (a stale copy on this host)."""
+        if origin.local_dir is None or not self.expected or self.remote is None:
+            return origin
+        try:
+            found = PackageManifest.load(origin.local_dir).sha256()
+        except PackageError as error:
+            found = f"unreadable ({error.message})"
+        if found == self.expected:
+            return origin
+        logger.warning(
+            "the package at %s is not the coordinator's (manifest %s, the coordinator "
+            "serves %s): fetching the slice from the coordinator instead",
+            origin.local_dir,
+            found[:12],
+            self.expected[:12],
+        )
+        return PackageOrigin(ref=self.ref, remote=self.remote)
 
     def _materialise_file(
         self,
@@ -356,22 +378,34 @@ class SliceResolver:
         self._lock = threading.Lock()
         self._job: _Job | None = None
 
-    def start(self, ref: str, layer_range: LayerRange, revision: str | None = None) -> None:
+    def start(
+        self,
+        ref: str,
+        layer_range: LayerRange,
+        revision: str | None = None,
+        expected: str = "",
+    ) -> None:
         """Begin materialising ``layer_range`` of ``ref``; a no-op if that exact request
-        is already in progress or ready."""
-        self._start(ref, layer_range, revision)
+        is already in progress or ready. ``expected``: the manifest sha256 the
+        coordinator serves (a local copy with another is passed over for the
+        coordinator's, where this resolver has one)."""
+        self._start(ref, layer_range, revision, expected)
 
-    def _start(self, ref: str, layer_range: LayerRange, revision: str | None) -> _Job:
+    def _start(
+        self, ref: str, layer_range: LayerRange, revision: str | None, expected: str = ""
+    ) -> _Job:
         if not isinstance(layer_range, LayerRange):
             raise TypeError(f"layer_range must be a LayerRange, got {type(layer_range).__name__}")
-        key = (ref, revision, layer_range)
+        key = (ref, revision, layer_range, expected)
         with self._lock:
             current = self._job
             if current is not None and current.key == key and current.state != "failed":
                 return current
             if current is not None:
                 current.cancelled.set()
-            job = _Job(ref, revision, layer_range, self.cache_dir, self.chunk_bytes, self.remote)
+            job = _Job(
+                ref, revision, layer_range, self.cache_dir, self.chunk_bytes, self.remote, expected
+            )
             self._job = job
         thread = threading.Thread(target=job.run, name=f"slice-{layer_range}", daemon=True)
         thread.start()

@@ -220,3 +220,52 @@ def test_failed_request_can_be_retried(package, tmp_path):
     (package / layer_path(1)).write_bytes(backup)
     assert resolver.materialise(str(package), LayerRange(0, 2)).is_dir()
     assert resolver.inventory().state == "ready"
+
+
+class OtherHost:
+    """A ``RemotePackageSource`` serving ``directory`` (the coordinator's package) for
+    any reference, counting the files it sends."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.sent: list[str] = []
+
+    def describe(self) -> str:
+        return "the coordinator at test:1"
+
+    def manifest(self, ref: str) -> PackageManifest:
+        return PackageManifest.load(self.directory)
+
+    def download(self, ref, entry, dest, progress, cancelled) -> None:
+        self.sent.append(entry.path)
+        data = (self.directory / entry.path).read_bytes()
+        dest.write_bytes(data)
+        progress(len(data))
+
+
+def test_a_stale_local_copy_is_passed_over_for_the_coordinator_s(
+    package, tiny_package_factory, tmp_path, caplog
+):
+    """A worker holds another package at the path the coordinator names (a copy from
+    before the package was rebuilt): with the coordinator's manifest to compare,
+    the slice comes from the coordinator. Before, the worker prepared its stale copy,
+    the coordinator refused it for its manifest, and the worker was left out."""
+    served = tiny_package_factory("llama", seed=1)
+    expected = PackageManifest.load(served).sha256()
+    assert PackageManifest.load(package).sha256() != expected
+    coordinator = OtherHost(served)
+    resolver = SliceResolver(tmp_path / "cache", remote=coordinator)
+    resolver.start(str(package), LayerRange(2, 4), expected=expected)
+    inventory = resolver.wait(timeout_s=60)
+    assert inventory.state == "ready" and inventory.manifest_sha256 == expected
+    wanted = PackageManifest.load(served).files_for(LayerRange(2, 4))
+    assert coordinator.sent == [e.path for e in wanted]
+    for entry in wanted:
+        assert (inventory.local_dir / entry.path).read_bytes() == (served / entry.path).read_bytes()
+    assert "is not the coordinator's" in caplog.text
+
+    # The copy that is the coordinator's is read here, as before.
+    same = SliceResolver(tmp_path / "cache-2", remote=OtherHost(package))
+    same.start(str(package), LayerRange(2, 4), expected=PackageManifest.load(package).sha256())
+    assert same.wait(timeout_s=60).state == "ready"
+    assert same.remote.sent == []

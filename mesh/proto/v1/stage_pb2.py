@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mesh.proto.v1 import common_pb2 as mesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mesh/v1/stage.proto\x12\x07mesh.v1\x1a\x14mesh/v1/common.proto\"b\n\x0c\x43laimRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x14\n\x0conly_if_idle\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05\"+\n\nClaimReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"]\n\x0ePrepareRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x13\n\x0bpackage_ref\x18\x02 \x01(\t\x12(\n\x0blayer_range\x18\x03 \x01(\x0b\x32\x13.mesh.v1.LayerRange\"\x1c\n\x0cPrepareReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\" \n\x10InventoryRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\"d\n\rFileInventory\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xe4\x01\n\x0eInventoryReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x13\n\x0bpackage_ref\x18\x02 \x01(\t\x12(\n\x0blayer_range\x18\x03 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\r\n\x05state\x18\x04 \x01(\t\x12\x12\n\nbytes_done\x18\x05 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x06 \x01(\x04\x12%\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x16.mesh.v1.FileInventory\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\t \x01(\t\"+\n\x07PeerRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xd3\x03\n\x10StageLoadRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x13\n\x0bstage_index\x18\x03 \x01(\r\x12\x13\n\x0bstage_count\x18\x04 \x01(\r\x12(\n\x0blayer_range\x18\x05 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\x13\n\x0bpackage_ref\x18\x06 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\t\x12$\n\ndownstream\x18\t \x01(\x0b\x32\x10.mesh.v1.PeerRef\x12\x17\n\x0freturn_endpoint\x18\n \x01(\t\x12&\n\nwire_dtype\x18\x0b \x01(\x0e\x32\x12.mesh.v1.WireDType\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x13\n\x0btorch_dtype\x18\r \x01(\t\x12\x14\n\x0cmax_sessions\x18\x0e \x01(\r\x12\x1e\n\x16max_tokens_per_session\x18\x0f \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x10 \x01(\r\x12\x1e\n\x16session_idle_timeout_s\x18\x12 \x01(\x02\x12!\n\x07serving\x18\x13 \x03(\x0b\x32\x10.mesh.v1.SettingJ\x04\x08\x02\x10\x03J\x04\x08\x08\x10\tJ\x04\x08\x11\x10\x12\":\n\x07Setting\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nvalue_json\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\"u\n\x05Ready\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12\x13\n\x0bparam_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07load_ms\x18\x04 \x01(\x02\x12\x10\n\x08layer_ms\x18\x05 \x01(\x02\x12\x0f\n\x07head_ms\x18\x06 \x01(\x02\".\n\x0eReleaseRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0cReleaseReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\x32\xad\x02\n\x0cStageControl\x12\x33\n\x05\x43laim\x12\x15.mesh.v1.ClaimRequest\x1a\x13.mesh.v1.ClaimReply\x12\x39\n\x07Prepare\x12\x17.mesh.v1.PrepareRequest\x1a\x15.mesh.v1.PrepareReply\x12?\n\tInventory\x12\x19.mesh.v1.InventoryRequest\x1a\x17.mesh.v1.InventoryReply\x12\x31\n\x04Load\x12\x19.mesh.v1.StageLoadRequest\x1a\x0e.mesh.v1.Ready\x12\x39\n\x07Release\x12\x17.mesh.v1.ReleaseRequest\x1a\x15.mesh.v1.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mesh/v1/stage.proto\x12\x07mesh.v1\x1a\x14mesh/v1/common.proto\"b\n\x0c\x43laimRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x14\n\x0conly_if_idle\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05\"+\n\nClaimReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"v\n\x0ePrepareRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x13\n\x0bpackage_ref\x18\x02 \x01(\t\x12(\n\x0blayer_range\x18\x03 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\"\x1c\n\x0cPrepareReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\" \n\x10InventoryRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\"d\n\rFileInventory\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x04\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\xe4\x01\n\x0eInventoryReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x13\n\x0bpackage_ref\x18\x02 \x01(\t\x12(\n\x0blayer_range\x18\x03 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\r\n\x05state\x18\x04 \x01(\t\x12\x12\n\nbytes_done\x18\x05 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x06 \x01(\x04\x12%\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x16.mesh.v1.FileInventory\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\t \x01(\t\"+\n\x07PeerRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xd3\x03\n\x10StageLoadRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x13\n\x0bstage_index\x18\x03 \x01(\r\x12\x13\n\x0bstage_count\x18\x04 \x01(\r\x12(\n\x0blayer_range\x18\x05 \x01(\x0b\x32\x13.mesh.v1.LayerRange\x12\x13\n\x0bpackage_ref\x18\x06 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x07 \x01(\t\x12$\n\ndownstream\x18\t \x01(\x0b\x32\x10.mesh.v1.PeerRef\x12\x17\n\x0freturn_endpoint\x18\n \x01(\t\x12&\n\nwire_dtype\x18\x0b \x01(\x0e\x32\x12.mesh.v1.WireDType\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x13\n\x0btorch_dtype\x18\r \x01(\t\x12\x14\n\x0cmax_sessions\x18\x0e \x01(\r\x12\x1e\n\x16max_tokens_per_session\x18\x0f \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x10 \x01(\r\x12\x1e\n\x16session_idle_timeout_s\x18\x12 \x01(\x02\x12!\n\x07serving\x18\x13 \x03(\x0b\x32\x10.mesh.v1.SettingJ\x04\x08\x02\x10\x03J\x04\x08\x08\x10\tJ\x04\x08\x11\x10\x12\":\n\x07Setting\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nvalue_json\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\"u\n\x05Ready\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12\x13\n\x0bparam_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07load_ms\x18\x04 \x01(\x02\x12\x10\n\x08layer_ms\x18\x05 \x01(\x02\x12\x0f\n\x07head_ms\x18\x06 \x01(\x02\".\n\x0eReleaseRequest\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0cReleaseReply\x12\x0c\n\x04term\x18\x01 \x01(\x04\x32\xad\x02\n\x0cStageControl\x12\x33\n\x05\x43laim\x12\x15.mesh.v1.ClaimRequest\x1a\x13.mesh.v1.ClaimReply\x12\x39\n\x07Prepare\x12\x17.mesh.v1.PrepareRequest\x1a\x15.mesh.v1.PrepareReply\x12?\n\tInventory\x12\x19.mesh.v1.InventoryRequest\x1a\x17.mesh.v1.InventoryReply\x12\x31\n\x04Load\x12\x19.mesh.v1.StageLoadRequest\x1a\x0e.mesh.v1.Ready\x12\x39\n\x07Release\x12\x17.mesh.v1.ReleaseRequest\x1a\x15.mesh.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMREPLY']._serialized_start=154
   _globals['_CLAIMREPLY']._serialized_end=197
   _globals['_PREPAREREQUEST']._serialized_start=199
-  _globals['_PREPAREREQUEST']._serialized_end=292
-  _globals['_PREPAREREPLY']._serialized_start=294
-  _globals['_PREPAREREPLY']._serialized_end=322
-  _globals['_INVENTORYREQUEST']._serialized_start=324
-  _globals['_INVENTORYREQUEST']._serialized_end=356
-  _globals['_FILEINVENTORY']._serialized_start=358
-  _globals['_FILEINVENTORY']._serialized_end=458
-  _globals['_INVENTORYREPLY']._serialized_start=461
-  _globals['_INVENTORYREPLY']._serialized_end=689
-  _globals['_PEERREF']._serialized_start=691
-  _globals['_PEERREF']._serialized_end=734
-  _globals['_STAGELOADREQUEST']._serialized_start=737
-  _globals['_STAGELOADREQUEST']._serialized_end=1204
-  _globals['_SETTING']._serialized_start=1206
-  _globals['_SETTING']._serialized_end=1264
-  _globals['_READY']._serialized_start=1266
-  _globals['_READY']._serialized_end=1383
-  _globals['_RELEASEREQUEST']._serialized_start=1385
-  _globals['_RELEASEREQUEST']._serialized_end=1431
-  _globals['_RELEASEREPLY']._serialized_start=1433
-  _globals['_RELEASEREPLY']._serialized_end=1461
-  _globals['_STAGECONTROL']._serialized_start=1464
-  _globals['_STAGECONTROL']._serialized_end=1765
+  _globals['_PREPAREREQUEST']._serialized_end=317
+  _globals['_PREPAREREPLY']._serialized_start=319
+  _globals['_PREPAREREPLY']._serialized_end=347
+  _globals['_INVENTORYREQUEST']._serialized_start=349
+  _globals['_INVENTORYREQUEST']._serialized_end=381
+  _globals['_FILEINVENTORY']._serialized_start=383
+  _globals['_FILEINVENTORY']._serialized_end=483
+  _globals['_INVENTORYREPLY']._serialized_start=486
+  _globals['_INVENTORYREPLY']._serialized_end=714
+  _globals['_PEERREF']._serialized_start=716
+  _globals['_PEERREF']._serialized_end=759
+  _globals['_STAGELOADREQUEST']._serialized_start=762
+  _globals['_STAGELOADREQUEST']._serialized_end=1229
+  _globals['_SETTING']._serialized_start=1231
+  _globals['_SETTING']._serialized_end=1289
+  _globals['_READY']._serialized_start=1291
+  _globals['_READY']._serialized_end=1408
+  _globals['_RELEASEREQUEST']._serialized_start=1410
+  _globals['_RELEASEREQUEST']._serialized_end=1456
+  _globals['_RELEASEREPLY']._serialized_start=1458
+  _globals['_RELEASEREPLY']._serialized_end=1486
+  _globals['_STAGECONTROL']._serialized_start=1489
+  _globals['_STAGECONTROL']._serialized_end=1790
 # @@protoc_insertion_point(module_scope)

@@ -28,14 +28,16 @@ class ClaimReply(_message.Message):
     def __init__(self, term: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("term", "package_ref", "layer_range")
+    __slots__ = ("term", "package_ref", "layer_range", "manifest_sha256")
     TERM_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_REF_FIELD_NUMBER: _ClassVar[int]
     LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     term: int
     package_ref: str
     layer_range: _common_pb2.LayerRange
-    def __init__(self, term: _Optional[int] = ..., package_ref: _Optional[str] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ...) -> None: ...
+    manifest_sha256: str
+    def __init__(self, term: _Optional[int] = ..., package_ref: _Optional[str] = ..., layer_range: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
     __slots__ = ("term",)
