@@ -333,11 +333,17 @@ def token_logprob(
 ) -> tuple[float, tuple[tuple[int, float], ...]]:
     """``token``'s log-probability under the distribution it was chosen from
     (penalties and biases applied, before temperature and filtering, as OpenAI
-    reports them) and the ``params.top_logprobs`` likeliest tokens, best first."""
+    reports them) and the ``params.top_logprobs`` likeliest tokens, best first. A
+    token a grammar forbids (masked to -inf) is never among them: fewer come back
+    where fewer are allowed."""
     scores = adjust_logits(logits, params, history).detach().to("cpu", torch.float32)
     logprobs = torch.log_softmax(scores, dim=-1)
     top: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs > 0:
         values, indices = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
-        top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+        top = tuple(
+            (index, value)
+            for index, value in zip(indices.tolist(), values.tolist(), strict=True)
+            if value != float("-inf")
+        )
     return float(logprobs[token]), top

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 
 import httpx
@@ -169,6 +170,44 @@ def test_structured_output_from_the_real_model(tmp_path, smollm2_package):
         )
         assert re.fullmatch(r"The answer is \d+\.", answer.choices[0].text)
         assert answer.choices[0].finish_reason == "stop"
+        # Log-probabilities of the masked distribution: where the grammar allows one
+        # token (or only the end), that is all top_logprobs holds; a forbidden token
+        # (-inf) never appears, streamed or not (and -inf is no JSON number).
+        constrained = dict(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Say ab"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"guided_regex": "ab"},
+        )
+        reply = client.chat.completions.create(**constrained)
+        assert reply.choices[0].message.content == "ab"
+        entries = reply.choices[0].logprobs.content
+        assert "".join(entry.token for entry in entries) == "ab"
+        for entry in entries:
+            assert 1 <= len(entry.top_logprobs) <= 3
+            assert all(math.isfinite(top.logprob) for top in entry.top_logprobs)
+        chunks = list(client.chat.completions.create(**constrained, stream=True))
+        streamed = [
+            e
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+        scored = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="What is 12 + 30?",
+            max_tokens=20,
+            temperature=0,
+            logprobs=5,
+            extra_body={"grammar": gbnf},
+        )
+        assert scored.choices[0].text == answer.choices[0].text
+        for alternatives in scored.choices[0].logprobs.top_logprobs:
+            assert alternatives and all(math.isfinite(v) for v in alternatives.values())
     finally:
         mesh.close()
 
