@@ -31,8 +31,8 @@ import torch
 
 from mesh.types import SamplingParams
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 # Mixed into the seed of XTC's draw, so that it is not the token draw's.
 _XTC_SALT = 0x58544320
 # DRY's penalty grows as base ** length: lengths beyond this are counted as this.
@@ -67,11 +67,20 @@ def first_maxima(logits: torch.Tensor) -> list[int]:
     return [int(found)] if logits.dim() == 1 else found.tolist()
 
 
-def position_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (request seed, absolute position)."""
-    value = (seed * _MIX + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    value ^= value >> 31
-    return value & _MASK
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: every bit of ``value`` (64 bits) reaches every bit."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def uniform_draw(seed: int, position: int) -> float:
+    """The draw in [0, 1) of (request seed, absolute position): every one of the
+    seed's 64 bits counts (a negative seed as its two's complement), and nearby
+    seeds or positions give unrelated draws. (A torch generator keeps only the low
+    32 bits of its seed: seeds that differed above them drew alike.)"""
+    value = _mix64((_mix64(seed & _MASK64) + (position + 1) * _GOLDEN) & _MASK64)
+    return (value >> 11) * (1.0 / (1 << 53))
 
 
 def adjust_logits(
@@ -173,6 +182,22 @@ def dry_repeats(history: Sequence[int], params: SamplingParams) -> dict[int, int
     return dict(zip(tokens[first].tolist(), lengths[first].tolist(), strict=True))
 
 
+def likeliest(scores: torch.Tensor, k: int) -> list[int]:
+    """The indices of the ``k`` largest of the 1-D ``scores``, largest first; of equal
+    values the lowest index first, as greedy decoding picks (``torch.topk`` leaves
+    the order of ties, and which of them make the cut, unspecified: at a tie, top-k 1
+    could keep another token than greedy's, and ``top_logprobs`` list another first)."""
+    k = min(k, scores.numel())
+    if k <= 0:
+        return []
+    kth = torch.topk(scores, k).values[-1]
+    above = torch.nonzero(scores > kth).flatten()
+    ties = torch.nonzero(scores == kth).flatten()[: k - above.numel()]
+    chosen = torch.cat((above, ties))
+    order = np.lexsort((chosen.numpy(), -scores[chosen].numpy()))
+    return chosen[torch.from_numpy(order)].tolist()
+
+
 def token_probs(logits: torch.Tensor, params: SamplingParams, position: int = 0) -> torch.Tensor:
     """Probabilities over the vocabulary after temperature (dynamic where
     ``dynatemp_range`` is set), top-n-sigma, top-k, typical, min-p, top-p and XTC
@@ -185,8 +210,9 @@ def token_probs(logits: torch.Tensor, params: SamplingParams, position: int = 0)
             floor = finite.max() - params.top_n_sigma * finite.std(unbiased=False)
             scores = scores.masked_fill(scores < floor, float("-inf"))
     if params.top_k > 0 and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        kept = torch.zeros(scores.numel(), dtype=torch.bool)
+        kept[likeliest(scores, params.top_k)] = True
+        scores = scores.masked_fill(~kept, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if params.typical_p < 1.0:
         probs = typical(probs, params.typical_p)
@@ -242,8 +268,7 @@ def exclude_top_choices(probs: torch.Tensor, params: SamplingParams, position: i
     ``position``, apart from the token's), drop every token of probability at least
     ``xtc_threshold`` but the least likely of them, when two or more are; else
     ``probs`` unchanged."""
-    generator = torch.Generator().manual_seed(position_seed(params.seed ^ _XTC_SALT, position))
-    if torch.rand((), generator=generator, dtype=torch.float64).item() >= params.xtc_probability:
+    if uniform_draw(params.seed ^ _XTC_SALT, position) >= params.xtc_probability:
         return probs
     above = torch.nonzero((probs >= params.xtc_threshold) & (probs > 0)).flatten()
     if above.numel() < 2:
@@ -261,13 +286,12 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     result of sorting the whole vocabulary (its prefix sums are the same numbers),
     found by sorting only the tokens above a floor when their mass passes ``top_p``
     (``_likeliest``; a 49,152-token torch sort takes 4.7 ms on one core of the test
-    VM, longer than a small model's decode step on a GPU). Which of several tokens
-    of exactly equal probability at the boundary is kept follows the sort's order
-    (deterministic: numpy's here, torch's before, so such a tie may now keep another
-    of the equal tokens)."""
+    VM, longer than a small model's decode step on a GPU). Of several tokens of
+    exactly equal probability at the boundary, the lowest index comes first (stable
+    sorts), as greedy decoding picks: ``top_p`` 0 keeps greedy's token alone."""
     ordered = _likeliest(probs, top_p)
     if ordered is None:
-        values, order = torch.sort(probs, descending=True)
+        values, order = torch.sort(probs, descending=True, stable=True)
         total = torch.cumsum(values, dim=-1)
     else:
         values, order, total = ordered
@@ -294,7 +318,7 @@ def _likeliest(
         index = np.flatnonzero(array >= top * floor)
         if index.size == 0:
             return None  # NaN
-        index = index[np.argsort(-array[index], kind="quicksort")]
+        index = index[np.argsort(-array[index], kind="stable")]
         order = torch.from_numpy(index)
         values = probs[order]
         total = torch.cumsum(values, dim=-1)
@@ -318,10 +342,10 @@ def draw_token(probs: torch.Tensor, seed: int, position: int) -> int:
     """The token drawn from ``probs`` (1-D, CPU) for absolute ``position`` with the
     request's ``seed``: the same draw for the same (seed, position), never a token of
     probability 0."""
-    generator = torch.Generator().manual_seed(position_seed(seed, position))
-    draw = torch.rand((), generator=generator, dtype=torch.float64).item()
+    draw = uniform_draw(seed, position)
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
-    index = int(torch.searchsorted(cdf, torch.tensor([draw * float(cdf[-1])])).item())
+    point = torch.tensor([draw * float(cdf[-1])], dtype=torch.float64)
+    index = int(torch.searchsorted(cdf, point, right=True).item())
     index = min(index, probs.numel() - 1)
     while probs[index] == 0.0 and index > 0:
         index -= 1
@@ -340,10 +364,9 @@ def token_logprob(
     logprobs = torch.log_softmax(scores, dim=-1)
     top: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs > 0:
-        values, indices = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
         top = tuple(
             (index, value)
-            for index, value in zip(indices.tolist(), values.tolist(), strict=True)
-            if value != float("-inf")
+            for index in likeliest(logprobs, params.top_logprobs)
+            if (value := float(logprobs[index])) != float("-inf")
         )
     return float(logprobs[token]), top
