@@ -8,6 +8,7 @@ every case it calls ``on_close``, which stops the generation in the backend.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import logging
@@ -120,35 +121,52 @@ def llama_probabilities(
     ]
 
 
-def _offsets(tokens: list[str], offset: int) -> list[int]:
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return offsets
+class TextOffsets:
+    """Legacy ``text_offset``s of a completion's tokens: each token's offset is the
+    count of whole characters its earlier tokens' bytes decode to, from ``start``
+    (the echoed prompt's length, or 0). A character split over several tokens is
+    counted once, when its last byte comes, so the offsets point into the text
+    returned (a token's own text, U+FFFD for a part of a character, would count one
+    per part); kept across a stream's chunks, so streamed offsets equal the
+    unstreamed ones however the tokens are grouped."""
+
+    def __init__(self, start: int) -> None:
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, pieces: list[bytes]) -> list[int]:
+        """The offsets of the next tokens, whose bytes are ``pieces``."""
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.chars)
+            self.chars += len(self._decoder.decode(piece))
+        return offsets
 
 
 def completion_logprobs(
-    run: GenerationRun, entries: list[tuple[int, Any]], offset: int = 0
+    run: GenerationRun, entries: list[tuple[int, Any]], offsets: TextOffsets
 ) -> dict[str, Any] | None:
-    """OpenAI's legacy completions ``logprobs`` of ``entries``, text offsets from
-    ``offset`` (None when not asked for)."""
+    """OpenAI's legacy completions ``logprobs`` of ``entries``, the next tokens of
+    ``offsets`` (None when not asked for)."""
     if run.request.sampling.top_logprobs < 0:
         return None
     tokens = [_token_text(run.tokenizer, token) for token, _ in entries]
+    pieces = [bytes(token_bytes(run.tokenizer, token)) for token, _ in entries]
     return {
         "tokens": tokens,
         "token_logprobs": [entry.logprob for _, entry in entries],
         "top_logprobs": [_legacy_top(run, token, entry) for token, entry in entries],
-        "text_offset": _offsets(tokens, offset),
+        "text_offset": offsets.take(pieces),
     }
 
 
 def _legacy_top(run: GenerationRun, token: int, entry: Any) -> dict[str, float]:
     """One position's legacy ``top_logprobs``: the alternatives by text, and always
-    the chosen token (as OpenAI's: up to ``logprobs`` + 1 entries)."""
+    the chosen token (as OpenAI's: up to ``logprobs`` + 1 entries). Where tokens share
+    a text (parts of characters all read U+FFFD), the chosen token's value is the
+    one kept: ``top_logprobs[i][tokens[i]]`` is ``token_logprobs[i]``."""
     top = {_token_text(run.tokenizer, t): v for t, v in entry.top}
-    top.setdefault(_token_text(run.tokenizer, token), entry.logprob)
+    top[_token_text(run.tokenizer, token)] = entry.logprob
     return top
 
 
@@ -167,11 +185,11 @@ def prompt_logprobs(run: GenerationRun) -> dict[str, Any] | None:
             _legacy_top(run, token, entry)
             for token, entry in zip(run.request.prompt_tokens[1:], entries, strict=False)
         ],
-        "text_offset": _prompt_offsets(run, tokens),
+        "text_offset": _prompt_offsets(run),
     }
 
 
-def _prompt_offsets(run: GenerationRun, tokens: list[str]) -> list[int]:
+def _prompt_offsets(run: GenerationRun) -> list[int]:
     """Each prompt token's character offset in the echoed text. Where the tokenizer
     maps the echoed text back to the same tokens with offsets (a fast tokenizer and a
     string prompt), those: a token the tokenizer adds (a BOS token) is at 0 and takes
@@ -181,12 +199,13 @@ def _prompt_offsets(run: GenerationRun, tokens: list[str]) -> list[int]:
         encoded = run.tokenizer(run.echo, return_offsets_mapping=True)
         if list(encoded["input_ids"]) == list(run.request.prompt_tokens):
             return [int(start) for start, _ in encoded["offset_mapping"]]
-    return _offsets(tokens, 0)
+    pieces = [bytes(token_bytes(run.tokenizer, token)) for token in run.request.prompt_tokens]
+    return TextOffsets(0).take(pieces)
 
 
 def _echoed_logprobs(run: GenerationRun) -> dict[str, Any] | None:
     """A completion choice's ``logprobs``: the scored prompt's, then the completion's."""
-    generated = completion_logprobs(run, run.logprobs, len(run.echo))
+    generated = completion_logprobs(run, run.logprobs, TextOffsets(len(run.echo)))
     prompt = prompt_logprobs(run)
     if prompt is None or generated is None:
         return generated
@@ -296,15 +315,15 @@ def _choice(
     return {"text": text or "", **common}
 
 
-def _chunk_logprobs(run: GenerationRun, sent: int) -> dict[str, Any] | None:
-    """The log-probabilities of the tokens not streamed yet (``sent``: characters of
-    text streamed before them, for completion offsets)."""
+def _chunk_logprobs(run: GenerationRun, offsets: TextOffsets) -> dict[str, Any] | None:
+    """The log-probabilities of the tokens not streamed yet (``offsets``: the
+    completion's text offsets so far)."""
     entries = run.take_logprobs()
     if not entries:
         return None
     if run.prepared.kind == "chat":
         return chat_logprobs(run, entries)
-    return completion_logprobs(run, entries, sent)
+    return completion_logprobs(run, entries, offsets)
 
 
 async def sse_events(
@@ -377,13 +396,12 @@ async def _choice_events(
     # as tool-call deltas once the answer is complete.
     answer = tools.prefix if tools is not None else ""
     released = 0
-    sent = 0
     # A reasoning model's thought goes out as ``reasoning_content`` deltas.
     thinking = run.prepared.reasoning if chat else None
     splitter = splitter_for(thinking) if thinking is not None else None
     if run.prepared.echo:  # the prompt's text (and scores) before the completion's
         yield sse(_chunk(run, [_choice(run, run.echo, None, prompt_logprobs(run))])), False
-        sent = len(run.echo)
+    offsets = TextOffsets(len(run.echo) if run.prepared.echo else 0)
     try:
         ended = False
         while not ended:
@@ -397,15 +415,17 @@ async def _choice_events(
             if thought:
                 delta = {"reasoning_content": thought}
                 choice = {"index": run.index, "delta": delta, "finish_reason": None}
-                yield sse(_chunk(run, [{**choice, "logprobs": _chunk_logprobs(run, sent)}])), False
+                yield (
+                    sse(_chunk(run, [{**choice, "logprobs": _chunk_logprobs(run, offsets)}])),
+                    False,
+                )
             if tools is not None and text:
                 answer += text
                 cut = max(released, tools.hold_start(answer))
                 text, released = answer[released:cut], cut
             if text:
-                choice = _choice(run, text, None, _chunk_logprobs(run, sent))
+                choice = _choice(run, text, None, _chunk_logprobs(run, offsets))
                 yield sse(_chunk(run, [choice])), False
-                sent += len(text)
     except MeshError as exc:
         logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
         yield sse(from_mesh_error(exc, retry_after_s).body()), True
@@ -428,7 +448,7 @@ async def _choice_events(
                 choice = {"index": run.index, "delta": delta, "logprobs": None}
                 yield sse(_chunk(run, [{**choice, "finish_reason": None}])), False
             finish = "length" if finish == "length" else "tool_calls"
-    last = _chunk(run, [_choice(run, None, finish, _chunk_logprobs(run, sent))])
+    last = _chunk(run, [_choice(run, None, finish, _chunk_logprobs(run, offsets))])
     last["timings"] = run.timings()
     yield sse(last), False
 

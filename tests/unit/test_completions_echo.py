@@ -53,8 +53,9 @@ def assert_scores_match(
         expected = {
             tokenizer.decode([t]): v for t, v in zip(indices.tolist(), values.tolist(), strict=True)
         }
-        # The scored token itself is always there too (OpenAI's: up to k + 1).
-        expected.setdefault(tokenizer.decode([token]), float(row[token]))
+        # The scored token itself is always there too (OpenAI's: up to k + 1), with
+        # its own value where another token shares its text.
+        expected[tokenizer.decode([token])] = float(row[token])
         assert top.keys() == expected.keys()
         for text, value in expected.items():
             assert top[text] == pytest.approx(value, abs=1e-4)
@@ -348,3 +349,50 @@ def test_legacy_top_logprobs_always_hold_the_sampled_token(tokenizer) -> None:
         top = reply["choices"][0]["logprobs"]["top_logprobs"][0]
         assert top[tokenizer.decode([sampled])] == -3.0
         assert len(top) == k + 1
+
+
+@pytest.mark.parametrize("chunks", [(1,), (2, 3), (5,), (100,)])
+def test_text_offsets_count_characters_however_the_tokens_are_grouped(
+    smollm2_tokenizer, chunks: tuple[int, ...]
+) -> None:
+    """An answer of characters split over several byte-level tokens (emoji, Hebrew,
+    CJK): each token's ``text_offset`` is where its character starts in the returned
+    text (every part of a character at the same place), streamed equal to unstreamed
+    whatever tokens each event carries (before, each part counted one character, and
+    a stream counted from the start of each chunk), and a completion's
+    ``top_logprobs`` keep the chosen token's own value where parts share a text."""
+    from frontend_support import ScriptedBackend
+
+    from mesh.frames import TokenLogprob
+    from stage.frontend.backend import TokenEvent
+
+    answer = " 🌍🚀 שלום 长走\nok"
+    ids = smollm2_tokenizer.encode(answer, add_special_tokens=False)
+    assert len(ids) > len(answer)  # characters span several tokens
+    other = smollm2_tokenizer.encode("🎉", add_special_tokens=False)[0]
+    scores = [TokenLogprob(-0.5, ((other, -0.1), (token, -0.5))) for token in ids]
+    events, start = [], 0
+    for size in [*chunks * len(ids)][: len(ids)]:
+        if start >= len(ids):
+            break
+        part = ids[start : start + size]
+        events.append(TokenEvent(tuple(part), None, logprobs=tuple(scores[start : start + size])))
+        start += size
+    events[-1] = TokenEvent(events[-1].token_ids, "stop", logprobs=events[-1].logprobs)
+    backend = ScriptedBackend(events)
+    body = {"model": MODEL_ID, "prompt": "Say it", "max_tokens": 64, "logprobs": 2}
+    with live_server(backend, smollm2_tokenizer) as url, httpx.Client(base_url=url) as http:
+        whole = http.post(COMPLETIONS, json=body).json()["choices"][0]
+        with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as reply:
+            lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: {")]
+    text, logprobs = whole["text"], whole["logprobs"]
+    assert text == answer
+    offsets = logprobs["text_offset"]
+    # Token i is where the whole characters of the tokens before it end.
+    expected = [len(smollm2_tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert offsets == expected and offsets[-1] < len(text)
+    streamed = [json.loads(line)["choices"][0]["logprobs"] for line in lines]
+    joined = [o for part in streamed if part for o in part["text_offset"]]
+    assert joined == offsets
+    for i, top in enumerate(logprobs["top_logprobs"]):
+        assert top[logprobs["tokens"][i]] == logprobs["token_logprobs"][i]
