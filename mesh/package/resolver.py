@@ -247,15 +247,22 @@ class _Job:
         try:
             found = PackageManifest.load(origin.local_dir).sha256()
         except PackageError as error:
-            found = f"unreadable ({error.message})"
+            logger.warning(
+                "%s holds no package this stage can read (%s): fetching the slice from %s",
+                origin.local_dir,
+                error,
+                self.remote.describe(),
+            )
+            return PackageOrigin(ref=self.ref, remote=self.remote)
         if found == self.expected:
             return origin
         logger.warning(
             "the package at %s is not the coordinator's (manifest %s, the coordinator "
-            "serves %s): fetching the slice from the coordinator instead",
+            "serves %s): fetching the slice from %s instead",
             origin.local_dir,
             found[:12],
             self.expected[:12],
+            self.remote.describe(),
         )
         return PackageOrigin(ref=self.ref, remote=self.remote)
 

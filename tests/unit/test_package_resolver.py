@@ -264,6 +264,16 @@ def test_a_stale_local_copy_is_passed_over_for_the_coordinator_s(
         assert (inventory.local_dir / entry.path).read_bytes() == (served / entry.path).read_bytes()
     assert "is not the coordinator's" in caplog.text
 
+    # An empty directory at the path (a mount that is not there) is no package.
+    empty = tmp_path / "empty-mount"
+    empty.mkdir()
+    caplog.clear()
+    fetched = SliceResolver(tmp_path / "cache-3", remote=OtherHost(served))
+    fetched.start(str(empty), LayerRange(2, 4), expected=expected)
+    assert fetched.wait(timeout_s=60).state == "ready" and fetched.remote.sent
+    assert f"{empty} holds no package this stage can read" in caplog.text
+    assert "from the coordinator at test:1" in caplog.text
+
     # The copy that is the coordinator's is read here, as before.
     same = SliceResolver(tmp_path / "cache-2", remote=OtherHost(package))
     same.start(str(package), LayerRange(2, 4), expected=PackageManifest.load(package).sha256())
