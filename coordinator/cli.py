@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,8 +48,12 @@ from mesh.netaddr import (
     split_host_port,
     url_host,
 )
+from mesh.package.default import default_package_dir
+from mesh.package.embedded import DEFAULT_MODEL_ID
+from mesh.package.manifest import MANIFEST_NAME
 from mesh.proto.v1 import coordinator_pb2_grpc
 from mesh.security import (
+    TOKEN_ENV,
     MeshSecurity,
     active,
     add_security_arguments,
@@ -275,6 +280,29 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             ) from None
 
 
+def _print_up_config(args: argparse.Namespace, config: UpConfig) -> int:
+    """``up --print-config``: every setting with its value and source, building and
+    starting nothing. The default package is read only once it is built (its
+    speculation block then shows among the layers)."""
+    coord = config.coordinator.value
+    model_id, generation = DEFAULT_MODEL_ID, None
+    ref: str | None = coord.model
+    if ref == DEFAULT_MODEL:
+        built = default_package_dir(coord.quant)
+        ref = str(built) if (built / MANIFEST_NAME).is_file() else None
+    if ref is not None:
+        model = read_model(_resolve_model_ref(ref))
+        model_id, generation = model.manifest.model_id, model.manifest.generation
+    given = cli_speculation_args(args)
+    speculation = speculation_layers(given, dict(config.toml), model_id)
+    resolve_speculation(given, dict(config.toml), model_id, generation, no_draft=args.no_draft)
+    extra = [
+        (f"speculation.{k}", v, where) for where, layer in speculation for k, v in layer.items()
+    ]
+    print_config([config.coordinator, config.stage, config.frontend], extra)
+    return 0
+
+
 def _spawn_stage(command: list[str], security: MeshSecurity) -> subprocess.Popen:
     # Up gives its local stages their settings on the command line; a MESH_STAGE_*
     # variable of up's environment is not theirs (MESH_STAGE_DATA_PORT would have
@@ -290,6 +318,8 @@ def up(args: argparse.Namespace) -> int:
     coord = config.coordinator.value
     serving = config.frontend.value
     configure_logging(coord.log_level, prefix="coordinator")
+    if args.print_config:
+        return _print_up_config(args, config)
     # What cannot work is refused before anything is said about the rest.
     ref = _resolve_model_ref(coord.model, coord.quant)
     model = read_model(ref)
@@ -304,12 +334,6 @@ def up(args: argparse.Namespace) -> int:
         model.manifest.generation,
         no_draft=args.no_draft,
     )
-    if args.print_config:
-        extra = [
-            (f"speculation.{k}", v, where) for where, layer in speculation for k, v in layer.items()
-        ]
-        print_config([config.coordinator, config.stage, config.frontend], extra)
-        return 0
     if not coord.no_local_stage:
         check_port_free(serving.http_host, serving.http_port, "--http-port")
         if serving.api_key_file is not None:
@@ -400,7 +424,13 @@ def up(args: argparse.Namespace) -> int:
         state = service.state
         if state.mesh_state == "serving" and state.term != announced_term:
             announced_term = state.term
-            _announce(service, public, coord.state_file, _key_example(serving.api_key_file))
+            _announce(
+                service,
+                public,
+                coord.state_file,
+                _key_example(serving.api_key_file),
+                _status_command(public, args, security),
+            )
         if stopped.is_set():
             break
         failed = stages.check(served=bool(announced_term))
@@ -461,11 +491,27 @@ def _key_example(key_file: Path | None) -> tuple[str, str]:
     return "", "'none'"
 
 
+def _status_command(address: str, args: argparse.Namespace, security: MeshSecurity) -> str:
+    """The ``status`` command for this mesh as an operator would paste it: with the
+    TLS flags and the join token's file this ``up`` was given (a token from the
+    environment is named, never printed)."""
+    argv = ["mesh-coordinator", "status", "--coordinator", address, *security.child_argv()]
+    note = ""
+    if security.join_token:
+        token_file = getattr(args, "join_token_file", None)
+        if token_file is not None:
+            argv += ["--join-token-file", str(Path(token_file).absolute())]
+        else:
+            note = f"  (with {TOKEN_ENV} set to the join token)"
+    return shlex.join(argv) + note
+
+
 def _announce(
     service: CoordinatorService,
     address: str,
     state_file: Path | None,
     key: tuple[str, str] = ("", "'none'"),
+    status_command: str | None = None,
 ) -> None:
     status = service.status()
     url = status.http_url
@@ -487,7 +533,8 @@ def _announce(
             "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)\"",
         ]
         lines.append(f"Status page: {url}/status")
-    lines.append(f"Topology: mesh-coordinator status --coordinator {address}")
+    status_command = status_command or f"mesh-coordinator status --coordinator {address}"
+    lines.append(f"Topology: {status_command}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
     try:

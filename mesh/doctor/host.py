@@ -126,7 +126,14 @@ def _command_of(pid_dir: Path) -> str:
     if not words:
         return comm
     if Path(words[0]).name.startswith("python") and len(words) > 1:
-        rest = words[2:] if words[1] == "-m" else [Path(words[1]).name, *words[2:]]
+        args = words[1:]
+        # Interpreter flags before the script or module (``python -P -m stage.cli``).
+        while args and args[0].startswith("-") and args[0] != "-m":
+            args = args[1:]
+        if args and args[0] == "-m":
+            rest = args[1:]
+        else:
+            rest = [Path(args[0]).name, *args[1:]] if args else []
         return " ".join(rest[:2]) or comm
     return Path(words[0]).name
 

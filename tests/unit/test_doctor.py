@@ -488,3 +488,22 @@ def test_a_listener_is_named_by_its_command_not_its_cut_comm(tmp_path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "named"),
+    [
+        (["/v/bin/python", "-P", "-m", "stage.cli", "join", "--x"], "stage.cli join"),
+        (["/v/bin/python3.11", "-m", "coordinator.cli", "up"], "coordinator.cli up"),
+        (["/v/bin/python", "-u", "/v/bin/mesh-coordinator", "up"], "mesh-coordinator up"),
+        (["/usr/sbin/nginx", "-g", "daemon off;"], "nginx"),
+    ],
+)
+def test_a_port_holder_is_named_as_an_operator_knows_it(tmp_path, cmdline, named) -> None:
+    """``up`` runs its local stages as ``python -P -m stage.cli join``: the holder of a
+    port is named ``stage.cli join``, not by the interpreter's flags."""
+    from mesh.doctor.host import _command_of
+
+    (tmp_path / "comm").write_text("python\n")
+    (tmp_path / "cmdline").write_bytes(b"\0".join(a.encode() for a in cmdline) + b"\0")
+    assert _command_of(tmp_path) == named

@@ -202,3 +202,50 @@ def test_an_unknown_variable_of_a_section_is_said_with_the_closest_name(caplog) 
     assert "MESH_STAGE_THREDS is not a [stage] setting" in caplog.text
     assert "did you mean MESH_STAGE_THREADS?" in caplog.text
     assert "MESH_JOIN_TOKEN" not in caplog.text
+
+
+def test_up_print_config_builds_nothing(tmp_path: Path) -> None:
+    """``up --print-config`` with the default model and no package built yet prints
+    and exits at once: it does not build the default package (a dry run)."""
+    home = tmp_path / "home"
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "up", "--print-config", "--spec-type", "ngram"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"MESH_HOME": str(home), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert not home.exists() or not any(home.rglob("*.safetensors"))
+    assert "building the default package" not in done.stderr
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()}
+    assert '"default"' in lines["coordinator.model"]
+    assert "(built-in default)" in lines["frontend.max_queued"]
+    assert "CLI" in lines["speculation.type"] and '"ngram"' in lines["speculation.type"]
+
+
+def test_the_start_up_banner_s_status_command_carries_the_security_flags(tmp_path: Path) -> None:
+    """``up`` prints a ``status`` command to paste: on a secured mesh it names the TLS
+    files and the join token's file (a token from the environment is named, never
+    printed), so that it works as printed."""
+    import argparse
+
+    from coordinator.cli import _status_command
+    from mesh.security import MeshSecurity
+
+    plain = _status_command("10.0.0.1:7070", argparse.Namespace(), MeshSecurity())
+    assert plain == "mesh-coordinator status --coordinator 10.0.0.1:7070"
+    certs = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    secured = MeshSecurity(
+        join_token="s3cret-token-value",
+        tls_cert=certs["cert"],
+        tls_key=certs["key"],
+        tls_ca=certs["ca"],
+        tls_mutual=True,
+    )
+    given = argparse.Namespace(join_token_file=tmp_path / "token")
+    command = _status_command("10.0.0.1:7070", given, secured)
+    assert f"--tls-ca {certs['ca']}" in command and "--tls-mutual" in command
+    assert f"--join-token-file {tmp_path / 'token'}" in command
+    from_env = _status_command("10.0.0.1:7070", argparse.Namespace(), secured)
+    assert "MESH_JOIN_TOKEN" in from_env and "s3cret" not in from_env
