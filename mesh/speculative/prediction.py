@@ -13,9 +13,11 @@ the cursor is lost, or past the prediction's end, the server's own drafter (if a
 proposes. Drafts never change the output: verification keeps only tokens the
 target model would have produced.
 
-``accepted_tokens`` counts prediction tokens the output reproduced in place;
-``rejected_tokens`` is the rest of the prediction (the meanings OpenAI gives
-``accepted_prediction_tokens`` and ``rejected_prediction_tokens``).
+``accepted_tokens`` counts prediction tokens the output reproduced in place, each
+at most once (an output that repeats the predicted text again does not accept its
+tokens twice); ``rejected_tokens`` is the rest of the prediction (the meanings
+OpenAI gives ``accepted_prediction_tokens`` and ``rejected_prediction_tokens``:
+they sum to the prediction's length).
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class PredictionDrafter(Drafter):
         self._cursor: int | None = 0
         self._furthest = 0
         self.accepted_tokens = 0
+        # The prediction places accepted so far, in order (a rollback unmarks the
+        # latest), and a mark per place.
+        self._marked: list[int] = []
+        self._seen = bytearray(len(self.prediction))
         self._history: list[tuple[int, int | None, int, int]] = []
         self._source: Drafter | None = None
         self._fallback_accepted: tuple[int, list[int]] | None = None
@@ -114,6 +120,8 @@ class PredictionDrafter(Drafter):
     def _on_begin(self, prompt_text: str | None) -> None:
         self._prompt_length = len(self._tokens)
         self._cursor, self._furthest, self.accepted_tokens = 0, 0, 0
+        self._marked = []
+        self._seen = bytearray(len(self.prediction))
         self._history = []
         self._source = None
         if self.fallback is not None:
@@ -158,7 +166,14 @@ class PredictionDrafter(Drafter):
             if start < length:
                 _, self._cursor, self._furthest, self.accepted_tokens = self._history.pop()
                 self._history.append((start, self._cursor, self._furthest, self.accepted_tokens))
+                self._unmark()
                 self._follow(start, length)
+        self._unmark()
+
+    def _unmark(self) -> None:
+        """Forget the places accepted after the state ``accepted_tokens`` was restored to."""
+        while len(self._marked) > self.accepted_tokens:
+            self._seen[self._marked.pop()] = 0
 
     def _on_finish(self) -> None:
         if self.fallback is not None:
@@ -176,7 +191,10 @@ class PredictionDrafter(Drafter):
                 if self.prediction[cursor] == token:
                     self._cursor = cursor + 1
                     self._furthest = max(self._furthest, self._cursor)
-                    self.accepted_tokens += 1
+                    if not self._seen[cursor]:
+                        self._seen[cursor] = 1
+                        self._marked.append(cursor)
+                        self.accepted_tokens += 1
                     continue
             self._cursor = None
             self._realign(index + 1)

@@ -106,6 +106,11 @@ def test_counts_split_the_prediction() -> None:
     assert accepted + rejected == len(PREDICTION) and accepted >= 34
     assert prediction_counts([], [1, 2, 3]) == (0, 0)
     assert prediction_counts(PREDICTION, [1, 2, 3]) == (0, 40)
+    # An output that repeats the predicted text accepts each predicted token once:
+    # the counts still split the prediction (before: 39 accepted of 10, -29 rejected).
+    short = PREDICTION[:10]
+    assert prediction_counts(short, short * 4) == (10, 0)
+    assert prediction_counts(short, short[:6] + [1, 2] + short * 3) == (10, 0)
 
 
 # ---- lossless: the speculation loop over a toy target --------------------------------
