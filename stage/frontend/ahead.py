@@ -132,9 +132,12 @@ def settle(tracked: Tracked, answered: InFlight, accepted: int, counters: AheadC
 
 
 def end_ahead(tracked: Tracked, counters: AheadCounters) -> None:
-    """The request ended with windows ahead in flight: their rows were computed for
-    nothing (counted as wasted, not as refuted)."""
-    counters.wasted_tokens += sum(f.segment.token_count for f in tracked.ahead)
+    """The request ended (its last token, a stop string, its client gone) with windows
+    ahead in flight: their rows were computed for nothing (counted as wasted, for the
+    mesh and the request, not as refuted)."""
+    wasted = sum(f.segment.token_count for f in tracked.ahead)
+    counters.wasted_tokens += wasted
+    tracked.run.ahead_wasted += wasted
     tracked.ahead.clear()
 
 

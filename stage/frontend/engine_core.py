@@ -154,6 +154,7 @@ class EngineCore(PromptSteps):
         tracked = self.running.pop(request_id, None)
         if tracked is None:
             return
+        ahead.end_ahead(tracked, self.ahead)
         if tracked.prefilled or tracked.in_flight is not None:
             self._ends.extend(self._end_segments(tracked, keep))
         self._admit()
@@ -621,7 +622,6 @@ class EngineCore(PromptSteps):
             return self._fail(run.request.request_id, error)
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
-            ahead.end_ahead(tracked, self.ahead)
             self.cancel(run.request.request_id)
         elif flight.segment.kind is not SegmentKind.PREFILL:
             ahead.settle(tracked, flight, answer.accepted_count, self.ahead)

@@ -336,9 +336,10 @@ class _EngineCollector(Collector):
             ),
             CounterMetricFamily(
                 "mesh_verify_dropped_segments",
-                "Windows drafted ahead found stale, by where: stage0 (voided on a verdict "
-                "that refuted them) and last_stage (answered unrun by the last stage, "
-                "which checks each against the session's latest verdict).",
+                "Windows drafted ahead found stale: stage0 counts every window a verdict "
+                "refuted (voided on stage 0); last_stage counts those of them the last "
+                "stage answered unrun (it checks each against the session's latest "
+                "verdict). Not a split: the second is part of the first.",
                 labels=("where",),
             ),
         ]

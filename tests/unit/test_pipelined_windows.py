@@ -192,3 +192,32 @@ def test_a_request_reports_its_windows_ahead() -> None:
     assert stats["windows_dropped"] == core.ahead.dropped
     assert stats["wasted_tokens"] == core.ahead.wasted_tokens
     assert stats["depth"] == run.deepest > 1
+
+
+def test_windows_ahead_in_flight_when_the_client_leaves_count_as_wasted() -> None:
+    """A request cancelled (its client gone, or a stop string cut in the HTTP layer)
+    while windows ahead are in flight: their rows were computed for nothing, counted
+    for the mesh and in the request's own ``wasted_tokens`` alike (before, only a
+    request that ended on its own last token counted them, and only for the mesh)."""
+    from collections import deque
+
+    core, clock = make_core(0.0, 4, seed=2)
+    pipe = FakePipeline(step_ms=10.0)
+    run = core.add(request("c", PROMPTS["a"], max_new=200))
+    pending: deque = deque()
+    for _ in range(400):
+        while (frame := core.next_frame()) is not None:
+            pending.append(frame)
+        tracked = core.running.get("c")
+        if tracked is not None and tracked.ahead and run.produced > 10:
+            break
+        clock.now += 0.02
+        core.on_result(pipe.answer(pending.popleft()))
+    else:
+        raise AssertionError("no window was ever drafted ahead")
+    in_flight = sum(f.segment.token_count for f in core.running["c"].ahead)
+    before = core.ahead.wasted_tokens
+    core.cancel("c")
+    assert core.ahead.wasted_tokens == before + in_flight > before
+    assert run.ahead_wasted == core.ahead.wasted_tokens
+    assert run.stats().speculation["wasted_tokens"] == run.ahead_wasted
