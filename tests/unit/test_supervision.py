@@ -167,6 +167,16 @@ def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
     assert plans[-1] == ("head",) and service.state.mesh_state == "serving"
 
 
+def _service(tiny_package_factory, **settings) -> CoordinatorService:
+    """A coordinator service over a 6-layer tiny package that reaches every node."""
+    package = tiny_package_factory("llama", layers=6)
+    model = read_model(str(package))
+    load = LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    service = CoordinatorService(model, CoordinatorSettings(load=load, **settings))
+    service._unreachable = lambda plan, state: []
+    return service
+
+
 @pytest.mark.parametrize(("link", "blamed"), [("forward", "w1"), ("return", "w2")])
 def test_a_data_link_that_cannot_be_opened_is_held_against_the_node_it_was_to_reach(
     link: str, blamed: str, tiny_package_factory, caplog: pytest.LogCaptureFixture
@@ -180,14 +190,7 @@ def test_a_data_link_that_cannot_be_opened_is_held_against_the_node_it_was_to_re
     from coordinator.driver import LoadError, LoadOutcome
     from mesh.codec import Ready
 
-    package = tiny_package_factory("llama", layers=6)
-    model = read_model(str(package))
-    settings = CoordinatorSettings(
-        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id),
-        min_stages=3,
-    )
-    service = CoordinatorService(model, settings)
-    service._unreachable = lambda plan, state: []
+    service = _service(tiny_package_factory, min_stages=3)
     plans: list[tuple[str, ...]] = []
 
     class Driver:
@@ -425,14 +428,7 @@ def test_a_stage_lost_while_the_pipeline_loads_ends_the_attempt_at_once(
     from coordinator.driver import LoadError, LoadOutcome
     from mesh.codec import Ready
 
-    package = tiny_package_factory("llama", layers=6)
-    model = read_model(str(package))
-    settings = CoordinatorSettings(
-        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id),
-        heartbeat_timeout_s=0.3,
-    )
-    service = CoordinatorService(model, settings)
-    service._unreachable = lambda plan, state: []
+    service = _service(tiny_package_factory, heartbeat_timeout_s=0.3)
     plans: list[tuple[str, ...]] = []
 
     class Driver:
