@@ -26,6 +26,7 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from mesh.errors import (
     CapacityExceeded,
@@ -623,6 +624,9 @@ class EngineCore(PromptSteps):
         event = run.commit(emitted, answer.logprobs)
         if event.finish_reason is not None:
             self.cancel(run.request.request_id)
+            if run.ahead_sent:
+                # The windows ahead it ended with are wasted: in its figures too.
+                event = replace(event, stats=run.stats())
         elif flight.segment.kind is not SegmentKind.PREFILL:
             ahead.settle(tracked, flight, answer.accepted_count, self.ahead)
         return Outcome(run.request.request_id, event=event)

@@ -8,6 +8,7 @@ retryable ones (429, 503) carry ``Retry-After``.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -87,6 +88,11 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
 
 
+# A union member that is a model is tagged by its class name (``SpeculationControl``):
+# not a field of the request (those are lower case).
+_MODEL_TAG = re.compile(r"[A-Z][A-Za-z0-9]*")
+
+
 def _clean_loc(loc: tuple) -> tuple[str, ...]:
     """The data path of a pydantic error, without its source ('body', 'query', ...)
     and without union member tags."""
@@ -95,7 +101,7 @@ def _clean_loc(loc: tuple) -> tuple[str, ...]:
     parts = []
     for part in loc:
         text = str(part)
-        if text in _TYPE_TAGS or "[" in text or "-" in text:
+        if text in _TYPE_TAGS or "[" in text or "-" in text or _MODEL_TAG.fullmatch(text):
             continue
         parts.append(text)
     return tuple(parts)
@@ -113,6 +119,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
         return bad_request("the request body is invalid")
     depth = max(len(loc) for loc, _ in errors)
     deepest = [(loc, e) for loc, e in errors if len(loc) == depth]
+    # An unknown field says more than the field it may have been meant for.
+    deepest.sort(key=lambda item: item[1].get("type") != "extra_forbidden")
     loc, first = deepest[0]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"

@@ -97,6 +97,8 @@ class ResponseFormat(_Body):
 
 
 class PredictionTextPart(_Body):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
     type: Literal["text"]
     text: Str
 
@@ -104,6 +106,8 @@ class PredictionTextPart(_Body):
 class Prediction(_Body):
     """OpenAI's Predicted Outputs: the text the client expects back (typically the
     file being edited), drafted from; it never changes the output."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     type: Literal["content"]
     content: (
@@ -148,6 +152,8 @@ class StructuredOutputs(_Body):
 
 class SpeculationControl(_Body):
     """The ``speculation`` extension as an object: a cap on this request's window."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     max_window: Annotated[int, Strict(), Field(ge=1, le=MAX_WINDOW)]
 

@@ -246,10 +246,37 @@ def with_(body: dict, **changes) -> dict:
         (CHAT, with_(OK_CHAT, stream=True, stream_options={"bogus": True}), "stream_options"),
         (COMPLETIONS, with_(OK_COMPLETION, prompt=[[1, 2], []]), "prompt"),
         ("/v1/responses", {"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        (
+            CHAT,
+            with_(OK_CHAT, prediction={"type": "content", "content": "x", "l": 1}),
+            "prediction",
+        ),
+        (
+            COMPLETIONS,
+            with_(
+                OK_COMPLETION,
+                prediction={"type": "content", "content": [{"type": "text", "text": "x", "l": 1}]},
+            ),
+            "prediction",
+        ),
+        (CHAT, with_(OK_CHAT, speculation={"max_window": 0}), "speculation"),
+        (CHAT, with_(OK_CHAT, speculation={"window": 4}), "speculation"),
     ],
 )
 def test_bad_parameters_are_400(http, path: str, body: dict, param: str) -> None:
     assert_openai_error(http.post(path, json=body), 400, param=param)
+
+
+def test_an_error_in_a_member_object_names_fields_not_classes(http) -> None:
+    """A union member that is an object is named by its fields alone, and an unknown
+    field is named before a missing one."""
+    reply = http.post(CHAT, json=with_(OK_CHAT, speculation={"window": 4})).json()
+    assert reply["error"]["message"] == (
+        "invalid value for 'speculation.window': Extra inputs are not permitted"
+    )
+    reply = http.post(CHAT, json=with_(OK_CHAT, speculation={"max_window": 99})).json()
+    assert "'speculation.max_window'" in reply["error"]["message"]
+    assert "Control" not in reply["error"]["message"]
 
 
 @pytest.mark.parametrize(("path", "field"), [(CHAT, "messages"), (COMPLETIONS, "prompt")])
