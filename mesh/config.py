@@ -202,7 +202,9 @@ def _check_value(key: str, value: Any, where: str) -> Any:
         return _check_int(value, key, where, 0, CORPUS_TOKENS_LIMIT)
     if key == "corpus_scope":
         return _check_choice(value, key, where, CORPUS_SCOPES)
-    return _check_int(value, key, where, 0, MAX_WINDOW_LIMIT)
+    # A window of at most 0 drafts would never draft: speculation off says that.
+    low = 1 if key == "window_policy.max_window" else 0
+    return _check_int(value, key, where, low, MAX_WINDOW_LIMIT)
 
 
 def flatten_layer(table: Any, where: str, allow_strategy: bool) -> dict[str, Any]:

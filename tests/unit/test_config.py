@@ -188,6 +188,7 @@ def test_type_ngram_drops_an_inherited_draft_model() -> None:
         ({}, toml_with(defaults={"p_min": 1.5}), r"p_min must be a number in \[0, 1\)"),
         ({}, toml_with(defaults={"auto": "yes"}), "auto must be true or false"),
         ({"max_window": 100}, {}, r"CLI --max-window: window_policy.max_window must be an integer"),
+        ({"max_window": 0}, {}, r"max_window must be an integer in \[1, 64\], got 0"),
         ({"ngram_min": 5}, {}, "ngram_min=5 from CLI exceeds ngram_max=4 from package"),
         ({"max_window": 2, "initial_window": 3}, {}, "min_window <= initial_window <= max_window"),
         ({"min_window": 0, "initial_window": 0}, {}, "min_window=0 from CLI must be >= 1"),
