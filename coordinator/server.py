@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 import uuid
@@ -37,7 +38,8 @@ from mesh.codec import (
 from mesh.codec_coordinator import check_join
 from mesh.errors import MeshError
 from mesh.grpc_util import abort_with, channel
-from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from mesh.netaddr import split_host_port
+from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, data_pb2, data_pb2_grpc
 from mesh.settings.sections import CoordinatorConfig
 from mesh.types import LayerRange, check_term
 
@@ -469,6 +471,10 @@ class CoordinatorService:
                             "the coordinator and the other stages can reach",
                         )
                     )
+                    continue
+                problem = _data_port_problem(channels[stage.node_id])
+                if problem:
+                    failed.append((stage.node_id, problem))
             return failed
         finally:
             for ch in channels.values():
@@ -781,3 +787,29 @@ def _to_blame(plan: Plan, error: LoadError) -> StageAssignment | None:
         return stage
     following = [s for s in plan.stages if s.stage_index == stage.stage_index + 1]
     return following[0] if following else stage
+
+
+def _data_port_problem(ch: grpc.Channel) -> str | None:
+    """Why the stage behind ``ch`` cannot take data links, or None: its framed TCP
+    data port (which it names over gRPC) does not accept a connection from here, as
+    when a firewall opens only its control port. A node found so before a load is
+    left out of it, instead of failing the load after the serving stages were fenced.
+    A stage without that port (``--data-transport grpc``) or that does not say is
+    not judged here."""
+    try:
+        reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
+            data_pb2.EndpointRequest(), timeout=REACH_TIMEOUT_S
+        )
+    except grpc.RpcError:
+        return None
+    if not reply.tcp:
+        return None
+    try:
+        host, port = split_host_port(reply.tcp)
+        socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+    except (OSError, ValueError) as error:
+        return (
+            f"its data port {reply.tcp} does not accept connections ({error}): open it to "
+            "the other stages (the stage's --data-port), as well as its control port"
+        )
+    return None

@@ -458,3 +458,45 @@ def test_a_stage_lost_while_the_pipeline_loads_ends_the_attempt_at_once(
     assert service._failures == 0 and service._last_attempt == 0.0
     service._load_once()
     assert plans[-1] == ("head", "w2") and service.state.mesh_state == "serving"
+
+
+def test_a_node_whose_data_port_does_not_answer_is_found_before_a_load() -> None:
+    """Before a load, the coordinator also dials the data port a node names over gRPC
+    (a firewall that opens only the control port): found there, the node is left out
+    before anything is fenced, instead of a load that fails at its link after the
+    serving stages were released (each time its quarantine ended)."""
+    import socket
+
+    from coordinator.server import _data_port_problem
+    from mesh.grpc_util import bind, channel, new_server
+    from mesh.proto.v1 import data_pb2, data_pb2_grpc
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing accepts here any more
+
+    class Data(data_pb2_grpc.StageDataServicer):
+        tcp = ""
+
+        def Endpoint(self, request, context):
+            return data_pb2.EndpointReply(tcp=self.tcp, tls=False)
+
+    data = Data()
+    server = new_server(2)
+    data_pb2_grpc.add_StageDataServicer_to_server(data, server)
+    address = f"127.0.0.1:{bind(server, '127.0.0.1:0')}"
+    server.start()
+    ch = channel(address)
+    try:
+        data.tcp = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert _data_port_problem(ch) is None
+        data.tcp = f"127.0.0.1:{closed_port}"
+        problem = _data_port_problem(ch)
+        assert problem is not None and f"data port 127.0.0.1:{closed_port}" in problem
+        data.tcp = ""  # data over gRPC: nothing to dial
+        assert _data_port_problem(ch) is None
+    finally:
+        ch.close()
+        server.stop(0)
+        listening.close()
