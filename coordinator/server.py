@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 STAGE_RETRY_MAX_S = 5.0
 # How long the coordinator tries to connect to a planned node before a load.
 REACH_TIMEOUT_S = 3.0
-# Load steps whose failure at a worker leaves that worker out of plans for a while.
-QUARANTINED_STEPS = frozenset({"Prepare", "Inventory", "Load"})
+# Load steps whose failure at a worker leaves that worker out of plans for a while
+# (a Claim a worker refuses or cannot answer: an --advertise address where another
+# service listens, a process that is not a stage).
+QUARANTINED_STEPS = frozenset({"Claim", "Prepare", "Inventory", "Load"})
 
 
 @dataclass(frozen=True)
@@ -546,7 +548,10 @@ class CoordinatorService:
             stage = error.stage
             is_newcomer = stage is not None and stage in newcomers
             if is_newcomer and error.step in QUARANTINED_STEPS:
-                self._quarantine(stage.node_id, "it could not prepare its slice", error)
+                why = "it could not prepare its slice"
+                if error.step == "Claim":
+                    why = "it did not take the Claim"
+                self._quarantine(stage.node_id, why, error)
                 self._last_attempt = 0.0
             self._failed(error.message)
             return False

@@ -128,10 +128,18 @@ def test_a_node_the_coordinator_cannot_reach_is_left_out_before_anything_is_clai
         server.stop(0)
 
 
+@pytest.mark.parametrize(
+    ("step", "cause"),
+    [
+        ("Prepare", "sha256 mismatch in layers/00002.safetensors"),
+        ("Claim", "UNIMPLEMENTED: Method not found!"),
+    ],
+)
 def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
-    tiny_package_factory, caplog: pytest.LogCaptureFixture
+    step: str, cause: str, tiny_package_factory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A worker's Prepare fails (a corrupt local copy of the package): the worker is
+    """A worker's Prepare fails (a corrupt local copy of the package), or its Claim
+    (another gRPC service at the address it advertised): the worker is
     quarantined and the next attempt, at once, plans without it (before, the same
     plan was tried again and again with backoff while the mesh served nothing)."""
     from coordinator.driver import LoadError, LoadOutcome
@@ -151,7 +159,7 @@ def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
             plans.append(tuple(s.node_id for s in plan.stages))
             bad = [s for s in plan.stages if s.node_id == "corrupt"]
             if bad:
-                raise LoadError(bad[0], "Prepare", "sha256 mismatch in layers/00002.safetensors")
+                raise LoadError(bad[0], step, cause)
             return LoadOutcome(term, tuple(Ready(term, "x:1") for _ in plan.stages))
 
     service._driver = Driver()
@@ -161,7 +169,7 @@ def test_a_worker_that_cannot_take_its_slice_is_planned_around_at_once(
     service._load_once()
     assert plans == [("head", "corrupt")]
     assert service.state.node("corrupt").health == "stalled"
-    assert "node corrupt is left out of plans: its load failed at Prepare" in caplog.text
+    assert f"node corrupt is left out of plans: its load failed at {step}" in caplog.text
     assert service._last_attempt == 0.0  # the next attempt comes at once
     service._load_once()
     assert plans[-1] == ("head",) and service.state.mesh_state == "serving"
