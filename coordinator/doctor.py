@@ -211,13 +211,10 @@ def _memory(config: UpConfig, model: ModelInfo | None) -> CheckResult:
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
     )
-    # Local stages state memory only through MESH_STAGE_MEMORY, which they inherit
-    # (`up` passes them no --memory, nor its --config).
-    offered = stage.memory if config.stage.origin("memory").startswith("environment") else 0
+    # Local stages measure their device: `up` passes them no --memory, nor its
+    # --config, and they do not inherit MESH_STAGE_* variables (as `up` says).
     first = not coord.no_local_stage
-    nodes = [
-        NodeCapacity(f"local-{i}", "", offered, frontend=first and i == 0) for i in range(local)
-    ]
+    nodes = [NodeCapacity(f"local-{i}", "", 0, frontend=first and i == 0) for i in range(local)]
     nodes += [NodeCapacity(f"joining-{i}", "", 0) for i in range(max(coord.min_stages, 1) - local)]
     try:
         plan = plan_layers(nodes, footprint, max_stages=coord.max_stages or None)
