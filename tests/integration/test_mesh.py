@@ -255,25 +255,17 @@ def test_corrupt_slice_rolls_back_the_whole_attempt(mesh_factory, tiny_package_f
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     mesh = mesh_factory(package, 3, coordinator_args=("--load-attempts", "2"))
-
-    def failed():
-        status = mesh.status() if mesh.coordinator_address else None
-        return status if status is not None and status.state == "failed" else None
-
-    status = wait_for(failed, 120, "the load attempt to fail")
-    assert "stage 2" in status.error and "Prepare" in status.error
-    assert "00005.safetensors" in status.error and "sha256" in status.error
-    assert "127.0.0.1:" in status.error
-    # Every stage of the attempt was released: none holds layers.
-    wait_for(
-        lambda: all(s.state in ("idle", "claimed") for s in mesh.status().stages),
-        10,
-        "every stage to be released",
-    )
-    # The load is tried again after a backoff; after the second failure `up` gives
-    # up and exits non-zero, saying why (scripts see the exit code).
-    assert mesh.coordinator.wait(120) == 1
+    # The worker whose slice fails is quarantined and the next attempt comes at once
+    # without it; it fails too (every copy of the package is corrupt), and after the
+    # second failure `up` gives up and exits non-zero, saying why (scripts see the
+    # exit code).
+    assert mesh.coordinator.wait(180) == 1
     log = mesh.coordinator_log()
+    first = next(line for line in log.splitlines() if "load of term 1 failed" in line)
+    assert "stage 2" in first and "Prepare" in first and "127.0.0.1:" in first
+    assert "00005.safetensors" in first and "sha256" in first
+    # Every stage of each attempt was released (a release that fails is logged).
+    assert "release of stage" not in log
     assert "could not be loaded after 2 attempts" in log and "00005.safetensors" in log
     assert not any("loaded layers" in mesh.stage_log(f"stage-{i}") for i in range(3))
 
