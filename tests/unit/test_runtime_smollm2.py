@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,11 @@ def smollm2_split_package(
     smollm2_model: PreTrainedModel,
     smollm2_tokenizer_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Path:
+) -> Iterator[Path]:
     """A package built by the package builder from the very tensors of ``smollm2_model``
-    (written out as an HF directory, which avoids dequantising the GGUF twice)."""
+    (written out as an HF directory, which avoids dequantising the GGUF twice). The HF
+    directory goes as soon as the package is built and the package when the module ends:
+    together they are about a gigabyte of disk."""
     hf_dir = tmp_path_factory.mktemp("smollm2-hf")
     config = smollm2_model.config.to_dict()
     config.pop("quantization_config", None)
@@ -49,7 +52,10 @@ def smollm2_split_package(
     save_file({k: v.contiguous() for k, v in state.items()}, str(hf_dir / "model.safetensors"))
     for path in smollm2_tokenizer_dir.iterdir():
         shutil.copy(path, hf_dir / path.name)
-    return package_of(hf_dir, tmp_path_factory.mktemp("smollm2-pkg") / "pkg")
+    package = package_of(hf_dir, tmp_path_factory.mktemp("smollm2-pkg") / "pkg")
+    shutil.rmtree(hf_dir)
+    yield package
+    shutil.rmtree(package)
 
 
 def greedy(stages: list[StageRuntime], prompt: torch.Tensor, steps: int, eos: set[int]) -> list:
