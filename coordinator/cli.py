@@ -40,7 +40,11 @@ from mesh.errors import InvalidRequest, MeshError
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel
 from mesh.lifetime import PARENT_PID_ENV
 from mesh.logsetup import configure_logging
-from mesh.metrics import local_stage_metrics_argv, serve_metrics
+from mesh.metrics import (
+    check_local_stage_metrics_ports,
+    local_stage_metrics_argv,
+    serve_metrics,
+)
 from mesh.netaddr import (
     advertise_host,
     host_port_setting,
@@ -376,8 +380,10 @@ def up(args: argparse.Namespace) -> int:
     service = CoordinatorService(
         model, settings, on_term=lambda term: record_term(coord.state_file, term)
     )
-    server, port = serve(service, coord.listen)
     listen_host, _ = split_host_port(coord.listen)
+    local_indices = range(0 if not coord.no_local_stage else 1, 1 + coord.spawn_stages)
+    check_local_stage_metrics_ports(listen_host, coord.stage_metrics_port_base, local_indices)
+    server, port = serve(service, coord.listen)
     serve_metrics(service.metrics.registry, listen_host, coord.metrics_port, who="the coordinator")
     advertise = advertise_host(listen_host, coord.advertise)
     # Local stages reach the coordinator on the address it listens on (loopback for a
@@ -405,7 +411,7 @@ def up(args: argparse.Namespace) -> int:
         responder.start()
     threads = coord.stage_threads or max(1, (os.cpu_count() or 1) // max(1, local))
     stages = LocalStages(lambda argv: _spawn_stage(argv, security))
-    for index in range(0 if not coord.no_local_stage else 1, 1 + coord.spawn_stages):
+    for index in local_indices:
         argv = local_stage_argv(
             address, index, config, threads, index == 0, security, listen_host, advertise
         )

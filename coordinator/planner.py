@@ -274,7 +274,8 @@ def _choose_nodes(
         need = footprint.fixed_bytes(first=False, last=index == len(chain) - 1)
         logger.warning(
             "node %s offers %.2f GiB (%s), less than one layer at stage %d needs "
-            "(%.3f GiB); leaving it out: give it more memory (--memory) to use it",
+            "(%.3f GiB); leaving it out: to use it, state more (mesh-stage join --memory) "
+            "or free memory on its device",
             drop.node_id,
             drop.memory_bytes / GIB,
             "measured" if drop.memory_measured else "stated",
@@ -382,7 +383,8 @@ def _cannot_fit_message(
         f"the model needs {f.total_bytes / GIB:.2f} GiB ({' plus '.join(parts)}; "
         f"each layer is {f.layer_bytes / GIB:.3f} GiB of weights and "
         f"{f.kv_bytes_per_layer / GIB:.3f} GiB of KV); the {len(chain)} stage(s) offer "
-        f"{offered / GIB:.2f} GiB ({detail}); add a stage or lower max_sessions"
+        f"{offered / GIB:.2f} GiB ({detail}); add a stage, or hold KV for fewer sessions "
+        "or positions (--kv-max-sessions, --max-tokens-per-session)"
     )
     head_node = chain[0]
     first_fixed = f.fixed_bytes(first=True, last=len(chain) == 1)
@@ -393,5 +395,8 @@ def _cannot_fit_message(
             "stage-0 extras and one layer"
         )
     if len(chain) < node_count:
-        message += f" ({node_count - len(chain)} joined node(s) were left out; raise max_stages)"
+        message += (
+            f" ({node_count - len(chain)} joined node(s) were left out: too small for "
+            "a layer, or past --max-stages)"
+        )
     return message

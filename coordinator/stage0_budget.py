@@ -45,7 +45,9 @@ def draft_budget(
     if folder is None or not (folder / "config.json").is_file():
         logger.warning(
             "draft model %s: not budgeted in the layer plan (no config.json and safetensors "
-            "files on this host); give stage 0 room for it with --memory",
+            "files on this host); stage 0 needs room for it beyond its layers: name a local "
+            "directory with both, or state less memory for a joined stage 0 (mesh-stage "
+            "join --memory)",
             ref,
         )
         return None

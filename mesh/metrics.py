@@ -15,6 +15,7 @@ themselves are defined where they are recorded: ``stage/metrics.py`` (every stag
 from __future__ import annotations
 
 import logging
+import socket
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -71,6 +72,31 @@ def local_stage_metrics_argv(base: int | None, index: int) -> list[str]:
     if base is None:
         return []
     return ["--metrics-port", str(base + index if base else 0)]
+
+
+def check_local_stage_metrics_ports(host: str, base: int | None, indices: range) -> None:
+    """Refuse, naming ``--stage-metrics-port-base``, when a port the local stages
+    ``indices`` would serve metrics on is taken (their own error could only name their
+    ``--metrics-port``, a flag ``up`` sets for them)."""
+    if not base:
+        return
+    for index in indices:
+        port = base + index
+        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+            # As the metrics server binds: a port in TIME_WAIT is free to it.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as error:
+                raise InvalidRequest(
+                    f"local stage {index} cannot serve metrics on {url_host(host)}:{port} "
+                    f"({error.strerror}); another process holds it: choose another "
+                    "--stage-metrics-port-base (stage i serves on base + i)"
+                ) from None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def serve_metrics(

@@ -98,8 +98,8 @@ class SwitchableApp:
             message, code = self.reason, "pipeline_not_ready"
         error = {"message": message, "type": "service_unavailable", "param": None, "code": code}
         payload: dict[str, Any] = {"error": error}
-        if refused and scope.get("path") == "/health":  # the shape /health answers
-            payload = {"status": "draining", "reason": message}
+        if scope.get("path") == "/health":  # the shape the loaded app's /health answers
+            payload = {"status": "draining" if refused else "unavailable", "reason": message}
         body = json.dumps(payload).encode()
         await send(
             {

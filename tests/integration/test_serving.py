@@ -330,6 +330,8 @@ def test_not_ready_gives_503_then_serves(tmp_path, tiny_package_factory):
         url = wait_for(lambda: _frontend_url(processes), 60, "stage 0 to report its frontend")
         health = httpx.get(url + "/health")
         assert health.status_code == 503
+        # The shape of the loaded app's /health, whatever makes it unavailable.
+        assert health.json()["status"] == "unavailable" and health.json()["reason"]
         response = httpx.post(
             url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
         )

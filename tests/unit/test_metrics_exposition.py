@@ -12,7 +12,7 @@ from metrics_support import naming_problems, process_expositions, series_names, 
 from prometheus_client import CollectorRegistry, Counter
 
 from mesh.errors import InvalidRequest
-from mesh.metrics import local_stage_metrics_argv, serve_metrics
+from mesh.metrics import check_local_stage_metrics_ports, local_stage_metrics_argv, serve_metrics
 
 # The series an operator relies on, by the kind of process that exposes them.
 STAGE_SERIES = {
@@ -114,6 +114,23 @@ def test_a_metrics_port_serves_the_registry() -> None:
         taken = holder.getsockname()[1]
         with pytest.raises(InvalidRequest, match="--metrics-port"):
             serve_metrics(registry, "127.0.0.1", taken)
+
+
+def test_a_taken_local_stage_metrics_port_names_the_flag_up_takes() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        # Stage 1 of base taken - 1 would serve on the taken port.
+        with pytest.raises(InvalidRequest, match="local stage 1 .*--stage-metrics-port-base"):
+            check_local_stage_metrics_ports("127.0.0.1", taken - 1, range(1, 2))
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        free = closed.getsockname()[1]
+    check_local_stage_metrics_ports("127.0.0.1", free, range(0, 1))
+    # No base, or 0 (each stage a free port): nothing to check.
+    check_local_stage_metrics_ports("127.0.0.1", None, range(0, 4))
+    check_local_stage_metrics_ports("127.0.0.1", 0, range(0, 4))
 
 
 def test_metrics_ports_are_settings_and_the_local_stages_get_theirs() -> None:

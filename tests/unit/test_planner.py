@@ -169,7 +169,7 @@ def test_cannot_fit_names_the_need_and_the_offer() -> None:
     assert "the model needs 31.00 GiB" in message
     assert "30 layers" in message
     assert "the 2 stage(s) offer 16.00 GiB" in message
-    assert "add a stage or lower max_sessions" in message
+    assert "add a stage, or hold KV for fewer sessions" in message
 
 
 def test_cannot_fit_when_stage0_extras_leave_no_room() -> None:
@@ -291,7 +291,7 @@ def test_any_plan_covers_every_layer_within_memory(
     try:
         plan = plan_layers(nodes, fp, max_stages=max_stages)
     except InvalidRequest as error:
-        assert "add a stage or lower max_sessions" in error.message
+        assert "add a stage, or hold KV for fewer sessions" in error.message
         return
     assert_covers(plan, layers)
     assert len(plan.stages) <= min(len(nodes), layers, max_stages or len(nodes))

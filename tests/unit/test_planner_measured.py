@@ -157,4 +157,4 @@ def test_a_node_below_one_layer_is_left_out_with_a_warning(caplog) -> None:
     assert "node small offers 0.10 GiB (stated), less than one layer at stage 1 needs" in (
         caplog.text
     )
-    assert "give it more memory (--memory)" in caplog.text
+    assert "state more (mesh-stage join --memory)" in caplog.text
