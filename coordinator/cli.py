@@ -64,6 +64,7 @@ from mesh.security import (
     install,
     log_posture,
     security_from_args,
+    security_settings,
     unavailable_hint,
     validate,
 )
@@ -303,7 +304,9 @@ def _print_up_config(args: argparse.Namespace, config: UpConfig) -> int:
     extra = [
         (f"speculation.{k}", v, where) for where, layer in speculation for k, v in layer.items()
     ]
-    print_config([config.coordinator, config.stage, config.frontend], extra)
+    print_config(
+        [config.coordinator, config.stage, config.frontend], extra + security_settings(args)
+    )
     return 0
 
 

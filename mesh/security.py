@@ -169,22 +169,59 @@ def _toml_security(toml: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
     return values
 
 
+def _config_security(args: argparse.Namespace) -> dict[str, Any]:
+    """``[security]`` of the ``--config`` TOML (relative paths made absolute)."""
+    config = getattr(args, "config", None)
+    if not config:
+        return {}
+    from mesh.config import check_toml, load_toml
+
+    whole = load_toml(config)
+    # The whole file is checked here, when up and join start: a typo in any
+    # table fails now, not when stage 0 loads.
+    check_toml(whole)
+    return _toml_security(whole, Path(config).expanduser().absolute().parent)
+
+
+def security_settings(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, Any, str]]:
+    """``(key, value, origin)`` of every security setting, for ``--print-config``: as
+    ``security_from_args`` resolves them, the token shown only as where it comes from."""
+    environ = os.environ if environ is None else environ
+    toml = _config_security(args)
+    config = f"config file {getattr(args, 'config', '')}"
+    out: list[tuple[str, Any, str]] = []
+    token_file = getattr(args, "join_token_file", None)
+    if token_file is not None:
+        out.append(("security.join_token", f"read from {token_file}", "--join-token-file"))
+    elif environ.get(TOKEN_ENV):
+        out.append(("security.join_token", "set", f"environment {TOKEN_ENV}"))
+    elif toml.get("join_token_file") is not None:
+        out.append(("security.join_token", f"read from {toml['join_token_file']}", config))
+    else:
+        out.append(("security.join_token", None, "built-in default: no token"))
+    for key in ("tls_cert", "tls_key", "tls_ca", "tls_mutual"):
+        flag = getattr(args, key, None)
+        if flag is not None:
+            value, origin = flag, "--" + key.replace("_", "-")
+        elif key in toml:
+            value, origin = toml[key], config
+        else:
+            value, origin = (False if key == "tls_mutual" else None), "built-in default"
+        out.append(
+            (f"security.{key}", value if isinstance(value, bool | None) else str(value), origin)
+        )
+    return out
+
+
 def security_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> MeshSecurity:
     """Resolve the settings: flags > environment (``MESH_JOIN_TOKEN``) > ``[security]``
     in the ``--config`` TOML (relative paths there are relative to that file)."""
     environ = os.environ if environ is None else environ
-    toml: dict[str, Any] = {}
-    config = getattr(args, "config", None)
-    if config:
-        from mesh.config import check_toml, load_toml
-
-        whole = load_toml(config)
-        # The whole file is checked here, when up and join start: a typo in any
-        # table fails now, not when stage 0 loads.
-        check_toml(whole)
-        toml = _toml_security(whole, Path(config).expanduser().absolute().parent)
+    toml = _config_security(args)
 
     def pick(key: str) -> Any:
         value = getattr(args, key, None)

@@ -27,7 +27,14 @@ from mesh.logsetup import configure_logging
 from mesh.metrics import serve_metrics
 from mesh.netaddr import advertise_host, split_host_port, url_host
 from mesh.proto.v1 import data_pb2_grpc, stage_pb2_grpc
-from mesh.security import add_security_arguments, install, log_posture, security_from_args, validate
+from mesh.security import (
+    add_security_arguments,
+    install,
+    log_posture,
+    security_from_args,
+    security_settings,
+    validate,
+)
 from mesh.settings import FrontendConfig, StageConfig, add_arguments, resolve
 from mesh.settings.commands import JoinConfig, add_config_arguments, print_config, read_config
 from stage.hardware import offered_memory
@@ -105,7 +112,7 @@ def resolve_join(args: argparse.Namespace) -> JoinConfig:
 def run(args: argparse.Namespace) -> int:
     config = resolve_join(args)
     if args.print_config:
-        print_config([config.stage, config.frontend])
+        print_config([config.stage, config.frontend], security_settings(args))
         return 0
     stage = config.stage.value
     from mesh.runtime import invariant, linear, qkernels

@@ -175,14 +175,15 @@ def test_a_bad_value_sent_by_a_coordinator_names_it() -> None:
 
 def test_print_config_shows_every_value_and_its_source(tmp_path: Path) -> None:
     path = tmp_path / "mesh.toml"
-    path.write_text("[stage]\nthreads = 2\n")
+    path.write_text('[stage]\nthreads = 2\n[security]\ntls_ca = "ca.pem"\n')
+    secret = "a-secret-join-token-0123456789"
     done = subprocess.run(
         [sys.executable, "-m", "stage.cli", "join", "--config", str(path), "--print-config"]
-        + ["--http-port", "9001"],
+        + ["--http-port", "9001", "--tls-mutual"],
         capture_output=True,
         text=True,
         timeout=60,
-        env={"MESH_STAGE_DEVICE": "cuda:3", "PATH": "/usr/bin:/bin"},
+        env={"MESH_STAGE_DEVICE": "cuda:3", "PATH": "/usr/bin:/bin", "MESH_JOIN_TOKEN": secret},
     )
     assert done.returncode == 0, done.stderr
     lines = {line.split()[0]: line for line in done.stdout.splitlines()}
@@ -190,6 +191,15 @@ def test_print_config_shows_every_value_and_its_source(tmp_path: Path) -> None:
     assert '"cuda:3"' in lines["stage.device"] and "MESH_STAGE_DEVICE" in lines["stage.device"]
     assert "(CLI --http-port)" in lines["frontend.http_port"]
     assert "(built-in default)" in lines["frontend.max_queued"]
+    # [security] too: where each value comes from, and never the token itself.
+    assert secret not in done.stdout
+    assert "environment MESH_JOIN_TOKEN" in lines["security.join_token"]
+    assert (
+        str(tmp_path / "ca.pem") in lines["security.tls_ca"]
+        and str(path) in lines["security.tls_ca"]
+    )
+    assert "true" in lines["security.tls_mutual"] and "--tls-mutual" in lines["security.tls_mutual"]
+    assert "built-in default" in lines["security.tls_cert"]
 
 
 def test_an_unknown_variable_of_a_section_is_said_with_the_closest_name(caplog) -> None:
@@ -222,6 +232,7 @@ def test_up_print_config_builds_nothing(tmp_path: Path) -> None:
     assert '"default"' in lines["coordinator.model"]
     assert "(built-in default)" in lines["frontend.max_queued"]
     assert "CLI" in lines["speculation.type"] and '"ngram"' in lines["speculation.type"]
+    assert "no token" in lines["security.join_token"]
 
 
 def test_the_start_up_banner_s_status_command_carries_the_security_flags(tmp_path: Path) -> None:
