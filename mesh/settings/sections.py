@@ -191,8 +191,9 @@ class StageConfig:
         "auto",
         "compute every token's row the same way whether it runs alone, in a verify window "
         "or in a batch, so answers never change with load or speculation (CPU). auto: on "
-        "for int4/int8 packages (measured cost: at most 6.4%% decode speed on the int4 package), off for dense ones "
-        "(costs float32/bfloat16 10-30%%); off: the previous kernels",
+        "for int4/int8 packages (measured cost: at most 6.4%% decode speed on the int4 "
+        "package), off for dense ones (costs float32/bfloat16 10-30%%); off: the previous "
+        "kernels",
         choices=ROW_INVARIANT,
     )
     stuck_exit_after: float = setting(
