@@ -111,6 +111,36 @@ def build_package(
     return manifest
 
 
+# Above this size a stored head of a tied config is not compared with the embedding
+# (both would be read whole): the warning then says it was not compared.
+TIED_COMPARE_MAX_BYTES = 2 * 2**30
+
+
+def _warn_if_untied_head(checkpoint: Checkpoint, embed: str, lm_head: str) -> None:
+    """A tied config whose checkpoint also stores an output projection: the package
+    (as transformers does) uses the embedding; say so when the stored one differs."""
+    if checkpoint.nbytes(lm_head) > TIED_COMPARE_MAX_BYTES:
+        logger.warning(
+            "the config ties the output projection to the embedding (tie_word_embeddings) "
+            "but the checkpoint also stores %s (not compared: too large); the package uses "
+            "the embedding: if %s is the trained head, set tie_word_embeddings to false",
+            lm_head,
+            lm_head,
+        )
+        return
+    stored, embedding = checkpoint.tensor(lm_head), checkpoint.tensor(embed)
+    if stored.shape == embedding.shape and torch.equal(stored, embedding):
+        return
+    logger.warning(
+        "the config ties the output projection to the embedding (tie_word_embeddings) but "
+        "the checkpoint stores a different %s; the package uses the embedding, as "
+        "transformers does: if %s is the trained head, set tie_word_embeddings to false in "
+        "config.json and build again",
+        lm_head,
+        lm_head,
+    )
+
+
 def write_package(
     checkpoint: Checkpoint,
     directory: Path,
@@ -142,6 +172,8 @@ def write_package(
     _check_shape(layout.embed, checkpoint.shape(layout.embed), (vocab, hidden))
     head_source = layout.embed if description.tied_embeddings else layout.lm_head
     assert head_source is not None
+    if description.tied_embeddings and layout.lm_head is not None:
+        _warn_if_untied_head(checkpoint, layout.embed, layout.lm_head)
     _check_shape(HEAD_TENSOR, checkpoint.shape(head_source), (vocab, hidden))
     _check_shape(layout.norm, checkpoint.shape(layout.norm), (hidden,))
     plan = [(EMBED_PATH, [layout.embed]), (HEAD_PATH, [head_source, layout.norm])]

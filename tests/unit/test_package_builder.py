@@ -181,6 +181,28 @@ def test_untied_checkpoint_without_lm_head_is_refused(tiny_model_factory, tmp_pa
     assert not list(tmp_path.glob(".pkg.*"))
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tied_config_with_a_different_stored_head_is_warned_about(
+    same, tiny_model_factory, tmp_path, caplog
+):
+    """A tied config uses the embedding as the head, as transformers does; a stored
+    lm_head.weight that differs from it is said, one equal to it is not."""
+    model = copy_model(tiny_model_factory("llama"), tmp_path / "tied")
+    config = json.loads((model / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (model / "config.json").write_text(json.dumps(config))
+    tensors = load_file(model / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding.clone() if same else torch.randn_like(embedding)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        build_package(str(model), tmp_path / "pkg")
+    warned = "checkpoint stores a different lm_head.weight" in caplog.text
+    assert warned == (not same)
+    if not same:
+        assert "set tie_word_embeddings to false" in caplog.text
+
+
 def test_missing_layer_tensors_are_refused(tiny_model_factory, tmp_path):
     model = copy_model(tiny_model_factory("llama"), tmp_path / "short")
     tensors = load_file(model / "model.safetensors")
