@@ -160,8 +160,13 @@ class ModuleTensors:
         }
         for part, tensor in parts.items():
             if tensor.dtype != dtypes[part] or tuple(tensor.shape) != expected[part]:
+                source = ""
+                if part == "qweight" and tensor.dim() == 2:
+                    width = tensor.shape[1] * (2 if kind == "int4" else 1)
+                    source = f", quantised from a ({tensor.shape[0]}, {width}) weight"
                 raise PackageError(
-                    f"{self.what}: {name}.{part} is {tensor.dtype} {tuple(tensor.shape)}, "
-                    f"expected {dtypes[part]} {expected[part]}; {self.remedy}"
+                    f"{self.what}: {name}.{part} is {tensor.dtype} {tuple(tensor.shape)}"
+                    f"{source}; expected {dtypes[part]} {expected[part]}, the {kind} part of "
+                    f"a ({rows}, {cols}) weight; {self.remedy}"
                 )
         return parts

@@ -257,7 +257,10 @@ def test_a_damaged_layer_tensor_is_refused_at_build(
     if quant == "int4" and damage in (_nan, _inf):
         message = message.replace("weight holds", "weight.scales holds")
     if quant == "int4" and damage is _reshape:
-        message = r"mlp.up_proj.weight.qweight is torch.uint8 \(64, 32\), expected .* \(128, 32\)"
+        message = (
+            r"mlp.up_proj.weight.qweight is torch.uint8 \(64, 32\), quantised from a "
+            r"\(64, 64\) weight; expected .* \(128, 32\), the int4 part of a \(128, 64\) weight"
+        )
     with pytest.raises(PackageError, match=f"decoder layer 2: .*{message}") as error:
         build_package(str(model), tmp_path / "pkg", quant=quant)
     assert "fix or re-download the checkpoint" in str(error.value)
