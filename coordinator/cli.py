@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -437,7 +439,7 @@ def up(args: argparse.Namespace) -> int:
                 service,
                 public,
                 coord.state_file,
-                _key_example(serving.api_key_file),
+                _banner_key(service, coord.no_local_stage, serving.api_key_file),
                 _status_command(public, args, security),
             )
         if stopped.is_set():
@@ -498,6 +500,34 @@ def _key_example(key_file: Path | None) -> tuple[str, str]:
     if os.environ.get("MESH_API_KEY"):
         return (' -H "Authorization: Bearer $MESH_API_KEY"', "os.environ['MESH_API_KEY']")
     return "", "'none'"
+
+
+def _banner_key(
+    service: CoordinatorService, no_local_stage: bool, key_file: Path | None
+) -> tuple[str, str]:
+    """``_key_example``; with ``--no-local-stage`` this process does not hold stage 0's
+    keys, so a frontend that refuses a request without one gets a placeholder."""
+    key = _key_example(key_file)
+    if not no_local_stage or key != _key_example(None):
+        return key
+    url = service.status().http_url
+    if url and _refuses_without_key(url):
+        return (
+            ' -H "Authorization: Bearer <an API key of stage 0>"',
+            "'<an API key of stage 0>'",
+        )
+    return key
+
+
+def _refuses_without_key(http_url: str, timeout_s: float = 3.0) -> bool:
+    """Whether the frontend at ``http_url`` answers 401 to a request without a key."""
+    try:
+        urllib.request.urlopen(f"{http_url}/v1/models", timeout=timeout_s).close()
+    except urllib.error.HTTPError as error:
+        return error.code == 401
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def _status_command(address: str, args: argparse.Namespace, security: MeshSecurity) -> str:

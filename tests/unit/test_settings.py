@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,39 @@ def test_the_start_up_banner_s_status_command_carries_the_security_flags(tmp_pat
     assert f"--join-token-file {tmp_path / 'token'}" in command
     from_env = _status_command("10.0.0.1:7070", argparse.Namespace(), secured)
     assert "MESH_JOIN_TOKEN" in from_env and "s3cret" not in from_env
+
+
+def test_the_banner_of_an_up_without_local_stage_asks_for_stage_0_s_key(monkeypatch) -> None:
+    """With ``--no-local-stage`` up does not hold stage 0's keys: when the frontend
+    refuses a request without one, the banner's examples carry a placeholder."""
+    monkeypatch.delenv("MESH_API_KEY", raising=False)
+    import http.server
+    from types import SimpleNamespace
+
+    from coordinator.cli import _banner_key
+
+    class Frontend(http.server.BaseHTTPRequestHandler):
+        code = 401
+
+        def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+            self.send_response(self.code)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Frontend)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        service = SimpleNamespace(status=lambda: SimpleNamespace(http_url=url))
+        header, expression = _banner_key(service, True, None)
+        assert "<an API key of stage 0>" in header and "<an API key of stage 0>" in expression
+        # A local stage 0 (its key file is up's own) is never probed.
+        assert _banner_key(service, False, None) == ("", "'none'")
+        Frontend.code = 200
+        assert _banner_key(service, True, None) == ("", "'none'")
+    finally:
+        server.shutdown()
+    unreachable = SimpleNamespace(status=lambda: SimpleNamespace(http_url=url))
+    assert _banner_key(unreachable, True, None) == ("", "'none'")
