@@ -32,6 +32,7 @@ from mesh.errors import (
     CapacityExceeded,
     InvalidRequest,
     MeshError,
+    NotFound,
     PrefixMissing,
     StaleTerm,
     Unavailable,
@@ -65,6 +66,9 @@ ROUND_MAX_AGE_S = 120.0
 ROUND_PERCENTILE = 0.9
 # Prompt rows a frame may always hold while requests decode (``_prompt_rows``).
 MIN_PROMPT_ROWS = 16
+# Times a request's tokens are read again after a stage lost its session before the
+# request fails (a stage that keeps dropping it is not waited on forever).
+MAX_REREADS = 3
 
 
 class EngineCore(PromptSteps):
@@ -85,6 +89,8 @@ class EngineCore(PromptSteps):
         self.prompt_cost = StepCostFit()
         self.stale: list[str] = []
         self.recoveries = 0
+        # Requests read again from 0 because a stage no longer held their session.
+        self.rereads = 0
         # Windows drafted ahead (stage/frontend/ahead.py), and the slowest stage's
         # time per decode or verify frame (seconds, averaged) the depth rule uses.
         self.ahead = ahead.AheadCounters()
@@ -259,6 +265,18 @@ class EngineCore(PromptSteps):
                         if tracked.in_flight.frame_id == frame_id:
                             self._lose(tracked, sent.term, "no answer in time")
         info = self.info
+        for tracked in self.running.values():
+            flight = tracked.in_flight
+            if (
+                flight is not None
+                and flight.frame_id
+                and flight.frame_id not in self.frames
+                and tracked.recover_by is None
+                and flight.expected.term == self._term()
+            ):
+                # Its frame came back whole without an answer this core took for it
+                # (none of the rules above should allow that): never wait forever.
+                self._reread(tracked, f"frame {flight.frame_id} came back without its answer")
         for request_id, tracked in list(self.running.items()):
             if tracked.recover_by is None:
                 continue
@@ -305,7 +323,7 @@ class EngineCore(PromptSteps):
             segments.append(segment)
             rows += segment.token_count
         prompt_cap = self._prompt_rows(rows, budget)
-        for tracked in self.running.values():
+        for tracked in self._prompt_order(info, now):
             room = min(budget, prompt_cap) - rows
             if room <= 0:
                 break
@@ -321,6 +339,20 @@ class EngineCore(PromptSteps):
         if not segments:
             return None
         return self._pack(segments, info, now)
+
+    def _prompt_order(self, info: PipelineInfo, now: float) -> list[Tracked]:
+        """The running requests in the order their prompt chunks take a step's room:
+        admission order, except that a prompt whose session is open on the stages and
+        has waited a third of their idle timeout behind the others goes first (the
+        stages would otherwise drop its session as idle before it is read)."""
+        idle_s = info.session_idle_s
+        if idle_s <= 0:
+            return list(self.running.values())
+
+        def waited_long(tracked: Tracked) -> bool:
+            return bool(tracked.prefilled) and now - tracked.touched > idle_s / 3
+
+        return sorted(self.running.values(), key=lambda t: not waited_long(t))
 
     def _prompt_rows(self, decode_rows: int, budget: int) -> int:
         """The rows a frame may hold with its prompt chunks: the step budget, or while
@@ -576,12 +608,48 @@ class EngineCore(PromptSteps):
         if isinstance(error, PrefixMissing) and tracked.prefix_from:
             self._read_again(tracked, error)
             return None
+        if isinstance(error, NotFound) and term == self._term():
+            # A stage no longer holds the session (its idle sweep, a stage that
+            # dropped it): nothing the client did. Read its tokens again from 0.
+            if tracked.rereads < MAX_REREADS:
+                self._reread(tracked, error.message)
+                return None
+            return self._fail(
+                tracked.run.request.request_id,
+                Unavailable(
+                    f"a stage lost the session of request {tracked.run.request.request_id} "
+                    f"{tracked.rereads + 1} times ({error.message}); retry the request"
+                ),
+            )
         if isinstance(error, (Unavailable, StaleTerm)) and self.limits.recovery_timeout_s > 0:
             self._lose(tracked, term, error.message)
             return None
         if isinstance(error, StaleTerm):
             error = Unavailable(f"the pipeline moved on from term {term}: {error.message}")
         return self._fail(tracked.run.request.request_id, error)
+
+    def _reread(self, tracked: Tracked, why: str) -> None:
+        """Void what the request has in the pipe and read its tokens (prompt and
+        those it produced) again from position 0 in a new epoch; the answer of the
+        re-read stands for the step that was lost, as after a failover."""
+        tracked.rereads += 1
+        self.rereads += 1
+        logger.warning(
+            "request %s: %s; reading its %s tokens again from position 0",
+            tracked.run.request.request_id,
+            why,
+            len(tracked.run.tokens),
+        )
+        tracked.lost = tracked.in_flight or tracked.lost
+        tracked.resumed = tracked.resumed or not tracked.prefilling
+        tracked.epoch += 1
+        tracked.prefilled = 0
+        tracked.prompt_frame = 0
+        tracked.prefilling = True
+        tracked.in_flight = None
+        tracked.ahead.clear()
+        tracked.prefix_from = ""
+        tracked.no_prefix = True
 
     def _fail(self, request_id: str, error: MeshError) -> Outcome:
         self.cancel(request_id, keep=False)

@@ -223,7 +223,7 @@ class _EngineCollector(Collector):
         families = self._families()
         running, queued, recoveries, lookups, hits, lost, cached, held, cost = families[:9]
         corpus_docs, corpus_tokens, corpus_evictions, corpus_lookups, corpus_hits = families[9:14]
-        in_flight, depth, windows_ahead, wasted, dropped = families[14:]
+        in_flight, depth, windows_ahead, wasted, dropped, rereads = families[14:]
         scheduler = self._scheduler
         core = scheduler.core
         running.add_metric([], len(core.running))
@@ -258,6 +258,7 @@ class _EngineCollector(Collector):
         wasted.add_metric([], counters.wasted_tokens)
         dropped.add_metric(["last_stage"], counters.dropped_by_last_stage)
         dropped.add_metric(["stage0"], counters.dropped)
+        rereads.add_metric([], core.rereads)
         return iter(families)
 
     @staticmethod
@@ -341,5 +342,10 @@ class _EngineCollector(Collector):
                 "stage answered unrun (it checks each against the session's latest "
                 "verdict). Not a split: the second is part of the first.",
                 labels=("where",),
+            ),
+            CounterMetricFamily(
+                "mesh_request_rereads",
+                "Requests read again from position 0 because a stage no longer held "
+                "their session (dropped as idle, or lost), or their answer never came back.",
             ),
         ]

@@ -181,6 +181,7 @@ class PromptSteps:
             pooling=pooling,
         )
         tracked.prefilled = start + count
+        tracked.touched = now
         if final:
             tracked.in_flight = InFlight(segment, Expected.for_segment(segment, term), 0, now)
             tracked.prompt_frame = self._next_frame_id

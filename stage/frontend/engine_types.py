@@ -118,6 +118,13 @@ class Tracked:
     # Times in a row a step left it out to keep the frames in the pipe even (it goes
     # first in the next one).
     passed_over: int = 0
+    # When its last prompt chunk was packed (the core's clock; 0: none yet): a
+    # session opened on the stages and left waiting behind other prompts goes first
+    # before the stages' idle sweep would drop it.
+    touched: float = 0.0
+    # Times its tokens were read again from 0 because a stage no longer held its
+    # session (bounded: a stage that keeps losing it fails the request).
+    rereads: int = 0
 
 
 @dataclass

@@ -7,7 +7,7 @@ may still be in some stage's queue after a failover, e.g. a stage that hung and
 woke up), the same epoch, and the position that segment's first emitted token must
 have. An error answers the segment when it has the segment's term and a position no
 later than the segment's (an earlier prefill chunk of the same session may fail
-first).
+first); a window the last stage dropped unrun, when it has the segment's position.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def stale_reason(result: SegmentResult, term: int, expected: Expected) -> str | 
         return "epoch"
     if result.error is not None:
         return None if result.pos_start <= expected.segment_pos else "position"
+    if result.dropped:
+        # A window the last stage dropped unrun answers at the segment's own start.
+        return None if result.pos_start == expected.segment_pos else "position"
     if result.pos_start != expected.result_pos:
         return "position"
     if not 1 <= len(result.token_ids) <= expected.max_tokens:

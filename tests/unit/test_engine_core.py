@@ -814,3 +814,85 @@ def test_a_long_prompt_is_cut_to_the_decode_stall_while_others_decode(
     assert kinds == [SegmentKind.DECODE, SegmentKind.PREFILL]
     chunk = frame.segments[1].token_count
     assert 110 <= chunk <= 119 if cut else chunk == 512 - 1
+
+
+@pytest.mark.parametrize("when", ["decoding", "reading its prompt"])
+def test_a_session_a_stage_dropped_is_read_again_and_gives_the_same_tokens(when: str) -> None:
+    """A stage that no longer holds a live request's session (its idle sweep, a stage
+    that dropped it) answers NOT_FOUND: nothing the client did. The request reads its
+    tokens again from 0 in a new epoch and ends with the tokens it gets alone."""
+    prompt = tuple(range(1, 40))
+    core, _ = core_with(prefill_chunk_tokens=8, step_tokens=8)
+    pipe = FakePipeline()
+    core.add(request("r", prompt, max_new=8))
+    got: dict[str, list] = {}
+    steps = 7 if when == "decoding" else 2
+    for _ in range(steps):
+        collect(got, core.on_result(pipe.answer(core.next_frame())))
+    assert bool(got) == (when == "decoding")
+    pipe.sessions.pop("r")
+    rest = run_to_end(core, pipe)
+    assert rest["r"][2] is None
+    assert got.get("r", [[]])[0] + rest["r"][0] == greedy(prompt, 8)
+    assert core.rereads == 1
+    again = [s for f in pipe.frames for s in f.segments if s.epoch == 1]
+    assert again[0].kind is SegmentKind.PREFILL and again[0].pos_start == 0
+
+
+def test_a_stage_that_keeps_losing_a_session_fails_the_request_with_a_retry() -> None:
+    core, _ = core_with()
+    pipe = FakePipeline()
+    core.add(request("r", (1, 2, 3), max_new=50))
+    out: dict[str, list] = {}
+    for _ in range(60):
+        frame = core.next_frame()
+        if frame is None:
+            break
+        collect(out, core.on_result(pipe.answer(frame)))
+        pipe.sessions.pop("r", None)
+    error = out["r"][2]
+    assert isinstance(error, Unavailable) and "retry the request" in error.message
+    assert not core.running
+
+
+def test_a_frame_that_comes_back_without_a_request_s_answer_does_not_hang_it() -> None:
+    """Whatever drops the answer a request waits for (here a result at a position
+    the request does not expect, dropped as stale), the request is read again at the
+    next tick instead of waiting forever."""
+    core, _ = core_with()
+    pipe = FakePipeline()
+    prompt = (5, 6, 7)
+    core.add(request("r", prompt, max_new=6))
+    got: dict[str, list] = {}
+    collect(got, core.on_result(pipe.answer(core.next_frame())))
+    frame = core.next_frame()
+    (answer,) = pipe.answer(frame).results
+    moved = replace(answer, pos_start=answer.pos_start + 5)
+    assert core.on_result(FrameResult(1, frame.frame_id, (moved,))) == []
+    assert core.stale == ["position"]
+    assert core.next_frame() is None  # it waits...
+    assert core.expire() == []  # ...until the tick sees its frame gone
+    rest = run_to_end(core, pipe)
+    assert got["r"][0] + rest["r"][0] == greedy(prompt, 6)
+    assert core.rereads == 1
+
+
+def test_a_prompt_left_waiting_behind_others_goes_first_before_its_session_idles() -> None:
+    """Prompt chunks take a step's room in admission order, but a prompt whose session
+    is open on the stages and has waited a third of their idle timeout goes first."""
+    core, clock = core_with(prefill_chunk_tokens=8, step_tokens=8)
+    core.set_pipeline(PipelineInfo(term=1, stage_count=1, session_idle_s=30.0))
+    pipe = FakePipeline()
+    core.add(request("a", tuple(range(1, 200)), max_new=2))
+    core.add(request("b", tuple(range(3, 200)), max_new=2))
+    b = core.running["b"]
+    b.prefilled, b.touched = 8, clock.now  # b's first chunk went ahead of a's
+    pipe.sessions["b"] = list(range(3, 11))
+    order = []
+    for _ in range(6):
+        frame = core.next_frame()
+        order.append("".join(s.request_id for s in frame.segments))
+        core.on_result(pipe.answer(frame))
+        clock.now += 4
+    # a's chunks fill the steps until b has waited 12 s (> 30 / 3); then b goes once.
+    assert order == ["a", "a", "a", "b", "a", "a"]

@@ -46,6 +46,7 @@ STAGE_ZERO_SERIES = STAGE_SERIES | {
     "mesh_stale_results_total",
     "mesh_speculation_accepted_tokens_total",
     "mesh_request_recoveries_total",
+    "mesh_request_rereads_total",
 }
 COORDINATOR_SERIES = {
     "mesh_coordinator_term",

@@ -4,6 +4,8 @@ emit."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mesh.frames import ErrorInfo, Segment, SegmentKind, SegmentResult
@@ -84,3 +86,15 @@ def test_a_result_of_an_older_epoch_is_stale() -> None:
     expected = for_frame(frame(SegmentKind.DECODE, 10, (7,), epoch=2))
     answer, term = result(11)
     assert reason_of(answer, term, expected) == "epoch"
+
+
+def test_a_window_the_last_stage_dropped_answers_at_the_window_s_start() -> None:
+    """A dropped window carries no token and the window's own start: it answers the
+    window (stage 0 then drafts again from its committed tokens) instead of being
+    taken for a result at the wrong position."""
+    window = Segment("r", "r", SegmentKind.VERIFY, 10, token_ids=(1, 2, 3), epoch=2)
+    expected = Expected.for_segment(window, 4)
+    dropped = SegmentResult("r", "r", 10, dropped=True, epoch=2)
+    assert reason_of(dropped, 4, expected) is None
+    assert reason_of(replace(dropped, pos_start=11), 4, expected) == "position"
+    assert reason_of(replace(dropped, epoch=1), 4, expected) == "epoch"
