@@ -50,6 +50,21 @@ class CapacityExceeded(MeshError):
     openai_type = "rate_limit_error"
 
 
+# What torch's allocators say when memory runs out: the CPU allocator raises a plain
+# RuntimeError ("DefaultCPUAllocator: can't allocate memory"), CUDA's an
+# OutOfMemoryError ("CUDA out of memory").
+_OUT_OF_MEMORY_MARKS = ("can't allocate memory", "out of memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed for want of memory."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(error, RuntimeError) and any(
+        mark in str(error) for mark in _OUT_OF_MEMORY_MARKS
+    )
+
+
 class Unavailable(MeshError):
     """A peer is gone or the pipeline is not ready; retry later."""
 

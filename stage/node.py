@@ -32,6 +32,7 @@ from mesh.errors import (
     MeshError,
     StaleTerm,
     Unavailable,
+    out_of_memory,
 )
 from mesh.frames import (
     ErrorInfo,
@@ -571,7 +572,16 @@ class StageNode:
             self._fail(loaded, work, error)
             return
         except Exception as error:  # noqa: BLE001 - reported to the requests, logged here
-            logger.exception("frame %s of term %s failed", frame.frame_id, frame.term)
+            if out_of_memory(error):
+                rows = sum(s.token_count for s in frame.segments)
+                error = CapacityExceeded(
+                    f"stage {loaded.request.stage_index if loaded else 0} ran out of memory "
+                    f"running a frame of {rows} rows ({error}); retry later, or lower the "
+                    "load on this stage (--kv-max-sessions, --max-tokens-per-session, "
+                    "--max-batch-tokens)"
+                )
+            else:
+                logger.exception("frame %s of term %s failed", frame.frame_id, frame.term)
             self._fail(loaded, work, error)
             return
         if output.failures and not loaded.engine.is_last:

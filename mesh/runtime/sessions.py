@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from mesh.errors import CapacityExceeded, InvalidRequest, NotFound, PrefixMissing
+from mesh.errors import CapacityExceeded, InvalidRequest, NotFound, PrefixMissing, out_of_memory
 from mesh.runtime.invariant import KEY_BLOCK
 from mesh.types import DEFAULT_PREFIX_BYTES, LayerRange, SamplingParams
 
@@ -41,6 +41,14 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.layer_count * self.kv_heads * self.head_dim * element
+
+
+def buffer_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty((), dtype=dtype).element_size()
 
 
 class SessionCache:
@@ -90,7 +98,18 @@ class SessionCache:
         shape = (layout.layer_count, 2, 1, layout.kv_heads, tokens, layout.head_dim)
         # Zero-filled: a fixed-shape decode step attends over the whole buffer under a
         # mask, and masked positions must hold finite numbers.
-        buffer = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+        try:
+            buffer = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+        except (RuntimeError, MemoryError) as error:
+            if not out_of_memory(error):
+                raise
+            need = buffer_bytes(shape, layout.dtype)
+            raise CapacityExceeded(
+                f"this stage is out of memory for {tokens} positions of KV "
+                f"({need / 2**20:.0f} MiB on {layout.device}); retry later, shorten the "
+                "prompt, or hold KV for fewer sessions or positions (--kv-max-sessions, "
+                "--max-tokens-per-session)"
+            ) from None
         if self._buffer is not None and self.length:
             buffer[..., : self.length, :] = self._buffer[..., : self.length, :]
         self._buffer = buffer

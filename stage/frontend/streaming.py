@@ -428,6 +428,8 @@ async def _choice_events(
                 yield sse(_chunk(run, [choice])), False
     except MeshError as exc:
         logger.warning("request %s failed mid-stream: %s", run.request.request_id, exc)
+        if exc.http_status == 500:
+            metrics.internal_errors.inc()
         yield sse(from_mesh_error(exc, retry_after_s).body()), True
         return
     except Exception:

@@ -116,7 +116,8 @@ class FrontendMetrics:
         )
         self.internal_errors = Counter(
             "mesh_http_internal_errors_total",
-            "Requests that ended in an unexpected exception.",
+            "Requests answered 500 (or whose stream ended with a 500 error): an "
+            "unexpected exception here or on a stage.",
             registry=r,
         )
 
@@ -147,6 +148,9 @@ class EdgeMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 response_started = True
+                if status == 500:
+                    # A 500 the app answered itself (a stage's unexpected error).
+                    self.metrics.internal_errors.inc()
                 headers = list(message.get("headers", ()))
                 headers.append((b"x-request-id", request_id))
                 message = {**message, "headers": headers}
@@ -159,7 +163,8 @@ class EdgeMiddleware:
         try:
             await self.app(scope, receive, send_recording)
         except Exception:
-            self.metrics.internal_errors.inc()
+            if not (response_started and status == 500):
+                self.metrics.internal_errors.inc()
             logger.exception(
                 "unexpected error serving %s %s (x-request-id %s)",
                 scope.get("method"),

@@ -174,3 +174,17 @@ def test_backend_bug_is_an_openai_shaped_500(serve) -> None:
     response = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30)
     assert_openai_error(response, 500, code="internal_error")
     assert "engine bug" not in response.text
+
+
+def test_a_stage_s_unexpected_error_is_counted_as_an_internal_error(serve, tokenizer) -> None:
+    """A stage's unexpected exception reaches stage 0 as an untyped mesh error (500):
+    counted in mesh_http_internal_errors_total whether the answer is a 500 or a
+    stream's last event (live_server checks the count)."""
+    from mesh.errors import MeshError
+
+    failure = MeshError("stage 1: RuntimeError: boom")
+    url, _ = serve([TokenEvent(ids(tokenizer, "partial")), failure], internal_errors=2)
+    assert_openai_error(httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30), 500)
+    body = {**COMPLETION, "stream": True}
+    payloads = sse_payloads(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+    assert "boom" in payloads[-1]["error"]["message"]

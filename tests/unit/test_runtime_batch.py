@@ -101,3 +101,46 @@ def test_a_bad_segment_is_refused_alone(packages: Callable[[str], Path]) -> None
     assert list(out.errors) == [1] and "out of range" in str(out.errors[1])
     with pytest.raises(Exception, match="rows"):
         last.forward_batch([Span("z", 0, 2)], torch.zeros(3, last.hidden_size))
+
+
+def test_a_session_whose_kv_cannot_be_allocated_is_refused_alone(
+    packages: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The allocator out of memory for one session's KV (here any session asking for
+    more than 256 positions, as a process under its memory limit sees it) refuses that
+    segment with a retryable error saying what to do; the frame's other segments run
+    and give the rows they give alone."""
+    from mesh.errors import CapacityExceeded
+    from mesh.runtime import sessions
+
+    (alone,) = load_chain(packages("llama"), SPLITS[1])
+    reference = alone.forward_batch([Span("small", 0, 3)], torch.arange(1, 4)).rows
+    (stage,) = load_chain(packages("llama"), SPLITS[1])
+    real_zeros = torch.zeros
+
+    def zeros(*shape, **kwargs):
+        if len(shape) == 1 and isinstance(shape[0], tuple) and shape[0][4] > 256:
+            # What torch's CPU allocator raises when malloc fails.
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ...")
+        return real_zeros(*shape, **kwargs)
+
+    monkeypatch.setattr(sessions.torch, "zeros", zeros)
+    ids = torch.cat([torch.arange(1, 4), torch.arange(1, 301)])
+    out = stage.forward_batch([Span("small", 0, 3), Span("big", 0, 300)], ids)
+    assert list(out.errors) == [1]
+    assert isinstance(out.errors[1], CapacityExceeded)
+    assert "out of memory for" in str(out.errors[1]) and "--kv-max-sessions" in str(out.errors[1])
+    assert max_diff(out.rows[:1], reference[:1]) <= TOLERANCE
+    assert stage.session_length("small") == 3 and stage.session_length("big") == 0
+
+
+def test_out_of_memory_is_told_from_other_errors() -> None:
+    from mesh.errors import out_of_memory
+
+    try:
+        torch.zeros((2**44,))
+    except RuntimeError as error:  # a real allocation that cannot succeed
+        assert out_of_memory(error)
+    assert out_of_memory(MemoryError())
+    assert not out_of_memory(RuntimeError("shape mismatch"))
+    assert not out_of_memory(ValueError("can't allocate memory"))
