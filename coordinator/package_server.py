@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,11 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_CONCURRENT = 4
-QUEUE_WAIT_S = 60.0
+# A transfer whose client takes no chunk for this long is cancelled: a stalled reader
+# blocks the worker thread that sends it, and the coordinator's workers also answer
+# the heartbeats.
+TRANSFER_IDLE_S = 60.0
+WATCH_EVERY_S = 1.0
 
 
 class PackageFilesServicer(coordinator_pb2_grpc.PackageFilesServicer):
@@ -34,7 +39,9 @@ class PackageFilesServicer(coordinator_pb2_grpc.PackageFilesServicer):
         """``service`` is the CoordinatorService: its model and current plan decide
         what a node may read."""
         self.service = service
+        self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._watch = _IdleTransfers(TRANSFER_IDLE_S)
 
     def _package_dir(self, ref: str) -> Path:
         model = self.service.model
@@ -79,16 +86,80 @@ class PackageFilesServicer(coordinator_pb2_grpc.PackageFilesServicer):
             entry = self.service.model.manifest.file(decoded.path)
             if decoded.offset > entry.bytes:
                 raise InvalidRequest(f"offset {decoded.offset} is past the end of {entry.path}")
-            if not self._slots.acquire(timeout=QUEUE_WAIT_S):
-                raise CapacityExceeded("too many package transfers at once; retry shortly")
+            # Refused at once rather than queued here: a call waiting for a slot would
+            # hold one of the worker threads that answer the heartbeats.
+            if not self._slots.acquire(blocking=False):
+                raise CapacityExceeded(
+                    f"all {self.max_concurrent} package transfers of the coordinator are "
+                    "busy; retry in a few seconds"
+                )
         except MeshError as error:
             abort_with(context, error)
             return
+        key = self._watch.add(context)
+        sent = False
         try:
-            yield from _chunks(directory / entry.path, decoded.offset, context)
+            for chunk in _chunks(directory / entry.path, decoded.offset, context):
+                yield chunk
+                self._watch.touch(key)
+            sent = context.is_active()
         finally:
+            self._watch.remove(key)
             self._slots.release()
-        logger.info("sent %s to %s from offset %s", entry.path, decoded.node_id, decoded.offset)
+        if sent:
+            logger.info("sent %s to %s from offset %s", entry.path, decoded.node_id, decoded.offset)
+        else:
+            logger.info(
+                "transfer of %s to %s ended early (cancelled, or idle for %.0fs)",
+                entry.path,
+                decoded.node_id,
+                TRANSFER_IDLE_S,
+            )
+
+
+class _IdleTransfers:
+    """Cancels the transfers whose client has taken no chunk for ``idle_s``: the
+    send of a chunk blocks while the client reads nothing, and only a cancel from
+    another thread ends it."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._active: dict[int, tuple[grpc.ServicerContext, float]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, context: grpc.ServicerContext) -> int:
+        with self._lock:
+            self._next += 1
+            self._active[self._next] = (context, time.monotonic())
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="transfer-watch", daemon=True
+                )
+                self._thread.start()
+            return self._next
+
+    def touch(self, key: int) -> None:
+        with self._lock:
+            if key in self._active:
+                self._active[key] = (self._active[key][0], time.monotonic())
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._active.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCH_EVERY_S)
+            now = time.monotonic()
+            with self._lock:
+                idle = [c for c, last in self._active.values() if now - last > self.idle_s]
+            for context in idle:
+                try:
+                    context.cancel()
+                except Exception:  # noqa: BLE001 - the watch must outlive one bad cancel
+                    logger.exception("cannot cancel an idle package transfer")
 
 
 def _chunks(path: Path, offset: int, context: grpc.ServicerContext) -> Iterator:

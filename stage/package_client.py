@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from mesh.codec import FileChunk, PackageManifestReply, PackageManifestRequest, ReadFileRequest
-from mesh.errors import MeshError, PackageError, Unavailable
+from mesh.errors import CapacityExceeded, MeshError, PackageError, Unavailable
 from mesh.grpc_util import CONTROL_DEADLINE_S, channel, error_from_rpc
 from mesh.package.manifest import PackageFile, PackageManifest
 from mesh.proto.v1 import coordinator_pb2_grpc
@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 ATTEMPTS = 5
 RETRY_FIRST_S = 1.0
+# While every transfer slot of the coordinator is busy (other stages fetching), a
+# stage waits its turn this long at most, asking again every few seconds.
+BUSY_WAIT_S = 900.0
+BUSY_RETRY_MAX_S = 10.0
 # A transfer that makes no progress for this long is broken.
 READ_IDLE_TIMEOUT_S = 60.0
 
@@ -66,7 +70,11 @@ class CoordinatorPackageSource:
         cancelled: Callable[[], bool],
     ) -> None:
         wait_s = RETRY_FIRST_S
-        for attempt in range(1, ATTEMPTS + 1):
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        busy_wait_s = RETRY_FIRST_S
+        attempt = 0
+        while attempt < ATTEMPTS:
+            attempt += 1
             have = dest.stat().st_size if dest.exists() else 0
             if have > entry.bytes:  # not this file: start over
                 dest.unlink()
@@ -77,6 +85,17 @@ class CoordinatorPackageSource:
             try:
                 self._read(ref, entry, dest, have, progress)
                 return
+            except CapacityExceeded as error:
+                # The coordinator's transfer slots are taken: a turn to wait for, not
+                # a broken transfer.
+                if cancelled() or time.monotonic() + busy_wait_s > busy_until:
+                    raise CapacityExceeded(
+                        f"cannot fetch {entry.path} from {self.describe()}: its transfers "
+                        f"stayed busy for {BUSY_WAIT_S:.0f}s ({error.message})"
+                    ) from None
+                attempt -= 1
+                time.sleep(busy_wait_s)
+                busy_wait_s = min(BUSY_RETRY_MAX_S, busy_wait_s * 2)
             except Unavailable as error:
                 if attempt == ATTEMPTS or cancelled():
                     raise Unavailable(

@@ -122,3 +122,126 @@ def test_a_node_prepared_ahead_of_a_load_reads_its_next_range(coordinator, tmp_p
     assert first_layer not in wanted
     with pytest.raises(InvalidRequest, match="assigned"):
         source.download(str(package), first_layer, tmp_path / "l0", lambda n: None, lambda: False)
+
+
+def test_stalled_readers_neither_starve_the_coordinator_nor_hold_a_slot(
+    tiny_package_factory, monkeypatch
+) -> None:
+    """Clients that open transfers and read nothing: a fifth transfer is refused at
+    once (none waits for a slot inside one of the worker threads that answer the
+    heartbeats), Status keeps answering, and the stalled transfers are cancelled
+    after the idle limit, freeing their slots."""
+    import time
+
+    import grpc
+
+    from coordinator import package_server
+    from mesh.codec import ReadFileRequest
+    from mesh.grpc_util import channel
+    from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    monkeypatch.setattr(package_server, "TRANSFER_IDLE_S", 2.0)
+    monkeypatch.setattr(package_server, "WATCH_EVERY_S", 0.2)
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+    service = CoordinatorService(model, settings)
+    service.apply(
+        registry.NodeJoined(node_id="head", address="127.0.0.1:7100", now=0.0, frontend=True)
+    )
+    server, port = serve(service, "127.0.0.1:0", workers=6)
+    ch = channel(f"127.0.0.1:{port}", bulk=True)
+    try:
+        assign(service)
+        embed = next(e for e in model.manifest.files if e.kind == "embed")
+        assert embed.bytes > 4 * package_server.CHUNK_BYTES  # more than flow control holds
+        files = coordinator_pb2_grpc.PackageFilesStub(ch)
+        request = ReadFileRequest(str(package), embed.path, 0, "head").to_proto()
+        stalled = [files.Read(request, timeout=60) for _ in range(package_server.MAX_CONCURRENT)]
+        for stream in stalled:
+            next(stream)  # one chunk, then nothing
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            next(files.Read(request, timeout=60))
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "busy; retry" in refused.value.details()
+        assert time.monotonic() - started < 10  # refused, not queued
+        status = coordinator_pb2_grpc.CoordinatorStub(ch).Status(
+            coordinator_pb2.StatusRequest(), timeout=5
+        )
+        assert status.model_id == model.manifest.model_id
+        time.sleep(package_server.TRANSFER_IDLE_S + 2.0)
+        cancelled = 0
+        for stream in stalled:
+            try:
+                for _ in stream:  # what had reached this end before the cancel
+                    pass
+            except grpc.RpcError as error:
+                assert error.code() is grpc.StatusCode.CANCELLED
+                cancelled += 1
+        # The streams share one connection's flow-control window: the whole file
+        # cannot have fit in it for all of them, so some sends blocked until cancelled.
+        assert cancelled >= 1
+        whole = b"".join(c.data for c in files.Read(request, timeout=60))
+        assert len(whole) == embed.bytes
+    finally:
+        ch.close()
+        server.stop(0)
+
+
+def test_a_worker_waits_its_turn_while_every_transfer_is_busy(
+    tiny_package_factory, tmp_path, monkeypatch
+) -> None:
+    """RESOURCE_EXHAUSTED (every transfer slot taken, here by stalled readers) is a
+    turn to wait for: the worker asks again and fetches the file once a slot frees."""
+    import threading
+
+    from coordinator import package_server
+    from mesh.codec import ReadFileRequest
+    from mesh.grpc_util import channel
+    from mesh.proto.v1 import coordinator_pb2_grpc
+    from stage import package_client
+
+    monkeypatch.setattr(package_server, "TRANSFER_IDLE_S", 2.0)
+    monkeypatch.setattr(package_server, "WATCH_EVERY_S", 0.2)
+    monkeypatch.setattr(package_client, "RETRY_FIRST_S", 0.2)
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+    service = CoordinatorService(model, settings)
+    service.apply(
+        registry.NodeJoined(node_id="head", address="127.0.0.1:7100", now=0.0, frontend=True)
+    )
+    server, port = serve(service, "127.0.0.1:0")
+    ch = channel(f"127.0.0.1:{port}", bulk=True)
+    try:
+        assign(service)
+        embed = next(e for e in model.manifest.files if e.kind == "embed")
+        files = coordinator_pb2_grpc.PackageFilesStub(ch)
+        request = ReadFileRequest(str(package), embed.path, 0, "head").to_proto()
+        stalled = [files.Read(request, timeout=60) for _ in range(package_server.MAX_CONCURRENT)]
+        for stream in stalled:
+            next(stream)
+        dest = tmp_path / "embed"
+        errors: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                CoordinatorPackageSource(f"127.0.0.1:{port}", "head").download(
+                    str(package), embed, dest, lambda n: None, lambda: False
+                )
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        worker = threading.Thread(target=fetch)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive() and not errors, errors
+        assert sha256_file(dest) == embed.sha256
+    finally:
+        ch.close()
+        server.stop(0)
