@@ -244,6 +244,13 @@ class StageEngine:
                 prompt_logprobs=scored,
                 pooled=pooled_values,
             )
+        sampled = logits if segment.kind is SegmentKind.VERIFY else logits[-1:]
+        if not bool(torch.isfinite(sampled).all()):
+            raise MeshError(
+                f"stage {self.stage_index} computed NaN or Inf logits for session "
+                f"{segment.session_id}: the model overflows in its dtype (serve it in "
+                "bfloat16 or float32) or its weights are damaged"
+            )
         if sampling.grammar:
             logits = self._constrain(segment, logits, before, sampling)
         if segment.kind is SegmentKind.VERIFY:

@@ -328,7 +328,13 @@ class StageRuntime(GraphSteps):
                 )
             # Token ids are checked where they arrived (the wire's CPU tensor): on a GPU,
             # reading a minimum off the device would wait for every queued kernel.
-            opened, errors = self._open_spans(spans, inputs if self._is_first else None)
+            finite = None
+            if not self._is_first and inputs.is_floating_point() and inputs.device.type == "cpu":
+                # Rows a stage before computed as NaN or Inf would run on and be
+                # sampled from (garbage text, a poisoned KV): each span is checked
+                # where it arrived, on the wire's CPU tensor.
+                finite = torch.isfinite(inputs).all(dim=-1)
+            opened, errors = self._open_spans(spans, inputs if self._is_first else None, finite)
             if not opened:
                 return BatchOutput(None, {}, errors)
             # Pooled rows come from the hidden state before the head, which the
@@ -343,10 +349,11 @@ class StageRuntime(GraphSteps):
             return self._run_spans(opened, prepared, errors, graphs=not pooling)
 
     def _open_spans(
-        self, spans: Sequence[Span], ids: torch.Tensor | None
+        self, spans: Sequence[Span], ids: torch.Tensor | None, finite: torch.Tensor | None = None
     ) -> tuple[list[tuple[int, Span, SessionCache, int]], dict[int, MeshError]]:
         """Each span's session opened for the frame (or its error); ``ids``, the
-        frame's token ids on the first stage, are checked span by span."""
+        frame's token ids on the first stage, are checked span by span, and so is
+        ``finite`` (per row: the activations a later stage received are finite)."""
         opened: list[tuple[int, Span, SessionCache, int]] = []
         errors: dict[int, MeshError] = {}
         seen: set[str] = set()
@@ -362,6 +369,13 @@ class StageRuntime(GraphSteps):
                     )
                 if ids is not None:
                     self._check_ids(ids[row : row + span.count])
+                if finite is not None and not bool(finite[row : row + span.count].all()):
+                    # The server's fault, not the client's: an internal error (500).
+                    raise MeshError(
+                        f"the activations of session {span.session_id} from the stage before "
+                        "hold NaN or Inf values: that stage's compute overflowed (serve the "
+                        "model in bfloat16 or float32) or its weights are damaged"
+                    )
                 cache = self._sessions.open_for_frame(
                     span.session_id, span.pos_start, span.count, span.creates, span.prefix_from
                 )
