@@ -8,10 +8,12 @@ so callers import from there.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from mesh.codec_tensor import WireDType
 from mesh.errors import InvalidRequest
+from mesh.netaddr import split_host_port
 from mesh.proto.v1 import common_pb2, stage_pb2
 from mesh.types import LayerRange
 
@@ -283,6 +285,18 @@ class StageLoadRequest:
                 f"StageLoadRequest names stage {pb.stage_index} of {pb.stage_count}; "
                 "stage_index must be below stage_count"
             )
+        for field_name, address in (
+            ("return_endpoint", pb.return_endpoint),
+            ("downstream.address", pb.downstream.address if pb.HasField("downstream") else ""),
+        ):
+            if address:
+                _check_dialable(f"StageLoadRequest.{field_name}", address)
+        idle_s = pb.session_idle_timeout_s
+        if not (math.isfinite(idle_s) and idle_s >= 0):
+            raise InvalidRequest(
+                f"StageLoadRequest.session_idle_timeout_s is {idle_s}; give seconds >= 0 "
+                "(0: sessions never expire)"
+            )
         return cls(
             term=pb.term,
             stage_index=pb.stage_index,
@@ -301,6 +315,16 @@ class StageLoadRequest:
             session_idle_timeout_s=pb.session_idle_timeout_s,
             serving=tuple(_setting(item) for item in pb.serving),
         )
+
+
+def _check_dialable(what: str, address: str) -> None:
+    """InvalidRequest unless ``address`` is HOST:PORT with a port to dial (1-65535)."""
+    try:
+        _, port = split_host_port(address)
+    except ValueError as error:
+        raise InvalidRequest(f"{what}: {error}; give HOST:PORT") from None
+    if port == 0:
+        raise InvalidRequest(f"{what}: {address!r} has port 0, which cannot be dialled")
 
 
 @dataclass(frozen=True)

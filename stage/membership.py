@@ -22,6 +22,8 @@ DEFAULT_HEARTBEAT_S = 1.0
 # Retrying an unreachable coordinator: the wait doubles from the first to the last.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 5.0
+# The least time between two heartbeats, however often something asks for one now.
+MIN_BEAT_GAP_S = 0.25
 # With ``relocate`` (``--coordinator auto``): how long the coordinator may be
 # unreachable before the stage looks for one on its networks again, and how often.
 RELOCATE_AFTER_S = 15.0
@@ -84,8 +86,14 @@ class Membership:
         self._wake.set()
 
     def _wait(self, seconds: float) -> None:
+        started = time.monotonic()
         self._wake.wait(seconds)
         self._wake.clear()
+        # Pokes come with frames (one of a newer term each): however many come, a
+        # heartbeat follows the last by at least MIN_BEAT_GAP_S.
+        left = MIN_BEAT_GAP_S - (time.monotonic() - started)
+        if left > 0:
+            self._stop.wait(left)
 
     def _unreachable(self, what: str, error: grpc.RpcError) -> None:
         """Log the first failure of an outage; later ones only at debug level."""

@@ -409,6 +409,7 @@ class StageNode:
         self._on_newer_term = callback
 
     def release(self, term: int, reason: str) -> None:
+        check_term(term, "Release")
         with self._lock:
             if term < self.term:
                 raise StaleTerm(

@@ -214,3 +214,25 @@ def test_prepare_request_needs_a_range() -> None:
 def test_unset_speed_hint_means_reference_speed() -> None:
     join = JoinRequest.from_proto(coordinator_pb2.JoinRequest(node_id="n", address="a:1"))
     assert join.speed_hint == 1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"session_idle_timeout_s": float("nan")}, "session_idle_timeout_s is nan"),
+        ({"session_idle_timeout_s": -1.0}, "give seconds >= 0"),
+        ({"return_endpoint": "not an endpoint"}, "return_endpoint: .* is not HOST:PORT"),
+        ({"return_endpoint": "127.0.0.1:0"}, "port 0"),
+        ({"downstream": PeerRef("n", "10.0.0.3:99999")}, "downstream.address: .*out of range"),
+    ],
+)
+def test_a_load_with_numbers_or_addresses_no_coordinator_sends_is_refused(
+    overrides, message
+) -> None:
+    """Refused on decoding with INVALID_ARGUMENT at once (a NaN idle timeout would
+    keep every session forever; an endpoint that is not HOST:PORT waited 10 s for a
+    connection and came back as UNAVAILABLE)."""
+    with pytest.raises(InvalidRequest, match=message):
+        roundtrip(load_request(**overrides))
+    # An empty return endpoint (a single stage) is not an address to check.
+    assert roundtrip(load_request(return_endpoint="")).return_endpoint == ""

@@ -164,3 +164,41 @@ def test_a_heartbeat_that_raises_does_not_end_the_heartbeats(
         member.stop()
         server.stop(0)
         responder.stop()
+
+
+def test_pokes_however_many_do_not_turn_the_heartbeat_into_a_flood(tiny_package_factory) -> None:
+    """Each frame of a newer term pokes the membership for a heartbeat now; a peer
+    streaming such frames made one heartbeat per frame. At most one per
+    MIN_BEAT_GAP_S follows, however many pokes come."""
+    import time
+
+    package = tiny_package_factory("llama", layers=2)
+    host = "127.0.0.2"
+    port = free_port((host,))
+    service, server, responder = coordinator_at(package, host, port)
+    beats = {"n": 0}
+
+    def heartbeat() -> HeartbeatRequest:
+        beats["n"] += 1
+        return HeartbeatRequest(node_id="worker", term=0, state="idle")
+
+    member = Membership(
+        f"{host}:{port}",
+        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
+        heartbeat,
+    )
+    member.start()
+    try:
+        assert member.joined.wait(10)
+        assert wait_until(lambda: beats["n"] >= 1, 10)
+        start, before = time.monotonic(), beats["n"]
+        while time.monotonic() - start < 2.0:
+            member.poke()
+            time.sleep(0.001)
+        elapsed = time.monotonic() - start
+        assert beats["n"] - before <= elapsed / membership.MIN_BEAT_GAP_S + 2
+        assert beats["n"] - before >= 3  # yet sooner than the 1 Hz a stage beats at unpoked
+    finally:
+        member.stop()
+        server.stop(0)
+        responder.stop()

@@ -255,3 +255,13 @@ def test_a_plain_claim_fences_a_busy_stage(node) -> None:
     node.busy = lambda: 5
     node.claim(ClaimRequest(4, "coord", "tiny-llama"))
     assert node.term == 4 and node.loaded is None
+
+
+def test_a_release_with_a_term_no_coordinator_sends_is_refused(node) -> None:
+    """Terms count loads (at most 2^52): a Release beyond that is INVALID_ARGUMENT and
+    the stage keeps its layers (it dropped them before)."""
+    from mesh.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="beyond"):
+        node.release(2**64 - 1, "hostile")
+    assert node.loaded is not None
