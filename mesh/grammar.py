@@ -125,6 +125,16 @@ def _choice_lark(choices: Sequence[str]) -> str:
 
 def _library_grammar(spec: str) -> str:
     """The llguidance grammar of a spec."""
+    try:
+        return _library_grammar_of(spec)
+    except RecursionError:
+        raise InvalidRequest(
+            "the grammar spec is nested too deeply to read (recursion limit exceeded); "
+            "flatten the schema"
+        ) from None
+
+
+def _library_grammar_of(spec: str) -> str:
     from llguidance import LLMatcher
 
     try:

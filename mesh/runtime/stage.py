@@ -221,6 +221,14 @@ class StageRuntime(GraphSteps):
         there is cropped, like its KV; kept with a prefix, so that a session started
         from it can use penalties) and return the tokens before ``pos_start`` for
         sessions whose sampling uses them (``[]`` otherwise)."""
+        bad = [t for t in token_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            # The first stage checks the ids it embeds; a later one checks those it
+            # keeps and verifies against.
+            raise InvalidRequest(
+                f"session {session_id}: token id {bad[0]} is out of range "
+                f"[0, {self._vocab_size})"
+            )
         with self._lock:
             cache = self._sessions.get(session_id)
             if cache is None:

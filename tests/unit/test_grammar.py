@@ -265,3 +265,12 @@ def test_warming_builds_the_tokenizer_before_the_first_request(
     assert "structured output will not be available" in caplog.text
     with pytest.raises(InvalidRequest, match="tokenizer"):
         empty.constraint(grammar_spec("json_object"), 49152)
+
+
+def test_a_spec_nested_past_the_recursion_limit_is_the_request_s_error(smollm2_grammars) -> None:
+    """A stage given a grammar spec nested thousands deep (the HTTP API refuses such
+    schemas before; a peer on the data plane need not) answers InvalidRequest, not an
+    internal RecursionError."""
+    deep = '{"type": "json_schema", "schema": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        smollm2_grammars.constraint(deep, VOCAB)

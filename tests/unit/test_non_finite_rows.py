@@ -59,3 +59,16 @@ def test_non_finite_logits_fail_their_segment(engines, monkeypatch) -> None:
     (answer,) = last.process(forward).result.results
     assert answer.error is not None and "NaN or Inf logits" in answer.error.message
     assert answer.token_ids == ()
+
+
+def test_a_later_stage_refuses_token_ids_outside_the_vocabulary(engines) -> None:
+    """The first stage checks the ids it embeds; the last checks those it keeps for
+    penalties and verifies drafts against: a segment carrying one out of range fails
+    alone."""
+    first, last = engines
+    frame = Frame(1, 5, (_prefill("ids-bad", (1, 2)), _prefill("ids-good", (5, 6, 7))))
+    forward = first.process(frame).forward
+    segments = (replace(forward.segments[0], token_ids=(1, 2**32 - 1)), forward.segments[1])
+    bad, good = last.process(replace(forward, segments=segments)).result.results
+    assert bad.error is not None and "out of range" in bad.error.message
+    assert good.ok and good.token_ids
