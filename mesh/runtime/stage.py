@@ -226,8 +226,7 @@ class StageRuntime(GraphSteps):
             # The first stage checks the ids it embeds; a later one checks those it
             # keeps and verifies against.
             raise InvalidRequest(
-                f"session {session_id}: token id {bad[0]} is out of range "
-                f"[0, {self._vocab_size})"
+                f"session {session_id}: token id {bad[0]} is out of range [0, {self._vocab_size})"
             )
         with self._lock:
             cache = self._sessions.get(session_id)
