@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -69,6 +69,8 @@ MIN_PROMPT_ROWS = 16
 # Times a request's tokens are read again after a stage lost its session before the
 # request fails (a stage that keeps dropping it is not waited on forever).
 MAX_REREADS = 3
+# Sessions of unclaimed results remembered as ended.
+UNCLAIMED_ENDS_KEPT = 1024
 
 
 class EngineCore(PromptSteps):
@@ -91,6 +93,8 @@ class EngineCore(PromptSteps):
         self.recoveries = 0
         # Requests read again from 0 because a stage no longer held their session.
         self.rereads = 0
+        # Sessions of unclaimed results already ended (each is ended once).
+        self._unclaimed_ended: OrderedDict[str, None] = OrderedDict()
         # Windows drafted ahead (stage/frontend/ahead.py), and the slowest stage's
         # time per decode or verify frame (seconds, averaged) the depth rule uses.
         self.ahead = ahead.AheadCounters()
@@ -554,6 +558,7 @@ class EngineCore(PromptSteps):
         if tracked is None:
             if answer.error is not None or answer.token_ids:
                 self.stale.append("unclaimed")
+                self._end_unclaimed(answer, term)
             return None
         if answer.dropped:
             self.ahead.dropped_by_last_stage += 1
@@ -599,6 +604,20 @@ class EngineCore(PromptSteps):
             ahead.drop_ahead(tracked, self.ahead)
             return None
         return self._commit(tracked, flight, answer)
+
+    def _end_unclaimed(self, answer: SegmentResult, term: int) -> None:
+        """END, once, the session of a result no running request owns: a session the
+        stages opened for frames this core never sent (a faulty peer) or that outlived
+        its request would otherwise hold a slot on every stage until the idle sweep."""
+        session = answer.session_id
+        if term != self._term() or session in self._unclaimed_ended:
+            return
+        if any(t.run.request.request_id == session for t in self.running.values()):
+            return
+        self._unclaimed_ended[session] = None
+        while len(self._unclaimed_ended) > UNCLAIMED_ENDS_KEPT:
+            self._unclaimed_ended.popitem(last=False)
+        self._ends.append(Segment(answer.request_id, session, SegmentKind.END, 0))
 
     def _term(self) -> int:
         return self.info.term if self.info is not None else 0

@@ -896,3 +896,28 @@ def test_a_prompt_left_waiting_behind_others_goes_first_before_its_session_idles
         clock.now += 4
     # a's chunks fill the steps until b has waited 12 s (> 30 / 3); then b goes once.
     assert order == ["a", "a", "a", "b", "a", "a"]
+
+
+def test_a_result_no_request_owns_gets_its_session_ended_once() -> None:
+    """Results for a session this core never opened (a faulty peer's frames) come
+    back unclaimed: the core ends that session on the stages, once, instead of
+    leaving it to hold a slot until the stages' idle sweep; the running request goes
+    on as before."""
+    core, _ = core_with()
+    pipe = FakePipeline()
+    core.add(request("mine", (1, 2, 3), max_new=4))
+    frame = core.next_frame()
+    answer = pipe.answer(frame)
+    stray = SegmentResult("stray", "stray", 5, (7,))
+    got: dict[str, list] = {}
+    collect(got, core.on_result(FrameResult(1, frame.frame_id, (*answer.results, stray))))
+    assert core.on_result(FrameResult(1, 99, (stray,))) == []
+    following = core.next_frame()
+    ends = [s for s in following.segments if s.kind is SegmentKind.END]
+    assert [(s.session_id, s.keep_prefix) for s in ends] == [("stray", False)]
+    collect(got, core.on_result(pipe.answer(following)))
+    for request_id, (tokens, finish, error) in run_to_end(core, pipe).items():
+        got[request_id][0].extend(tokens)
+        got[request_id][1:] = [finish, error]
+    assert got["mine"][0] == greedy((1, 2, 3), 4) and got["mine"][2] is None
+    assert core.stale.count("unclaimed") == 2
