@@ -3,20 +3,117 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import resource
 import threading
 import time
 from typing import Any
 
 import uvicorn
 from fastapi import Request
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mesh.errors import Unavailable
 from stage.frontend.errors import OpenAIError, bad_request
 
 logger = logging.getLogger(__name__)
+
+# A connection must deliver a request's headers this long after it opens (or after
+# its last response): one that sends nothing, or a header line now and then, is
+# closed instead of holding a file descriptor for ever.
+REQUEST_HEADERS_TIMEOUT_S = 15.0
+# Connections held at once, as a share of the process's file-descriptor limit (the
+# rest is for gRPC, links and files); more are closed as they arrive.
+CONNECTION_FD_SHARE = 0.75
+MAX_CONNECTIONS = 10_000
+
+
+def connection_cap() -> int:
+    """The most HTTP connections this process holds at once."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(32, min(MAX_CONNECTIONS, int(soft * CONNECTION_FD_SHARE)))
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with two limits it lacks: a deadline for the
+    headers of each request (uvicorn's keep-alive timeout starts only after a first
+    response, and any byte cancels it) and a cap on connections held at once."""
+
+    max_connections = MAX_CONNECTIONS
+    _refused_logged = 0.0
+
+    def connection_made(self, transport: Any) -> None:
+        self._headers_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            now = time.monotonic()
+            if now - GuardedH11Protocol._refused_logged > 10.0:
+                GuardedH11Protocol._refused_logged = now
+                logger.warning(
+                    "HTTP: %d connections held, the limit (a share of the open-file limit); "
+                    "closing new ones as they come",
+                    len(self.connections) - 1,
+                )
+            transport.close()
+            return
+        self._await_headers()
+
+    def _await_headers(self) -> None:
+        self._stop_waiting()
+        self._headers_timer = self.loop.call_later(REQUEST_HEADERS_TIMEOUT_S, self._headers_overdue)
+
+    def _stop_waiting(self) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def _headers_overdue(self) -> None:
+        self._headers_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a request's headers arrived
+            self._stop_waiting()
+
+    def on_response_complete(self) -> None:
+        # Armed first: a pipelined request that starts inside stops it again.
+        self._await_headers()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+
+class _OncePerInterval(logging.Filter):
+    """Lets one record of a kind through per ``interval_s``: asyncio logs a failed
+    accept (out of file descriptors) with a traceback on every retry."""
+
+    def __init__(self, marker: str, interval_s: float) -> None:
+        super().__init__()
+        self.marker = marker
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.marker not in record.getMessage():
+            return True
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        return True
+
+
+_ACCEPT_FILTER = _OncePerInterval("out of system resource", 10.0)
 
 
 def _reject_constant(name: str) -> Any:
@@ -104,6 +201,9 @@ def serve_app(
 
     ``port=0`` lets the OS pick a free port. Stop with ``stop_server(server, thread)``.
     """
+    GuardedH11Protocol.max_connections = connection_cap()
+    if _ACCEPT_FILTER not in logging.getLogger("asyncio").filters:
+        logging.getLogger("asyncio").addFilter(_ACCEPT_FILTER)
     config = uvicorn.Config(
         app,
         host=host,
@@ -112,6 +212,7 @@ def serve_app(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=graceful_shutdown_s,
+        http=GuardedH11Protocol,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"http {host}:{port}", daemon=True)

@@ -334,6 +334,36 @@ def _logit_bias(bias: Mapping[str, float], vocab: int) -> tuple[tuple[int, float
     return tuple(sorted(pairs))
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest
+    vocabulary entry; a byte-level token's entry has a character per byte)."""
+    cached = getattr(tokenizer, "_mesh_longest_token_chars", None)
+    if cached is None:
+        cached = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+        try:
+            tokenizer._mesh_longest_token_chars = cached
+        except AttributeError:
+            pass
+    return int(cached)
+
+
+def check_text_fits(chars: int, ctx: PromptContext, param: str, name: str = "the prompt") -> None:
+    """400 before tokenizing when text of ``chars`` characters holds more tokens than
+    the context for certain: at least one token per ``longest_token_chars``. A text
+    a hundred times the context would otherwise be tokenized whole first (memory and
+    seconds per request)."""
+    longest = longest_token_chars(ctx.tokenizer)
+    least = chars // longest
+    if least >= ctx.context_length:
+        raise bad_request(
+            f"{name} has {chars} characters, so at least {least} tokens (no token of this "
+            f"model is longer than {longest} characters), but the model's context is "
+            f"{ctx.context_length} tokens; shorten the prompt",
+            param,
+            code="context_length_exceeded",
+        )
+
+
 def _budget(
     prompt_len: int,
     requested: int | None,
@@ -652,6 +682,7 @@ def prepared_generation(
 
 async def prepare_chat(body: ChatCompletionBody, ctx: PromptContext) -> PreparedGeneration:
     stop = check_common(body, ctx)
+    check_text_fits(sum(len(m.text()) for m in body.messages), ctx, "messages", "the messages")
     await dry.warm(body, ctx.tokenizer)
     prompt, tools = await asyncio.to_thread(_chat_prompt, body, ctx)
     prediction = await asyncio.to_thread(_prediction, body, ctx)
@@ -676,6 +707,11 @@ async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> Prepar
     ``echo``, each prompt's text goes before its choices' text, and with ``logprobs``
     too the prompt is scored."""
     stop = check_common(body, ctx)
+    batch = body.prompts()
+    for index, text in enumerate(batch):
+        if isinstance(text, str):
+            name = "the prompt" if len(batch) == 1 else f"prompt {index}"
+            check_text_fits(len(text), ctx, "prompt", name)
     await dry.warm(body, ctx.tokenizer)
     prompts, echo = await asyncio.to_thread(
         _completion_prompts, ctx.tokenizer, body.prompts(), bool(body.echo)

@@ -891,3 +891,38 @@ def test_tokens_the_tokenizer_has_and_the_model_does_not_are_400(http, backend) 
         assert fine.status_code == 200, fine.text
     finally:
         del backend.vocab_size
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(
+    http, backend, tokenizer, monkeypatch
+) -> None:
+    """Text with more characters than the context holds tokens of the longest token
+    the vocabulary has is refused at once, without tokenizing it (a few MB of text
+    would otherwise be tokenized whole first: memory and seconds per request)."""
+    from stage.frontend.prepare import longest_token_chars
+
+    longest = longest_token_chars(tokenizer)
+    text = "a" * (longest * backend.context_length + longest)
+    assert len(text) < BODY_LIMIT - 1024
+    calls: list[str] = []
+    for name in ("encode", "apply_chat_template"):
+        real = getattr(type(tokenizer), name)
+
+        def counting(self, *args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(tokenizer), name, counting)
+    chat = with_(OK_CHAT, messages=[{"role": "user", "content": text}])
+    body = assert_openai_error(
+        http.post(CHAT, json=chat), 400, code="context_length_exceeded", param="messages"
+    )
+    assert "characters, so at least" in body["message"]
+    response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=text))
+    body = assert_openai_error(response, 400, code="context_length_exceeded", param="prompt")
+    assert "characters, so at least" in body["message"]
+    assert not calls
+    # Text that may fit is tokenized and judged by its real count.
+    fits = "word " * 20
+    assert http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=fits)).status_code == 200
+    assert "encode" in calls
