@@ -9,7 +9,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ from mesh.metrics import (
 )
 from mesh.netaddr import (
     advertise_host,
+    bind_problem,
     host_port_setting,
     is_wildcard,
     split_host_port,
@@ -275,16 +275,12 @@ def check_port_free(host: str, port: int, flag: str) -> None:
     stage 0 would fail to serve there, and the mesh would wait for it forever."""
     if port == 0:
         return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise InvalidRequest(
-                f"cannot listen on {url_host(host)}:{port} ({error.strerror}); another "
-                f"process holds it: stop it or choose another {flag}"
-            ) from None
+    problem = bind_problem(host, port)
+    if problem is not None:
+        raise InvalidRequest(
+            f"cannot listen on {url_host(host)}:{port} ({problem}); another "
+            f"process holds it: stop it or choose another {flag}"
+        )
 
 
 def _print_up_config(args: argparse.Namespace, config: UpConfig) -> int:

@@ -15,7 +15,6 @@ themselves are defined where they are recorded: ``stage/metrics.py`` (every stag
 from __future__ import annotations
 
 import logging
-import socket
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,7 +25,7 @@ from prometheus_client import (
 )
 
 from mesh.errors import InvalidRequest
-from mesh.netaddr import url_host
+from mesh.netaddr import bind_problem, url_host
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +81,13 @@ def check_local_stage_metrics_ports(host: str, base: int | None, indices: range)
         return
     for index in indices:
         port = base + index
-        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
-            # As the metrics server binds: a port in TIME_WAIT is free to it.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as error:
-                raise InvalidRequest(
-                    f"local stage {index} cannot serve metrics on {url_host(host)}:{port} "
-                    f"({error.strerror}); another process holds it: choose another "
-                    "--stage-metrics-port-base (stage i serves on base + i)"
-                ) from None
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+        problem = bind_problem(host, port)
+        if problem is not None:
+            raise InvalidRequest(
+                f"local stage {index} cannot serve metrics on {url_host(host)}:{port} "
+                f"({problem}); another process holds it: choose another "
+                "--stage-metrics-port-base (stage i serves on base + i)"
+            )
 
 
 def serve_metrics(

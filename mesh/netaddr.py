@@ -175,3 +175,16 @@ def advertise_host(listen_host: str, advertise: str | None, coordinator: str | N
 def url_host(host: str) -> str:
     """A host as it goes into a URL or HOST:PORT (IPv6 in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a server could not bind ``host:port`` now (the OS's words), or None.
+    Probed as servers bind (SO_REUSEADDR: a port in TIME_WAIT is free to them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
