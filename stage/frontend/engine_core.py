@@ -661,14 +661,7 @@ class EngineCore(PromptSteps):
         )
         tracked.lost = tracked.in_flight or tracked.lost
         tracked.resumed = tracked.resumed or not tracked.prefilling
-        tracked.epoch += 1
-        tracked.prefilled = 0
-        tracked.prompt_frame = 0
-        tracked.prefilling = True
-        tracked.in_flight = None
-        tracked.ahead.clear()
-        tracked.prefix_from = ""
-        tracked.no_prefix = True
+        tracked.read_from_zero()
 
     def _fail(self, request_id: str, error: MeshError) -> Outcome:
         self.cancel(request_id, keep=False)

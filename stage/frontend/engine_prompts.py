@@ -259,12 +259,5 @@ class PromptSteps:
         self.prefix_lost += 1
         if self.prefixes is not None and self.prefixes.remove(name):
             self._ends.append(self._forget(name))
-        tracked.epoch += 1
-        tracked.prefilled = 0
-        tracked.prompt_frame = 0
-        tracked.prefilling = True
-        tracked.in_flight = None
-        tracked.ahead.clear()
-        tracked.prefix_from = ""
-        tracked.no_prefix = True
+        tracked.read_from_zero()
         tracked.run.cached_tokens = 0

@@ -126,6 +126,18 @@ class Tracked:
     # session (bounded: a stage that keeps losing it fails the request).
     rereads: int = 0
 
+    def read_from_zero(self) -> None:
+        """Void its segments in the pipe (a new epoch) and read its tokens again from
+        position 0, starting from no kept prefix."""
+        self.epoch += 1
+        self.prefilled = 0
+        self.prompt_frame = 0
+        self.prefilling = True
+        self.in_flight = None
+        self.ahead.clear()
+        self.prefix_from = ""
+        self.no_prefix = True
+
 
 @dataclass
 class SentFrame:
