@@ -129,6 +129,15 @@ def test_without_discovery_a_stage_keeps_to_its_address(
         other_responder.stop()
 
 
+def worker_member(coordinator: str, heartbeat) -> Membership:
+    """The membership of a node "worker" that reports what ``heartbeat`` says."""
+    return Membership(
+        coordinator,
+        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
+        heartbeat,
+    )
+
+
 def test_a_heartbeat_that_raises_does_not_end_the_heartbeats(
     tiny_package_factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -148,11 +157,7 @@ def test_a_heartbeat_that_raises_does_not_end_the_heartbeats(
             raise RuntimeError("dictionary changed size during iteration")
         return HeartbeatRequest(node_id="worker", term=0, state="idle")
 
-    member = Membership(
-        f"{host}:{port}",
-        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
-        heartbeat,
-    )
+    member = worker_member(f"{host}:{port}", heartbeat)
     member.start()
     try:
         assert member.joined.wait(10)
@@ -182,11 +187,7 @@ def test_pokes_however_many_do_not_turn_the_heartbeat_into_a_flood(tiny_package_
         beats["n"] += 1
         return HeartbeatRequest(node_id="worker", term=0, state="idle")
 
-    member = Membership(
-        f"{host}:{port}",
-        lambda: JoinRequest(node_id="worker", address="127.0.0.1:1", device="cpu", memory_bytes=1),
-        heartbeat,
-    )
+    member = worker_member(f"{host}:{port}", heartbeat)
     member.start()
     try:
         assert member.joined.wait(10)

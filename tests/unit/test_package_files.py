@@ -124,6 +124,20 @@ def test_a_node_prepared_ahead_of_a_load_reads_its_next_range(coordinator, tmp_p
         source.download(str(package), first_layer, tmp_path / "l0", lambda n: None, lambda: False)
 
 
+def head_only(tiny_package_factory) -> tuple[CoordinatorService, object]:
+    """A coordinator of a tiny package with one node, "head", joined (not served)."""
+    package = tiny_package_factory("llama", layers=4)
+    model = read_model(str(package))
+    settings = CoordinatorSettings(
+        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    )
+    service = CoordinatorService(model, settings)
+    service.apply(
+        registry.NodeJoined(node_id="head", address="127.0.0.1:7100", now=0.0, frontend=True)
+    )
+    return service, package
+
+
 def test_stalled_readers_neither_starve_the_coordinator_nor_hold_a_slot(
     tiny_package_factory, monkeypatch
 ) -> None:
@@ -142,15 +156,8 @@ def test_stalled_readers_neither_starve_the_coordinator_nor_hold_a_slot(
 
     monkeypatch.setattr(package_server, "TRANSFER_IDLE_S", 2.0)
     monkeypatch.setattr(package_server, "WATCH_EVERY_S", 0.2)
-    package = tiny_package_factory("llama", layers=4)
-    model = read_model(str(package))
-    settings = CoordinatorSettings(
-        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
-    )
-    service = CoordinatorService(model, settings)
-    service.apply(
-        registry.NodeJoined(node_id="head", address="127.0.0.1:7100", now=0.0, frontend=True)
-    )
+    service, package = head_only(tiny_package_factory)
+    model = service.model
     server, port = serve(service, "127.0.0.1:0", workers=6)
     ch = channel(f"127.0.0.1:{port}", bulk=True)
     try:
@@ -207,15 +214,8 @@ def test_a_worker_waits_its_turn_while_every_transfer_is_busy(
     monkeypatch.setattr(package_server, "TRANSFER_IDLE_S", 2.0)
     monkeypatch.setattr(package_server, "WATCH_EVERY_S", 0.2)
     monkeypatch.setattr(package_client, "RETRY_FIRST_S", 0.2)
-    package = tiny_package_factory("llama", layers=4)
-    model = read_model(str(package))
-    settings = CoordinatorSettings(
-        load=LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
-    )
-    service = CoordinatorService(model, settings)
-    service.apply(
-        registry.NodeJoined(node_id="head", address="127.0.0.1:7100", now=0.0, frontend=True)
-    )
+    service, package = head_only(tiny_package_factory)
+    model = service.model
     server, port = serve(service, "127.0.0.1:0")
     ch = channel(f"127.0.0.1:{port}", bulk=True)
     try:
