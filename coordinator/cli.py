@@ -502,7 +502,8 @@ def _banner_key(
     service: CoordinatorService, no_local_stage: bool, key_file: Path | None
 ) -> tuple[str, str]:
     """``_key_example``; with ``--no-local-stage`` this process does not hold stage 0's
-    keys, so a frontend that refuses a request without one gets a placeholder."""
+    keys, so for a frontend that refuses a request without one the examples show
+    ``<an API key of stage 0>`` where the key goes."""
     key = _key_example(key_file)
     if not no_local_stage or key != _key_example(None):
         return key

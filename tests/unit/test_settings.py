@@ -265,7 +265,7 @@ def test_the_start_up_banner_s_status_command_carries_the_security_flags(tmp_pat
 
 def test_the_banner_of_an_up_without_local_stage_asks_for_stage_0_s_key(monkeypatch) -> None:
     """With ``--no-local-stage`` up does not hold stage 0's keys: when the frontend
-    refuses a request without one, the banner's examples carry a placeholder."""
+    refuses a request without one, the banner's examples say where its key goes."""
     monkeypatch.delenv("MESH_API_KEY", raising=False)
     import http.server
     from types import SimpleNamespace
