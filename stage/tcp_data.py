@@ -394,7 +394,10 @@ class TcpLink:
     def _watch(self) -> None:
         """The receiver never writes after the hello: readability means it went away."""
         poller = select.poll()
-        poller.register(self._sock.fileno(), _WATCH)
+        fd = self._sock.fileno()
+        if fd < 0:  # closed before this thread started
+            return
+        poller.register(fd, _WATCH)
         while not self._closed:
             try:
                 if poller.poll(1000):

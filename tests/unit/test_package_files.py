@@ -151,7 +151,7 @@ def test_stalled_readers_neither_starve_the_coordinator_nor_hold_a_slot(
 
     from coordinator import package_server
     from mesh.codec import ReadFileRequest
-    from mesh.grpc_util import channel
+    from mesh.grpc_util import BULK_CHANNEL_OPTIONS
     from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     monkeypatch.setattr(package_server, "TRANSFER_IDLE_S", 2.0)
@@ -159,7 +159,17 @@ def test_stalled_readers_neither_starve_the_coordinator_nor_hold_a_slot(
     service, package = head_only(tiny_package_factory)
     model = service.model
     server, port = serve(service, "127.0.0.1:0", workers=6)
-    ch = channel(f"127.0.0.1:{port}", bulk=True)
+    # A reader that takes nothing: without BDP probing the receive window stays at
+    # gRPC's initial 64 KiB per stream, so the stalled streams cannot take the whole
+    # file whatever the machine's speed (with probing the window can grow past it).
+    ch = grpc.insecure_channel(
+        f"127.0.0.1:{port}",
+        options=[
+            *BULK_CHANNEL_OPTIONS,
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", 64 * 1024),
+        ],
+    )
     try:
         assign(service)
         embed = next(e for e in model.manifest.files if e.kind == "embed")
