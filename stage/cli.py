@@ -41,7 +41,7 @@ from stage.hardware import offered_memory
 from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
 from stage.package_client import CoordinatorPackageSource
-from stage.servicers import ControlServicer, DataServicer
+from stage.servicers import STAGE0_FORWARD_REFUSAL, ControlServicer, DataServicer
 from stage.tcp_data import TcpDataServer
 
 logger = logging.getLogger(__name__)
@@ -180,11 +180,20 @@ def run(args: argparse.Namespace) -> int:
     serve_metrics(node.metrics.registry, metrics_host, stage.metrics_port, who=f"stage {node_id}")
     stage_pb2_grpc.add_StageControlServicer_to_server(ControlServicer(node), server)
     data = DataServicer(node, node.deliver_result)
+    if stage.frontend:  # the frontend's node is always stage 0 (coordinator/planner.py)
+        data.forward_refusal = STAGE0_FORWARD_REFUSAL
     data_pb2_grpc.add_StageDataServicer_to_server(data, server)
     tcp = None
     if stage.data_transport == "tcp":
         listen_host = split_host_port(stage.listen)[0]
-        tcp = TcpDataServer(listen_host, stage.data_port, data.frame_bytes, data.result_bytes)
+        tcp = TcpDataServer(
+            listen_host,
+            stage.data_port,
+            data.frame_bytes,
+            data.result_bytes,
+            max_message_bytes=data.max_message_bytes,
+            forward_refusal=data.forward_refusal,
+        )
         data.tcp_endpoint, data.tcp_tls = f"{url_host(host)}:{tcp.port}", tcp.tls
         tcp.start()
         logger.info("stage %s takes frames over framed TCP at %s", node_id, data.tcp_endpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -36,6 +37,16 @@ from stage.node import StageNode
 logger = logging.getLogger(__name__)
 
 _END = object()
+# Streams of each kind a stage takes at once: one upstream stage sends Forward frames
+# and each later stage one Return stream; the rest is room for links being reopened.
+MAX_STREAMS = 4
+# What a framed TCP message may hold beyond the frame limit (the validation answers
+# an oversized frame with a clear refusal; a link past this is closed).
+MESSAGE_SLACK_BYTES = 1 << 20
+STAGE0_FORWARD_REFUSAL = (
+    "this node is stage 0 (it hosts the HTTP frontend) and takes no Forward frames; "
+    "a stage sends them to the stage after it"
+)
 
 
 class ControlServicer(stage_pb2_grpc.StageControlServicer):
@@ -101,6 +112,35 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         # This stage's framed TCP listener (stage/tcp_data.py), once it listens.
         self.tcp_endpoint = ""
         self.tcp_tls = False
+        # Set on stage 0: why Forward links (TCP or gRPC) are refused.
+        self.forward_refusal = ""
+        self._open = {"Forward": 0, "Return": 0}
+        self._open_lock = threading.Lock()
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest framed TCP message this stage reads (its frame limit and slack)."""
+        return self.node.settings.max_frame_bytes + MESSAGE_SLACK_BYTES
+
+    def _open_stream(self, kind: str, context: grpc.ServicerContext) -> None:
+        """Count a new stream of ``kind``; abort it when the stage has its fill."""
+        if kind == "Forward" and self.forward_refusal:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.forward_refusal)
+        with self._open_lock:
+            full = self._open[kind] >= MAX_STREAMS
+            if not full:
+                self._open[kind] += 1
+        if full:
+            logger.warning("refused a %s stream: %d already open", kind, MAX_STREAMS)
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this stage already has {MAX_STREAMS} {kind} streams open; close one "
+                "(a stage needs one per neighbour) and retry",
+            )
+
+    def _close_stream(self, kind: str) -> None:
+        with self._open_lock:
+            self._open[kind] -= 1
 
     def Endpoint(self, request: data_pb2.EndpointRequest, context) -> data_pb2.EndpointReply:
         return data_pb2.EndpointReply(tcp=self.tcp_endpoint, tls=self.tcp_tls)
@@ -126,16 +166,23 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         self.on_result(result_from_proto(pb))
 
     def Forward(self, request_iterator: Iterator[data_pb2.Frame], context) -> Iterator:
-        acks: queue.SimpleQueue = queue.SimpleQueue()
-        reader = NamedThread(
-            target=self._read_frames, args=(request_iterator, acks), name="data-reader", daemon=True
-        )
-        reader.start()
-        while True:
-            ack = acks.get()
-            if ack is _END:
-                return
-            yield ack_to_proto(ack)
+        self._open_stream("Forward", context)
+        try:
+            acks: queue.SimpleQueue = queue.SimpleQueue()
+            reader = NamedThread(
+                target=self._read_frames,
+                args=(request_iterator, acks),
+                name="data-reader",
+                daemon=True,
+            )
+            reader.start()
+            while True:
+                ack = acks.get()
+                if ack is _END:
+                    return
+                yield ack_to_proto(ack)
+        finally:
+            self._close_stream("Forward")
 
     def _read_frames(self, request_iterator: Iterator[data_pb2.Frame], acks) -> None:
         try:
@@ -202,6 +249,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
             logger.warning("cannot report the refusal of frame %s to stage 0", pb.frame_id)
 
     def Return(self, request_iterator: Iterator[data_pb2.FrameResult], context):
+        self._open_stream("Return", context)
         try:
             received = self.node.metrics.received["return"]
             for pb in request_iterator:
@@ -209,4 +257,6 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
                 self.on_result(result_from_proto(pb))
         except grpc.RpcError as error:
             logger.info("Return stream ended: %s", rpc_status_name(error))
+        finally:
+            self._close_stream("Return")
         return data_pb2.ReturnAck()

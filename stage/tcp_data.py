@@ -52,7 +52,18 @@ ACCEPTED = 0
 REFUSED = 1
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # as the gRPC channels' limit
 CONNECT_TIMEOUT_S = 10.0
+# The whole hello (TLS handshake included) must arrive within this: a peer that
+# trickles it byte by byte is cut off at the deadline, not at each byte's timeout.
 HELLO_TIMEOUT_S = 10.0
+# A stage has one upstream and (stage 0) one Return link per later stage; links are
+# reopened after failures, so the caps leave room, but a flood of connections (or of
+# connections that never finish their hello) cannot take every thread and socket.
+MAX_CONNECTIONS = 64
+MAX_PENDING_HELLOS = 16
+# Buffers for a message grow as its bytes arrive (a length alone allocates at most
+# this much), so a peer cannot make the listener allocate what it never sends.
+_EAGER_BYTES = 1 << 20
+_REFUSALS_LOGGED_EVERY_S = 10.0
 # A peer that takes nothing from its socket for this long (stopped, hung) breaks the link.
 SEND_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("<I")
@@ -91,6 +102,8 @@ def received_bytes() -> int:
 
 
 def _read_exact(sock: socket.socket, size: int) -> memoryview:
+    if size > _EAGER_BYTES:
+        return _read_growing(sock, size)
     buffer = memoryview(bytearray(size))
     got = 0
     while got < size:
@@ -100,6 +113,23 @@ def _read_exact(sock: socket.socket, size: int) -> memoryview:
         got += count
         _ReceivedBytes.total += count
     return buffer
+
+
+def _read_growing(sock: socket.socket, size: int) -> memoryview:
+    """``size`` bytes into a buffer that doubles as they arrive (from ``_EAGER_BYTES``),
+    so memory follows the bytes received, not the length announced."""
+    buffer = bytearray(_EAGER_BYTES)
+    got = 0
+    while got < size:
+        if got == len(buffer):
+            buffer.extend(bytes(min(len(buffer), size - len(buffer))))
+        with memoryview(buffer) as view:
+            count = sock.recv_into(view[got:])
+        if not count:
+            raise EOFError("the peer closed the connection")
+        got += count
+        _ReceivedBytes.total += count
+    return memoryview(buffer)
 
 
 def server_context(security: MeshSecurity) -> ssl.SSLContext | None:
@@ -130,7 +160,12 @@ def client_context(security: MeshSecurity) -> ssl.SSLContext:
 
 class TcpDataServer:
     """Accepts framed TCP links and hands their messages to ``on_frame`` (Forward)
-    and ``on_result`` (Return), each given the message's bytes."""
+    and ``on_result`` (Return), each given the message's bytes.
+
+    ``max_message_bytes``: a longer message closes its link. ``forward_refusal``:
+    when set, Forward links are refused with this reason (stage 0 takes none).
+    At most ``max_connections`` links, of which ``max_pending_hellos`` still in
+    their hello; connections past either cap are closed at once."""
 
     def __init__(
         self,
@@ -139,7 +174,16 @@ class TcpDataServer:
         on_frame: Callable[[bytes], None],
         on_result: Callable[[bytes], None],
         security: MeshSecurity | None = None,
+        *,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        forward_refusal: str = "",
+        max_connections: int = MAX_CONNECTIONS,
+        max_pending_hellos: int = MAX_PENDING_HELLOS,
     ) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.forward_refusal = forward_refusal
+        self.max_connections = max_connections
+        self.max_pending_hellos = max_pending_hellos
         self.security = active() if security is None else security
         self._expected = (
             check_token(self.security.join_token, "the join token").encode()
@@ -160,9 +204,15 @@ class TcpDataServer:
                 "is the port in use? (--data-port)"
             ) from error
         self._listener.listen(16)
+        # The accept loop wakes at least this often to cut off overdue hellos.
+        self._listener.settimeout(0.5)
         self.port = self._listener.getsockname()[1]
         self._closed = False
         self._connections: set[socket.socket] = set()
+        self._links: set[socket.socket] = set()  # the accepted (raw) sockets
+        self._hellos: dict[socket.socket, float] = {}  # raw socket -> its hello's deadline
+        self._dropped = 0  # connections closed at a cap, not yet logged
+        self._dropped_logged = 0.0
         self._lock = threading.Lock()
         self._thread = NamedThread(target=self._accept_loop, name="data-accept", daemon=True)
 
@@ -188,22 +238,86 @@ class TcpDataServer:
 
     def _accept_loop(self) -> None:
         while not self._closed:
+            self._cut_overdue_hellos()
             try:
                 sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 if self._closed:
                     return
-                time.sleep(0.05)
+                time.sleep(0.05)  # out of file descriptors, say: try again shortly
                 continue
-            NamedThread(
-                target=self._serve, args=(sock, peer), name="data-reader", daemon=True
-            ).start()
+            with self._lock:
+                full = (
+                    "links"
+                    if len(self._links) >= self.max_connections
+                    else "hellos"
+                    if len(self._hellos) >= self.max_pending_hellos
+                    else ""
+                )
+                if not full:
+                    self._links.add(sock)
+                    self._connections.add(sock)
+                    self._hellos[sock] = time.monotonic() + HELLO_TIMEOUT_S
+            if full:
+                _shut(sock)
+                self._note_dropped(f"{full} at their cap")
+                continue
+            try:
+                NamedThread(
+                    target=self._serve, args=(sock, peer), name="data-reader", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had: drop this one, keep accepting
+                self._forget(sock)
+                _shut(sock)
+                self._note_dropped("no thread to serve them")
+                time.sleep(0.05)
+
+    def _cut_overdue_hellos(self) -> None:
+        """Shut connections whose hello missed its deadline (their reader thread then
+        sees the end and closes them)."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [sock for sock, due in self._hellos.items() if due <= now]
+            for sock in overdue:
+                del self._hellos[sock]
+        for sock in overdue:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if overdue:
+            self._note_dropped("their hello was not done within the deadline", len(overdue))
+
+    def _note_dropped(self, why: str, count: int = 1) -> None:
+        """Count connections closed unserved; log them at most once per interval."""
+        now = time.monotonic()
+        with self._lock:
+            self._dropped += count
+            if now - self._dropped_logged < _REFUSALS_LOGGED_EVERY_S:
+                return
+            dropped, self._dropped, self._dropped_logged = self._dropped, 0, now
+        logger.warning(
+            "closed %d data connection(s) unserved (latest: %s; at most %d links, %d in "
+            "their hello, %.0fs per hello)",
+            dropped,
+            why,
+            self.max_connections,
+            self.max_pending_hellos,
+            HELLO_TIMEOUT_S,
+        )
+
+    def _forget(self, *socks: socket.socket) -> None:
+        with self._lock:
+            for sock in socks:
+                self._connections.discard(sock)
+                self._links.discard(sock)
+                self._hellos.pop(sock, None)
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         raw = sock
-        with self._lock:
-            self._connections.add(raw)
         try:
             _tune(sock)
             sock.settimeout(HELLO_TIMEOUT_S)
@@ -212,19 +326,21 @@ class TcpDataServer:
                 with self._lock:
                     self._connections.add(sock)
             kind = self._hello(sock, where)
-            if kind is None:
+            with self._lock:
+                on_time = self._hellos.pop(raw, None) is not None
+            if kind is None or not on_time:
                 return
             sock.settimeout(None)
             handle = self._handlers[kind]
             while not self._closed:
                 (size,) = _LENGTH.unpack(_read_exact(sock, _LENGTH.size))
-                if size > MAX_MESSAGE_BYTES:
+                if size > self.max_message_bytes:
                     logger.warning(
                         "%s link from %s sent a %d-byte message (limit %d); closing it",
                         KIND_NAMES[kind],
                         where,
                         size,
-                        MAX_MESSAGE_BYTES,
+                        self.max_message_bytes,
                     )
                     return
                 handle(bytes(_read_exact(sock, size)))
@@ -234,9 +350,7 @@ class TcpDataServer:
         except Exception:  # noqa: BLE001 - the link ends, the stage stays up
             logger.exception("data link from %s failed", where)
         finally:
-            with self._lock:
-                self._connections.discard(sock)
-                self._connections.discard(raw)
+            self._forget(sock, raw)
             _shut(sock)
             if sock is not raw:
                 _shut(raw)
@@ -255,6 +369,10 @@ class TcpDataServer:
             logger.warning(
                 "refused a %s link from %s: %s", KIND_NAMES[kind], where, REFUSED_MESSAGE
             )
+            return None
+        if kind == KIND_FORWARD and self.forward_refusal:
+            _refuse(sock, self.forward_refusal)
+            logger.warning("refused a forward link from %s: %s", where, self.forward_refusal)
             return None
         sock.sendall(bytes([ACCEPTED]))
         logger.info("%s link from %s open", KIND_NAMES[kind], where)

@@ -29,14 +29,18 @@ class Received:
         self.results: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
 
-def serve(security: MeshSecurity = MeshSecurity(), **handlers) -> tuple[TcpDataServer, Received]:
+def serve(
+    security: MeshSecurity = MeshSecurity(), *, on_frame=None, on_result=None, **options
+) -> tuple[TcpDataServer, Received]:
+    """A started server on 127.0.0.1; ``options`` go to ``TcpDataServer``."""
     got = Received()
     server = TcpDataServer(
         "127.0.0.1",
         0,
-        handlers.get("on_frame", got.frames.put),
-        handlers.get("on_result", got.results.put),
+        on_frame or got.frames.put,
+        on_result or got.results.put,
         security=security,
+        **options,
     ).start()
     return server, got
 
@@ -136,9 +140,8 @@ def test_a_connection_that_is_not_a_mesh_link_is_refused_and_the_server_carries_
         server.close()
 
 
-def test_a_message_over_the_limit_closes_that_link_only(monkeypatch) -> None:
-    monkeypatch.setattr(tcp_data, "MAX_MESSAGE_BYTES", 10_000)
-    server, got = serve()
+def test_a_message_over_the_limit_closes_that_link_only() -> None:
+    server, got = serve(max_message_bytes=10_000)
     broken: list[Exception] = []
     big = TcpLink(endpoint(server), KIND_FORWARD, broken.append, security=MeshSecurity())
     small = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())

@@ -1,0 +1,286 @@
+"""What a stage's data listeners take from peers that are slow, greedy or in the wrong
+place: framed TCP hellos have one deadline and a cap, links a cap, announced lengths
+do not allocate what never arrives, stage 0 refuses Forward links, and the gRPC
+Forward and Return streams are capped per kind. Real sockets and a real gRPC server
+on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mesh.errors import Unavailable
+from mesh.grpc_util import bind, channel, new_server
+from mesh.proto.v1 import data_pb2, data_pb2_grpc
+from mesh.security import MeshSecurity
+from stage import servicers, tcp_data
+from stage.node import NodeSettings, StageNode
+from stage.servicers import STAGE0_FORWARD_REFUSAL, DataServicer
+from stage.tcp_data import KIND_FORWARD, KIND_RETURN, MAGIC, TcpLink
+from tests.unit.test_tcp_data import endpoint, frame, serve, wait_for
+
+HELLO = struct.Struct("<8sBH")
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket, within_s: float = 10.0) -> bool:
+    """Whether the server ends ``sock`` (EOF or reset) within ``within_s``, reading and
+    discarding whatever it sends first."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def open_forward(port: int) -> socket.socket:
+    """A Forward link by hand, its hello accepted."""
+    sock = connect(port)
+    sock.sendall(HELLO.pack(MAGIC, KIND_FORWARD, 0))
+    assert sock.recv(1) == bytes([tcp_data.ACCEPTED])
+    return sock
+
+
+def test_a_hello_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch) -> None:
+    """Each byte comes well within a per-read timeout, but the hello as a whole is
+    overdue: the connection ends, and a sound link is served afterwards."""
+    monkeypatch.setattr(tcp_data, "HELLO_TIMEOUT_S", 1.0)
+    server, got = serve()
+    try:
+        slow = connect(server.port)
+        hello = HELLO.pack(MAGIC, KIND_FORWARD, 0)
+        ended = False
+        for byte in hello[:-1] * 20:  # far longer than the deadline at this pace
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                ended = True
+                break
+            time.sleep(0.25)
+            slow.settimeout(0.01)
+            try:
+                if slow.recv(1) == b"":
+                    ended = True
+                    break
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                ended = True
+                break
+        assert ended
+        slow.close()
+        link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        link.send(frame(5))
+        assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 5
+        link.close()
+    finally:
+        server.close()
+
+
+def test_connections_past_the_hello_cap_are_closed_and_others_still_served(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(tcp_data, "HELLO_TIMEOUT_S", 2.0)
+    server, got = serve(max_pending_hellos=2)
+    silent = [connect(server.port) for _ in range(2)]
+    try:
+        wait_for(lambda: len(server._hellos) == 2)
+        extra = connect(server.port)
+        assert closed_by_peer(extra, within_s=5.0)
+        extra.close()
+        # The silent ones are cut at their deadline, freeing the hello slots.
+        assert all(closed_by_peer(sock) for sock in silent)
+        link = TcpLink(endpoint(server), KIND_RETURN, lambda e: None, security=MeshSecurity())
+        link.send(data_pb2.FrameResult(term=1, frame_id=9))
+        assert data_pb2.FrameResult.FromString(got.results.get(timeout=10)).frame_id == 9
+        link.close()
+    finally:
+        for sock in silent:
+            sock.close()
+        server.close()
+
+
+def test_connections_past_the_link_cap_are_closed_while_open_links_carry_on() -> None:
+    server, got = serve(max_connections=2)
+    first = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+    second = TcpLink(endpoint(server), KIND_RETURN, lambda e: None, security=MeshSecurity())
+    try:
+        with pytest.raises(Unavailable):
+            TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        first.send(frame(1))
+        assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 1
+        second.close()
+        wait_for(lambda: len(server._links) == 1)
+        third = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        third.send(frame(2))
+        assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 2
+        third.close()
+    finally:
+        first.close()
+        second.close()
+        server.close()
+
+
+def test_the_listener_keeps_accepting_when_a_reader_thread_cannot_start(monkeypatch) -> None:
+    real = tcp_data.NamedThread
+    failures = [0]
+
+    class NoThreadOnce(real):
+        def start(self) -> None:
+            if self.name == "data-reader" and failures[0] == 0:
+                failures[0] += 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(tcp_data, "NamedThread", NoThreadOnce)
+    server, got = serve()
+    try:
+        unlucky = connect(server.port)
+        assert closed_by_peer(unlucky)
+        unlucky.close()
+        assert failures[0] == 1
+        link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        link.send(frame(3))
+        assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 3
+        link.close()
+    finally:
+        server.close()
+
+
+def test_an_announced_length_allocates_only_what_arrives() -> None:
+    """A length near the limit followed by a few bytes costs the listener about the
+    eager buffer, not the length; a long message that does arrive is read whole."""
+    server, got = serve(max_message_bytes=200 * 2**20)
+    tracemalloc.start()
+    try:
+        liar = open_forward(server.port)
+        before = tcp_data.received_bytes()
+        liar.sendall(struct.pack("<I", 190 * 2**20) + b"x" * 100)
+        wait_for(lambda: tcp_data.received_bytes() >= before + 104)
+        time.sleep(0.2)
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 16 * 2**20
+        liar.close()
+    finally:
+        tracemalloc.stop()
+    try:
+        link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        payload = bytes(range(256)) * (5 * 2**20 // 256 + 7)  # several doublings
+        link.send(frame(4, payload))
+        arrived = data_pb2.Frame.FromString(got.frames.get(timeout=30))
+        assert arrived.frame_id == 4 and arrived.hidden.data == payload
+        link.close()
+    finally:
+        server.close()
+
+
+def test_stage0_refuses_forward_links_and_takes_return_links() -> None:
+    server, got = serve(forward_refusal=STAGE0_FORWARD_REFUSAL)
+    try:
+        with pytest.raises(Unavailable, match="takes no Forward frames"):
+            TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        link = TcpLink(endpoint(server), KIND_RETURN, lambda e: None, security=MeshSecurity())
+        link.send(data_pb2.FrameResult(term=2, frame_id=11))
+        assert data_pb2.FrameResult.FromString(got.results.get(timeout=10)).frame_id == 11
+        link.close()
+    finally:
+        server.close()
+
+
+# ---- the gRPC streams ----------------------------------------------------------------
+
+
+@pytest.fixture
+def grpc_stage(tmp_path: Path) -> Iterator[tuple[str, DataServicer]]:
+    """A stage's data service on a real gRPC server with threads to spare."""
+    node = StageNode(NodeSettings(node_id="n", cache_dir=tmp_path), "127.0.0.1:1")
+    server = new_server(16, MeshSecurity())
+    data = DataServicer(node, lambda _: None)
+    data_pb2_grpc.add_StageDataServicer_to_server(data, server)
+    port = bind(server, "127.0.0.1:0", MeshSecurity())
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", data
+    finally:
+        server.stop(None)
+        node.stop()
+
+
+class Held:
+    """A client stream kept open until ``close``."""
+
+    def __init__(self) -> None:
+        self._done = False
+
+    def __iter__(self):
+        while not self._done:
+            time.sleep(0.02)
+        return
+        yield
+
+    def close(self) -> None:
+        self._done = True
+
+
+@pytest.mark.parametrize("kind", ["Forward", "Return"])
+def test_streams_past_the_cap_are_refused_until_one_closes(grpc_stage, kind: str) -> None:
+    address, data = grpc_stage
+    ch = channel(address, MeshSecurity())
+    stub = data_pb2_grpc.StageDataStub(ch)
+    call = stub.Forward if kind == "Forward" else stub.Return.future
+    held = [Held() for _ in range(servicers.MAX_STREAMS)]
+    calls = [call(iter(h), timeout=30) for h in held]
+    try:
+        wait_for(lambda: data._open[kind] == servicers.MAX_STREAMS)
+        extra = Held()
+        with pytest.raises(grpc.RpcError) as refused:
+            answer = call(iter(extra), timeout=30)
+            next(answer) if kind == "Forward" else answer.result()
+        extra.close()
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{servicers.MAX_STREAMS} {kind} streams open" in refused.value.details()
+        held[0].close()
+        if kind == "Return":
+            calls[0].result(timeout=10)
+        else:
+            assert list(calls[0]) == []
+        wait_for(lambda: data._open[kind] == servicers.MAX_STREAMS - 1)
+        again = Held()
+        calls.append(call(iter(again), timeout=30))
+        held.append(again)
+        wait_for(lambda: data._open[kind] == servicers.MAX_STREAMS)
+    finally:
+        for h in held:
+            h.close()
+        ch.close()
+    wait_for(lambda: data._open[kind] == 0)
+
+
+def test_stage0_refuses_grpc_forward_streams(grpc_stage) -> None:
+    address, data = grpc_stage
+    data.forward_refusal = STAGE0_FORWARD_REFUSAL
+    ch = channel(address, MeshSecurity())
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            next(data_pb2_grpc.StageDataStub(ch).Forward(iter([]), timeout=10))
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "takes no Forward frames" in refused.value.details()
+        assert data._open["Forward"] == 0
+    finally:
+        ch.close()
