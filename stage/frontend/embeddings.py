@@ -32,7 +32,7 @@ from mesh.errors import CapacityExceeded, MeshError, Unavailable
 from mesh.types import SamplingParams
 from stage.frontend.backend import POOLINGS, GenerationBackend, GenerationRequest
 from stage.frontend.errors import bad_request
-from stage.frontend.prepare import PromptContext
+from stage.frontend.prepare import PromptContext, check_text_fits
 from stage.frontend.schemas import USER_MAX_CHARS
 from stage.frontend.schemas_base import Int, Str, _Body
 
@@ -106,6 +106,10 @@ def input_tokens(body: EmbeddingBody, ctx: PromptContext) -> list[list[int]]:
     """Each input's token ids (text through the model's tokenizer, token ids checked
     against its vocabulary); 400 for an empty input or one longer than the context."""
     items = body.inputs()
+    for index, item in enumerate(items):  # before any is tokenized
+        if isinstance(item, str):
+            name = "input" if len(items) == 1 else f"input {index}"
+            check_text_fits(len(item), ctx, "input", name)
     vocab = ctx.vocab()
     encoded: list[list[int]] = []
     for index, item in enumerate(items):

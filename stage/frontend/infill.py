@@ -22,7 +22,14 @@ from pydantic import Field
 from stage.frontend import dry
 from stage.frontend.fim import FimTokens, encode_text, extra_tokens, fim_prompt, fit_to_room
 from stage.frontend.llama_api import LlamaBody, LlamaRequest
-from stage.frontend.prepare import PromptContext, check_common, fim_of, prepared_generation
+from stage.frontend.prepare import (
+    PromptContext,
+    check_common,
+    check_text_fits,
+    fim_of,
+    longest_token_chars,
+    prepared_generation,
+)
 from stage.frontend.schemas_base import Str, _Body
 
 INFILL_PATH = "/infill"
@@ -49,22 +56,33 @@ class InfillBody(LlamaBody):
 
 def _prompt(body: InfillBody, ctx: PromptContext, fim: FimTokens) -> tuple[list[int], bool]:
     tokenizer = ctx.tokenizer
-    prefix = encode_text(tokenizer, body.input_prefix)
-    suffix = encode_text(tokenizer, body.input_suffix)
+    # Text that cannot be kept is not tokenized: a text holds at least one token per
+    # ``longest_token_chars``, so ``reach`` characters hold twice the context, and
+    # what fit_to_room keeps of the prefix's end (the suffix's start) lies well
+    # inside the part taken.
+    reach = 2 * ctx.context_length * longest_token_chars(tokenizer)
+    prefix = encode_text(tokenizer, body.input_prefix[-reach:])
+    suffix = encode_text(tokenizer, body.input_suffix[:reach])
     middle = encode_text(tokenizer, body.prompt)
+    chunks = list(body.input_extra)
+    # A file of over half of ``reach`` characters holds more than the context: it and
+    # every file before it would be cut (the earliest go first), so none is read.
+    too_long = [i for i, chunk in enumerate(chunks) if 2 * len(chunk.text) > reach]
+    skipped = too_long[-1] + 1 if too_long else 0
     files = [
-        extra_tokens(tokenizer, fim, [(chunk.filename, chunk.text)]) for chunk in body.input_extra
+        extra_tokens(tokenizer, fim, [(chunk.filename, chunk.text)]) for chunk in chunks[skipped:]
     ]
     fixed = len(fim_prompt(fim, [], [], middle))
     wanted = body.requested_max_tokens or min(DEFAULT_MIDDLE_ROOM, ctx.context_length // 4)
     room = ctx.context_length - fixed - wanted
     prefix, suffix, files, cut = fit_to_room(prefix, suffix, files, room)
     extra = [token for chunk in files for token in chunk]
-    return fim_prompt(fim, prefix, suffix, middle, extra), cut
+    return fim_prompt(fim, prefix, suffix, middle, extra), cut or skipped > 0
 
 
 async def prepare_infill(body: InfillBody, ctx: PromptContext) -> LlamaRequest:
     stop = check_common(body, ctx)
+    check_text_fits(len(body.prompt), ctx, "prompt", "the start of the middle ('prompt')")
     await dry.warm(body, ctx.tokenizer)
     fim = fim_of(ctx, "input_prefix")
     prompt, truncated = await asyncio.to_thread(_prompt, body, ctx, fim)

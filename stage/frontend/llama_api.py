@@ -47,6 +47,7 @@ from stage.frontend.prepare import (
     PreparedGeneration,
     PromptContext,
     check_common,
+    check_text_fits,
     encode_prompt,
     prepared_generation,
 )
@@ -169,6 +170,8 @@ class NativeCompletionBody(LlamaBody):
 async def prepare_native(body: NativeCompletionBody, ctx: PromptContext) -> LlamaRequest:
     """``POST /completion``: a completion of ``prompt``."""
     stop = check_common(body, ctx)
+    if isinstance(body.prompt, str):
+        check_text_fits(len(body.prompt), ctx, "prompt")
     await dry.warm(body, ctx.tokenizer)
     prompt = await asyncio.to_thread(encode_prompt, ctx.tokenizer, body.prompt)
     return LlamaRequest.of(prepared_generation("completion", body, [prompt], stop, ctx), body)

@@ -719,6 +719,7 @@ async def prepare_completion(body: CompletionBody, ctx: PromptContext) -> Prepar
     if body.suffix:
         # Fill in the middle: each prompt is the text before the gap.
         fim = fim_of(ctx, "suffix")
+        check_text_fits(len(body.suffix), ctx, "suffix", "the suffix")
         suffix = await asyncio.to_thread(encode_text, ctx.tokenizer, body.suffix)
         prompts = [fim_prompt(fim, prompt, suffix) for prompt in prompts]
         ctx = replace(ctx, stop_token_ids=ctx.stop_token_ids | fim.ends)

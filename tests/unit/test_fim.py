@@ -392,3 +392,42 @@ def test_n_probs_gives_llama_cpp_s_completion_probabilities(coder_model) -> None
     assert streamed == probabilities
     assert "completion_probabilities" not in plain
     assert too_many.status_code == 400
+
+
+def test_infill_tokenizes_only_the_text_it_can_keep(coder_tokenizer, monkeypatch) -> None:
+    """Megabytes around the cursor: only text within twice the context's reach of the
+    gap is tokenized, files that cannot fit (and the files before them) not at all,
+    and the prompt is the one the text near the gap alone gives."""
+    from stage.frontend.prepare import longest_token_chars
+
+    backend = ScriptedBackend([TokenEvent((5,), "stop")])  # context 512
+    reach = 2 * 512 * longest_token_chars(coder_tokenizer)
+    lines = 3 * reach // 12
+    small_file = {"filename": "util.py", "text": "X = 1"}
+    near = {
+        "input_prefix": "".join(f"line_{i} = {i}\n" for i in range(lines - 2000, lines)),
+        "input_suffix": "".join(f"after_{i} = {i}\n" for i in range(2000)),
+        "n_predict": 32,
+    }
+    whole = near | {
+        "input_prefix": "".join(f"line_{i} = {i}\n" for i in range(lines)),
+        "input_suffix": "".join(f"after_{i} = {i}\n" for i in range(lines)),
+    }
+    short = {"input_prefix": "def f():\n", "input_suffix": "    return X\n", "n_predict": 32}
+    files = short | {"input_extra": [{"filename": "big.py", "text": "y = 2\n" * reach}, small_file]}
+    read: list[int] = []
+    real = type(coder_tokenizer).encode
+
+    def encode(self, text, *args, **kwargs):
+        read.append(len(text))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(coder_tokenizer), "encode", encode)
+    bodies = [whole, near, files, short | {"input_extra": [small_file]}]
+    with live_server(backend, coder_tokenizer) as base:
+        answers = [httpx.post(f"{base}/infill", json=body, timeout=60).json() for body in bodies]
+    assert max(read) <= reach
+    assert [a["truncated"] for a in answers] == [True, True, True, False]
+    prompts = [r.prompt_tokens for r in backend.requests]
+    assert prompts[0] == prompts[1]
+    assert prompts[2] == prompts[3] and "util.py" in coder_tokenizer.decode(prompts[2])

@@ -921,6 +921,11 @@ def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(
     response = http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=text))
     body = assert_openai_error(response, 400, code="context_length_exceeded", param="prompt")
     assert "characters, so at least" in body["message"]
+    response = http.post("/completion", json={"prompt": text, "n_predict": 2})
+    body = assert_openai_error(response, 400, code="context_length_exceeded", param="prompt")
+    response = http.post("/v1/embeddings", json={"model": MODEL_ID, "input": ["hi", text]})
+    body = assert_openai_error(response, 400, code="context_length_exceeded", param="input")
+    assert body["message"].startswith("input 1 has")
     assert not calls
     # Text that may fit is tokenized and judged by its real count.
     fits = "word " * 20
