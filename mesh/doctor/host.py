@@ -1,11 +1,12 @@
 """Checks of this host: ports free, the torch device present, memory, a writable
-directory. Memory comes from /proc/meminfo and the cgroup limit (or os.sysconf),
-device memory from torch."""
+directory. Memory comes from /proc/meminfo, the cgroup limit and the process's
+address-space limit (or os.sysconf), device memory from torch."""
 
 from __future__ import annotations
 
 import errno
 import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -168,7 +169,28 @@ def host_memory() -> HostMemory:
     if limit is not None and limit < total:
         total, available = limit, min(available, max(0, limit - (used or 0)))
         source = "cgroup memory.max"
+    limit, used = _address_space_limit()
+    if limit is not None and max(0, limit - used) < available:
+        # ``ulimit -v`` (a service's LimitAS=): allocations past it fail whatever the
+        # host has free, so it bounds what this process can offer.
+        total, available = min(total, limit), max(0, limit - used)
+        source = "the process's address-space limit (ulimit -v)"
     return HostMemory(total, available, source)
+
+
+def _address_space_limit() -> tuple[int | None, int]:
+    """This process's soft RLIMIT_AS and the address space it maps now (VmSize);
+    (None, 0) without a limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None, 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return soft, int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return soft, 0
 
 
 def _cgroup_limit() -> tuple[int | None, int | None]:

@@ -158,3 +158,28 @@ def test_a_node_below_one_layer_is_left_out_with_a_warning(caplog) -> None:
         caplog.text
     )
     assert "state more (mesh-stage join --memory)" in caplog.text
+
+
+def test_an_address_space_limit_bounds_the_memory_offered() -> None:
+    """Under ``ulimit -v`` (a service's LimitAS=) allocations fail past the limit
+    whatever the host has free: the offer is what the limit leaves."""
+    import subprocess
+    import sys
+
+    script = """
+import resource
+from pathlib import Path
+import torch
+from stage.hardware import offered_memory
+size = next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+            if l.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (768 << 20), resource.RLIM_INFINITY))
+offered = offered_memory("cpu", 0, 0)
+print(offered.bytes_total, offered.detail)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    offered, detail = done.stdout.split(" ", 1)
+    assert 0 < int(offered) <= 768 << 20
+    assert "ulimit -v" in detail
