@@ -251,7 +251,13 @@ class SessionTable:
                     f"stage holds {len(self._sessions)} sessions, its limit; retry later "
                     "or end idle sessions"
                 )
-            cache = SessionCache(self.layout, self._capacity_for(end, 0), self._clock())
+            cache = self._allocated(
+                end,
+                self._capacity_for(end, 0),
+                lambda capacity: SessionCache(self.layout, capacity, self._clock()),
+                session_id,
+                source,
+            )
             if source is not None:
                 cache.copy_prefix(source, pos_start)
                 source.last_used = cache.last_used
@@ -259,9 +265,62 @@ class SessionTable:
                     self._prefixes.move_to_end(prefix_from)
             self._sessions[session_id] = cache
         else:
-            cache.reserve(self._capacity_for(end, cache.capacity))
+            grown = cache
+            self._allocated(
+                end,
+                self._capacity_for(end, cache.capacity),
+                lambda capacity: grown.reserve(capacity) or grown,
+                session_id,
+                source,
+            )
         cache.last_used = self._clock()
         return cache
+
+    def _allocated(
+        self,
+        tokens: int,
+        capacity: int,
+        allocate: Callable[[int], SessionCache],
+        session_id: str,
+        source: SessionCache | None,
+    ) -> SessionCache:
+        """``allocate(capacity)``; out of memory, again with the least capacity that
+        holds ``tokens`` after the kept prefixes (but ``source``) are dropped. When
+        that fails too and no other session holds KV here, the session can never
+        fit this stage: InvalidRequest (not a CapacityExceeded to retry later)."""
+        try:
+            return allocate(capacity)
+        except CapacityExceeded as first:
+            failure = first
+            dropped = [n for n, c in self._prefixes.items() if c is not source]
+            for name in dropped:
+                del self._prefixes[name]
+            least = self._capacity_for(tokens, 0)
+            if dropped or least < capacity:
+                logger.warning(
+                    "out of memory for %d positions of session %s: dropped %d kept "
+                    "prefixes, trying %d positions",
+                    capacity,
+                    session_id,
+                    len(dropped),
+                    least,
+                )
+                try:
+                    return allocate(min(least, capacity))
+                except CapacityExceeded as again:
+                    failure = again
+            others = [c for n, c in self._sessions.items() if n != session_id and c.capacity]
+            if others or source is not None:
+                raise failure from None
+            layout = self.layout
+            shape = (layout.layer_count, 2, 1, layout.kv_heads, least, layout.head_dim)
+            need = buffer_bytes(shape, layout.dtype)
+            raise InvalidRequest(
+                f"this stage cannot hold KV for {tokens} positions ({need / 2**20:.0f} MiB "
+                f"on {layout.device}) even with no other session and its prefix cache "
+                "empty; shorten the prompt or max_tokens, or serve on stages with more "
+                "memory"
+            ) from None
 
     def _capacity_for(self, tokens: int, current: int) -> int:
         if tokens <= current:
