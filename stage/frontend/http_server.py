@@ -42,7 +42,8 @@ def connection_cap() -> int:
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with two limits it lacks: a deadline for the
     headers of each request (uvicorn's keep-alive timeout starts only after a first
-    response, and any byte cancels it) and a cap on connections held at once."""
+    response, and any byte cancels it) and a cap on connections held at once (at the
+    cap a new connection closes the one idle longest, or is closed when none is)."""
 
     max_connections = MAX_CONNECTIONS
     _refused_logged = 0.0
@@ -51,17 +52,40 @@ class GuardedH11Protocol(H11Protocol):
         self._headers_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            now = time.monotonic()
-            if now - GuardedH11Protocol._refused_logged > 10.0:
-                GuardedH11Protocol._refused_logged = now
-                logger.warning(
-                    "HTTP: %d connections held, the limit (a share of the open-file limit); "
-                    "closing new ones as they come",
-                    len(self.connections) - 1,
-                )
-            transport.close()
-            return
+            idle = self._longest_idle()
+            if idle is not None:
+                # Room for the newcomer: a connection between requests (kept alive,
+                # or never used) gives way, the one waiting longest first.
+                idle._stop_waiting()
+                idle.transport.close()
+                self._log_full("closing idle ones to make room")
+            else:
+                self._log_full("every one is serving a request; closing new ones as they come")
+                transport.close()
+                return
         self._await_headers()
+
+    def _longest_idle(self) -> GuardedH11Protocol | None:
+        """The held connection that has waited longest for a request's headers (none
+        while every one is serving a request)."""
+        idle = [
+            p
+            for p in self.connections
+            if p is not self
+            and getattr(p, "_headers_timer", None) is not None
+            and not p.transport.is_closing()
+        ]
+        return min(idle, key=lambda p: p._headers_timer.when(), default=None)
+
+    def _log_full(self, action: str) -> None:
+        now = time.monotonic()
+        if now - GuardedH11Protocol._refused_logged > 10.0:
+            GuardedH11Protocol._refused_logged = now
+            logger.warning(
+                "HTTP: %d connections held, the limit (a share of the open-file limit); %s",
+                len(self.connections) - 1,
+                action,
+            )
 
     def _await_headers(self) -> None:
         self._stop_waiting()

@@ -1,10 +1,12 @@
 """The HTTP server's own limits: a connection that sends no request headers (idle,
 or a header line now and then) is closed after the headers deadline, and
-connections beyond the cap are closed as they arrive, so that they cannot hold
-every file descriptor of stage 0 while clients wait."""
+at the cap a new connection closes the one idle longest (or is closed itself while
+every one serves a request), so that connections cannot hold every file descriptor
+of stage 0 while clients wait."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -23,6 +25,11 @@ def server(monkeypatch: pytest.MonkeyPatch):
 
     @app.get("/ping")
     async def ping() -> dict:
+        return {"ok": True}
+
+    @app.get("/slow")
+    async def slow() -> dict:
+        await asyncio.sleep(1.5)
         return {"ok": True}
 
     def start(cap: int | None = None):
@@ -72,14 +79,34 @@ def test_a_connection_without_request_headers_is_closed(server) -> None:
         assert client.get("/ping").json() == {"ok": True}
 
 
-def test_connections_beyond_the_cap_are_closed_as_they_come(server) -> None:
+def test_at_the_cap_a_new_connection_closes_the_one_idle_longest(server) -> None:
+    port = server(cap=4)
+    held = []
+    try:
+        for _ in range(4):
+            held.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/ping", timeout=5).json() == {"ok": True}
+        assert _closed_within(held[0], 0.8) is not None  # the oldest made room
+        assert all(_closed_within(sock, 0.2) is None for sock in held[1:])
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_connections_beyond_the_cap_are_closed_while_all_serve_requests(server) -> None:
     port = server(cap=4)
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
     try:
-        time.sleep(0.2)
+        for sock in held:  # a request each, its response held back
+            sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.3)
         with socket.create_connection(("127.0.0.1", port)) as extra:
             closed = _closed_within(extra, 0.8)
             assert closed is not None  # at once, not after the headers deadline
+        for sock in held:
+            sock.settimeout(10)
+            assert b"200 OK" in sock.recv(1024)
     finally:
         for sock in held:
             sock.close()
