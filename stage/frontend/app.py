@@ -91,6 +91,9 @@ ENDPOINTS = (
     *LLAMA_PATHS,
     *TOKEN_PATHS,
     "/v1/models",
+    "/v1/models/{model:path}",
+    RESPONSES_PATH + "/{response_id}",
+    RESPONSES_PATH + "/{response_id}/input_items",
     "/health",
     "/metrics",
 )
@@ -541,7 +544,8 @@ def create_app(
             )
         return JSONResponse(front.model_card())
 
-    @app.get("/health")
+    # HEAD too: load balancers and uptime checks often probe with it.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if backend.ready():
             return JSONResponse({"status": "ok"})

@@ -104,6 +104,9 @@ class ChatMessage(_Body):
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role!r} message needs 'content'")
+        if isinstance(self.content, list) and not self.content:
+            # As OpenAI: an empty list is no content (a string may be empty).
+            raise ValueError("'content' is an empty list; send at least one content part")
         if self.role != "assistant" and isinstance(self.content, list):
             if any(part.type == "refusal" for part in self.content):
                 raise ValueError("only an 'assistant' message may hold a 'refusal' part")

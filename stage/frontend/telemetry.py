@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Collection
@@ -126,16 +127,28 @@ class EdgeMiddleware:
     """Counts and times every HTTP response; turns escaped exceptions into 500s."""
 
     def __init__(self, app: ASGIApp, metrics: FrontendMetrics, endpoints: Collection[str]) -> None:
+        """``endpoints``: the routes' paths, the label of their requests; a path with
+        parameters (``/v1/responses/{response_id}``) labels every path it matches."""
         self.app = app
         self.metrics = metrics
-        self.endpoints = frozenset(endpoints)
+        self.endpoints = frozenset(e for e in endpoints if "{" not in e)
+        self.templates = [(_template_pattern(e), e) for e in endpoints if "{" in e]
+
+    def endpoint(self, path: str) -> str:
+        """The ``endpoint`` label of a request for ``path``."""
+        if path in self.endpoints:
+            return path
+        for pattern, template in self.templates:
+            if pattern.fullmatch(path):
+                return template
+        return UNMATCHED_ENDPOINT
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = path if path in self.endpoints else UNMATCHED_ENDPOINT
+        endpoint = self.endpoint(path)
         started = time.perf_counter()
         status = CLIENT_CLOSED_STATUS
         response_started = False
@@ -186,6 +199,17 @@ class EdgeMiddleware:
             self.metrics.request_seconds.labels(endpoint=endpoint).observe(
                 time.perf_counter() - started
             )
+
+
+def _template_pattern(template: str) -> re.Pattern[str]:
+    """A route path's parameters as a pattern: ``{name}`` one path segment,
+    ``{name:path}`` the rest of the path."""
+    out = ""
+    for literal, name in re.findall(r"([^{]*)(\{[^}]*\})?", template):
+        out += re.escape(literal)
+        if name:
+            out += ".+" if name.endswith(":path}") else "[^/]+"
+    return re.compile(out)
 
 
 def _request_id(scope: Scope) -> bytes:

@@ -91,6 +91,12 @@ async def tokenize(payload: dict[str, Any], ctx: PromptContext) -> dict[str, Any
 async def _tokens(payload: dict[str, Any], ctx: PromptContext) -> list[int]:
     """The token ids ``/tokenize`` answers for ``payload`` (its views taken out)."""
     if "messages" in payload:
+        both = next((k for k in ("prompt", "content") if k in payload), None)
+        if both is not None:
+            raise bad_request(
+                f"send either '{both}' (text) or 'messages' (a chat) to tokenize, not both",
+                both,
+            )
         try:
             chat = ChatCompletionBody.model_validate(payload)
         except ValidationError as exc:

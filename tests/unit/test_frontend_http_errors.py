@@ -129,6 +129,7 @@ def with_(body: dict, **changes) -> dict:
             "messages",
         ),
         (CHAT, with_(OK_CHAT, parallel_tool_calls=False), "parallel_tool_calls"),
+        (CHAT, with_(OK_CHAT, messages=[{"role": "user", "content": []}]), "messages"),
         (
             CHAT,
             with_(

@@ -238,7 +238,13 @@ def test_models_health_and_metrics(client, base_url) -> None:
     assert card["max_model_len"] == card["context_length"] > 0
     health = httpx.get(f"{base_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    head = httpx.head(f"{base_url}/health")
+    assert head.status_code == 200 and head.content == b""
     client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=3)
+    # A route with parameters is labelled by its template, not "unmatched".
+    httpx.get(f"{base_url}/v1/models/{MODEL_ID}")
+    httpx.get(f"{base_url}/v1/responses/resp_none/input_items")
+    httpx.get(f"{base_url}/no/such/route")
     response = httpx.get(f"{base_url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
@@ -255,3 +261,8 @@ def test_models_health_and_metrics(client, base_url) -> None:
         assert metric_value(text, f"{name}_count", 'endpoint="/v1/completions"') >= 1
     assert "# TYPE mesh_active_requests gauge" in text
     assert metric_value(text, "mesh_http_requests_in_flight", 'endpoint="/metrics"') == 1
+    card = 'endpoint="/v1/models/{model:path}",status="200"'
+    assert metric_value(text, "mesh_http_requests_total", card) == 2  # retrieve, then GET
+    items = 'endpoint="/v1/responses/{response_id}/input_items",status="404"'
+    assert metric_value(text, "mesh_http_requests_total", items) == 1
+    assert metric_value(text, "mesh_http_requests_total", 'endpoint="unmatched",status="404"') == 1

@@ -57,6 +57,7 @@ def test_chat_messages_are_counted_as_a_chat_request_reads_them(http, tokenizer)
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/tokenize", {"prompt": "x", "typo": 1}, "typo"),
         ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
         ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
         ("/detokenize", {}, "tokens"),
