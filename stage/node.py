@@ -46,6 +46,7 @@ from mesh.frames import (
 )
 from mesh.gcpause import settle, thaw
 from mesh.grammar import TokenGrammars
+from mesh.heap import HeapTrimmer
 from mesh.package.manifest import PackageManifest
 from mesh.package.remote import RemotePackageSource
 from mesh.package.resolver import SliceInventory, SliceResolver
@@ -195,6 +196,9 @@ class StageNode:
         self._grammars: TokenGrammars | None = None
         self._worker = NamedThread(target=self._work_loop, name="stage-worker", daemon=True)
         self._worker.start()
+        # Frames, loads and releases leave freed memory in the allocator's heaps; the
+        # sweep hands it back once the stage is idle (mesh/heap.py).
+        self.heap = HeapTrimmer()
         self._sweeper = NamedThread(target=self._sweep_loop, name="idle-sweep", daemon=True)
         self._sweeper.start()
         if settings.stuck_exit_after_s > 0:
@@ -346,6 +350,7 @@ class StageNode:
                 ) from error
             self.loaded = loaded
             self.state = "serving"
+            self.heap.worked()  # loading leaves its buffers (and any old slice) freed
             load_ms = (time.perf_counter() - started) * 1000.0
             logger.info(
                 "stage %s/%s loaded layers %s (term %s) in %.0f ms; downstream %s",
@@ -424,6 +429,7 @@ class StageNode:
         if loaded is None:
             return
         logger.info("releasing layers %s: %s", loaded.request.layer_range, reason)
+        self.heap.worked()
         if self.settings.gc_freeze:
             thaw()
         for link in (loaded.forward, loaded.returns):
@@ -569,6 +575,7 @@ class StageNode:
             self.metrics.frame_done(frame, queued_s, time.perf_counter() - started)
             if any(segment.kind.computes for segment in frame.segments):
                 self.steps.observe((time.perf_counter() - started) * 1000.0)
+            self.heap.worked()
         except MeshError as error:
             self._fail(loaded, work, error)
             return
@@ -700,6 +707,7 @@ class StageNode:
 
     def _sweep_loop(self) -> None:
         while not self._stopping.wait(IDLE_SWEEP_S):
+            self.heap.maybe_trim()
             loaded = self.loaded
             if loaded is None or loaded.request.session_idle_timeout_s <= 0:
                 continue
