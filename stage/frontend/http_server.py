@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 # its last response): one that sends nothing, or a header line now and then, is
 # closed instead of holding a file descriptor for ever.
 REQUEST_HEADERS_TIMEOUT_S = 15.0
+# A request's body must arrive within this grace period plus one second for every
+# REQUEST_BODY_MIN_RATE bytes received (4 MB, the default body limit, may take
+# about 17 minutes), else 408: a client that stalls mid-body is let go.
+REQUEST_BODY_GRACE_S = 15.0
+REQUEST_BODY_MIN_RATE = 4096
 # Connections held at once, as a share of the process's file-descriptor limit (the
 # rest is for gRPC, links and files); more are closed as they arrive.
 CONNECTION_FD_SHARE = 0.75
@@ -154,7 +159,28 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
             raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while True:
+        # The body's bytes must keep up an average rate after a grace period: one
+        # that stalls (or trickles) would hold its connection, and a place under the
+        # connection cap, for ever.
+        due = started + REQUEST_BODY_GRACE_S + size / REQUEST_BODY_MIN_RATE
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, due - loop.time()))
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise OpenAIError(
+                408,
+                f"the request body arrived too slowly ({size} bytes in "
+                f"{loop.time() - started:.0f} s; it must come at {REQUEST_BODY_MIN_RATE} "
+                f"bytes/s on average after the first {REQUEST_BODY_GRACE_S:.0f} s); "
+                "send it again",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
         size += len(chunk)
         if size > max_bytes:
             raise OpenAIError(413, f"the request body exceeds the limit of {max_bytes} bytes")

@@ -932,3 +932,43 @@ def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(
     fits = "word " * 20
     assert http.post(COMPLETIONS, json=with_(OK_COMPLETION, prompt=fits)).status_code == 200
     assert "encode" in calls
+
+
+def test_a_body_that_stalls_or_trickles_gets_408_and_its_connection_closed(
+    base_url, http, monkeypatch
+) -> None:
+    """Headers sent, then the body stops (or comes a byte at a time): the request is
+    answered 408 once the body falls behind its minimum rate, the connection closes,
+    and the server goes on serving."""
+    from urllib.parse import urlsplit
+
+    from stage.frontend import http_server
+
+    monkeypatch.setattr(http_server, "REQUEST_BODY_GRACE_S", 1.0)
+    where = urlsplit(base_url)
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 1000\r\n\r\n"
+    ).encode()
+    for trickle in (False, True):
+        with socket.create_connection((where.hostname, where.port)) as sock:
+            sock.sendall(head + b'{"messages":')
+            sock.settimeout(0.3)
+            answer = b""
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if trickle:
+                    sock.sendall(b" ")
+                try:
+                    piece = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                if not piece:
+                    break
+                answer += piece
+        status, _, rest = answer.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), answer[:200]
+        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert body["error"]["code"] == "request_timeout"
+        assert "arrived too slowly" in body["error"]["message"]
+    assert http.post(CHAT, json=OK_CHAT).status_code == 200
