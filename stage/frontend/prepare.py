@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -418,9 +419,13 @@ def render_chat(
             "/v1/completions",
             "messages",
         )
+    messages = [dict(m) for m in messages]
+    marked, specials = _mark_special_text(messages, special_texts(tokenizer))
     try:
+        if specials:
+            return _render_marked(tokenizer, marked, specials, use, extra)
         encoded = tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
+            messages,
             add_generation_prompt=use.generation_prompt and not use.continue_final,
             tokenize=True,
             return_dict=True,
@@ -442,6 +447,105 @@ def render_chat(
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise bad_request(f"cannot apply the model's chat template: {exc}", "messages") from None
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    return [int(i) for i in ids]
+
+
+# Where a message's text holds a special token's text, the text goes through the
+# template as a marker of these private-use characters and is read as plain text.
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (``<|im_end|>``...), longest first;
+    cached on the tokenizer."""
+    cached = getattr(tokenizer, "_mesh_special_texts", None)
+    if cached is None:
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        found = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        found.update(getattr(tokenizer, "all_special_tokens", ()) or ())
+        cached = tuple(sorted((t for t in found if t), key=len, reverse=True))
+        try:
+            tokenizer._mesh_special_texts = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def _mark_special_text(
+    messages: list[dict[str, Any]], specials: Sequence[str]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """``messages`` with each special token's text in their strings (but roles)
+    replaced by a marker, and the texts replaced, by marker number; ([], []) when
+    no string holds one (the common case: nothing is copied)."""
+    if not specials or not any(_holds(m, specials) for m in messages):
+        return [], []
+    pattern = re.compile("|".join(re.escape(t) for t in specials))
+    found: list[str] = []
+
+    def mark(value: Any, key: str = "") -> Any:
+        if isinstance(value, str):
+            if key == "role":
+                return value
+
+            def one(match: re.Match[str]) -> str:
+                found.append(match.group(0))
+                return f"\ue000{len(found) - 1}\ue001"
+
+            return pattern.sub(one, value)
+        if isinstance(value, dict):
+            return {k: mark(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v) for v in value]
+        return value
+
+    return [mark(m) for m in messages], found
+
+
+def _holds(value: Any, specials: Sequence[str]) -> bool:
+    if isinstance(value, str):
+        return any(t in value for t in specials)
+    if isinstance(value, dict):
+        return any(_holds(v, specials) for k, v in value.items() if k != "role")
+    if isinstance(value, list):
+        return any(_holds(v, specials) for v in value)
+    return False
+
+
+def _render_marked(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    specials: list[str],
+    use: TemplateUse,
+    extra: dict[str, Any],
+) -> list[int]:
+    """The prompt of messages whose text held special tokens' texts (marked by
+    ``_mark_special_text``): the template's own text read as the template does (its
+    special tokens are tokens), each marked text as plain text, so a message that
+    writes ``<|im_end|>`` cannot end its turn or open another."""
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=use.generation_prompt and not use.continue_final,
+        tokenize=False,
+        **extra,
+    )
+    parts = _MARK.split(text)
+    if sorted(int(i) for i in parts[1::2]) != list(range(len(specials))):
+        raise bad_request(
+            "the model's chat template changed the text of a message that holds a "
+            f"special token's text ({specials[0]!r}), so it cannot be read as plain "
+            "text; leave such text out of the messages",
+            "messages",
+        )
+    ids: list[int] = []
+    for index, part in enumerate(parts):
+        if index % 2 == 0:
+            if part:
+                ids.extend(tokenizer(part, add_special_tokens=False)["input_ids"])
+        else:
+            plain = tokenizer(
+                specials[int(part)], add_special_tokens=False, split_special_tokens=True
+            )
+            ids.extend(plain["input_ids"])
     return [int(i) for i in ids]
 
 
