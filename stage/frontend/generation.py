@@ -72,12 +72,16 @@ class GenerationRun:
         self.logprobs: list[tuple[int, Any]] = []
         self._unsent = 0
         self._backend = backend
+        tools = prepared.tools
         self._text = TextStream(
             tokenizer,
-            prepared.stop,
+            # Stop strings end content, never a tool call's markup: a forced call's
+            # answer is all markup, and an offered tool's call is shielded from them.
+            () if tools is not None and tools.prefix else prepared.stop,
             skip_special_tokens=prepared.skip_special_tokens,
             include_stop=prepared.include_stop,
             context=self.request.prompt_tokens[-PROMPT_CONTEXT_TOKENS:],
+            shield=tools.hold_start if tools is not None else None,
         )
         self._metrics = metrics
         self._endpoint = endpoint

@@ -17,7 +17,7 @@ start of a stop string, and when a stop string appears it cuts the text before i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -110,13 +110,17 @@ class TextStream:
         skip_special_tokens: bool = True,
         include_stop: bool = False,
         context: Sequence[int] = (),
+        shield: Callable[[str], int] | None = None,
     ) -> None:
+        """``shield``: where in the text so far stop strings stop applying (the start
+        of a tool call, whose markup a stop string must not cut); None: nowhere."""
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._decoder = IncrementalDecoder(
             tokenizer, skip_special_tokens=skip_special_tokens, context=context
         )
         self._stop = tuple(stop)
+        self._shield = shield
         # Whether the text keeps the stop string that ended it (it ends right after).
         self._include_stop = include_stop
         self._text = ""  # everything decoded so far
@@ -159,8 +163,11 @@ class TextStream:
     def _find_stop(self) -> int | None:
         """Index of the earliest stop string at or after the released text."""
         best: int | None = None
+        limit = self._shield(self._text) if self._shield is not None and self._stop else None
         for stop in self._stop:
             index = self._text.find(stop, self._sent)
+            if limit is not None and index >= limit:
+                continue  # inside a tool call's markup
             if index >= 0 and (best is None or index < best):
                 best = index
                 self.stop_string = stop

@@ -354,6 +354,51 @@ def test_a_named_tool_choice_starts_an_xml_call_the_model_finishes(
     assert prompt.endswith(forced_prefix(tool_format(ANSWERS[style][0]), "get_weather"))
 
 
+@pytest.mark.parametrize("style", sorted(ANSWERS))
+def test_stop_strings_never_cut_a_tool_call(serve, style: str) -> None:
+    """Stop strings end content: text inside a call's markup (a brace, an argument)
+    does not cut it, offered or forced, streamed or not; before a call, the answer
+    stops there as usual."""
+    template, answer = ANSWERS[style]
+    client, _, _ = serve(template, answer)
+    inside = ["}", "Oslo", "city"]
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], stop=inside
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], stop=inside, stream=True
+    )
+    arguments = "".join(
+        piece.function.arguments or ""
+        for chunk in stream
+        for delta in chunk.choices
+        for piece in delta.delta.tool_calls or ()
+    )
+    assert json.loads(arguments) == {"city": "Oslo"}
+    client, _, _ = serve(template, "It is sunny. Goodbye.")
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], stop=[" Goodbye"]
+    )
+    assert reply.choices[0].message.content == "It is sunny."
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_never_cut_a_forced_call(serve) -> None:
+    template = ANSWERS["qwen3-coder"][0]
+    rest = "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    client, _, _ = serve(template, rest)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice=choice, stop=["Oslo", ">"]
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+
+
 MISTRAL_MARKS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 
 
