@@ -211,16 +211,27 @@ def _is_limit(field: str) -> bool:
     return field.partition("=")[0] in LIMIT_NAMES and "=" in field
 
 
-def presented_key(headers: Mapping[str, str]) -> bytes | None:
-    """The key a request presents: ``x-api-key`` (Anthropic clients) or
-    ``Authorization: Bearer`` (OpenAI clients); None when it presents none."""
+def presented_keys(headers: Mapping[str, str]) -> tuple[bytes, ...]:
+    """The keys a request presents: ``x-api-key`` (Anthropic clients) and
+    ``Authorization: Bearer`` (OpenAI clients), each once; empty when none."""
+    keys: list[bytes] = []
     if "x-api-key" in headers:
-        token = headers["x-api-key"]
-    else:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-    return token.strip().encode("utf-8", "surrogateescape")
+        keys.append(headers["x-api-key"].strip().encode("utf-8", "surrogateescape"))
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        bearer = token.strip().encode("utf-8", "surrogateescape")
+        if bearer not in keys:
+            keys.append(bearer)
+    return tuple(keys)
+
+
+def request_tenant(source: KeySource, headers: Mapping[str, str]) -> str | None:
+    """The tenant whose key a request presents; None without a valid one. A request
+    that sends both headers is taken when the valid keys among them are one
+    tenant's (a stale or injected second header does not turn a valid key away),
+    and refused when they name two tenants."""
+    tenants = {source.tenant_of(key) for key in presented_keys(headers)} - {None}
+    return tenants.pop() if len(tenants) == 1 else None
 
 
 def key_source(keys: KeySource | str | None) -> KeySource | None:

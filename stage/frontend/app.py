@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from mesh.api_keys import NO_LIMITS, KeySource, key_source, presented_key
+from mesh.api_keys import NO_LIMITS, KeySource, key_source, request_tenant
 from mesh.errors import CapacityExceeded, MeshError, Unavailable
 from mesh.metrics import CONTENT_TYPE_LATEST, generate_latest
 from stage.frontend import anthropic, anthropic_answer, embeddings, tokenize
@@ -153,8 +153,7 @@ class _Frontend:
         clients); 401 without a valid one. Also kept as ``request.state.tenant``."""
         tenant = ""
         if self.api_keys is not None:
-            given = presented_key(request.headers)
-            found = self.api_keys.tenant_of(given) if given is not None else None
+            found = request_tenant(self.api_keys, request.headers)
             if found is None:
                 raise OpenAIError(
                     401,

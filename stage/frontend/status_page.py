@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from mesh.api_keys import KeySource, presented_key
+from mesh.api_keys import KeySource, request_tenant
 from mesh.codec import HeartbeatRequest, StatusReply, StatusRequest
 from mesh.grpc_util import channel
 from mesh.package.manifest import PackageManifest
@@ -149,8 +149,7 @@ class StatusPage:
     def _authorized(self, request: Request) -> bool:
         if self.api_keys is None:
             return True
-        given = presented_key(request.headers)
-        return given is not None and self.api_keys.tenant_of(given) is not None
+        return request_tenant(self.api_keys, request.headers) is not None
 
     # ---- what stage 0 knows --------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mesh import api_keys
-from mesh.api_keys import KeySource, bare_tenant, parse_keys, presented_key
+from mesh.api_keys import KeySource, bare_tenant, parse_keys, presented_keys, request_tenant
 from mesh.errors import InvalidRequest
 
 
@@ -109,10 +109,29 @@ def test_configured_from_a_file_or_the_environment(
         KeySource.configured(path)
 
 
-def test_the_key_a_request_presents() -> None:
-    assert presented_key({"authorization": "Bearer abc "}) == b"abc"
-    assert presented_key({"authorization": "bearer abc"}) == b"abc"
-    assert presented_key({"authorization": "Basic abc"}) is None
-    assert presented_key({"authorization": "abc"}) is None
-    assert presented_key({}) is None
-    assert presented_key({"x-api-key": "xyz", "authorization": "Bearer abc"}) == b"xyz"
+def test_the_keys_a_request_presents() -> None:
+    assert presented_keys({"authorization": "Bearer abc "}) == (b"abc",)
+    assert presented_keys({"authorization": "bearer abc"}) == (b"abc",)
+    assert presented_keys({"authorization": "Basic abc"}) == ()
+    assert presented_keys({"authorization": "abc"}) == ()
+    assert presented_keys({}) == ()
+    both = {"x-api-key": "xyz", "authorization": "Bearer abc"}
+    assert presented_keys(both) == (b"xyz", b"abc")
+    assert presented_keys({"x-api-key": "abc", "authorization": "Bearer abc"}) == (b"abc",)
+
+
+def test_a_valid_key_is_taken_whichever_header_carries_it() -> None:
+    source = KeySource(fixed=parse_keys("alice good-key-1\nbob other-key-2\n"))
+    assert request_tenant(source, {"authorization": "Bearer good-key-1"}) == "alice"
+    assert request_tenant(source, {"x-api-key": "good-key-1"}) == "alice"
+    # A stale second header does not turn the valid key away, in either order.
+    stale = {"authorization": "Bearer good-key-1", "x-api-key": "stale"}
+    assert request_tenant(source, stale) == "alice"
+    assert request_tenant(source, {"authorization": "Bearer stale", "x-api-key": "good-key-1"})
+    # Two tenants' keys at once: refused, as no key at all.
+    assert (
+        request_tenant(source, {"authorization": "Bearer other-key-2", "x-api-key": "good-key-1"})
+        is None
+    )
+    assert request_tenant(source, {"authorization": "Bearer nope"}) is None
+    assert request_tenant(source, {}) is None
