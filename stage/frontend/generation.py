@@ -82,6 +82,7 @@ class GenerationRun:
             include_stop=prepared.include_stop,
             context=self.request.prompt_tokens[-PROMPT_CONTEXT_TOKENS:],
             shield=tools.hold_start if tools is not None else None,
+            cut=tools.repeated_call if tools is not None else None,
         )
         self._metrics = metrics
         self._endpoint = endpoint

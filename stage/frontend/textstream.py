@@ -111,9 +111,12 @@ class TextStream:
         include_stop: bool = False,
         context: Sequence[int] = (),
         shield: Callable[[str], int] | None = None,
+        cut: Callable[[str], int | None] | None = None,
     ) -> None:
         """``shield``: where in the text so far stop strings stop applying (the start
-        of a tool call, whose markup a stop string must not cut); None: nowhere."""
+        of a tool call, whose markup a stop string must not cut); None: nowhere.
+        ``cut``: where the text so far must end, as at a stop string that is not
+        kept (a repeated tool call), or None."""
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._decoder = IncrementalDecoder(
@@ -121,6 +124,7 @@ class TextStream:
         )
         self._stop = tuple(stop)
         self._shield = shield
+        self._cut = cut
         # Whether the text keeps the stop string that ended it (it ends right after).
         self._include_stop = include_stop
         self._text = ""  # everything decoded so far
@@ -171,6 +175,10 @@ class TextStream:
             if index >= 0 and (best is None or index < best):
                 best = index
                 self.stop_string = stop
+        if self._cut is not None:
+            at = self._cut(self._text)
+            if at is not None and (best is None or at < best):
+                best, self.stop_string = max(at, self._sent), None
         return best
 
     def _held_back(self) -> int:

@@ -404,3 +404,41 @@ class ToolUse:
 
     def hold_start(self, text: str) -> int:
         return hold_start(self.format, text)
+
+    def repeated_call(self, text: str) -> int | None:
+        """Where, in a forced answer that may hold several calls (``required`` with
+        parallel calls), the first call that repeats an earlier one (the same
+        function with the same arguments) starts in ``text``, the answer after
+        ``prefix``; None while none does. A model held to calls may never choose to
+        end them, and repeats the same one until the budget or the context runs
+        out: the answer ends before the repeat. For formats whose calls end with
+        ``</tool_call>``; others are held to one call or one list by their grammar."""
+        if not (self.prefix and self.parallel) or self.format not in _CLOSED_FORMATS:
+            return None
+        whole = self.prefix + text
+        seen: set[tuple[str, str]] = set()
+        start = 0
+        while (end := whole.find(CALL_CLOSE, start)) >= 0:
+            end += len(CALL_CLOSE)
+            _, calls = parse_calls(
+                self.format, whole[start:end], self.names, True, dict(self.types)
+            )
+            for call in calls:
+                key = (call.name, _canonical(call.arguments))
+                if key in seen:
+                    return max(0, start - len(self.prefix))
+                seen.add(key)
+            start = end
+        return None
+
+
+# Formats whose every call ends with CALL_CLOSE.
+_CLOSED_FORMATS = frozenset({ToolFormat.HERMES, *_XML_STYLES})
+
+
+def _canonical(arguments: str) -> str:
+    """Arguments' JSON with keys sorted and spacing normalised (as written if not JSON)."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments

@@ -17,6 +17,7 @@ from openai import OpenAI
 from stage.frontend.backend import TokenEvent
 from stage.frontend.tool_formats import (
     ToolFormat,
+    ToolUse,
     forced_prefix,
     hold_start,
     parse_calls,
@@ -397,6 +398,61 @@ def test_stop_strings_never_cut_a_forced_call(serve) -> None:
     assert reply.choices[0].finish_reason == "tool_calls"
     (call,) = reply.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Oslo"}
+
+
+def test_a_repeated_hermes_call_is_found_where_it_starts() -> None:
+    prefix = forced_prefix(ToolFormat.HERMES, "required")
+    tools = ToolUse(("get_weather", "get_time"), True, prefix, ToolFormat.HERMES, grammar="g")
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    same = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Rome"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+    assert one.startswith(prefix)
+    before = one.removeprefix(prefix) + other
+    answer = before + same
+    cut = tools.repeated_call(answer)
+    assert cut is not None and answer[:cut] == before.rstrip("\n")
+    assert tools.repeated_call(before) is None
+    assert tools.repeated_call(before + same[:-3]) is None  # not whole yet
+    # Only a forced choice with parallel calls is cut.
+    single = ToolUse(("get_weather",), False, prefix, ToolFormat.HERMES, grammar="g")
+    assert single.repeated_call(answer) is None
+    assert ToolUse(("get_weather",), True, "").repeated_call(one + same) is None
+
+
+@pytest.mark.parametrize("repeat", [True, False])
+def test_a_required_choice_ends_before_a_repeated_call(serve, repeat: bool) -> None:
+    """``tool_choice: required`` with parallel calls: a model held to calls that
+    writes the same call again (it may never choose to stop) has its answer ended
+    before the repeat, as ``tool_calls``; different calls all come back."""
+    template = ANSWERS["qwen3-coder"][0]
+
+    def call(city: str) -> str:
+        return (
+            f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+            "</function>\n</tool_call>\n"
+        )
+
+    first = call("Oslo").removeprefix("<tool_call>\n<function=")
+    second = call("Oslo" if repeat else "Rome")
+    client, _, _ = serve(template, first + second + call("Bergen"))
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice="required", stream=stream
+        )
+        if stream:
+            cities, finish = [], None
+            for chunk in reply:
+                for delta in chunk.choices:
+                    for piece in delta.delta.tool_calls or ():
+                        if piece.function.arguments:
+                            cities.append(json.loads(piece.function.arguments)["city"])
+                    finish = delta.finish_reason or finish
+        else:
+            choice = reply.choices[0]
+            finish = choice.finish_reason
+            cities = [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls]
+        assert finish == "tool_calls"
+        assert cities == (["Oslo"] if repeat else ["Oslo", "Rome", "Bergen"])
 
 
 MISTRAL_MARKS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
