@@ -41,7 +41,12 @@ from stage.hardware import offered_memory
 from stage.membership import Membership
 from stage.node import NodeSettings, StageNode
 from stage.package_client import CoordinatorPackageSource
-from stage.servicers import STAGE0_FORWARD_REFUSAL, ControlServicer, DataServicer
+from stage.servicers import (
+    STAGE0_FORWARD_REFUSAL,
+    STAGE_GRPC_WORKERS,
+    ControlServicer,
+    DataServicer,
+)
 from stage.tcp_data import TcpDataServer
 
 logger = logging.getLogger(__name__)
@@ -146,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     log_posture(security, f"stage {node_id}")
     auto_port = parse_auto(stage.coordinator)
     stage = found_coordinator(stage, security.join_token)
-    server = new_server(32)
+    server = new_server(STAGE_GRPC_WORKERS)
     port = bind(server, stage.listen)
     host = advertise_host(split_host_port(stage.listen)[0], stage.advertise, stage.coordinator)
     address = f"{url_host(host)}:{port}"

@@ -37,9 +37,14 @@ from stage.node import StageNode
 logger = logging.getLogger(__name__)
 
 _END = object()
-# Streams of each kind a stage takes at once: one upstream stage sends Forward frames
-# and each later stage one Return stream; the rest is room for links being reopened.
-MAX_STREAMS = 4
+# Streams of each kind a stage takes at once: one upstream stage sends Forward
+# frames; every later stage keeps a Return stream to stage 0 (results from the last,
+# refusals from any). The rest is room for links being reopened: a dead peer's
+# stream may linger until keepalive notices (~15 s) across reloads. Each open
+# stream holds one of the gRPC server's threads (STAGE_GRPC_WORKERS), so together
+# they leave threads for the control calls.
+MAX_STREAMS = {"Forward": 8, "Return": 24}
+STAGE_GRPC_WORKERS = 48
 # What a framed TCP message may hold beyond the frame limit (the validation answers
 # an oversized frame with a clear refusal; a link past this is closed).
 MESSAGE_SLACK_BYTES = 1 << 20
@@ -127,14 +132,14 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         if kind == "Forward" and self.forward_refusal:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.forward_refusal)
         with self._open_lock:
-            full = self._open[kind] >= MAX_STREAMS
+            full = self._open[kind] >= MAX_STREAMS[kind]
             if not full:
                 self._open[kind] += 1
         if full:
-            logger.warning("refused a %s stream: %d already open", kind, MAX_STREAMS)
+            logger.warning("refused a %s stream: %d already open", kind, MAX_STREAMS[kind])
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this stage already has {MAX_STREAMS} {kind} streams open; close one "
+                f"this stage already has {MAX_STREAMS[kind]} {kind} streams open; close one "
                 "(a stage needs one per neighbour) and retry",
             )
 

@@ -58,7 +58,7 @@ HELLO_TIMEOUT_S = 10.0
 # A stage has one upstream and (stage 0) one Return link per later stage; links are
 # reopened after failures, so the caps leave room, but a flood of connections (or of
 # connections that never finish their hello) cannot take every thread and socket.
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 128
 MAX_PENDING_HELLOS = 16
 # Buffers for a message grow as its bytes arrive (a length alone allocates at most
 # this much), so a peer cannot make the listener allocate what it never sends.

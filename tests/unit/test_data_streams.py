@@ -239,32 +239,35 @@ class Held:
 
 
 @pytest.mark.parametrize("kind", ["Forward", "Return"])
-def test_streams_past_the_cap_are_refused_until_one_closes(grpc_stage, kind: str) -> None:
+def test_streams_past_the_cap_are_refused_until_one_closes(
+    grpc_stage, kind: str, monkeypatch
+) -> None:
     address, data = grpc_stage
     ch = channel(address, MeshSecurity())
     stub = data_pb2_grpc.StageDataStub(ch)
+    monkeypatch.setitem(servicers.MAX_STREAMS, kind, 4)
     call = stub.Forward if kind == "Forward" else stub.Return.future
-    held = [Held() for _ in range(servicers.MAX_STREAMS)]
+    held = [Held() for _ in range(4)]
     calls = [call(iter(h), timeout=30) for h in held]
     try:
-        wait_for(lambda: data._open[kind] == servicers.MAX_STREAMS)
+        wait_for(lambda: data._open[kind] == 4)
         extra = Held()
         with pytest.raises(grpc.RpcError) as refused:
             answer = call(iter(extra), timeout=30)
             next(answer) if kind == "Forward" else answer.result()
         extra.close()
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"{servicers.MAX_STREAMS} {kind} streams open" in refused.value.details()
+        assert f"4 {kind} streams open" in refused.value.details()
         held[0].close()
         if kind == "Return":
             calls[0].result(timeout=10)
         else:
             assert list(calls[0]) == []
-        wait_for(lambda: data._open[kind] == servicers.MAX_STREAMS - 1)
+        wait_for(lambda: data._open[kind] == 3)
         again = Held()
         calls.append(call(iter(again), timeout=30))
         held.append(again)
-        wait_for(lambda: data._open[kind] == servicers.MAX_STREAMS)
+        wait_for(lambda: data._open[kind] == 4)
     finally:
         for h in held:
             h.close()
