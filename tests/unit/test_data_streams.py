@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_tcp_data import endpoint, frame, serve, wait_for
 
 from mesh.errors import Unavailable
 from mesh.grpc_util import bind, channel, new_server
@@ -24,7 +25,6 @@ from stage import servicers, tcp_data
 from stage.node import NodeSettings, StageNode
 from stage.servicers import STAGE0_FORWARD_REFUSAL, DataServicer
 from stage.tcp_data import KIND_FORWARD, KIND_RETURN, MAGIC, TcpLink
-from tests.unit.test_tcp_data import endpoint, frame, serve, wait_for
 
 HELLO = struct.Struct("<8sBH")
 
