@@ -332,30 +332,6 @@ def test_a_worker_whose_data_port_a_firewall_drops_is_planned_around(
         mesh.stop()
 
 
-def test_workers_that_cannot_reach_each_other_are_found_before_a_load(
-    hosts, package, expected, tmp_path
-):
-    """worker-1 and worker-2 cannot reach each other while the head reaches both (a
-    partition between worker hosts). Before the load, the stage that would open the
-    link between them is asked whether it can (ProbeLink): the node it goes to is
-    left out before anything is claimed, no load fails at that link, and the mesh
-    serves on two stages; with the hosts joined again it grows back to three."""
-    hosts.cut_between("worker-1", "worker-2")
-    mesh = Recipe(hosts, package, tmp_path)
-    try:
-        status = mesh.wait_serving(stages=2)
-        log = mesh.log("head")
-        assert "cannot open its data link to" in log
-        assert "failed at Load" not in log
-        assert client_completion(hosts, status["http_url"] + "/v1", "tiny-llama") == expected
-        hosts.cut_between("worker-1", "worker-2", cut=False)
-        grown = mesh.wait_serving(stages=3, above_term=status["term"])
-        assert client_completion(hosts, grown["http_url"] + "/v1", "tiny-llama") == expected
-    finally:
-        hosts.cut_between("worker-1", "worker-2", cut=False)
-        mesh.stop()
-
-
 def test_workers_without_the_package_fetch_their_slices_from_the_head(
     hosts, package, expected, tmp_path
 ):
