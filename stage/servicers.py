@@ -30,10 +30,8 @@ from mesh.codec import (
 )
 from mesh.errors import InvalidRequest, MeshError, Unavailable
 from mesh.grpc_util import abort_with, rpc_status_name
-from mesh.netaddr import split_host_port
 from mesh.proto.v1 import data_pb2, data_pb2_grpc, stage_pb2, stage_pb2_grpc
 from mesh.threads import NamedThread
-from stage.links import probe_link
 from stage.node import StageNode
 
 logger = logging.getLogger(__name__)
@@ -46,8 +44,6 @@ _END = object()
 # stream holds one of the gRPC server's threads (STAGE_GRPC_WORKERS), so together
 # they leave threads for the control calls.
 MAX_STREAMS = {"Forward": 8, "Return": 24}
-# How long a ProbeLink waits for the peer's gRPC port, then for its data port.
-PROBE_TIMEOUT_S = 3.0
 STAGE_GRPC_WORKERS = 48
 # What a framed TCP message may hold beyond the frame limit (the validation answers
 # an oversized frame with a clear refusal; a link past this is closed).
@@ -102,19 +98,6 @@ class ControlServicer(stage_pb2_grpc.StageControlServicer):
                 raise
 
         return self._call(context, "Load", run)
-
-    def ProbeLink(self, request: stage_pb2.ProbeLinkRequest, context) -> stage_pb2.ProbeLinkReply:
-        def run() -> stage_pb2.ProbeLinkReply:
-            try:
-                split_host_port(request.address)
-            except ValueError as error:
-                raise InvalidRequest(f"ProbeLink: address {request.address!r}: {error}") from None
-            error = probe_link(request.address, PROBE_TIMEOUT_S)
-            if error:
-                logger.warning("a data link to %s could not be opened: %s", request.address, error)
-            return stage_pb2.ProbeLinkReply(error=error)
-
-        return self._call(context, "ProbeLink", run)
 
     def Release(self, request: stage_pb2.ReleaseRequest, context) -> stage_pb2.ReleaseReply:
         def run() -> stage_pb2.ReleaseReply:
