@@ -29,6 +29,15 @@ from stage.tcp_data import KIND_FORWARD, KIND_RETURN, MAGIC, TcpLink
 HELLO = struct.Struct("<8sBH")
 
 
+@pytest.fixture(autouse=True)
+def received_bytes_kept() -> Iterator[None]:
+    """The process-wide count of bytes read from data links (heartbeats carry it) is
+    left as it was: other tests read it as this process's own."""
+    before = tcp_data._ReceivedBytes.total
+    yield
+    tcp_data._ReceivedBytes.total = before
+
+
 def connect(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.settimeout(10)
