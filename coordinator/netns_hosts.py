@@ -170,6 +170,15 @@ class NetnsHosts:
         ):
             pass
 
+    def cut_between(self, first: str, second: str, cut: bool = True) -> None:
+        """Make hosts ``first`` and ``second`` unable (or able again) to reach each
+        other while both still reach every other host: a blackhole route to the
+        other's address on each side."""
+        for here, there in ((first, second), (second, first)):
+            verb = "add" if cut else "del"
+            _ip("route", verb, "blackhole", f"{self.address(there)}/32",
+                netns=self.netns(here), check=cut)  # fmt: skip
+
     def set_link(self, name: str, up: bool) -> None:
         """Take ``name``'s link down or up (its processes keep running)."""
         _ip("link", "set", self.host_link(name), "up" if up else "down")

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
@@ -32,6 +33,8 @@ from mesh.codec import (
     HeartbeatRequest,
     JoinReply,
     JoinRequest,
+    ProbeLinkReply,
+    ProbeLinkRequest,
     StageStatus,
     StatusReply,
 )
@@ -39,7 +42,13 @@ from mesh.codec_coordinator import check_join
 from mesh.errors import MeshError
 from mesh.grpc_util import abort_with, channel
 from mesh.netaddr import split_host_port
-from mesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, data_pb2, data_pb2_grpc
+from mesh.proto.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    data_pb2,
+    data_pb2_grpc,
+    stage_pb2_grpc,
+)
 from mesh.settings.sections import CoordinatorConfig
 from mesh.types import LayerRange, check_term
 
@@ -50,6 +59,9 @@ logger = logging.getLogger(__name__)
 STAGE_RETRY_MAX_S = 5.0
 # How long the coordinator tries to connect to a planned node before a load.
 REACH_TIMEOUT_S = 3.0
+# How long a stage gets to answer whether it can open a data link (it waits up to
+# 3 s for the peer's gRPC port, then 3 s for its data port).
+PROBE_LINK_TIMEOUT_S = 8.0
 # Load steps whose failure at a worker leaves that worker out of plans for a while
 # (a Claim a worker refuses or cannot answer: an --advertise address where another
 # service listens, a process that is not a stage).
@@ -477,7 +489,7 @@ class CoordinatorService:
                 problem = _data_port_problem(channels[stage.node_id])
                 if problem:
                     failed.append((stage.node_id, problem))
-            return failed
+            return failed or _unlinkable(plan, state)
         finally:
             for ch in channels.values():
                 ch.close()
@@ -792,6 +804,93 @@ def _to_blame(plan: Plan, error: LoadError) -> StageAssignment | None:
         return stage
     following = [s for s in plan.stages if s.stage_index == stage.stage_index + 1]
     return following[0] if following else stage
+
+
+def _new_links(
+    plan: Plan, state: registry.State
+) -> list[tuple[StageAssignment, StageAssignment, StageAssignment | None]]:
+    """(from, to, to blame) of the data links ``plan`` has that the pipeline serving
+    now has not (those carry frames already): each stage's forward link to the next,
+    and the last stage's return link to stage 0. A forward link that cannot be
+    opened is held against the stage it goes to, a return link against the last
+    stage (as ``_to_blame`` does for a failed load); but never against a node of the
+    pipeline serving now (that would fail it over) or stage 0: then against the
+    link's other end, or, when that is one too, nobody (None)."""
+    stages = sorted(plan.stages, key=lambda s: s.stage_index)
+    serving: set[tuple[str, str]] = set()
+    serving_nodes: set[str] = set()
+    if state.topology is not None and state.mesh_state == "serving":
+        now = sorted(state.topology.stages, key=lambda s: s.stage_index)
+        serving_nodes = {s.node_id for s in now}
+        serving = {(a.node_id, b.node_id) for a, b in zip(now, now[1:], strict=False)}
+        if len(now) > 1:
+            serving.add((now[-1].node_id, now[0].node_id))
+
+    def blamable(stage: StageAssignment) -> bool:
+        return stage.stage_index > 0 and stage.node_id not in serving_nodes
+
+    links = []
+    pairs = list(zip(stages, stages[1:], strict=False))
+    if len(stages) > 1:
+        pairs.append((stages[-1], stages[0]))
+    for source, target in pairs:
+        if (source.node_id, target.node_id) in serving:
+            continue
+        first, other = (target, source) if target.stage_index > 0 else (source, target)
+        blamed = first if blamable(first) else other if blamable(other) else None
+        links.append((source, target, blamed))
+    return links
+
+
+def _unlinkable(plan: Plan, state: registry.State) -> list[tuple[str, str]]:
+    """(node id, why) of the nodes to leave out because a data link of ``plan`` that
+    the serving pipeline does not have cannot be opened, asked of the stage that
+    would open it (``ProbeLink``), all at once. A partition between two workers
+    leaves the coordinator able to reach both; without this the load would fence
+    the serving pipeline and only then fail at that link, an outage each time the
+    node's quarantine ended. A stage that does not know ``ProbeLink`` (older), or
+    does not answer, is not judged here. Only asked while a pipeline serves: with
+    none serving, the load itself finds the link and its error names the address
+    (and a first load that cannot link its stages exits with that error)."""
+    if state.topology is None or state.mesh_state != "serving":
+        return []
+    links = _new_links(plan, state)
+    if not links:
+        return []
+
+    def probe(link: tuple[StageAssignment, StageAssignment, StageAssignment | None]) -> str:
+        source, target, _ = link
+        ch = channel(source.address)
+        try:
+            reply = ProbeLinkReply.from_proto(
+                stage_pb2_grpc.StageControlStub(ch).ProbeLink(
+                    ProbeLinkRequest(address=target.address).to_proto(),
+                    timeout=PROBE_LINK_TIMEOUT_S,
+                )
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                logger.info(
+                    "cannot ask %s about its link to %s: %s",
+                    source.node_id,
+                    target.node_id,
+                    error.code().name,
+                )
+            return ""
+        finally:
+            ch.close()
+        return reply.error
+
+    with ThreadPoolExecutor(max_workers=min(8, len(links))) as pool:
+        errors = list(pool.map(probe, links))
+    failed: dict[str, str] = {}
+    for (source, target, blamed), error in zip(links, errors, strict=True):
+        if error and blamed is not None and blamed.node_id not in failed:
+            failed[blamed.node_id] = (
+                f"stage {source.stage_index} ({source.node_id}) cannot open its data link "
+                f"to {target.node_id}: {error}"
+            )
+    return list(failed.items())
 
 
 def _data_port_problem(ch: grpc.Channel) -> str | None:

@@ -377,3 +377,39 @@ class ReleaseReply:
     @classmethod
     def from_proto(cls, pb: stage_pb2.ReleaseReply) -> ReleaseReply:
         return cls(pb.term)
+
+
+@dataclass(frozen=True)
+class ProbeLinkRequest:
+    """Ask a stage whether it could open a data link to the stage whose gRPC
+    address is ``address`` (host:port) now."""
+
+    address: str
+
+    def to_proto(self) -> stage_pb2.ProbeLinkRequest:
+        return stage_pb2.ProbeLinkRequest(address=self.address)
+
+    @classmethod
+    def from_proto(cls, pb: stage_pb2.ProbeLinkRequest) -> ProbeLinkRequest:
+        try:
+            split_host_port(pb.address)
+        except ValueError as error:
+            raise InvalidRequest(
+                f"ProbeLinkRequest.address {pb.address!r}: {error}; give the peer stage's "
+                "gRPC address as host:port"
+            ) from None
+        return cls(pb.address)
+
+
+@dataclass(frozen=True)
+class ProbeLinkReply:
+    """Why the link could not be opened ("" when it could)."""
+
+    error: str = ""
+
+    def to_proto(self) -> stage_pb2.ProbeLinkReply:
+        return stage_pb2.ProbeLinkReply(error=self.error)
+
+    @classmethod
+    def from_proto(cls, pb: stage_pb2.ProbeLinkReply) -> ProbeLinkReply:
+        return cls(pb.error)

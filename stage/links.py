@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ import grpc
 from mesh.codec import FrameAck, ack_from_proto
 from mesh.errors import Unavailable
 from mesh.grpc_util import channel
+from mesh.netaddr import split_host_port
 from mesh.proto.v1 import data_pb2, data_pb2_grpc
 from mesh.threads import NamedThread
 from stage.tcp_data import KIND_FORWARD, KIND_RETURN, TcpLink, sleep_until
@@ -64,6 +66,32 @@ def tcp_endpoint(address: str) -> tuple[str, bool]:
     finally:
         ch.close()
     return reply.tcp, reply.tls
+
+
+def probe_link(address: str, timeout_s: float) -> str:
+    """Why this stage could not open a data link to the stage at ``address`` (its
+    gRPC address) now, or '' when it could: the peer answers ``Endpoint`` and, when
+    it takes framed TCP, its data port accepts a connection (closed at once, before
+    any hello). A peer that predates ``Endpoint`` is not judged."""
+    ch = channel(address)
+    try:
+        reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
+            data_pb2.EndpointRequest(), timeout=timeout_s, wait_for_ready=True
+        )
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return ""
+        return f"cannot reach {address} within {timeout_s:.0f} s ({_describe(error)})"
+    finally:
+        ch.close()
+    if not reply.tcp:
+        return ""
+    try:
+        host, port = split_host_port(reply.tcp)
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except (OSError, ValueError) as error:
+        return f"cannot connect to its data port {reply.tcp} ({error})"
+    return ""
 
 
 def open_forward_link(

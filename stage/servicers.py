@@ -18,6 +18,8 @@ from mesh.codec import (
     InventoryRequest,
     PrepareReply,
     PrepareRequest,
+    ProbeLinkReply,
+    ProbeLinkRequest,
     ReleaseReply,
     ReleaseRequest,
     StageLoadRequest,
@@ -32,6 +34,7 @@ from mesh.errors import InvalidRequest, MeshError, Unavailable
 from mesh.grpc_util import abort_with, rpc_status_name
 from mesh.proto.v1 import data_pb2, data_pb2_grpc, stage_pb2, stage_pb2_grpc
 from mesh.threads import NamedThread
+from stage.links import probe_link
 from stage.node import StageNode
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ _END = object()
 # stream holds one of the gRPC server's threads (STAGE_GRPC_WORKERS), so together
 # they leave threads for the control calls.
 MAX_STREAMS = {"Forward": 8, "Return": 24}
+# How long a ProbeLink waits for the peer's gRPC port, then for its data port.
+PROBE_TIMEOUT_S = 3.0
 STAGE_GRPC_WORKERS = 48
 # What a framed TCP message may hold beyond the frame limit (the validation answers
 # an oversized frame with a clear refusal; a link past this is closed).
@@ -98,6 +103,16 @@ class ControlServicer(stage_pb2_grpc.StageControlServicer):
                 raise
 
         return self._call(context, "Load", run)
+
+    def ProbeLink(self, request: stage_pb2.ProbeLinkRequest, context) -> stage_pb2.ProbeLinkReply:
+        def run() -> stage_pb2.ProbeLinkReply:
+            decoded = ProbeLinkRequest.from_proto(request)
+            error = probe_link(decoded.address, PROBE_TIMEOUT_S)
+            if error:
+                logger.warning("a data link to %s could not be opened: %s", decoded.address, error)
+            return ProbeLinkReply(error=error).to_proto()
+
+        return self._call(context, "ProbeLink", run)
 
     def Release(self, request: stage_pb2.ReleaseRequest, context) -> stage_pb2.ReleaseReply:
         def run() -> stage_pb2.ReleaseReply:

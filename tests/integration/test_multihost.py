@@ -332,6 +332,40 @@ def test_a_worker_whose_data_port_a_firewall_drops_is_planned_around(
         mesh.stop()
 
 
+def test_workers_that_cannot_reach_each_other_are_found_before_a_load(
+    hosts, package, expected, tmp_path
+):
+    """worker-1 and worker-2 stop reaching each other while the mesh serves on all
+    three hosts and the head still reaches both (a partition between worker hosts).
+    The next request's frames stall between them: the stage holding them is left
+    out for a quarantine and the request continues on two stages with the same
+    text. When the quarantine ends, the stage that would open the link between the
+    workers is asked first whether it can (ProbeLink): the node is left out again
+    before anything is fenced, so the two-stage pipeline keeps its term and no load
+    fails at that link (before: every quarantine's end fenced the serving pipeline
+    and cost 12-13 s without an answer)."""
+    mesh = Recipe(hosts, package, tmp_path, {"head": ["--stall-timeout", "3"]})
+    try:
+        three = mesh.wait_serving(stages=3)
+        hosts.cut_between("worker-1", "worker-2")
+        assert client_completion(hosts, three["http_url"] + "/v1", "tiny-llama") == expected
+        two = mesh.wait_serving(stages=2, above_term=three["term"])
+        wait_for(
+            lambda: "cannot open its data link to" in mesh.log("head"),
+            120,
+            "the coordinator to find the cut link before a load",
+        )
+        log = mesh.log("head")
+        assert "could not open its data link to it at Load" not in log
+        assert "its load failed at" not in log
+        status = mesh.status()
+        assert status is not None and status["term"] == two["term"], status
+        assert client_completion(hosts, two["http_url"] + "/v1", "tiny-llama") == expected
+    finally:
+        hosts.cut_between("worker-1", "worker-2", cut=False)
+        mesh.stop()
+
+
 def test_workers_without_the_package_fetch_their_slices_from_the_head(
     hosts, package, expected, tmp_path
 ):

@@ -170,3 +170,15 @@ class ReleaseReply(_message.Message):
     TERM_FIELD_NUMBER: _ClassVar[int]
     term: int
     def __init__(self, term: _Optional[int] = ...) -> None: ...
+
+class ProbeLinkRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class ProbeLinkReply(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...

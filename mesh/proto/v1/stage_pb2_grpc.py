@@ -60,6 +60,11 @@ class StageControlStub:
                 request_serializer=mesh_dot_v1_dot_stage__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_stage__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/mesh.v1.StageControl/ProbeLink',
+                request_serializer=mesh_dot_v1_dot_stage__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_stage__pb2.ProbeLinkReply.FromString,
+                _registered_method=True)
 
 
 class StageControlServicer:
@@ -96,6 +101,15 @@ class StageControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request, context):
+        """Whether this stage could open a data link to the stage at an address now (its
+        gRPC address, then its framed TCP data port): asked before a load fences the
+        serving pipeline, for links the new plan has and the serving one has not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +137,11 @@ def add_StageControlServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=mesh_dot_v1_dot_stage__pb2.ReleaseRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_stage__pb2.ReleaseReply.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=mesh_dot_v1_dot_stage__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_stage__pb2.ProbeLinkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +280,33 @@ class StageControl:
             '/mesh.v1.StageControl/Release',
             mesh_dot_v1_dot_stage__pb2.ReleaseRequest.SerializeToString,
             mesh_dot_v1_dot_stage__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.StageControl/ProbeLink',
+            mesh_dot_v1_dot_stage__pb2.ProbeLinkRequest.SerializeToString,
+            mesh_dot_v1_dot_stage__pb2.ProbeLinkReply.FromString,
             options,
             channel_credentials,
             insecure,
