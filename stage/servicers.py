@@ -45,11 +45,13 @@ _END = object()
 # refusals from any). The rest is room for links being reopened: a dead peer's
 # stream may linger until keepalive notices (~15 s) across reloads. Each open
 # stream holds one of the gRPC server's threads (STAGE_GRPC_WORKERS), so together
-# they leave threads for the control calls.
-MAX_STREAMS = {"Forward": 8, "Return": 24}
+# they leave threads for the control calls. The pool starts its threads as calls
+# need them: a mesh of a few stages starts a few. Return streams allow about 100
+# stages, as many as framed TCP's link cap.
+MAX_STREAMS = {"Forward": 8, "Return": 120}
 # How long a ProbeLink waits for the peer's gRPC port, then for its data port.
 PROBE_TIMEOUT_S = 3.0
-STAGE_GRPC_WORKERS = 48
+STAGE_GRPC_WORKERS = 160
 # What a framed TCP message may hold beyond the frame limit (the validation answers
 # an oversized frame with a clear refusal; a link past this is closed).
 MESSAGE_SLACK_BYTES = 1 << 20
