@@ -25,7 +25,7 @@ from coordinator.local_stages import LocalStages
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.stage0_budget import stage0_extra_bytes
-from coordinator.state_file import record_term, term_floor, update_state
+from coordinator.state_file import record_term, served_before, term_floor, update_state
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.api_keys import parse_keys
 from mesh.codec import StatusReply, StatusRequest, WireDType
@@ -377,6 +377,7 @@ def up(args: argparse.Namespace) -> int:
         forget_dead_after_s=coord.forget_dead_after,
         load_attempts=coord.load_attempts,
         term_floor=term_floor(coord.state_file),
+        served_before=served_before(coord.state_file, model.manifest.model_id),
     )
     service = CoordinatorService(
         model, settings, on_term=lambda term: record_term(coord.state_file, term)

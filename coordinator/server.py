@@ -90,6 +90,11 @@ class CoordinatorSettings:
     load_attempts: int = CoordinatorConfig.load_attempts
     # The highest term used before this coordinator started (from its state file).
     term_floor: int = 0
+    # The state file says an earlier coordinator of this model served: this one was
+    # restarted. After restart_grace_s it plans with the stages alive, as after a
+    # loss, instead of waiting for min_stages (and it never gives up).
+    served_before: bool = False
+    restart_grace_s: float = 10.0
     # Serving on fewer than min_stages while more nodes are alive (a lost stage came
     # back): plan again once stage 0 is idle, or after this long even if busy
     # (in-flight requests then resume on the new pipeline).
@@ -143,6 +148,7 @@ class CoordinatorService:
             settings.rebalance_spread, settings.rebalance_min_frames, settings.rebalance_check_s
         )
         self._served_once = False
+        self._started = time.monotonic()
         # The plan whose slices are prepared while another pipeline serves (its
         # nodes may read their slices' files from the package server meanwhile).
         self._preparing: Plan | None = None
@@ -278,7 +284,7 @@ class CoordinatorService:
             waiting = registry.waiting_for(
                 self.state,
                 min_stages=self.settings.min_stages,
-                served_once=self._served_once,
+                served_once=self._has_served(self.state, now),
                 retry_in_s=max(0.0, self._last_attempt + self._backoff_s() - now),
                 gave_up=self.gave_up,
             )
@@ -384,7 +390,7 @@ class CoordinatorService:
             return False
         # min_stages gates the first load only; after a loss, serve with who is left.
         # A node quarantined meanwhile has joined: the load goes ahead without it.
-        needed = 1 if self._served_once else self.settings.min_stages
+        needed = 1 if self._has_served(state, time.monotonic()) else self.settings.min_stages
         if len(registry.joined_nodes(state)) < needed or not registry.alive_nodes(state):
             return False
         if any(n.frontend for n in state.nodes) and not any(
@@ -392,6 +398,21 @@ class CoordinatorService:
         ):
             return False
         return time.monotonic() - self._last_attempt >= self._backoff_s()
+
+    def _has_served(self, state: registry.State, now: float) -> bool:
+        """Whether this mesh has served: this process loaded a pipeline, or it was
+        restarted after an earlier coordinator served (its state file says so, or a
+        stage reports serving a pipeline now) and ``restart_grace_s`` has passed,
+        for the stages alive to join it again. Then a load goes ahead with the stages
+        alive, as after a loss (``min_stages`` gates a mesh's first load only), and
+        failed loads are retried for ever."""
+        if self._served_once:
+            return True
+        if now - self._started < self.settings.restart_grace_s:
+            return False
+        return self.settings.served_before or any(
+            n.stage_state == "serving" and n.accepted_term > 0 for n in registry.alive_nodes(state)
+        )
 
     def _should_regrow(self, state: registry.State) -> bool:
         if not registry.undersized(state, self.settings.min_stages):
@@ -428,7 +449,8 @@ class CoordinatorService:
         load_attempts of them in a row."""
         self._failures += 1
         limit = self.settings.load_attempts
-        if not self._served_once and limit > 0 and self._failures >= limit:
+        served = self._has_served(self.state, time.monotonic())
+        if not served and limit > 0 and self._failures >= limit:
             self.gave_up = f"the model could not be loaded after {self._failures} attempts: {error}"
             logger.error("%s", self.gave_up)
         else:

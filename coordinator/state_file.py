@@ -46,3 +46,11 @@ def update_state(path: Path | None, **fields: object) -> None:
 def record_term(path: Path | None, term: int) -> None:
     """Persist ``term`` as the highest used, before any stage hears of it."""
     update_state(path, max_term=max(term, term_floor(path)))
+
+
+def served_before(path: Path | None, model_id: str) -> bool:
+    """Whether a coordinator recorded in ``path`` that a mesh of ``model_id`` served
+    (the serving term, written once it serves)."""
+    body = read_state(path)
+    term = body.get("term")
+    return isinstance(term, int) and term > 0 and body.get("model_id") == model_id

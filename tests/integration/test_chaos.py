@@ -231,6 +231,42 @@ def test_a_coordinator_restarted_without_its_state_file_still_goes_above_the_sta
         mesh.close()
 
 
+def test_a_coordinator_restarted_after_a_stage_was_lost_serves_with_the_stages_alive(
+    tmp_path, tiny_package_factory
+):
+    """The coordinator dies, a stage dies while it is down, and the coordinator is
+    restarted with the same flags (--min-stages 3): once the stages alive have had
+    time to join it again, it plans with them, as after a loss, and the mesh answers
+    with the same text. Before, it waited for a third stage for ever (503s)."""
+    from coordinator.chaos import StreamSpec, run_stream
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(package, tmp_path, 3)
+    spec = StreamSpec("A restart test: the river and the", 24)
+    try:
+        mesh.start().wait_serving()
+        term = mesh.status().term
+        before = run_stream(mesh.http_url, MODEL, spec)
+        assert before.error is None
+        mesh.kill_coordinator()
+        mesh.kill_stage("stage-2")
+        mesh.start_coordinator_again()
+
+        def serving_on_two() -> bool:
+            try:
+                status = mesh.status()
+            except MeshError:  # the new coordinator is not listening yet
+                return False
+            assigned = sum(1 for s in status.stages if s.assigned)
+            return status.state == "serving" and status.term > term and assigned == 2
+
+        wait_for(serving_on_two, 120, "the restarted coordinator to serve on the 2 stages alive")
+        after = run_stream(mesh.http_url, MODEL, spec)
+        assert after.error is None and after.text == before.text
+    finally:
+        mesh.close()
+
+
 def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
     """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
     the last stage), predictions and stop strings, all in flight when the last stage
