@@ -84,6 +84,11 @@ class LinkUnreachable(Unavailable):
         self.link = link
 
 
+class LoadCancelled(Unavailable):
+    """A stage's Load was given up while it waited for a neighbour: a Release or a
+    Claim of a newer term came for it (the coordinator has given up that attempt)."""
+
+
 class StaleTerm(MeshError):
     """A request carried a term older than one already accepted. ``held_term`` is
     the term the refusing node holds (0: not said)."""

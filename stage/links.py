@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from mesh.codec import FrameAck, ack_from_proto
-from mesh.errors import Unavailable
+from mesh.errors import LoadCancelled, Unavailable
 from mesh.grpc_util import channel
 from mesh.netaddr import split_host_port
 from mesh.proto.v1 import data_pb2, data_pb2_grpc
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 _CLOSE = object()
 CONNECT_TIMEOUT_S = 10.0
+# How often a Load waiting for a neighbour's answer looks whether it was released.
+CANCEL_POLL_S = 0.25
 
 
 class DataLink(Protocol):
@@ -49,23 +51,38 @@ class DataLink(Protocol):
     def close(self) -> None: ...
 
 
-def tcp_endpoint(address: str) -> tuple[str, bool]:
+def tcp_endpoint(address: str, cancelled: Callable[[], bool] | None = None) -> tuple[str, bool]:
     """The peer's framed TCP endpoint and whether it speaks TLS, asked over gRPC at
-    ``address``; ("", False) when it has none (or predates the Endpoint call)."""
+    ``address``; ("", False) when it has none (or predates the Endpoint call). A peer
+    not answering yet (its server starting) is waited for up to CONNECT_TIMEOUT_S,
+    asked again every CANCEL_POLL_S: ``cancelled()`` true ends the wait at once
+    (LoadCancelled), as a Release of the load does."""
     ch = channel(address)
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
     try:
-        reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
-            data_pb2.EndpointRequest(), timeout=CONNECT_TIMEOUT_S, wait_for_ready=True
-        )
-    except grpc.RpcError as error:
-        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return "", False
-        raise Unavailable(
-            f"cannot reach {address} within {CONNECT_TIMEOUT_S:.0f}s: {_describe(error)}"
-        ) from error
+        while True:
+            if cancelled is not None and cancelled():
+                raise LoadCancelled(
+                    f"the load was released while it waited for {address} to answer"
+                )
+            left = deadline - time.monotonic()
+            try:
+                reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
+                    data_pb2.EndpointRequest(),
+                    timeout=max(0.01, min(CANCEL_POLL_S, left)),
+                    wait_for_ready=True,
+                )
+                return reply.tcp, reply.tls
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return "", False
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or left <= CANCEL_POLL_S:
+                    raise Unavailable(
+                        f"cannot reach {address} within {CONNECT_TIMEOUT_S:.0f}s: "
+                        f"{_describe(error)}"
+                    ) from error
     finally:
         ch.close()
-    return reply.tcp, reply.tls
 
 
 def probe_link(address: str, timeout_s: float) -> str:
@@ -100,9 +117,10 @@ def open_forward_link(
     on_ack: Callable[[FrameAck], None],
     delay_s: float = 0.0,
     traffic: LinkTraffic | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> DataLink:
     """The link to the downstream stage at ``address`` (its gRPC address)."""
-    endpoint, tls = tcp_endpoint(address)
+    endpoint, tls = tcp_endpoint(address, cancelled)
     if endpoint:
         return TcpLink(endpoint, KIND_FORWARD, on_broken, tls=tls, delay_s=delay_s, traffic=traffic)
     return ForwardLink(address, on_broken, on_ack, delay_s, traffic)
@@ -113,9 +131,10 @@ def open_return_link(
     on_broken: Callable[[Exception], None],
     delay_s: float = 0.0,
     traffic: LinkTraffic | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> DataLink:
     """The link to stage 0 at ``address`` (its gRPC address)."""
-    endpoint, tls = tcp_endpoint(address)
+    endpoint, tls = tcp_endpoint(address, cancelled)
     if endpoint:
         return TcpLink(endpoint, KIND_RETURN, on_broken, tls=tls, delay_s=delay_s, traffic=traffic)
     return ReturnLink(address, on_broken, delay_s, traffic)

@@ -29,6 +29,7 @@ from mesh.errors import (
     CapacityExceeded,
     InvalidRequest,
     LinkUnreachable,
+    LoadCancelled,
     MeshError,
     StaleTerm,
     Unavailable,
@@ -169,6 +170,11 @@ class StageNode:
         self.state = "idle"
         self.loaded: LoadedStage | None = None
         self._lock = threading.RLock()
+        # The term of the Load in progress (0: none) and whether a Release or a newer
+        # Claim has given it up: read and set without the lock, which the Load holds
+        # while it waits for its neighbours.
+        self._loading_term = 0
+        self._load_cancelled = threading.Event()
         # Frames waiting to be processed, in arrival order, and whether one is being
         # processed now (by the worker, or inline by the thread that received it):
         # one frame at a time, in order.
@@ -244,6 +250,7 @@ class StageNode:
 
     def claim(self, request: ClaimRequest) -> int:
         check_term(request.term, "Claim")
+        self._cancel_load(request.term, newer_only=True)
         with self._lock:
             if request.term < self.term:
                 raise StaleTerm(
@@ -290,9 +297,26 @@ class StageNode:
             inv = self.resolver.inventory()
         return inventory_reply(term, inv)
 
+    def _cancel_load(self, term: int, newer_only: bool) -> None:
+        """Give up the Load in progress when ``term`` ends it (a Release of its term or
+        a newer one; a Claim of a newer term): its wait for a neighbour that will not
+        answer (a stage killed as the attempt loaded) ends at once instead of holding
+        this node's lock, and with it the Release, for the link's 10 s."""
+        loading = self._loading_term
+        if loading and (term > loading or (term == loading and not newer_only)):
+            self._load_cancelled.set()
+
     def load(self, request: StageLoadRequest) -> Ready:
+        try:
+            return self._load(request)
+        finally:
+            self._loading_term = 0
+
+    def _load(self, request: StageLoadRequest) -> Ready:
         with self._lock:
             self._check_term(request.term, "Load")
+            self._load_cancelled.clear()
+            self._loading_term = request.term
             started = time.perf_counter()
             package_dir = self._ready_slice(request)
             device = request.device or self.settings.device
@@ -330,6 +354,7 @@ class StageNode:
                         on_ack=self._downstream_ack,
                         delay_s=self.settings.inject_delay_ms / 1000.0,
                         traffic=self.metrics.sent["forward"],
+                        cancelled=self._load_cancelled.is_set,
                     )
                 if not request.is_first:
                     loaded.returns = open_return_link(
@@ -337,11 +362,14 @@ class StageNode:
                         on_broken=lambda error: self._return_broken(loaded, error),
                         delay_s=self.settings.inject_delay_ms / 1000.0,
                         traffic=self.metrics.sent["return"],
+                        cancelled=self._load_cancelled.is_set,
                     )
             except MeshError as error:
                 for link in (loaded.forward, loaded.returns):
                     if link is not None:
                         link.close()
+                if isinstance(error, LoadCancelled):
+                    raise
                 raise LinkUnreachable(
                     f"{error.message}. This stage ({self.address}) must reach the address "
                     "its neighbours advertise: check routes and firewalls between the hosts, "
@@ -415,6 +443,7 @@ class StageNode:
 
     def release(self, term: int, reason: str) -> None:
         check_term(term, "Release")
+        self._cancel_load(term, newer_only=False)
         with self._lock:
             if term < self.term:
                 raise StaleTerm(

@@ -265,3 +265,58 @@ def test_a_release_with_a_term_no_coordinator_sends_is_refused(node) -> None:
     with pytest.raises(InvalidRequest, match="beyond"):
         node.release(2**64 - 1, "hostile")
     assert node.loaded is not None
+
+
+@pytest.mark.parametrize("ends_it", ["release", "newer claim"])
+def test_a_load_waiting_for_a_neighbour_that_died_is_given_up_by_a_release(
+    node, tiny_package_factory, ends_it: str
+) -> None:
+    """A stage killed just after its Load answered ready: the stage above it waits
+    for it to answer (up to 10 s) while holding the node's lock. The coordinator's
+    Release (or its next attempt's Claim) ends that wait at once: the Load fails as
+    given up, not as a link that could not be opened (which would blame the node it
+    goes to), and the Release is not held for the link's 10 s."""
+    import socket
+
+    from mesh.codec import PeerRef
+    from mesh.errors import LoadCancelled
+
+    free = socket.create_server(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{free.getsockname()[1]}"
+    free.close()  # nothing answers there: a stage that was killed
+    package = tiny_package_factory("llama", layers=2)
+    node.claim(ClaimRequest(4, "coord", "tiny-llama"))
+    node.prepare(PrepareRequest(4, str(package), LayerRange(0, 2)))
+    request = StageLoadRequest(
+        term=4,
+        stage_index=0,
+        stage_count=2,
+        layer_range=LayerRange(0, 2),
+        package_ref=str(package),
+        manifest_sha256="",
+        downstream=PeerRef("dead", dead),
+        return_endpoint="",
+        wire_dtype=WireDType.F32,
+    )
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            node.load(request)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            failed.append(error)
+
+    loading = threading.Thread(target=load)
+    loading.start()
+    deadline = time.monotonic() + 60
+    while node._loading_term != 4:  # the Load holds the lock, waiting for the dead peer
+        assert time.monotonic() < deadline and loading.is_alive(), failed
+        time.sleep(0.01)
+    if ends_it == "release":
+        node.release(4, "the attempt was given up")
+    else:
+        node.claim(ClaimRequest(5, "coord", "tiny-llama"))
+    loading.join(30)
+    assert not loading.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], LoadCancelled), failed
+    assert node.loaded is None and node.state != "serving"
