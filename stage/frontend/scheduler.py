@@ -84,11 +84,21 @@ class PipelineScheduler:
     # ---- GenerationBackend ---------------------------------------------------------
 
     def ready(self) -> bool:
-        return self._loaded is not None
+        return self.unavailable_reason() is None
 
     def unavailable_reason(self) -> str | None:
-        if self._loaded is None:
+        """Why this frontend cannot answer now (None: it can): no pipeline loaded, or
+        the data link to the next stage broke (that stage died, or the network
+        between them; the coordinator plans a new pipeline, and until then, or for
+        as long as no coordinator runs, nothing sent down would come back)."""
+        loaded = self._loaded
+        if loaded is None:
             return "the pipeline is not loaded yet (or is reloading after a stage was lost)"
+        if loaded.link_error and loaded.forward is not None and loaded.forward.broken:
+            return (
+                f"the pipeline is broken ({loaded.link_error}); waiting for the coordinator "
+                "to load a new one"
+            )
         return None
 
     async def wait_ready(self) -> bool:

@@ -267,6 +267,45 @@ def test_a_coordinator_restarted_after_a_stage_was_lost_serves_with_the_stages_a
         mesh.close()
 
 
+def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
+    tmp_path, tiny_package_factory
+):
+    """No coordinator runs and stage 1 dies: stage 0's link to it is broken and
+    nothing sent down would come back, so /health answers 503 with the reason (a load
+    balancer stops sending clients there). Before, it said 200 "ok" for as long as
+    no coordinator acted. The coordinator restarted serves on stage 0 alone: 200."""
+    import httpx
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(package, tmp_path, 2)
+    try:
+        mesh.start().wait_serving()
+        url = mesh.http_url
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        term = mesh.status().term
+        mesh.kill_coordinator()
+        mesh.kill_stage("stage-1")
+        wait_for(
+            lambda: httpx.get(url + "/health", timeout=10).status_code == 503,
+            60,
+            "/health to say 503",
+        )
+        assert "broken" in httpx.get(url + "/health", timeout=10).json()["reason"]
+        mesh.start_coordinator_again()
+
+        def serving_again() -> bool:
+            try:
+                status = mesh.status()
+            except MeshError:
+                return False
+            return status.state == "serving" and status.term > term
+
+        wait_for(serving_again, 120, "the restarted coordinator to serve on stage 0")
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 60, "200")
+    finally:
+        mesh.close()
+
+
 def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
     """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
     the last stage), predictions and stop strings, all in flight when the last stage
