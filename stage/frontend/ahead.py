@@ -123,7 +123,7 @@ def settle(tracked: Tracked, answered: InFlight, accepted: int, counters: AheadC
     whole = accepted == len(answered.drafts)
     guessed = following.segment.token_ids[0] == run.tokens[-1]
     if whole:
-        tracked.p_guess = _average(tracked.p_guess, 1.0 if guessed else 0.0)
+        tracked.p_guess = average(tracked.p_guess, 1.0 if guessed else 0.0)
     if whole and guessed and following.segment.pos_start == run.position:
         tracked.in_flight = tracked.ahead.pop(0)
         counters.kept += 1
@@ -180,11 +180,11 @@ def observe_round(tracked: Tracked, round_s: float, drafts: int, accepted: int) 
     """Fold a decode or verify window's send-to-verdict time, and whether it was
     accepted whole, into the request's averages."""
     if round_s > 0.0:
-        tracked.round_s = _average(tracked.round_s, round_s)
+        tracked.round_s = average(tracked.round_s, round_s)
     if drafts:
-        tracked.p_whole = _average(tracked.p_whole, 1.0 if accepted == drafts else 0.0)
+        tracked.p_whole = average(tracked.p_whole, 1.0 if accepted == drafts else 0.0)
 
 
-def _average(current: float, value: float) -> float:
+def average(current: float, value: float) -> float:
     """Exponentially weighted average; a negative ``current`` means none yet."""
     return value if current < 0.0 else (1.0 - EWMA) * current + EWMA * value

@@ -87,8 +87,13 @@ class EngineCore(PromptSteps):
         self.waiting: deque[RequestRun] = deque()
         self.frames: dict[int, SentFrame] = {}
         self.step_cost = StepCostFit()
-        # The same for frames holding prompt rows (``decode_stall_ms``).
+        # The same for frames holding prompt rows (``decode_stall_ms``): the longer of
+        # their slowest stage's compute and their time on one data link.
         self.prompt_cost = StepCostFit()
+        # What a decode frame's round spends outside the stages' compute and queues
+        # (ms, EWMA; -1 until measured): the links' latency, which a prompt frame's
+        # round also holds beside the time its activations take on the wire.
+        self.wire_base_ms = -1.0
         self.stale: list[str] = []
         self.recoveries = 0
         # Requests read again from 0 because a stage no longer held their session.
@@ -532,9 +537,12 @@ class EngineCore(PromptSteps):
             # The last stage's answer: the cost of a frame of decode and verify rows on
             # its slowest stage (prompt chunks run in another regime of the kernels).
             slowest_ms = max(t.compute_ms for t in result.timings)
+            staged_ms = sum(t.compute_ms + t.queue_ms for t in result.timings)
+            wire_ms = max(0.0, (self.clock() - sent.sent_at) * 1000.0 - staged_ms)
             if SegmentKind.PREFILL in sent.kinds.values():
-                self.prompt_cost.observe(sent.rows, slowest_ms)
+                self.prompt_cost.observe(sent.rows, max(slowest_ms, self._link_ms(wire_ms, result)))
             if all(k in (SegmentKind.DECODE, SegmentKind.VERIFY) for k in sent.kinds.values()):
+                self.wire_base_ms = ahead.average(self.wire_base_ms, wire_ms)
                 self.step_cost.observe(sent.rows, slowest_ms)
                 step_s = slowest_ms / 1000.0
                 self.step_s = (
@@ -552,6 +560,18 @@ class EngineCore(PromptSteps):
         if sent is not None and not sent.outstanding:
             del self.frames[result.frame_id]
         return outcomes
+
+    def _link_ms(self, wire_ms: float, result: FrameResult) -> float:
+        """How long a prompt frame held one data link: its round outside the stages
+        beyond what a decode frame's takes (the links' latency), shared by the
+        forward hops that carried its activations. A decode frame's next tokens wait
+        behind it on that link as they would behind its compute: on a slow link
+        (a few Mbit/s between hosts) this, not the stages, is what the
+        ``decode_stall_ms`` cut must bound. 0 until a decode frame was measured."""
+        if self.wire_base_ms < 0.0:
+            return 0.0
+        hops = max(1, len(result.timings) - 1)
+        return max(0.0, wire_ms - self.wire_base_ms) / hops
 
     def _apply(self, answer: SegmentResult, term: int, frame_id: int) -> Outcome | None:
         tracked = self.running.get(answer.request_id)

@@ -921,3 +921,40 @@ def test_a_result_no_request_owns_gets_its_session_ended_once() -> None:
         got[request_id][1:] = [finish, error]
     assert got["mine"][0] == greedy((1, 2, 3), 4) and got["mine"][2] is None
     assert core.stale.count("unclaimed") == 2
+
+
+def test_a_prompt_chunk_on_a_slow_link_is_cut_by_its_time_on_the_wire() -> None:
+    """Two stages and a slow link between them: prompt frames cost the stages 10 ms
+    + 0.2 ms a row, but their activations take 4 ms a row on the wire, where the
+    decoding requests' next frames wait behind them. Decode frames' rounds show the
+    links' latency (30 ms), which is not counted against a chunk. The cut keeps a
+    frame near ``decode_stall_ms`` (250 ms) by the wire: about 60 rows, not the
+    1,200 the stages' compute alone would allow (the 512-row budget)."""
+    from mesh.frames import Segment, StageTiming
+
+    core, clock = core_with(stage_count=2, decode_stall_ms=250.0, prefix_cache_tokens=0)
+    pipe = FakePipeline()
+
+    def answered(frame, compute_ms: float, wire_ms: float) -> FrameResult:
+        clock.now += (2 * compute_ms + wire_ms) / 1000.0
+        result = pipe.answer(frame)
+        timings = (StageTiming(0, compute_ms), StageTiming(1, compute_ms))
+        return FrameResult(result.term, result.frame_id, result.results, timings)
+
+    core.add(request("short", (7, 8, 9), max_new=400))
+    core.on_result(answered(core.next_frame(), 5.0, 30.0))  # its prompt
+    for _ in range(10):  # decode rounds: 30 ms between the stages
+        core.on_result(answered(core.next_frame(), 5.0, 30.0))
+    assert 29.0 < core.wire_base_ms < 31.0
+    for rows in (64, 128, 256, 512, 100, 300):
+        frame = core._pack(
+            [Segment(f"p{rows}", f"p{rows}", SegmentKind.PREFILL, 0, token_ids=(1,) * rows)],
+            core.info,
+            clock.now,
+        )
+        compute = 10.0 + 0.2 * rows
+        core.on_result(answered(frame, compute, 30.0 + 4.0 * rows))
+    core.add(request("long", tuple(range(2, 91)) * 10, max_new=2))
+    frame = core.next_frame()
+    chunks = [s.token_count for s in frame.segments if s.kind is SegmentKind.PREFILL]
+    assert chunks and 50 <= chunks[0] <= 64, chunks
