@@ -51,14 +51,18 @@ class DataLink(Protocol):
     def close(self) -> None: ...
 
 
-def tcp_endpoint(address: str, cancelled: Callable[[], bool] | None = None) -> tuple[str, bool]:
+def tcp_endpoint(
+    address: str,
+    cancelled: Callable[[], bool] | None = None,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+) -> tuple[str, bool]:
     """The peer's framed TCP endpoint and whether it speaks TLS, asked over gRPC at
     ``address``; ("", False) when it has none (or predates the Endpoint call). A peer
-    not answering yet (its server starting) is waited for up to CONNECT_TIMEOUT_S,
+    not answering yet (its server starting) is waited for up to ``timeout_s``,
     asked again every CANCEL_POLL_S: ``cancelled()`` true ends the wait at once
     (LoadCancelled), as a Release of the load does."""
     ch = channel(address)
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
         while True:
             if cancelled is not None and cancelled():
@@ -78,8 +82,7 @@ def tcp_endpoint(address: str, cancelled: Callable[[], bool] | None = None) -> t
                     return "", False
                 if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or left <= CANCEL_POLL_S:
                     raise Unavailable(
-                        f"cannot reach {address} within {CONNECT_TIMEOUT_S:.0f}s: "
-                        f"{_describe(error)}"
+                        f"cannot reach {address} within {timeout_s:.0f}s: {_describe(error)}"
                     ) from error
     finally:
         ch.close()
@@ -90,24 +93,17 @@ def probe_link(address: str, timeout_s: float) -> str:
     gRPC address) now, or '' when it could: the peer answers ``Endpoint`` and, when
     it takes framed TCP, its data port accepts a connection (closed at once, before
     any hello). A peer that predates ``Endpoint`` is not judged."""
-    ch = channel(address)
     try:
-        reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
-            data_pb2.EndpointRequest(), timeout=timeout_s, wait_for_ready=True
-        )
-    except grpc.RpcError as error:
-        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return ""
-        return f"cannot reach {address} within {timeout_s:.0f} s ({_describe(error)})"
-    finally:
-        ch.close()
-    if not reply.tcp:
+        endpoint, _ = tcp_endpoint(address, timeout_s=timeout_s)
+    except Unavailable as error:
+        return error.message
+    if not endpoint:
         return ""
     try:
-        host, port = split_host_port(reply.tcp)
+        host, port = split_host_port(endpoint)
         socket.create_connection((host, port), timeout=timeout_s).close()
     except (OSError, ValueError) as error:
-        return f"cannot connect to its data port {reply.tcp} ({error})"
+        return f"cannot connect to its data port {endpoint} ({error})"
     return ""
 
 

@@ -206,6 +206,17 @@ def test_a_restarted_coordinator_takes_the_mesh_back_and_fails_over_later(chaos:
     assert_no_corruption(chaos, record)
 
 
+def serving_above(mesh: MeshProcesses, term: int, stages: int = 0) -> bool:
+    """Whether the mesh's (restarted) coordinator serves a term above ``term`` (on
+    ``stages`` stages, when given)."""
+    try:
+        status = mesh.status()
+    except MeshError:  # the new coordinator is not listening yet
+        return False
+    assigned = sum(1 for s in status.stages if s.assigned)
+    return status.state == "serving" and status.term > term and stages in (0, assigned)
+
+
 def test_a_coordinator_restarted_without_its_state_file_still_goes_above_the_stages_term(
     tmp_path, tiny_package_factory
 ):
@@ -218,14 +229,11 @@ def test_a_coordinator_restarted_without_its_state_file_still_goes_above_the_sta
         mesh.state_file.unlink()  # the new coordinator starts at term 0
         mesh.start_coordinator_again()
 
-        def serving_above() -> bool:
-            try:
-                status = mesh.status()
-            except MeshError:  # the new coordinator is not listening yet
-                return False
-            return status.state == "serving" and status.term > term
-
-        wait_for(serving_above, 120, "the new coordinator to load above the stages' term")
+        wait_for(
+            lambda: serving_above(mesh, term),
+            120,
+            "the new coordinator to load above the stages' term",
+        )
         assert "claim with term" not in mesh.coordinator_log().split("listening on")[-1]
     finally:
         mesh.close()
@@ -252,15 +260,11 @@ def test_a_coordinator_restarted_after_a_stage_was_lost_serves_with_the_stages_a
         mesh.kill_stage("stage-2")
         mesh.start_coordinator_again()
 
-        def serving_on_two() -> bool:
-            try:
-                status = mesh.status()
-            except MeshError:  # the new coordinator is not listening yet
-                return False
-            assigned = sum(1 for s in status.stages if s.assigned)
-            return status.state == "serving" and status.term > term and assigned == 2
-
-        wait_for(serving_on_two, 120, "the restarted coordinator to serve on the 2 stages alive")
+        wait_for(
+            lambda: serving_above(mesh, term, stages=2),
+            120,
+            "the restarted coordinator to serve on the 2 stages alive",
+        )
         after = run_stream(mesh.http_url, MODEL, spec)
         assert after.error is None and after.text == before.text
     finally:
@@ -293,14 +297,11 @@ def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
         assert "broken" in httpx.get(url + "/health", timeout=10).json()["reason"]
         mesh.start_coordinator_again()
 
-        def serving_again() -> bool:
-            try:
-                status = mesh.status()
-            except MeshError:
-                return False
-            return status.state == "serving" and status.term > term
-
-        wait_for(serving_again, 120, "the restarted coordinator to serve on stage 0")
+        wait_for(
+            lambda: serving_above(mesh, term, stages=1),
+            120,
+            "the restarted coordinator to serve on stage 0",
+        )
         wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 60, "200")
     finally:
         mesh.close()

@@ -39,22 +39,25 @@ def node(tmp_path, tiny_package_factory, request):
     while node.inventory(3).state != "ready":
         assert time.monotonic() < deadline, node.inventory(3)
         time.sleep(0.05)
-    node.load(
-        StageLoadRequest(
-            term=3,
-            stage_index=0,
-            stage_count=1,
-            layer_range=LayerRange(0, 2),
-            package_ref=str(package),
-            manifest_sha256="",
-            downstream=None,
-            return_endpoint="",
-            wire_dtype=WireDType.F32,
-        )
-    )
+    node.load(load_request(3, package))
     node.results = results
     yield node
     node.stop()
+
+
+def load_request(term: int, package, downstream=None) -> StageLoadRequest:
+    """Load both layers of the tiny package as stage 0, alone or before ``downstream``."""
+    return StageLoadRequest(
+        term=term,
+        stage_index=0,
+        stage_count=1 if downstream is None else 2,
+        layer_range=LayerRange(0, 2),
+        package_ref=str(package),
+        manifest_sha256="",
+        downstream=downstream,
+        return_endpoint="",
+        wire_dtype=WireDType.F32,
+    )
 
 
 def prefill(term: int, session: str = "s") -> Frame:
@@ -287,17 +290,7 @@ def test_a_load_waiting_for_a_neighbour_that_died_is_given_up_by_a_release(
     package = tiny_package_factory("llama", layers=2)
     node.claim(ClaimRequest(4, "coord", "tiny-llama"))
     node.prepare(PrepareRequest(4, str(package), LayerRange(0, 2)))
-    request = StageLoadRequest(
-        term=4,
-        stage_index=0,
-        stage_count=2,
-        layer_range=LayerRange(0, 2),
-        package_ref=str(package),
-        manifest_sha256="",
-        downstream=PeerRef("dead", dead),
-        return_endpoint="",
-        wire_dtype=WireDType.F32,
-    )
+    request = load_request(4, package, PeerRef("dead", dead))
     failed: list[BaseException] = []
 
     def load() -> None:
