@@ -64,8 +64,11 @@ logger = logging.getLogger(__name__)
 ROUNDS_KEPT = 64
 ROUND_MAX_AGE_S = 120.0
 ROUND_PERCENTILE = 0.9
-# Prompt rows a frame may always hold while requests decode (``_prompt_rows``).
+# Prompt rows a frame may always hold while requests decode (``_prompt_rows``), and
+# the rows of a first prompt chunk among decoding requests before any prompt frame
+# was measured.
 MIN_PROMPT_ROWS = 16
+FIRST_PROMPT_ROWS = 64
 # Times a request's tokens are read again after a stage lost its session before the
 # request fails (a stage that keeps dropping it is not waited on forever).
 MAX_REREADS = 3
@@ -368,16 +371,23 @@ class EngineCore(PromptSteps):
         requests decode (their next tokens wait for this frame, on every stage) what
         keeps the frame near ``limits.decode_stall_ms`` by the measured cost of
         prompt frames, and at least MIN_PROMPT_ROWS of prompt (a long prompt still
-        progresses). Before prompt frames of different sizes were measured, the
-        budget."""
+        progresses). Until prompt frames of different sizes were measured, their cost
+        per row with the fixed cost counted in (an overestimate: smaller chunks) stands
+        in, and before any was measured FIRST_PROMPT_ROWS: a fresh mesh does not stake
+        its first chunks on a guess (a whole budget's chunk on a slow link between
+        hosts held the decoding streams for tens of seconds)."""
         stall_ms = self.limits.decode_stall_ms
         if stall_ms <= 0 or all(t.prefilling for t in self.running.values()):
             return budget
         model = self.prompt_cost.model()
-        if model is None or model[1] <= 0:
-            return budget
-        fixed_ms, per_row_ms = model
-        rows = int((stall_ms - fixed_ms) / per_row_ms)
+        if model is not None:
+            fixed_ms, per_row_ms = model
+            if per_row_ms <= 0:
+                return budget  # rows cost nothing more: the budget decides
+            rows = int((stall_ms - fixed_ms) / per_row_ms)
+        else:
+            per_row = self.prompt_cost.cost_per_row()
+            rows = int(stall_ms / per_row) if per_row else decode_rows + FIRST_PROMPT_ROWS
         return min(budget, max(rows, decode_rows + MIN_PROMPT_ROWS))
 
     def _take_ends(self) -> list[Segment]:

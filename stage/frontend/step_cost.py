@@ -48,6 +48,13 @@ class StepCostFit:
         per_row = max(0.0, (srt / w - mean_r * mean_t) / var_r)
         return max(mean_t - per_row * mean_r, 0.0), per_row
 
+    def cost_per_row(self) -> float | None:
+        """The frames' cost over their rows (ms a row, their fixed cost counted as
+        rows' cost: an upper bound of ``per_row_ms``), or None before any frame; what
+        goes by until ``model`` can tell the two apart."""
+        _, sr, st, _, _ = self._sums
+        return st / sr if sr > 0.0 else None
+
 
 def row_threshold(model: tuple[float, float] | None, decoding: int) -> float:
     """The probability of commit a draft row must beat in a step of ``decoding``

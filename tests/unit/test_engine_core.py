@@ -958,3 +958,33 @@ def test_a_prompt_chunk_on_a_slow_link_is_cut_by_its_time_on_the_wire() -> None:
     frame = core.next_frame()
     chunks = [s.token_count for s in frame.segments if s.kind is SegmentKind.PREFILL]
     assert chunks and 50 <= chunks[0] <= 64, chunks
+
+
+@pytest.mark.parametrize(("step_ms", "first_chunk"), [(0.0, 64), (30.0, 24)])
+def test_a_fresh_mesh_cuts_its_first_prompt_chunks_among_decoders(
+    step_ms: float, first_chunk: int
+) -> None:
+    """Until prompt frames of different sizes were measured, the fit cannot tell a
+    frame's fixed cost from its rows'. Their cost per row with the fixed cost counted
+    in stands in (one 3-row prompt frame measured at 30 ms: 10 ms a row, so a frame
+    of 25 rows in 250 ms, one of them the decoding request's), and with no prompt
+    frame measured at all the first chunk is FIRST_PROMPT_ROWS. Both took the whole
+    512-row budget before (about 21 s a chunk on a 1 Mbit/s link between hosts)."""
+    from stage.frontend.engine_core import FIRST_PROMPT_ROWS
+
+    assert FIRST_PROMPT_ROWS == 64
+    core, _ = core_with(decode_stall_ms=250.0, prefix_cache_tokens=0)
+    pipe = FakePipeline(step_ms=step_ms)  # 0: answers carry no timings
+    core.add(request("short", (7, 8, 9), max_new=50))
+    core.on_result(pipe.answer(core.next_frame()))  # its prompt: it decodes now
+    assert core.prompt_cost.model() is None
+    core.add(request("long", tuple(range(2, 91)) * 10, max_new=2))
+    chunks = []
+    for _ in range(3):
+        frame = core.next_frame()
+        chunks += [s.token_count for s in frame.segments if s.kind is SegmentKind.PREFILL]
+        core.on_result(pipe.answer(frame))
+    assert chunks[0] == first_chunk
+    # The chunks grow as frames of other sizes are measured (each costs 30 ms here);
+    # with nothing measured they stay at the first size.
+    assert chunks[2] > chunks[0] if step_ms else chunks == [first_chunk] * 3
