@@ -463,6 +463,7 @@ def _node_joined(state: State, event: NodeJoined) -> State:
             accepted_term=event.term,
         )
         logger.debug("node %s joined from %s (%s)", event.node_id, event.address, event.device)
+        state = _forget_replaced(state, event.node_id, event.address)
         return replace(state, nodes=state.nodes + (record,), membership_changed=True)
     known = state.node(event.node_id)
     moved = known is not None and known.address != event.address
@@ -505,6 +506,24 @@ def _node_joined(state: State, event: NodeJoined) -> State:
         ),
         membership_changed=True,
     )
+
+
+def _forget_replaced(state: State, node_id: str, address: str) -> State:
+    """Forget the nodes not alive at ``address``, which a new node id joins from: the
+    process there now is another (a stage restarted with another --node-id), so the
+    old record could only ever come back from elsewhere, as a join of its own."""
+    for old in [n for n in state.nodes if n.address == address and not n.alive]:
+        logger.info(
+            "forgetting node %s (%s): node %s joined from its address %s",
+            old.node_id,
+            old.health,
+            node_id,
+            address,
+        )
+        state = _degrade_if_assigned(state, old.node_id, f"was replaced by {node_id}")
+        remaining = tuple(n for n in state.nodes if n.node_id != old.node_id)
+        state = replace(state, nodes=remaining, membership_changed=True)
+    return state
 
 
 def _heartbeat(state: State, event: HeartbeatReceived) -> State:

@@ -438,3 +438,32 @@ def test_a_node_id_taken_by_another_live_process_is_said_so(
         apply(state, NodeJoined(node_id="b", address="10.0.0.7:7071", now=101.0))
     assert "joined again from 10.0.0.7:7071" in caplog.text
     assert "still held" not in caplog.text
+
+
+@pytest.mark.parametrize("health", ["dead", "alive"])
+def test_a_new_node_id_at_a_dead_node_s_address_replaces_it(health: str) -> None:
+    """A stage restarted with another --node-id joins from the address of its old,
+    dead record: the old one is forgotten at once (before, ``status`` listed it as a
+    dead row beside the live one until --forget-dead-after). A live node at the same
+    address is left alone (two stages that advertise one address are a setup error
+    the links report, not something a join may decide)."""
+    state = joined("a", "b")
+    if health == "dead":
+        state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=10.0))
+        state = apply(state, HeartbeatReceived(node_id="a", now=100.0))
+    assert state.node("b").health == health
+    state = apply(state, NodeJoined(node_id="b2", address="10.0.0.2:7071", now=101.0))
+    ids = [n.node_id for n in state.nodes]
+    assert ids == (["a", "b2"] if health == "dead" else ["a", "b", "b2"])
+    assert state.node("b2").alive
+
+
+def test_a_replaced_node_that_was_assigned_degrades_the_mesh() -> None:
+    state, _ = serving("a", "b")
+    state = apply(state, HeartbeatsChecked(now=100.0, timeout_s=10.0))
+    state = apply(state, HeartbeatReceived(node_id="a", now=100.0))
+    assert state.degraded and state.node("b").health == "dead"
+    state = apply(state, NodeJoined(node_id="b2", address="10.0.0.2:7071", now=101.0))
+    assert not state.is_known("b")
+    assert [c.node_id for c in planner_nodes(state)] == ["a", "b2"]
+    assert needs_replan(state)
