@@ -57,6 +57,14 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
+    # Reconnecting after an outage: gRPC's own backoff grows to 120 s and each attempt
+    # may take 20 s, so a stage whose coordinator was cut off for a minute or two
+    # stayed away for up to 35 s after the network healed. The first retry after 1 s,
+    # then at most every 5 s, each attempt given 5 s (as Join and Heartbeat retry:
+    # stage/membership.py).
+    ("grpc.initial_reconnect_backoff_ms", 1_000),
+    ("grpc.min_reconnect_backoff_ms", 5_000),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 # Bulk transfers (package files) get a TCP connection of their own: on a slow link
 # the control calls sharing one with them (heartbeats, Claim) waited behind megabytes

@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             forward_refusal=data.forward_refusal,
         )
         data.tcp_endpoint, data.tcp_tls = f"{url_host(host)}:{tcp.port}", tcp.tls
+        data.tcp = tcp
         tcp.start()
         logger.info("stage %s takes frames over framed TCP at %s", node_id, data.tcp_endpoint)
     server.start()

@@ -35,7 +35,8 @@ from mesh.grpc_util import abort_with, rpc_status_name
 from mesh.proto.v1 import data_pb2, data_pb2_grpc, stage_pb2, stage_pb2_grpc
 from mesh.threads import NamedThread
 from stage.links import probe_link
-from stage.node import StageNode
+from stage.node import LoadedStage, StageNode
+from stage.tcp_data import KIND_FORWARD, EndLink, TcpDataServer
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,32 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         self.tcp_tls = False
         # Set on stage 0: why Forward links (TCP or gRPC) are refused.
         self.forward_refusal = ""
+        # This stage's framed TCP listener (None: frames come over gRPC only), and
+        # the ack queues of the gRPC Forward streams open now.
+        self.tcp: TcpDataServer | None = None
+        self._forward_acks: set[queue.SimpleQueue] = set()
+        node.on_load_change(self._on_load_change)
         self._open = {"Forward": 0, "Return": 0}
         self._open_lock = threading.Lock()
+
+    def _on_load_change(self, loaded: LoadedStage | None) -> None:
+        """The stage let go of its layers: close the Forward links into it. They
+        belong to the term it served (an upstream stage of a later term opens its
+        own after this stage loads that term), and an upstream stage still serving
+        that term would otherwise send frames nobody answers (this stage's refusals
+        go back on a Return link it has closed too): the link's end tells it at once
+        (stage 0: its requests wait for the next pipeline, /health says 503)."""
+        if loaded is not None:
+            return
+        reason = f"node {self.node.settings.node_id} let go of its layers"
+        if self.tcp is not None:
+            self.tcp.end_links(KIND_FORWARD, reason)
+        with self._open_lock:
+            streams = list(self._forward_acks)
+        for acks in streams:
+            acks.put(_END)
+        if streams:
+            logger.warning("ending %d upstream Forward stream(s): %s", len(streams), reason)
 
     @property
     def max_message_bytes(self) -> int:
@@ -169,13 +194,16 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
 
     def frame_bytes(self, body: bytes) -> None:
         """A Forward frame that came over framed TCP (no ack channel: a refusal goes
-        to stage 0 over the Return link, as for every refused segment)."""
+        to stage 0 over the Return link, as for every refused segment). A frame of a
+        term this stage no longer serves closes the link (``accept``)."""
         try:
             pb = data_pb2.Frame.FromString(body)
         except Exception as error:  # noqa: BLE001 - undecodable: the sender's fault
             logger.warning("undecodable frame over framed TCP refused: %s", error)
             return
-        self.accept(pb, None)
+        end = self.accept(pb, None)
+        if end:
+            raise EndLink(end)
 
     def result_bytes(self, body: bytes) -> None:
         """A FrameResult that came over framed TCP (stage 0)."""
@@ -189,8 +217,10 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
 
     def Forward(self, request_iterator: Iterator[data_pb2.Frame], context) -> Iterator:
         self._open_stream("Forward", context)
+        acks: queue.SimpleQueue = queue.SimpleQueue()
+        with self._open_lock:
+            self._forward_acks.add(acks)
         try:
-            acks: queue.SimpleQueue = queue.SimpleQueue()
             reader = NamedThread(
                 target=self._read_frames,
                 args=(request_iterator, acks),
@@ -204,12 +234,17 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
                     return
                 yield ack_to_proto(ack)
         finally:
+            with self._open_lock:
+                self._forward_acks.discard(acks)
             self._close_stream("Forward")
 
     def _read_frames(self, request_iterator: Iterator[data_pb2.Frame], acks) -> None:
         try:
             for pb in request_iterator:
-                self.accept(pb, acks.put)
+                end = self.accept(pb, acks.put)
+                if end:
+                    logger.warning("ending an upstream Forward stream: %s", end)
+                    return
         except grpc.RpcError as error:
             logger.info("upstream Forward stream ended: %s", rpc_status_name(error))
         except Exception:  # noqa: BLE001 - the stream ends, the stage stays up
@@ -217,10 +252,35 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         finally:
             acks.put(_END)
 
-    def accept(self, pb: data_pb2.Frame, send_ack: Callable[[FrameAck], None] | None) -> None:
+    def accept(self, pb: data_pb2.Frame, send_ack: Callable[[FrameAck], None] | None) -> str:
         """Validate, decode and queue a Forward frame; ``send_ack`` (None: none)
-        tells the upstream stage when the whole frame was refused."""
+        tells the upstream stage when the whole frame was refused. Returns why the
+        link it came on should be closed ("": it should not): its term is one this
+        stage will never answer again (``_term_over``)."""
         self.node.metrics.received["forward"].count(pb.ByteSize())
+        end = self._term_over(pb.term)
+        self._accept(pb, send_ack)
+        return end
+
+    def _term_over(self, term: int) -> str:
+        """Why this stage will never answer a frame of ``term`` (""): it let go of
+        that term's layers (the coordinator released them, or fenced this stage) or
+        serves a newer term. The upstream stage that sends it is left out of the
+        pipeline that replaced it, and would wait for answers that never come (its
+        refusals travel on a Return link that is closed too), so its link is closed:
+        the link's end tells it at once (stage 0: its requests wait for the new
+        pipeline, its /health says 503)."""
+        loaded = self.node.loaded
+        node_id = self.node.settings.node_id
+        if loaded is None:
+            if 0 < term <= self.node.term:
+                return f"node {node_id} let go of the layers of term {term}"
+            return ""
+        if term < loaded.request.term:
+            return f"node {node_id} serves term {loaded.request.term}, not term {term}"
+        return ""
+
+    def _accept(self, pb: data_pb2.Frame, send_ack: Callable[[FrameAck], None] | None) -> None:
         loaded = self.node.loaded
         try:
             if loaded is None:

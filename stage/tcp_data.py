@@ -71,6 +71,10 @@ _HELLO = struct.Struct("<8sBH")  # magic, kind, token length
 _WATCH = select.POLLIN | select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
 
 
+class EndLink(Exception):  # noqa: N818 - not an error: the handler's verdict
+    """Raised by a message handler: close this link (the message says why)."""
+
+
 def _tune(sock: socket.socket) -> None:
     """No Nagle delay; keepalive probes and a limit on unacknowledged data, so that
     a silent dead host (or a cut link) is noticed."""
@@ -211,6 +215,7 @@ class TcpDataServer:
         self._connections: set[socket.socket] = set()
         self._links: set[socket.socket] = set()  # the accepted (raw) sockets
         self._hellos: dict[socket.socket, float] = {}  # raw socket -> its hello's deadline
+        self._kinds: dict[socket.socket, int] = {}  # raw socket -> the kind of its link
         self._dropped = 0  # connections closed at a cap, not yet logged
         self._dropped_logged = 0.0
         self._lock = threading.Lock()
@@ -235,6 +240,19 @@ class TcpDataServer:
             connections = list(self._connections)
         for sock in connections:
             _shut(sock)
+
+    def end_links(self, kind: int, reason: str) -> int:
+        """Close every open link of ``kind`` (its sender sees the link end); how many."""
+        with self._lock:
+            ending = [raw for raw, of in self._kinds.items() if of == kind]
+        for raw in ending:
+            try:
+                raw.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if ending:
+            logger.warning("closing %d %s link(s): %s", len(ending), KIND_NAMES[kind], reason)
+        return len(ending)
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -314,6 +332,7 @@ class TcpDataServer:
                 self._connections.discard(sock)
                 self._links.discard(sock)
                 self._hellos.pop(sock, None)
+                self._kinds.pop(sock, None)
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -330,6 +349,8 @@ class TcpDataServer:
                 on_time = self._hellos.pop(raw, None) is not None
             if kind is None or not on_time:
                 return
+            with self._lock:
+                self._kinds[raw] = kind
             sock.settimeout(None)
             handle = self._handlers[kind]
             while not self._closed:
@@ -344,6 +365,8 @@ class TcpDataServer:
                     )
                     return
                 handle(bytes(_read_exact(sock, size)))
+        except EndLink as end:
+            logger.warning("closing the data link from %s: %s", where, end)
         except (EOFError, OSError, ssl.SSLError) as error:
             if not self._closed:
                 logger.info("data link from %s ended: %s", where, error or type(error).__name__)

@@ -133,7 +133,14 @@ class PipelineScheduler:
         return self.limits.max_sessions + self.limits.max_queued
 
     def _serving(self) -> bool:
-        return self._loaded is not None and self.core.info is not None
+        """A pipeline is loaded, the engine core has it, and its link holds: a request
+        that arrives while the link is broken waits for the next pipeline as during a
+        reload, rather than joining requests that wait for answers that cannot come."""
+        return (
+            self._loaded is not None
+            and self.core.info is not None
+            and self.unavailable_reason() is None
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self._attach(asyncio.get_running_loop())

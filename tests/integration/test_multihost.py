@@ -295,6 +295,79 @@ def test_a_worker_link_down_and_up_during_streams_corrupts_nothing(hosts, packag
         mesh.stop()
 
 
+def test_stage_0_cut_off_from_the_coordinator_stops_waiting_for_the_stage_it_lost(
+    hosts, package, tmp_path
+):
+    """Stage 0 (the frontend, on a host of its own) and the coordinator cannot reach
+    each other for about 15 s while streams run; the data links between the stages stay
+    up. The coordinator takes stage 0 for dead and releases the other stage, which
+    closes the link stage 0 sends its frames on: stage 0's requests wait for the
+    next pipeline and /health says 503 with the reason. Before, the released stage
+    dropped the frames without a word, stage 0 waited for answers for the whole
+    partition and more (until the round timeout, 120 s) and /health said 200. When
+    the network heals, stage 0 is heard again within seconds (gRPC's own reconnect
+    backoff no longer grows past 5 s) and every stream ends with its no-fault
+    text."""
+    import httpx
+
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    exact = ["--row-invariant", "on"]
+    frontend = ["--frontend", "--http-host", "0.0.0.0", "--http-port", "8000"]
+    mesh = Recipe(
+        hosts,
+        package,
+        tmp_path,
+        {
+            "head": ["--no-local-stage", "--min-stages", "2", *exact],
+            # A token a round, each round slowed down: the streams are still
+            # running when the cut comes.
+            "worker-1": [*frontend, "--spec-type", "none", *exact],
+            "worker-2": ["--inject-delay-ms", "40", *exact],
+        },
+    )
+    try:
+        status = mesh.wait_serving(stages=2)
+        url = status["http_url"]
+        assert hosts.address("worker-1") in url
+        specs = [
+            StreamSpec(f"Cut test {i}: a story about {topic}", 300, 0.8 if i % 2 else 0.0, i)
+            for i, topic in enumerate(["ships", "bees"])
+        ]
+        expected = [run_stream(url, "tiny-llama", spec) for spec in specs]
+        assert all(e.error is None for e in expected)
+        started = [threading.Event() for _ in specs]
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = [
+                pool.submit(run_stream, url, "tiny-llama", spec, started[i])
+                for i, spec in enumerate(specs)
+            ]
+            for event in started:
+                assert event.wait(60)
+            hosts.cut_between("head", "worker-1")
+            try:
+                wait_for(
+                    lambda: httpx.get(url + "/health", timeout=5).status_code == 503,
+                    20,
+                    "stage 0's /health to say 503 while its pipeline is gone",
+                )
+                reason = httpx.get(url + "/health", timeout=5).json()["reason"]
+                assert "broken" in reason, reason
+                assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
+                time.sleep(12.0)
+            finally:
+                hosts.cut_between("head", "worker-1", cut=False)
+            outcomes = [f.result(timeout=300) for f in futures]
+        verdicts = [classify(o, e) for o, e in zip(outcomes, expected, strict=True)]
+        assert verdicts == ["identical"] * len(specs), [o.error for o in outcomes]
+        after = mesh.wait_serving(stages=2, above_term=status["term"])
+        assert after["term"] > status["term"]
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert "let go of its layers" in mesh.log("worker-2")
+    finally:
+        mesh.stop()
+
+
 @pytest.mark.skipif(firewall_reason() is not None, reason=str(firewall_reason()))
 def test_a_worker_whose_data_port_a_firewall_drops_is_planned_around(
     hosts, package, expected, tmp_path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -131,14 +132,20 @@ def test_frames_that_find_the_stage_busy_wait_and_keep_their_order(last_stage) -
     assert link.sent[-1] == (5, threading.current_thread().name)
 
 
+def frames_of(progress: FrameProgress) -> FrameProgress:
+    """``progress`` without the bytes this process's data links read (a counter of
+    the whole process: tests of links that ran before add to it)."""
+    return replace(progress, received=0)
+
+
 def test_heartbeats_carry_the_highest_frame_the_stage_has_finished(last_stage) -> None:
     """Frames that wait for this stage stay unfinished in the progress the
     coordinator's stall rule reads, a frame computed and waiting on its send is
     finished, an old term's frame never counts."""
     node, link = last_stage
-    assert node.heartbeat().progress == FrameProgress()
+    assert frames_of(node.heartbeat().progress) == FrameProgress()
     node.accept_frame(frame(node, 7), None)
-    assert node.heartbeat().progress == FrameProgress(done=7)
+    assert frames_of(node.heartbeat().progress) == FrameProgress(done=7)
     link.hold.clear()
     link.entered.clear()  # frame 7's send set it
     busy = threading.Thread(target=node.accept_frame, args=(frame(node, 8), None))
@@ -159,7 +166,7 @@ def test_heartbeats_carry_the_highest_frame_the_stage_has_finished(last_stage) -
     assert node.heartbeat().progress.done == 9
     # Only stage 0 says what it waits for: a last stage ignores a snapshot.
     node.waiting = WaitingFrame(3, 10, time.perf_counter() - 5.0, 0.5)
-    assert node.heartbeat().progress == FrameProgress(done=9)
+    assert frames_of(node.heartbeat().progress) == FrameProgress(done=9)
 
 
 def test_stage_0_reports_the_frame_it_waits_on_with_the_round_it_should_take(tmp_path) -> None:
@@ -188,7 +195,7 @@ def test_stage_0_reports_the_frame_it_waits_on_with_the_round_it_should_take(tmp
         assert progress.longest_round_s == 1.5
         # A snapshot of another term, or none: nothing is waited on.
         node.waiting = WaitingFrame(3, 6, time.perf_counter(), 1.5)
-        assert node.progress() == FrameProgress(done=6)
+        assert frames_of(node.progress()) == FrameProgress(done=6)
         for frame_id in range(7, 7 + node_module.COMPUTE_TIMES_KEPT):
             loaded.finished(frame_id, 0.1)
         assert 5 not in loaded.compute_s and len(loaded.compute_s) == node_module.COMPUTE_TIMES_KEPT
@@ -282,3 +289,96 @@ def test_the_stuck_frame_watch_runs_on_a_thread_of_its_own(tmp_path, monkeypatch
     finally:
         node._processing = None
         node.stop()
+
+
+def test_a_stage_that_lets_go_of_its_layers_closes_the_links_that_bring_it_frames(
+    last_stage,
+) -> None:
+    """Released (the coordinator planned without the stage above, or fenced this
+    one), a stage closes the framed TCP Forward links into it, not its other links:
+    an upstream stage still serving the term would otherwise send frames nobody
+    answers (the refusals go back on a Return link closed too) and stage 0's requests
+    would wait for their round timeout behind a /health that says 200. A link opened
+    later is closed by the first frame of a term the stage let go of; a frame of a
+    term it has not seen yet leaves it open (its Load may be on the way)."""
+    from mesh.proto.v1 import data_pb2
+    from mesh.security import MeshSecurity
+    from stage.servicers import DataServicer
+    from stage.tcp_data import KIND_FORWARD, KIND_RETURN, TcpDataServer, TcpLink
+
+    node, _ = last_stage
+    servicer = DataServicer(node, lambda result: None)
+    server = TcpDataServer("127.0.0.1", 0, servicer.frame_bytes, servicer.result_bytes)
+    servicer.tcp = server.start()
+    address = f"127.0.0.1:{server.port}"
+    broken: list[str] = []
+    links = []
+
+    def link(kind: int) -> TcpLink:
+        opened = TcpLink(address, kind, lambda e: broken.append(str(e)), security=MeshSecurity())
+        links.append(opened)
+        return opened
+
+    def sent_on(opened: TcpLink, term: int, frame_id: int) -> None:
+        opened.send(data_pb2.Frame(term=term, frame_id=frame_id))
+
+    try:
+        forward, returns = link(KIND_FORWARD), link(KIND_RETURN)
+        sent_on(forward, 2, 1)  # an older term: refused, and its link is over
+        wait_for_condition(lambda: forward.broken)
+        forward = link(KIND_FORWARD)
+        sent_on(forward, 3, 2)  # the term served: refused as undecodable, kept open
+        time.sleep(1.0)
+        assert not forward.broken
+        node.release(3, "released by the coordinator")
+        wait_for_condition(lambda: forward.broken)
+        assert not returns.broken and len(broken) == 2
+        later = link(KIND_FORWARD)
+        sent_on(later, 4, 3)  # not seen yet: refused, the link stays
+        time.sleep(1.0)
+        assert not later.broken
+        sent_on(later, 3, 4)
+        wait_for_condition(lambda: later.broken)
+    finally:
+        for opened in links:
+            opened.close()
+        server.close()
+
+
+def test_a_released_stage_ends_the_grpc_forward_streams_into_it(last_stage) -> None:
+    from mesh.grpc_util import bind, channel, new_server
+    from mesh.proto.v1 import data_pb2_grpc
+    from mesh.security import MeshSecurity
+    from stage.servicers import DataServicer
+
+    node, _ = last_stage
+    server = new_server(16, MeshSecurity())
+    data = DataServicer(node, lambda result: None)
+    data_pb2_grpc.add_StageDataServicer_to_server(data, server)
+    port = bind(server, "127.0.0.1:0", MeshSecurity())
+    server.start()
+    held = threading.Event()
+
+    def frames():
+        held.wait(timeout=60)
+        return
+        yield
+
+    ch = channel(f"127.0.0.1:{port}", MeshSecurity())
+    try:
+        answers = data_pb2_grpc.StageDataStub(ch).Forward(frames(), timeout=60)
+        wait_for_condition(lambda: data._open["Forward"] == 1)
+        node.release(3, "released by the coordinator")
+        assert list(answers) == []  # the stream ended without waiting for the client
+        assert not held.is_set()
+    finally:
+        held.set()
+        ch.close()
+        server.stop(None)
+
+
+def wait_for_condition(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
