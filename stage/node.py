@@ -184,6 +184,7 @@ class StageNode:
         self._result_sink: Callable[[FrameResult], None] | None = None
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
+        self._broken_listeners: list[Callable[[str], None]] = []
         self._on_newer_term: Callable[[], None] | None = None
         # Stage 0's frame that waits longest for an answer (its scheduler sets it).
         self.waiting: WaitingFrame | None = None
@@ -218,6 +219,11 @@ class StageNode:
 
     def on_load_change(self, listener: Callable[[LoadedStage | None], None]) -> None:
         self._listeners.append(listener)
+
+    def on_downstream_broken(self, listener: Callable[[str], None]) -> None:
+        """``listener(why)`` runs when the loaded stage's link to the next stage breaks
+        (nothing it is sent can go on until a new pipeline is loaded)."""
+        self._broken_listeners.append(listener)
 
     def deliver_result(self, result: FrameResult) -> None:
         """A FrameResult that reached stage 0 over the Return stream."""
@@ -697,6 +703,8 @@ class StageNode:
         )
         if segments:
             self._fail_segments(loaded, Frame(loaded.request.term, 0, segments), failure)
+        for listener in self._broken_listeners:
+            listener(failure.message)
 
     def _return_broken(self, loaded: LoadedStage, error: Exception) -> None:
         index = loaded.request.stage_index

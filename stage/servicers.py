@@ -142,6 +142,7 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         self.tcp: TcpDataServer | None = None
         self._forward_acks: set[queue.SimpleQueue] = set()
         node.on_load_change(self._on_load_change)
+        node.on_downstream_broken(self._end_forward_links)
         self._open = {"Forward": 0, "Return": 0}
         self._open_lock = threading.Lock()
 
@@ -152,9 +153,14 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
         that term would otherwise send frames nobody answers (this stage's refusals
         go back on a Return link it has closed too): the link's end tells it at once
         (stage 0: its requests wait for the next pipeline, /health says 503)."""
-        if loaded is not None:
-            return
-        reason = f"node {self.node.settings.node_id} let go of its layers"
+        if loaded is None:
+            self._end_forward_links(f"node {self.node.settings.node_id} let go of its layers")
+
+    def _end_forward_links(self, reason: str) -> None:
+        """Close the Forward links into this stage (TCP and gRPC), saying ``reason``.
+        Also when this stage's own link to the next stage broke: nothing it is sent
+        can go on, and the break travels up to stage 0 (its /health says 503, its new
+        requests wait for the next pipeline) even while no coordinator acts."""
         if self.tcp is not None:
             self.tcp.end_links(KIND_FORWARD, reason)
         with self._open_lock:

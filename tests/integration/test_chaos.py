@@ -271,24 +271,29 @@ def test_a_coordinator_restarted_after_a_stage_was_lost_serves_with_the_stages_a
         mesh.close()
 
 
+@pytest.mark.parametrize("stages", [2, 3])
 def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
-    tmp_path, tiny_package_factory
+    tmp_path, tiny_package_factory, stages: int
 ):
-    """No coordinator runs and stage 1 dies: stage 0's link to it is broken and
-    nothing sent down would come back, so /health answers 503 with the reason (a load
-    balancer stops sending clients there). Before, it said 200 "ok" for as long as
-    no coordinator acted. The coordinator restarted serves on stage 0 alone: 200."""
+    """No coordinator runs and the last stage dies: nothing sent down would come
+    back, so /health answers 503 with the reason (a load balancer stops sending
+    clients there). Before, it said 200 "ok" for as long as no coordinator acted.
+    With 3 stages the broken link is the middle stage's: it closes the link stage 0
+    sends on, and the break reaches stage 0 (before, /health said 200 there even
+    after stage 0's own link was seen). The coordinator restarted serves on the
+    stages left: 200."""
     import httpx
 
     package = tiny_package_factory("llama", layers=6)
-    mesh = MeshProcesses(package, tmp_path, 2)
+    mesh = MeshProcesses(package, tmp_path, stages)
     try:
         mesh.start().wait_serving()
         url = mesh.http_url
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-        term = mesh.status().term
+        status = mesh.status()
+        last = max((s for s in status.stages if s.assigned), key=lambda s: s.stage_index)
         mesh.kill_coordinator()
-        mesh.kill_stage("stage-1")
+        mesh.kill_stage(last.node_id)
         wait_for(
             lambda: httpx.get(url + "/health", timeout=10).status_code == 503,
             60,
@@ -298,9 +303,9 @@ def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
         mesh.start_coordinator_again()
 
         wait_for(
-            lambda: serving_above(mesh, term, stages=1),
+            lambda: serving_above(mesh, status.term, stages=stages - 1),
             120,
-            "the restarted coordinator to serve on stage 0",
+            "the restarted coordinator to serve on the stages left",
         )
         wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 60, "200")
     finally:
