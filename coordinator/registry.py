@@ -579,7 +579,10 @@ def _check_heartbeats(state: State, event: HeartbeatsChecked) -> State:
     after = state
     for record in state.nodes:
         silent_s = event.now - record.last_heartbeat_at
-        if not record.alive and 0 < event.forget_after_s < silent_s:
+        if not record.alive and 0 < event.forget_after_s < silent_s and not record.frontend:
+            # A dead frontend node is kept: while it is known, no pipeline is loaded
+            # without a frontend (forgotten, any node could be planned as a stage 0
+            # that serves no API). Another node joining from its address replaces it.
             logger.info("forgetting node %s: silent for %.0f s", record.node_id, silent_s)
             after = replace(after, nodes=tuple(n for n in after.nodes if n is not record))
             continue

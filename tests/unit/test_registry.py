@@ -467,3 +467,22 @@ def test_a_replaced_node_that_was_assigned_degrades_the_mesh() -> None:
     assert not state.is_known("b")
     assert [c.node_id for c in planner_nodes(state)] == ["a", "b2"]
     assert needs_replan(state)
+
+
+def test_a_dead_frontend_node_is_not_forgotten() -> None:
+    """Stage 0 (the frontend) dies and stays away past forget_after_s: it is kept, so
+    the mesh keeps waiting for it. Forgotten, it let the coordinator plan any node as
+    a stage 0 with no API and report the mesh as serving (found on namespace hosts
+    with --forget-dead-after 20)."""
+    state, _ = serving("a", "b", "c")
+    for now in (5.0, 50.0):
+        for node_id in ("b", "c"):
+            state = apply(state, HeartbeatReceived(node_id=node_id, now=now, term=1))
+        state = apply(state, HeartbeatsChecked(now=now, timeout_s=3.0, forget_after_s=30.0))
+    assert state.node("a") is not None and state.node("a").health == "dead"
+    assert waiting_for(state, min_stages=3, served_once=True) == (
+        "the frontend stage (stage 0) to rejoin"
+    )
+    # Restarted with another node id from its address, it replaces the old record.
+    state = apply(state, NodeJoined(node_id="a2", address="10.0.0.1:7071", frontend=True, now=51.0))
+    assert not state.is_known("a") and state.node("a2").alive
