@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mesh.errors import InvalidRequest
-from mesh.netaddr import broadcast_addresses, url_host
+from mesh.netaddr import broadcast_addresses, is_loopback, is_wildcard, url_host
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +169,16 @@ class DiscoveryResponder:
         coordinator_id: str = "",
     ) -> None:
         self._id = coordinator_id
-        self._bind = (host if host not in ("0.0.0.0", "::") else "", port)
+        # Queries are broadcasts, which a socket bound to one unicast address never
+        # receives: only a coordinator on loopback binds its address (it must not
+        # answer another host). One listening on a single address of a network
+        # answers on every network and names that address, where its gRPC listens.
+        self._bind = (host if is_loopback(host) else "", port)
         self._port = port
         self._model_id = model_id
-        self._advertise = advertise
+        self._advertise = advertise or (
+            "" if is_wildcard(host) or is_loopback(host) else host.strip("[]")
+        )
         self._tls = tls
         self._token = token
         self._stop = threading.Event()

@@ -500,14 +500,20 @@ def test_a_newcomer_fetching_its_slice_over_a_slow_link_does_not_stop_serving(
         mesh.stop()
 
 
-def test_workers_joined_with_coordinator_auto_find_the_head(hosts, package, expected, tmp_path):
+@pytest.mark.parametrize("listen", ["wildcard", "address"])
+def test_workers_joined_with_coordinator_auto_find_the_head(
+    hosts, package, expected, tmp_path, listen: str
+):
     """`mesh-stage join --coordinator auto` finds the head by UDP broadcast on the
-    bridge; with a join token the head's answer proves it has the token."""
+    bridge; with a join token the head's answer proves it has the token. A head that
+    listens on its one address (not 0.0.0.0) is found too (before, its discovery
+    socket was bound to that address and never received a broadcast)."""
     token = tmp_path / "token"
     token.write_text("a-join-token-for-discovery-0123456789")
     secured = ["--join-token-file", str(token)]
     auto = ["--coordinator", "auto", *secured]
-    extra = {"head": secured, "worker-1": auto, "worker-2": auto, "client": secured}
+    head = secured + (["--listen", f"{hosts.address('head')}:7070"] if listen == "address" else [])
+    extra = {"head": head, "worker-1": auto, "worker-2": auto, "client": secured}
     mesh = Recipe(hosts, package, tmp_path, extra)
     try:
         status = mesh.wait_serving(stages=3)
