@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 # The longest a stage waits between heartbeat attempts after failed ones
 # (stage/membership.py RETRY_MAX_S; the coordinator does not import stage code).
 STAGE_RETRY_MAX_S = 5.0
+# After a time in which no node at all was heard (this coordinator's network cut off),
+# how long the stages get to be heard again before their heartbeats are judged: a
+# heartbeat call of a stage may hang for its deadline (mesh/grpc_util.py
+# CONTROL_DEADLINE_S, 10 s) and the stage then waits up to STAGE_RETRY_MAX_S.
+UNHEARD_GRACE_S = 10.0 + STAGE_RETRY_MAX_S
 # How long the coordinator tries to connect to a planned node before a load.
 REACH_TIMEOUT_S = 3.0
 # How long a stage gets to answer whether it can open a data link (it waits up to
@@ -157,6 +162,9 @@ class CoordinatorService:
         # Heartbeats are judged from this time on (set when this process was found
         # to have stopped running for longer than a heartbeat timeout).
         self._judged_from = -math.inf
+        # No node has been heard for a heartbeat timeout while the mesh serves
+        # (``_unheard``): nothing is judged until one is.
+        self._unheard = False
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         # Prometheus series (coordinator/metrics.py); `up` serves them on --metrics-port.
         self.metrics = CoordinatorMetrics()
@@ -337,6 +345,45 @@ class CoordinatorService:
         # meanwhile waits up to its longest retry pause before the next one.
         self._judged_from = now + STAGE_RETRY_MAX_S
 
+    def _nobody_heard(self, state: registry.State, now: float) -> bool:
+        """While the mesh serves, no node at all has been heard lately (none for half a
+        heartbeat timeout, or one and a half beats, and one for longer than the
+        timeout): this coordinator's own network is the likelier fault (a firewall, a
+        route, its host's link), and the stages serve on without it. Judging them dead
+        would release them, and fence the pipeline that serves once they are heard
+        again; so nothing is judged until one is, and then the others get
+        UNHEARD_GRACE_S to be heard too. A real loss of every stage is judged once
+        any stage is heard again (a restarted one joins again); until then `status`
+        shows their heartbeats' ages."""
+        timeout = self.settings.heartbeat_timeout_s
+        quiet = max(timeout / 2, 1.5 * self.settings.heartbeat_interval_s)
+        ages = [
+            now - max(n.last_heartbeat_at, self._judged_from)
+            for n in state.nodes
+            if n.health != "dead"
+        ]
+        unheard = (
+            state.mesh_state == "serving"
+            and bool(ages)
+            and min(ages) > quiet
+            and (self._unheard or max(ages) > timeout)
+        )
+        if unheard and not self._unheard:
+            logger.warning(
+                "no stage has been heard for %.1f s: this coordinator's network may be cut "
+                "off (the stages serve on without it); judging nothing until one is heard",
+                min(ages),
+            )
+        elif self._unheard and not unheard:
+            logger.warning(
+                "a stage is heard again; the others have %.0f s to be heard before their "
+                "heartbeats are judged",
+                UNHEARD_GRACE_S,
+            )
+            self._judged_from = max(self._judged_from, now + UNHEARD_GRACE_S - timeout)
+        self._unheard = unheard
+        return unheard
+
     def _judge_while_loading(self) -> Callable[[], registry.State]:
         """A check of the stages' heartbeats for a wait inside a load attempt, which
         forgives a gap in its own calls as the supervision loop does."""
@@ -367,6 +414,8 @@ class CoordinatorService:
         """Judge the stages' heartbeats and progress now; a lost stage of the pipeline
         releases the others at once. Returns the state after."""
         before = self.state
+        if self._nobody_heard(before, time.monotonic()):
+            return before
         after = self.apply(
             registry.HeartbeatsChecked(
                 now=time.monotonic(),

@@ -508,3 +508,35 @@ def test_a_node_whose_data_port_does_not_answer_is_found_before_a_load() -> None
         ch.close()
         server.stop(0)
         listening.close()
+
+
+def test_a_coordinator_that_hears_no_stage_at_all_judges_none_of_them(
+    tiny_package_factory,
+) -> None:
+    """Every node of a serving mesh falls silent at once: the coordinator's own
+    network is the likelier fault, and the stages serve on. Nothing is judged until
+    one is heard again, and the others then get UNHEARD_GRACE_S (before, it declared
+    them all dead, released them when they came back and fenced the pipeline that
+    served: 7-10 s without an answer after a 30 s cut on namespace hosts). One silent
+    node among nodes heard is judged as before."""
+    from coordinator import registry
+    from coordinator.server import UNHEARD_GRACE_S
+
+    service = _serving_on_two(tiny_package_factory, _Driver())
+
+    def beats(**ages: float) -> None:
+        now = time.monotonic()
+        for node_id, age in ages.items():
+            service.apply(registry.HeartbeatReceived(node_id=node_id, now=now - age, term=1))
+
+    beats(head=2.5, w1=3.5, w2=2.0)
+    after = service._check_heartbeats()
+    assert after.mesh_state == "serving" and all(n.alive for n in after.nodes)
+    beats(head=0.0)  # heard again
+    after = service._check_heartbeats()
+    assert after.mesh_state == "serving" and after.node("w1").alive
+    assert service._judged_from > time.monotonic() + UNHEARD_GRACE_S - 5.0
+    service._judged_from = float("-inf")  # the grace is over
+    beats(head=0.0, w2=0.0)
+    after = service._check_heartbeats()
+    assert after.node("w1").health == "dead" and after.mesh_state == "failed"
