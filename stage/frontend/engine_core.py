@@ -372,22 +372,27 @@ class EngineCore(PromptSteps):
         keeps the frame near ``limits.decode_stall_ms`` by the measured cost of
         prompt frames, and at least MIN_PROMPT_ROWS of prompt (a long prompt still
         progresses). Until prompt frames of different sizes were measured, their cost
-        per row with the fixed cost counted in (an overestimate: smaller chunks) stands
-        in, and before any was measured FIRST_PROMPT_ROWS: a fresh mesh does not stake
-        its first chunks on a guess (a whole budget's chunk on a slow link between
-        hosts held the decoding streams for tens of seconds)."""
+        per row with the fixed cost counted in (an overestimate: smaller chunks)
+        stands in. And a frame holds at most twice the rows of the largest prompt
+        frame measured (FIRST_PROMPT_ROWS before any): a fit of small frames alone
+        cannot see what rows cost (on a slow link between hosts a few 20-row frames
+        cost 0.4-0.9 s each, the fit saw no growth, and the next chunk of 512 rows
+        held the decoding streams for 20 s), so chunks grow by doubling while the
+        fit learns."""
         stall_ms = self.limits.decode_stall_ms
         if stall_ms <= 0 or all(t.prefilling for t in self.running.values()):
             return budget
         model = self.prompt_cost.model()
-        if model is not None:
+        per_row = self.prompt_cost.cost_per_row()
+        if model is not None and model[1] > 0:
             fixed_ms, per_row_ms = model
-            if per_row_ms <= 0:
-                return budget  # rows cost nothing more: the budget decides
             rows = int((stall_ms - fixed_ms) / per_row_ms)
+        elif model is None and per_row:
+            rows = int(stall_ms / per_row)
         else:
-            per_row = self.prompt_cost.cost_per_row()
-            rows = int(stall_ms / per_row) if per_row else decode_rows + FIRST_PROMPT_ROWS
+            rows = budget  # the fit sees no cost growing with rows
+        seen = self.prompt_cost.max_rows
+        rows = min(rows, 2 * seen if seen else decode_rows + FIRST_PROMPT_ROWS)
         return min(budget, max(rows, decode_rows + MIN_PROMPT_ROWS))
 
     def _take_ends(self) -> list[Segment]:
@@ -550,7 +555,15 @@ class EngineCore(PromptSteps):
             staged_ms = sum(t.compute_ms + t.queue_ms for t in result.timings)
             wire_ms = max(0.0, (self.clock() - sent.sent_at) * 1000.0 - staged_ms)
             if SegmentKind.PREFILL in sent.kinds.values():
-                self.prompt_cost.observe(sent.rows, max(slowest_ms, self._link_ms(wire_ms, result)))
+                link_ms = self._link_ms(wire_ms, result)
+                self.prompt_cost.observe(sent.rows, max(slowest_ms, link_ms))
+                logger.debug(
+                    "prompt frame %d of %d rows: compute %.1f ms, link %.1f ms",
+                    result.frame_id,
+                    sent.rows,
+                    slowest_ms,
+                    link_ms,
+                )
             if all(k in (SegmentKind.DECODE, SegmentKind.VERIFY) for k in sent.kinds.values()):
                 self.wire_base_ms = ahead.average(self.wire_base_ms, wire_ms)
                 self.step_cost.observe(sent.rows, slowest_ms)

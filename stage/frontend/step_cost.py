@@ -28,10 +28,13 @@ class StepCostFit:
 
     decay: float = 0.98
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, r, t, rr, rt
+    # The most rows of a frame observed (the range the fit has seen).
+    max_rows: int = 0
 
     def observe(self, rows: int, cost_ms: float) -> None:
         if rows <= 0 or not cost_ms > 0.0:
             return
+        self.max_rows = max(self.max_rows, rows)
         r, t = float(rows), float(cost_ms)
         for i, value in enumerate((1.0, r, t, r * r, r * t)):
             self._sums[i] = self.decay * self._sums[i] + value

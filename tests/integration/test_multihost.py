@@ -368,6 +368,57 @@ def test_stage_0_cut_off_from_the_coordinator_stops_waiting_for_the_stage_it_los
         mesh.stop()
 
 
+def test_a_coordinator_cut_off_from_every_stage_fences_nothing_when_the_cut_heals(
+    hosts, package, tmp_path
+):
+    """The coordinator's host cannot reach either stage host for about 12 s while
+    streams run (stage 0 with the frontend on worker-1, the data links between the
+    stages up). The stages serve on, and the coordinator, hearing no stage at all,
+    judges none of them: when the cut heals they are heard again and the pipeline
+    keeps its term. Before, it declared both dead and, when they came back, loaded a
+    new term that fenced the pipeline serving the streams."""
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    exact = ["--row-invariant", "on"]
+    frontend = ["--frontend", "--http-host", "0.0.0.0", "--http-port", "8000"]
+    mesh = Recipe(
+        hosts,
+        package,
+        tmp_path,
+        {
+            "head": ["--no-local-stage", "--min-stages", "2", *exact],
+            "worker-1": [*frontend, "--spec-type", "none", *exact],
+            "worker-2": ["--inject-delay-ms", "40", *exact],
+        },
+    )
+    try:
+        status = mesh.wait_serving(stages=2)
+        url = status["http_url"]
+        specs = [StreamSpec("Isolation test: a story about owls", 300, 0.8, 7)]
+        expected = [run_stream(url, "tiny-llama", spec) for spec in specs]
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(run_stream, url, "tiny-llama", specs[0], started)
+            assert started.wait(60)
+            for worker in ("worker-1", "worker-2"):
+                hosts.cut_between("head", worker)
+            try:
+                time.sleep(12.0)
+            finally:
+                for worker in ("worker-1", "worker-2"):
+                    hosts.cut_between("head", worker, cut=False)
+            outcome = future.result(timeout=300)
+        assert classify(outcome, expected[0]) == "identical", outcome.error
+        wait_for(lambda: "is heard again" in mesh.log("head"), 60, "the stages to be heard again")
+        time.sleep(20.0)  # past the grace the others get to be heard
+        after = mesh.status()
+        assert after is not None and after["state"] == "serving", after
+        assert after["term"] == status["term"], after
+        assert "this coordinator's network may be cut off" in mesh.log("head")
+    finally:
+        mesh.stop()
+
+
 @pytest.mark.skipif(firewall_reason() is not None, reason=str(firewall_reason()))
 def test_a_worker_whose_data_port_a_firewall_drops_is_planned_around(
     hosts, package, expected, tmp_path
