@@ -409,7 +409,14 @@ def test_a_coordinator_cut_off_from_every_stage_fences_nothing_when_the_cut_heal
                     hosts.cut_between("head", worker, cut=False)
             outcome = future.result(timeout=300)
         assert classify(outcome, expected[0]) == "identical", outcome.error
-        wait_for(lambda: "is heard again" in mesh.log("head"), 60, "the stages to be heard again")
+
+        def heard() -> bool:
+            now = mesh.status()
+            return now is not None and all(
+                s["heartbeat_age_s"] < 2.0 for s in now["stages"] if s["assigned"]
+            )
+
+        wait_for(heard, 60, "the stages of the pipeline to be heard again")
         time.sleep(20.0)  # past the grace the others get to be heard
         after = mesh.status()
         assert after is not None and after["state"] == "serving", after
