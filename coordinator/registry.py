@@ -437,9 +437,7 @@ def apply(state: State, event: Event) -> State:
         case NodeLeft():
             if not state.is_known(event.node_id):
                 return state
-            after = _degrade_if_assigned(state, event.node_id, "left the mesh")
-            remaining = tuple(n for n in after.nodes if n.node_id != event.node_id)
-            return replace(after, nodes=remaining, membership_changed=True)
+            return _remove_node(state, event.node_id, "left the mesh")
     raise InvalidRequest(f"unknown coordinator event {type(event).__name__}")
 
 
@@ -520,10 +518,15 @@ def _forget_replaced(state: State, node_id: str, address: str) -> State:
             node_id,
             address,
         )
-        state = _degrade_if_assigned(state, old.node_id, f"was replaced by {node_id}")
-        remaining = tuple(n for n in state.nodes if n.node_id != old.node_id)
-        state = replace(state, nodes=remaining, membership_changed=True)
+        state = _remove_node(state, old.node_id, f"was replaced by {node_id}")
     return state
+
+
+def _remove_node(state: State, node_id: str, why: str) -> State:
+    """``node_id`` leaves the registry (its stage, if assigned, fails the mesh over)."""
+    after = _degrade_if_assigned(state, node_id, why)
+    remaining = tuple(n for n in after.nodes if n.node_id != node_id)
+    return replace(after, nodes=remaining, membership_changed=True)
 
 
 def _heartbeat(state: State, event: HeartbeatReceived) -> State:
