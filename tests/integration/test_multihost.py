@@ -295,6 +295,25 @@ def test_a_worker_link_down_and_up_during_streams_corrupts_nothing(hosts, packag
         mesh.stop()
 
 
+def stage_0_on_worker_1(hosts: NetnsHosts, package: Path, workdir: Path) -> Recipe:
+    """A 2-stage mesh whose stage 0 (with the frontend) runs on worker-1, not on the
+    head, which runs the coordinator alone; worker-2 is the last stage. A token a
+    round (no speculation), each round slowed down on worker-2's links: streams are
+    still running when a fault comes."""
+    exact = ["--row-invariant", "on"]
+    frontend = ["--frontend", "--http-host", "0.0.0.0", "--http-port", "8000"]
+    return Recipe(
+        hosts,
+        package,
+        workdir,
+        {
+            "head": ["--no-local-stage", "--min-stages", "2", *exact],
+            "worker-1": [*frontend, "--spec-type", "none", *exact],
+            "worker-2": ["--inject-delay-ms", "40", *exact],
+        },
+    )
+
+
 def test_stage_0_cut_off_from_the_coordinator_stops_waiting_for_the_stage_it_lost(
     hosts, package, tmp_path
 ):
@@ -312,20 +331,7 @@ def test_stage_0_cut_off_from_the_coordinator_stops_waiting_for_the_stage_it_los
 
     from coordinator.chaos import StreamSpec, classify, run_stream
 
-    exact = ["--row-invariant", "on"]
-    frontend = ["--frontend", "--http-host", "0.0.0.0", "--http-port", "8000"]
-    mesh = Recipe(
-        hosts,
-        package,
-        tmp_path,
-        {
-            "head": ["--no-local-stage", "--min-stages", "2", *exact],
-            # A token a round, each round slowed down: the streams are still
-            # running when the cut comes.
-            "worker-1": [*frontend, "--spec-type", "none", *exact],
-            "worker-2": ["--inject-delay-ms", "40", *exact],
-        },
-    )
+    mesh = stage_0_on_worker_1(hosts, package, tmp_path)
     try:
         status = mesh.wait_serving(stages=2)
         url = status["http_url"]
@@ -379,18 +385,7 @@ def test_a_coordinator_cut_off_from_every_stage_fences_nothing_when_the_cut_heal
     new term that fenced the pipeline serving the streams."""
     from coordinator.chaos import StreamSpec, classify, run_stream
 
-    exact = ["--row-invariant", "on"]
-    frontend = ["--frontend", "--http-host", "0.0.0.0", "--http-port", "8000"]
-    mesh = Recipe(
-        hosts,
-        package,
-        tmp_path,
-        {
-            "head": ["--no-local-stage", "--min-stages", "2", *exact],
-            "worker-1": [*frontend, "--spec-type", "none", *exact],
-            "worker-2": ["--inject-delay-ms", "40", *exact],
-        },
-    )
+    mesh = stage_0_on_worker_1(hosts, package, tmp_path)
     try:
         status = mesh.wait_serving(stages=2)
         url = status["http_url"]
