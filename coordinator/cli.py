@@ -80,6 +80,7 @@ from mesh.settings import (
     resolve,
 )
 from mesh.settings.commands import (
+    STALL_TIMEOUT_KEY,
     UpConfig,
     add_config_arguments,
     print_config,
@@ -354,6 +355,13 @@ def up(args: argparse.Namespace) -> int:
     local = (0 if coord.no_local_stage else 1) + coord.spawn_stages
     max_tokens = coord.max_tokens_per_session or model.context_length
     sent = serving_settings(config.frontend, speculation)
+    sent += (
+        (
+            STALL_TIMEOUT_KEY,
+            json.dumps(coord.stall_timeout),
+            config.coordinator.origin("stall_timeout"),
+        ),
+    )
     if args.no_draft:
         sent += (("speculation.no_draft", "true", "CLI --no-draft"),)
     settings = CoordinatorSettings(

@@ -29,16 +29,16 @@ from dataclasses import dataclass, replace
 from coordinator.planner import NodeCapacity, Plan
 from mesh.errors import InvalidRequest, StaleTerm
 from mesh.frames import FrameProgress
+from mesh.types import STALL_ROUND_FACTOR
 
 logger = logging.getLogger(__name__)
 
 HEALTH_STATES = ("alive", "dead", "stalled")
 # The stall rule ("stalls" below): stage 0's oldest unanswered frame is overdue once
-# it has waited the configured floor, or this many times the round it should take
-# (or the longest recent round) if that is longer.
-STALL_ROUND_FACTOR = 10.0
-# A stage found stalled is left out of plans for this long, doubling with each
-# stall of the same node, up to the maximum.
+# it has waited the configured floor, or STALL_ROUND_FACTOR times the round it
+# should take (or the longest recent round) if that is longer. A stage found
+# stalled is left out of plans for this long, doubling with each stall of the same
+# node, up to the maximum.
 STALL_QUARANTINE_S = 30.0
 STALL_QUARANTINE_MAX_S = 600.0
 # A node's earlier stalls are forgotten once it has gone this long after its last

@@ -15,6 +15,10 @@ DEFAULT_PREFIX_BYTES = 2048 * 2**20
 # second for a hundred million years), far below the wire's 64 bits, so the next
 # term (one more than any seen) always fits.
 MAX_TERM = 2**52
+# The stall rule (docs/reliability.md): stage 0's wait for a frame's answer is
+# overdue after the larger of the stall timeout and this many times the round the
+# frame should take (or the longest recent round).
+STALL_ROUND_FACTOR = 10.0
 
 
 def check_term(term: int, what: str) -> int:

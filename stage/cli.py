@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     node.on_newer_term(membership.poke)
+    node.coordinator_outage = membership.outage_s
     membership.start()
     stopped = threading.Event()
     # A second signal while draining stops without waiting for the running requests.

@@ -81,6 +81,12 @@ class Membership:
         self._wake.set()
         self._channel.close()
 
+    def outage_s(self) -> float:
+        """Seconds since the first failed call of the outage going on now (0: the
+        last call reached the coordinator)."""
+        since = self._outage_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def poke(self) -> None:
         """Send the next heartbeat now (something suggests the term moved on)."""
         self._wake.set()

@@ -191,6 +191,9 @@ class StageNode:
         # Requests the frontend on this node serves now (stage 0 sets it): a Claim
         # ``only_if_idle`` is refused while there are any.
         self.busy: Callable[[], int] | None = None
+        # Seconds the coordinator has been unreachable (0: it answered the last call);
+        # the process's membership sets it. Stage 0's local stall rule asks it.
+        self.coordinator_outage: Callable[[], float] = lambda: 0.0
         # The frame being processed now and since when (the stuck-frame watchdog).
         self._processing: tuple[int, float] | None = None
         self._exit: Callable[[int], None] = os._exit

@@ -87,6 +87,9 @@ def print_config(sections: list[Resolved], extra: list[tuple[str, Any, str]] = (
 
 SERVING_PREFIX = "frontend."
 SPECULATION_PREFIX = "speculation."
+# The coordinator's --stall-timeout: stage 0 uses the same deadline to say 503 while
+# a frame goes unanswered past it and no coordinator can be reached to act on it.
+STALL_TIMEOUT_KEY = "coordinator.stall_timeout"
 
 
 def serving_settings(
@@ -135,3 +138,18 @@ def sent_speculation(sent: tuple[tuple[str, str, str], ...]) -> list[tuple[str, 
             layers.append((where, {}))
         layers[-1][1][key.removeprefix(SPECULATION_PREFIX)] = json.loads(value)
     return layers
+
+
+def sent_stall_timeout(sent: tuple[tuple[str, str, str], ...]) -> float:
+    """The coordinator's stall timeout in seconds, as sent with the Load (0: the
+    stall rule is off); the built-in default from a coordinator that sends none."""
+    for key, value, _origin in sent:
+        if key == STALL_TIMEOUT_KEY:
+            try:
+                seconds = float(json.loads(value))
+            except (TypeError, ValueError):
+                break
+            if seconds >= 0:
+                return seconds
+            break
+    return CoordinatorConfig.stall_timeout

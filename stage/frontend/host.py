@@ -21,7 +21,12 @@ from mesh.errors import InvalidRequest, MeshError
 from mesh.netaddr import is_wildcard, url_host
 from mesh.package.end_tokens import end_tokens
 from mesh.package.manifest import PackageManifest
-from mesh.settings.commands import JoinConfig, merge_serving, sent_speculation
+from mesh.settings.commands import (
+    JoinConfig,
+    merge_serving,
+    sent_speculation,
+    sent_stall_timeout,
+)
 from stage.frontend.app import create_app
 from stage.frontend.engine_types import EngineLimits
 from stage.frontend.http_server import serve_app, stop_server
@@ -242,6 +247,7 @@ def start_frontend(
             logger.warning("%s; keeping this process's own settings", error.message)
             serving = own
         scheduler.set_limits(EngineLimits.of(serving.value))
+        scheduler.stall_timeout_s = sent_stall_timeout(sent)
         speculation, notes = _speculation_config(
             args, dict(config.toml), scheduler.model_id, loaded, sent
         )

@@ -24,8 +24,10 @@ from mesh.errors import MeshError, Unavailable
 from mesh.frames import Frame, FrameResult, Segment
 from mesh.grammar import TokenGrammars
 from mesh.package.manifest import PackageManifest
+from mesh.settings.sections import CoordinatorConfig
 from mesh.speculative import DrafterFactory, Telemetry, make_policy
 from mesh.speculative.prediction import PredictionDrafter
+from mesh.types import STALL_ROUND_FACTOR
 from stage.frontend.backend import GenerationRequest, TokenEvent
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_metrics import EngineMetrics
@@ -57,6 +59,10 @@ class PipelineScheduler:
         self.model_id = model_id
         self.context_length = 0
         self.limits = limits
+        # The coordinator's stall timeout (sent with each Load; 0: the rule is off),
+        # for the local stall rule (``_stalled_reason``).
+        self.stall_timeout_s = CoordinatorConfig.stall_timeout
+        self._stalled = False
         self.core = EngineCore(limits, time.perf_counter, self._new_speculation)
         # What the status page shows of the pipeline's recent work.
         self.activity = PipelineActivity(time.perf_counter)
@@ -99,7 +105,30 @@ class PipelineScheduler:
                 f"the pipeline is broken ({loaded.link_error}); waiting for the coordinator "
                 "to load a new one"
             )
-        return None
+        return self._stalled_reason()
+
+    def _stalled_reason(self) -> str | None:
+        """The local stall rule: the oldest frame still waiting for its answer has
+        waited past the coordinator's stall deadline (the larger of its stall timeout
+        and STALL_ROUND_FACTOR times the longest recent round) while the coordinator
+        cannot be reached, so nothing will plan around the stage that holds it (a
+        hung stage, or a link that drops its packets). Running requests keep waiting
+        (the stage may wake, and they go on where they were); new ones wait for the
+        pipeline as during a reload, and /health says 503 with this reason."""
+        outage_s = self.node.coordinator_outage()
+        waiting = self.node.waiting
+        if self.stall_timeout_s <= 0 or outage_s <= 0 or waiting is None:
+            return None
+        waited_s = time.perf_counter() - waiting.sent_at
+        deadline_s = max(self.stall_timeout_s, STALL_ROUND_FACTOR * waiting.longest_round_s)
+        if waited_s < deadline_s:
+            return None
+        return (
+            f"no answer from the pipeline for {waited_s:.0f} s (frame {waiting.frame_id}; "
+            f"stall deadline {deadline_s:.0f} s) and the coordinator has been unreachable "
+            f"for {outage_s:.0f} s, so nothing can plan around the stage that holds it: "
+            "waiting for that stage to answer or for the coordinator"
+        )
 
     async def wait_ready(self) -> bool:
         """Ready now, or (while a pipeline that served is reloaded) once the new one is
@@ -234,13 +263,20 @@ class PipelineScheduler:
 
     def _note_waiting(self) -> None:
         """Tell the node (for its heartbeats) which frame has waited longest for an
-        answer."""
+        answer; log when the local stall rule starts or stops holding."""
         info, waiting = self.core.info, self.core.oldest_unanswered()
         if info is None or waiting is None:
             self.node.waiting = None
-            return
-        frame_id, sent_at, longest_s = waiting
-        self.node.waiting = WaitingFrame(info.term, frame_id, sent_at, longest_s)
+        else:
+            frame_id, sent_at, longest_s = waiting
+            self.node.waiting = WaitingFrame(info.term, frame_id, sent_at, longest_s)
+        reason = self._stalled_reason()
+        if (reason is not None) != self._stalled:
+            self._stalled = reason is not None
+            if reason is not None:
+                logger.warning("new requests wait and /health says 503: %s", reason)
+            else:
+                logger.info("the pipeline answers again (or the coordinator is back)")
 
     def _pump(self) -> None:
         """Submit frames while the core has work and the pipe has room; new prompts

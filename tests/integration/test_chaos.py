@@ -312,6 +312,63 @@ def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
         mesh.close()
 
 
+def test_health_says_503_while_a_hung_stage_holds_a_frame_and_no_coordinator_acts(
+    tmp_path, tiny_package_factory
+):
+    """No coordinator runs and the last stage hangs (SIGSTOP) while a stream runs: no
+    heartbeat rule and no broken link can see it, and nothing can plan around it.
+    Once stage 0's oldest frame has waited past the coordinator's stall deadline
+    (``--stall-timeout``, sent with the Load) /health answers 503 saying so; the
+    stream keeps waiting, and when the stage wakes it ends with its no-fault text
+    and /health says 200 again. Before, /health said 200 for the whole hang (up to
+    the 120 s round timeout, when the stream failed)."""
+    import httpx
+
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(
+        package,
+        tmp_path,
+        2,
+        coordinator_args=("--stall-timeout", "3"),
+        stage_args=("--inject-delay-ms", "20"),
+    )
+    try:
+        mesh.start().wait_serving()
+        url = mesh.http_url
+        spec = StreamSpec("A hung stage and no coordinator: a story about rivers", 200)
+        expected = run_stream(url, MODEL, spec)
+        assert expected.error is None, expected.error
+        last = max((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
+        started = threading.Event()
+        outcome: list = []
+        streaming = threading.Thread(
+            target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
+        )
+        streaming.start()
+        assert started.wait(60)
+        mesh.kill_coordinator()
+        mesh.signal_stage(last.node_id, signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: httpx.get(url + "/health", timeout=10).status_code == 503,
+                30,
+                "/health to say 503 while the hung stage holds a frame",
+            )
+            reason = httpx.get(url + "/health", timeout=10).json()["reason"]
+            assert "no answer from the pipeline" in reason, reason
+            assert "coordinator has been unreachable" in reason, reason
+            assert streaming.is_alive()
+        finally:
+            mesh.signal_stage(last.node_id, signal.SIGCONT)
+        streaming.join(120)
+        assert outcome and classify(outcome[0], expected) == "identical", outcome
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        mesh.close()
+
+
 def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
     """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
     the last stage), predictions and stop strings, all in flight when the last stage

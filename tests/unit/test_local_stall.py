@@ -1,0 +1,96 @@
+"""Stage 0's local stall rule: while the coordinator cannot be reached, a frame that
+has waited past the coordinator's stall deadline makes /health say 503 (nothing else
+would plan around the stage that holds it); the deadline is the coordinator's
+``--stall-timeout``, sent with the Load."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from mesh.settings.commands import STALL_TIMEOUT_KEY, sent_stall_timeout
+from mesh.settings.sections import CoordinatorConfig
+from mesh.types import STALL_ROUND_FACTOR
+from stage.frontend.engine_types import EngineLimits
+from stage.frontend.scheduler import PipelineScheduler
+from stage.node import NodeSettings, StageNode, WaitingFrame
+
+
+@pytest.fixture
+def scheduler():
+    cache = Path(tempfile.mkdtemp(prefix="local-stall-"))
+    node = StageNode(NodeSettings(node_id="stage-0", cache_dir=cache), "127.0.0.1:1")
+    try:
+        scheduler = PipelineScheduler(node, "tiny", EngineLimits())
+        scheduler.stall_timeout_s = 3.0
+        yield scheduler
+    finally:
+        node.stop()
+
+
+def waited(scheduler: PipelineScheduler, seconds: float, longest_s: float = 0.05) -> None:
+    """Stage 0's oldest unanswered frame (7) was sent ``seconds`` ago."""
+    scheduler.node.waiting = WaitingFrame(1, 7, time.perf_counter() - seconds, longest_s)
+
+
+def test_an_overdue_frame_while_the_coordinator_is_unreachable_is_a_reason(scheduler):
+    scheduler.node.coordinator_outage = lambda: 12.0
+    waited(scheduler, 5.0)
+    reason = scheduler._stalled_reason()
+    assert reason is not None
+    assert "frame 7" in reason and "stall deadline 3 s" in reason
+    assert "unreachable for 12 s" in reason
+
+
+def test_nothing_is_said_while_the_coordinator_answers(scheduler):
+    """The coordinator's own stall rule acts then (or knows why not: a big frame
+    still crossing a slow link)."""
+    scheduler.node.coordinator_outage = lambda: 0.0
+    waited(scheduler, 50.0)
+    assert scheduler._stalled_reason() is None
+
+
+def test_nothing_is_said_before_the_deadline(scheduler):
+    scheduler.node.coordinator_outage = lambda: 12.0
+    waited(scheduler, 2.0)
+    assert scheduler._stalled_reason() is None
+    scheduler.node.waiting = None
+    assert scheduler._stalled_reason() is None
+
+
+def test_long_rounds_stretch_the_deadline(scheduler):
+    """As the coordinator's rule: the larger of the stall timeout and
+    STALL_ROUND_FACTOR times the longest recent round."""
+    scheduler.node.coordinator_outage = lambda: 12.0
+    waited(scheduler, 5.0, longest_s=1.0)
+    assert scheduler._stalled_reason() is None
+    waited(scheduler, STALL_ROUND_FACTOR * 1.0 + 1.0, longest_s=1.0)
+    assert "stall deadline 10 s" in (scheduler._stalled_reason() or "")
+
+
+def test_a_stall_timeout_of_0_turns_the_rule_off(scheduler):
+    scheduler.node.coordinator_outage = lambda: 12.0
+    scheduler.stall_timeout_s = 0.0
+    waited(scheduler, 500.0)
+    assert scheduler._stalled_reason() is None
+
+
+@pytest.mark.parametrize(
+    ("sent", "seconds"),
+    [
+        (((STALL_TIMEOUT_KEY, json.dumps(4.5), "CLI --stall-timeout"),), 4.5),
+        (((STALL_TIMEOUT_KEY, json.dumps(0), "CLI --stall-timeout"),), 0.0),
+        ((), CoordinatorConfig.stall_timeout),
+        (((STALL_TIMEOUT_KEY, '"soon"', "x"),), CoordinatorConfig.stall_timeout),
+        (((STALL_TIMEOUT_KEY, "-1", "x"),), CoordinatorConfig.stall_timeout),
+        (((STALL_TIMEOUT_KEY, "{", "x"),), CoordinatorConfig.stall_timeout),
+    ],
+)
+def test_the_stall_timeout_sent_with_the_load(sent, seconds):
+    """A coordinator that sends none (or something unreadable) leaves the built-in
+    default."""
+    assert sent_stall_timeout(sent) == seconds
