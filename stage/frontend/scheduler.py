@@ -45,6 +45,18 @@ READY_POLL_S = 0.05
 PREDICTION_MAX_WINDOW = 32
 
 
+def stall_deadline_s(
+    stall_timeout_s: float, longest_round_s: float, compute_s: float, stages: int
+) -> float:
+    """How long stage 0 waits for a frame's answer before its local stall rule holds:
+    the larger of the coordinator's stall timeout and STALL_ROUND_FACTOR times the
+    round the frame should take, which is the longest recent round or, when longer,
+    stage 0's own compute time for the frame times the stage count (a long prompt
+    chunk takes about that long on every stage)."""
+    expected_s = max(longest_round_s, compute_s * max(1, stages))
+    return max(stall_timeout_s, STALL_ROUND_FACTOR * expected_s)
+
+
 class PipelineScheduler:
     """Implements the HTTP layer's GenerationBackend over a stage-0 StageNode."""
 
@@ -109,8 +121,7 @@ class PipelineScheduler:
 
     def _stalled_reason(self) -> str | None:
         """The local stall rule: the oldest frame still waiting for its answer has
-        waited past the coordinator's stall deadline (the larger of its stall timeout
-        and STALL_ROUND_FACTOR times the longest recent round) while the coordinator
+        waited past the coordinator's stall deadline (``stall_deadline_s``) while the coordinator
         cannot be reached, so nothing will plan around the stage that holds it (a
         hung stage, or a link that drops its packets). Running requests keep waiting
         (the stage may wake, and they go on where they were); new ones wait for the
@@ -120,7 +131,14 @@ class PipelineScheduler:
         if self.stall_timeout_s <= 0 or outage_s <= 0 or waiting is None:
             return None
         waited_s = time.perf_counter() - waiting.sent_at
-        deadline_s = max(self.stall_timeout_s, STALL_ROUND_FACTOR * waiting.longest_round_s)
+        loaded, info = self.node.loaded, self.core.info
+        compute_s = loaded.compute_s.get(waiting.frame_id, 0.0) if loaded is not None else 0.0
+        deadline_s = stall_deadline_s(
+            self.stall_timeout_s,
+            waiting.longest_round_s,
+            compute_s,
+            info.stage_count if info is not None else 1,
+        )
         if waited_s < deadline_s:
             return None
         return (

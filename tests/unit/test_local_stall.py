@@ -16,7 +16,7 @@ from mesh.settings.commands import STALL_TIMEOUT_KEY, sent_stall_timeout
 from mesh.settings.sections import CoordinatorConfig
 from mesh.types import STALL_ROUND_FACTOR
 from stage.frontend.engine_types import EngineLimits
-from stage.frontend.scheduler import PipelineScheduler
+from stage.frontend.scheduler import PipelineScheduler, stall_deadline_s
 from stage.node import NodeSettings, StageNode, WaitingFrame
 
 
@@ -77,6 +77,15 @@ def test_a_stall_timeout_of_0_turns_the_rule_off(scheduler):
     scheduler.stall_timeout_s = 0.0
     waited(scheduler, 500.0)
     assert scheduler._stalled_reason() is None
+
+
+def test_a_frame_that_took_stage_0_long_gets_a_longer_deadline():
+    """A long prompt chunk: stage 0's own compute time for it, times the stages,
+    is the round it should take (the coordinator's rule without the probes)."""
+    assert stall_deadline_s(3.0, 0.05, 0.0, 2) == 3.0
+    assert stall_deadline_s(3.0, 0.05, 2.0, 2) == STALL_ROUND_FACTOR * 4.0
+    assert stall_deadline_s(3.0, 5.0, 0.1, 3) == STALL_ROUND_FACTOR * 5.0
+    assert stall_deadline_s(0.0, 0.0, 0.0, 0) == 0.0
 
 
 @pytest.mark.parametrize(
