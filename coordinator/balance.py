@@ -6,8 +6,9 @@ Pure functions of the registry state. Two measurements meet here:
 
 - the step probe every stage runs after it loads (``layer_ms``, ``head_ms``: a
   decode step of a few dummy rows on the node's device), kept per node across terms;
-- the mean compute time of each stage's recent frames while serving (``step_ms``,
-  from heartbeats, frames of the current term only).
+- the mean compute time of each stage's recent decode and verify frames while
+  serving (``step_ms``, from heartbeats, frames of the current term only; frames
+  with prompt rows are left out: ``stage.node.measures_step``).
 
 Serving frames are not the probe's step (more rows, prompt chunks, neighbours on
 the same cores), so once every stage has measured its frames, the probe's figures

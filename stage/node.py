@@ -104,6 +104,17 @@ class NodeSettings:
     gc_freeze: bool = False
 
 
+def measures_step(frame: Frame) -> bool:
+    """Whether ``frame``'s compute time counts in the step time the coordinator's
+    rebalance compares (``RecentSteps``): a decode or verify step, what each stage's
+    load-time probe measures too. A frame with prompt rows does not: its rows cost
+    the stages in another ratio (the last stage's head reads one row of a prompt),
+    so a burst of them (every running request re-read after a failover) would tilt
+    the measured ratio, and the next plan, towards the prompts."""
+    kinds = [segment.kind for segment in frame.segments if segment.kind.computes]
+    return bool(kinds) and SegmentKind.PREFILL not in kinds
+
+
 @dataclass(frozen=True)
 class WaitingFrame:
     """Stage 0's oldest frame of ``term`` still waiting for an answer: its id, when it
@@ -611,7 +622,7 @@ class StageNode:
             # must blame, not this one.
             loaded.finished(frame.frame_id, time.perf_counter() - started)
             self.metrics.frame_done(frame, queued_s, time.perf_counter() - started)
-            if any(segment.kind.computes for segment in frame.segments):
+            if measures_step(frame):
                 self.steps.observe((time.perf_counter() - started) * 1000.0)
             self.heap.worked()
         except MeshError as error:

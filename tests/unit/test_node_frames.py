@@ -132,6 +132,26 @@ def test_frames_that_find_the_stage_busy_wait_and_keep_their_order(last_stage) -
     assert link.sent[-1] == (5, threading.current_thread().name)
 
 
+def test_only_decode_frames_count_in_the_step_time_heartbeats_carry(last_stage) -> None:
+    """The rebalance compares the stages' decode steps (what their probes measure);
+    a frame with prompt rows (a burst of them re-reads every request after a
+    failover) is left out of ``step_ms``."""
+    node, _link = last_stage
+    node.accept_frame(frame(node, 1), None)  # a prompt of 3 rows
+    assert node.heartbeat().step_frames == 0
+    hidden = node.loaded.engine.runtime.hidden_size
+    decode = Segment("s1", "s1", SegmentKind.DECODE, 3, token_ids=(4,))
+    node.accept_frame(Frame(3, 2, (decode,), torch.randn(1, hidden)), None)
+    beat = node.heartbeat()
+    assert beat.step_frames == 1 and beat.step_ms > 0
+    mixed = (
+        Segment("s1", "s1", SegmentKind.DECODE, 4, token_ids=(6,)),
+        Segment("s3", "s3", SegmentKind.PREFILL, 0, token_ids=(2, 3), sampling=SamplingParams()),
+    )
+    node.accept_frame(Frame(3, 3, mixed, torch.randn(3, hidden)), None)
+    assert node.heartbeat().step_frames == 1
+
+
 def frames_of(progress: FrameProgress) -> FrameProgress:
     """``progress`` without the bytes this process's data links read (a counter of
     the whole process: tests of links that ran before add to it)."""
