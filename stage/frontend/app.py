@@ -131,6 +131,9 @@ class _Frontend:
         self.responses = ResponseStore(limits.stored_responses)
         # The length of the model's embeddings (its hidden size), where known.
         self.embedding_size = embedding_size
+        # Requests waiting for the pipeline to come back (``check_ready``): they count
+        # against the backend's request capacity like queued ones.
+        self.waiting_for_pipeline = 0
 
     def prompt_context(self, request: Request | None = None) -> PromptContext:
         # Read per request: a backend learns its context length when the pipeline loads.
@@ -192,9 +195,26 @@ class _Frontend:
         return [charged(release) for release in slots]
 
     async def check_ready(self) -> None:
-        """Serve now, or after the reload in progress; else 503 with the reason."""
-        if await self.backend.wait_ready():
+        """Serve now, or after the reload in progress; else 503 with the reason. A
+        request that would wait for the pipeline while the generations running and
+        queued and the requests already waiting fill the backend's capacity gets 429
+        at once: the queue stays bounded while no pipeline answers."""
+        if self.backend.ready():
             return
+        capacity = getattr(self.backend, "request_capacity", None)
+        if capacity is not None:
+            taken = getattr(self.backend, "active_requests", 0) + self.waiting_for_pipeline
+            if taken >= capacity:
+                raise CapacityExceeded(
+                    f"{capacity} requests are running, queued or waiting for the pipeline "
+                    "to come back, the limit; retry shortly"
+                )
+        self.waiting_for_pipeline += 1
+        try:
+            if await self.backend.wait_ready():
+                return
+        finally:
+            self.waiting_for_pipeline -= 1
         reason = self.backend.unavailable_reason() or "the pipeline is not ready"
         raise Unavailable(f"the model is not ready to serve: {reason}; retry shortly")
 

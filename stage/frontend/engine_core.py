@@ -118,6 +118,10 @@ class EngineCore(PromptSteps):
         # (answered at, seconds from send to answer) of the latest answered frames of
         # the current term, for the coordinator's stall rule (``oldest_unanswered``).
         self.rounds: deque[tuple[float, float]] = deque(maxlen=ROUNDS_KEPT)
+        # The current term when one of its frames went unanswered past the round
+        # timeout (0: none since it loaded, or an answer of it came since): its
+        # pipeline is taken as stuck until it answers again or a new one loads.
+        self.unanswered_term = 0
 
     def set_limits(self, limits: EngineLimits) -> None:
         """New limits (stage 0's serving settings arrive with every Load). Requests
@@ -235,6 +239,7 @@ class EngineCore(PromptSteps):
         will never be answered: their requests recover on the new pipeline."""
         previous, self.info = self.info, info
         if previous is not None and (info is None or info.term != previous.term):
+            self.unanswered_term = 0
             self.frames.clear()
             self._ends.clear()
             if self.prefixes is not None:
@@ -271,6 +276,8 @@ class EngineCore(PromptSteps):
         for frame_id, sent in list(self.frames.items()):
             if now - sent.sent_at > self.limits.round_timeout_s:
                 del self.frames[frame_id]
+                if sent.term == self._term():
+                    self.unanswered_term = sent.term
                 for session in sent.outstanding:
                     tracked = self.running.get(session)
                     if tracked is not None and tracked.in_flight is not None:
@@ -573,6 +580,8 @@ class EngineCore(PromptSteps):
                     if self.step_s <= 0.0
                     else ((1.0 - ahead.EWMA) * self.step_s + ahead.EWMA * step_s)
                 )
+        if self.unanswered_term and result.term == self.unanswered_term:
+            self._answers_again(result.term)
         outcomes: list[Outcome] = []
         for answer in result.results:
             if sent is not None:
@@ -689,6 +698,27 @@ class EngineCore(PromptSteps):
         if isinstance(error, StaleTerm):
             error = Unavailable(f"the pipeline moved on from term {term}: {error.message}")
         return self._fail(tracked.run.request.request_id, error)
+
+    def _answers_again(self, term: int) -> None:
+        """An answer of ``term`` came after one of its frames went unanswered past the
+        round timeout (a stage that hung woke up, a link that dropped packets passes
+        them again) and no new pipeline replaced it: the pipeline moves again. The
+        requests that lost their frames to the timeout read their tokens again on it
+        (a new epoch: the late answers of their old frames are void) rather than wait
+        for a pipeline only a coordinator could load."""
+        self.unanswered_term = 0
+        for tracked in self.running.values():
+            if tracked.recover_by is None or tracked.failed_term != term:
+                continue
+            tracked.recover_by = None
+            tracked.read_from_zero()
+            self.recoveries += 1
+            logger.info(
+                "request %s resumes on term %s, which answers again: re-reading %s tokens",
+                tracked.run.request.request_id,
+                term,
+                len(tracked.run.tokens),
+            )
 
     def _reread(self, tracked: Tracked, why: str) -> None:
         """Void what the request has in the pipe and read its tokens (prompt and

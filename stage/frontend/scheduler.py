@@ -120,18 +120,34 @@ class PipelineScheduler:
         return self._stalled_reason()
 
     def _stalled_reason(self) -> str | None:
-        """The local stall rule: the oldest frame still waiting for its answer has
-        waited past the coordinator's stall deadline (``stall_deadline_s``) while the coordinator
-        cannot be reached, so nothing will plan around the stage that holds it (a
-        hung stage, or a link that drops its packets). Running requests keep waiting
-        (the stage may wake, and they go on where they were); new ones wait for the
-        pipeline as during a reload, and /health says 503 with this reason."""
+        """The local stall rule, while the coordinator cannot be reached (so nothing
+        will plan around the stage that holds a frame: a hung stage, a link that
+        drops its packets): the oldest frame still waiting for its answer has waited
+        past the coordinator's stall deadline (``stall_deadline_s``), or a frame went
+        unanswered past the round timeout and no answer of the term came since. New
+        requests wait for the pipeline as during a reload and /health says 503 with
+        this reason. Running requests keep waiting: if the stage wakes they go on
+        where they were, or, once the round timeout gave their frames up, read their
+        tokens again on the same pipeline (``EngineCore._answers_again``)."""
         outage_s = self.node.coordinator_outage()
+        if self.stall_timeout_s <= 0 or outage_s <= 0:
+            return None
+        info = self.core.info
+        if info is not None and self.core.unanswered_term == info.term:
+            # Past the round timeout the frames are given up (nothing waits any more)
+            # but the pipeline has not answered since: it is still stuck.
+            return (
+                f"a frame of term {info.term} got no answer within the round timeout "
+                f"({self.limits.round_timeout_s:.0f} s) and none has come since, and the "
+                f"coordinator has been unreachable for {outage_s:.0f} s, so nothing can "
+                "plan around the stage that holds it: waiting for the pipeline to answer "
+                "again or for the coordinator"
+            )
         waiting = self.node.waiting
-        if self.stall_timeout_s <= 0 or outage_s <= 0 or waiting is None:
+        if waiting is None:
             return None
         waited_s = time.perf_counter() - waiting.sent_at
-        loaded, info = self.node.loaded, self.core.info
+        loaded = self.node.loaded
         compute_s = loaded.compute_s.get(waiting.frame_id, 0.0) if loaded is not None else 0.0
         deadline_s = stall_deadline_s(
             self.stall_timeout_s,

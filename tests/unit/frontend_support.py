@@ -80,6 +80,7 @@ class TinyModelBackend:
         self._reason: str | None = None
         # How long a request waits for a reload (the scheduler's recovery timeout).
         self.reload_wait_s = 0.0
+        self.waiting = 0
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
@@ -91,10 +92,15 @@ class TinyModelBackend:
         return self._ready
 
     async def wait_ready(self) -> bool:
-        """Waits up to ``reload_wait_s`` (0: answers at once) for ``set_ready(True)``."""
+        """Waits up to ``reload_wait_s`` (0: answers at once) for ``set_ready(True)``;
+        ``waiting`` counts the requests in here now."""
         deadline = time.monotonic() + self.reload_wait_s
-        while not self._ready and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        self.waiting += 1
+        try:
+            while not self._ready and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            self.waiting -= 1
         return self._ready
 
     def unavailable_reason(self) -> str | None:

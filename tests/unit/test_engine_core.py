@@ -268,6 +268,49 @@ def test_a_lost_pipeline_is_recovered_by_re_reading_every_token() -> None:
     assert core.recoveries == 1
 
 
+def test_a_pipeline_that_answers_after_the_round_timeout_is_read_again_on_its_term() -> None:
+    """A stage hangs past the round timeout (no coordinator replaces the pipeline)
+    and wakes: its late answer shows the pipeline moves again, and the request that
+    lost its frame to the timeout reads its tokens again on the same term (the late
+    answer itself is void) instead of failing when its recovery deadline passes."""
+    prompt = (2, 7, 1, 8)
+    core, clock = core_with(round_timeout_s=20, recovery_timeout_s=60)
+    pipe = FakePipeline()
+    core.add(request("r", prompt, max_new=8))
+    committed: list[int] = []
+    for _ in range(3):
+        for outcome in core.on_result(pipe.answer(core.next_frame())):
+            committed.extend(outcome.event.token_ids)
+    hung = core.next_frame()
+    clock.now += 21
+    assert core.expire() == []
+    assert core.unanswered_term == 1 and not core.frames
+    assert core.next_frame() is None  # it waits for a pipeline
+    assert core.on_result(pipe.answer(hung)) == []
+    assert core.unanswered_term == 0 and core.recoveries == 1 and core.stale == ["epoch"]
+    resend = core.next_frame()
+    (segment,) = resend.segments
+    assert segment.kind is SegmentKind.PREFILL and segment.pos_start == 0
+    assert segment.token_ids == prompt + tuple(committed)
+    for outcome in core.on_result(pipe.answer(resend)):
+        committed.extend(outcome.event.token_ids)
+    rest = run_to_end(core, pipe)
+    assert committed + rest["r"][0] == greedy(prompt, 8)
+
+
+def test_an_unanswered_term_is_forgotten_when_a_new_pipeline_loads() -> None:
+    core, clock = core_with(round_timeout_s=20, recovery_timeout_s=60)
+    pipe = FakePipeline()
+    core.add(request("r", (1, 2), max_new=8))
+    core.on_result(pipe.answer(core.next_frame()))
+    core.next_frame()
+    clock.now += 21
+    core.expire()
+    assert core.unanswered_term == 1
+    core.set_pipeline(PipelineInfo(term=2, stage_count=1))
+    assert core.unanswered_term == 0
+
+
 def test_recovery_gives_up_after_its_deadline() -> None:
     core, clock = core_with(recovery_timeout_s=10)
     pipe = FakePipeline()

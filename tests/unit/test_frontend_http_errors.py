@@ -462,6 +462,42 @@ def test_a_request_during_a_reload_is_served_once_the_pipeline_is_back(http, bac
     assert time.monotonic() - started >= 0.4
 
 
+def test_requests_waiting_for_the_pipeline_count_against_the_request_limit(
+    http, base_url, backend
+) -> None:
+    """While no pipeline answers, requests wait for it (up to the recovery timeout):
+    past the backend's capacity (running, queued and waiting together) the next one
+    gets 429 at once instead of holding its connection for the whole wait."""
+    backend.set_ready(False, "reloading after a stage was lost")
+    backend.reload_wait_s = 60.0
+    backend.request_capacity = 3
+    backend.active_requests = 1
+    results: list[int] = []
+
+    def post() -> None:
+        with httpx.Client(base_url=base_url, timeout=30.0) as client:
+            results.append(client.post(COMPLETIONS, json=OK_COMPLETION).status_code)
+
+    waiting = [threading.Thread(target=post) for _ in range(2)]
+    try:
+        for thread in waiting:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while backend.waiting < 2:
+            assert time.monotonic() < deadline and not results, results
+            time.sleep(0.02)
+        # Without the limit it would wait the 60 s too, then get 503.
+        error = assert_openai_error(http.post(CHAT, json=OK_CHAT), 429)
+        assert "waiting for the pipeline" in error["message"]
+        backend.set_ready(True)
+        for thread in waiting:
+            thread.join(30)
+        assert results == [200, 200]
+    finally:
+        backend.set_ready(True)
+        del backend.request_capacity, backend.active_requests
+
+
 def test_a_reload_that_outlasts_the_wait_is_503(http, backend) -> None:
     backend.set_ready(False, "reloading after a stage was lost")
     backend.reload_wait_s = 0.3

@@ -15,7 +15,7 @@ import pytest
 from mesh.settings.commands import STALL_TIMEOUT_KEY, sent_stall_timeout
 from mesh.settings.sections import CoordinatorConfig
 from mesh.types import STALL_ROUND_FACTOR
-from stage.frontend.engine_types import EngineLimits
+from stage.frontend.engine_types import EngineLimits, PipelineInfo
 from stage.frontend.scheduler import PipelineScheduler, stall_deadline_s
 from stage.node import NodeSettings, StageNode, WaitingFrame
 
@@ -70,6 +70,23 @@ def test_long_rounds_stretch_the_deadline(scheduler):
     assert scheduler._stalled_reason() is None
     waited(scheduler, STALL_ROUND_FACTOR * 1.0 + 1.0, longest_s=1.0)
     assert "stall deadline 10 s" in (scheduler._stalled_reason() or "")
+
+
+def test_frames_given_up_at_the_round_timeout_keep_the_pipeline_stuck(scheduler):
+    """Past the round timeout nothing waits any more (its frames were given up), but
+    the pipeline has not answered since: still a reason, until an answer of the term
+    comes or a new pipeline loads (``EngineCore.unanswered_term``)."""
+    scheduler.node.coordinator_outage = lambda: 130.0
+    scheduler.node.waiting = None
+    scheduler.core.info = PipelineInfo(term=4, stage_count=2)
+    scheduler.core.unanswered_term = 4
+    reason = scheduler._stalled_reason()
+    assert reason is not None and "round timeout" in reason and "term 4" in reason
+    scheduler.node.coordinator_outage = lambda: 0.0
+    assert scheduler._stalled_reason() is None
+    scheduler.node.coordinator_outage = lambda: 130.0
+    scheduler.core.unanswered_term = 3  # an older term's: a new pipeline loaded since
+    assert scheduler._stalled_reason() is None
 
 
 def test_a_stall_timeout_of_0_turns_the_rule_off(scheduler):
