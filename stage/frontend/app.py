@@ -199,10 +199,8 @@ class _Frontend:
         request that would wait for the pipeline while the generations running and
         queued and the requests already waiting fill the backend's capacity gets 429
         at once: the queue stays bounded while no pipeline answers."""
-        if self.backend.ready():
-            return
         capacity = getattr(self.backend, "request_capacity", None)
-        if capacity is not None:
+        if capacity is not None and not self.backend.ready():
             taken = getattr(self.backend, "active_requests", 0) + self.waiting_for_pipeline
             if taken >= capacity:
                 raise CapacityExceeded(
