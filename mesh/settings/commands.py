@@ -143,13 +143,12 @@ def sent_speculation(sent: tuple[tuple[str, str, str], ...]) -> list[tuple[str, 
 def sent_stall_timeout(sent: tuple[tuple[str, str, str], ...]) -> float:
     """The coordinator's stall timeout in seconds, as sent with the Load (0: the
     stall rule is off); the built-in default from a coordinator that sends none."""
+    default = CoordinatorConfig.stall_timeout
     for key, value, _origin in sent:
         if key == STALL_TIMEOUT_KEY:
             try:
                 seconds = float(json.loads(value))
             except (TypeError, ValueError):
-                break
-            if seconds >= 0:
-                return seconds
-            break
-    return CoordinatorConfig.stall_timeout
+                return default
+            return seconds if seconds >= 0 else default
+    return default

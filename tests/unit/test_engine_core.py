@@ -239,15 +239,37 @@ def test_stale_answers_are_dropped() -> None:
     assert [o.event.token_ids for o in outcomes] == [tuple(greedy((1, 2, 3), 1))]
 
 
-def test_a_lost_pipeline_is_recovered_by_re_reading_every_token() -> None:
-    prompt = (3, 1, 4, 1, 5)
-    core, clock = core_with(recovery_timeout_s=30)
-    pipe = FakePipeline()
+def three_steps(core: EngineCore, pipe: FakePipeline, prompt: tuple[int, ...]) -> list[int]:
+    """Request "r" (8 new tokens of ``prompt``) through three answered steps; the
+    tokens it committed."""
     core.add(request("r", prompt, max_new=8))
     committed: list[int] = []
     for _ in range(3):
         for outcome in core.on_result(pipe.answer(core.next_frame())):
             committed.extend(outcome.event.token_ids)
+    return committed
+
+
+def finish_by_re_reading(
+    core: EngineCore, pipe: FakePipeline, prompt: tuple[int, ...], committed: list[int]
+) -> None:
+    """Request "r"'s next frame reads all its tokens again from position 0, and it
+    ends with the tokens it gets alone."""
+    resend = core.next_frame()
+    (segment,) = resend.segments
+    assert segment.kind is SegmentKind.PREFILL and segment.pos_start == 0
+    assert segment.token_ids == prompt + tuple(committed)
+    for outcome in core.on_result(pipe.answer(resend)):
+        committed.extend(outcome.event.token_ids)
+    rest = run_to_end(core, pipe)
+    assert committed + rest["r"][0] == greedy(prompt, 8)
+
+
+def test_a_lost_pipeline_is_recovered_by_re_reading_every_token() -> None:
+    prompt = (3, 1, 4, 1, 5)
+    core, clock = core_with(recovery_timeout_s=30)
+    pipe = FakePipeline()
+    committed = three_steps(core, pipe, prompt)
     lost = core.next_frame()  # sent, never answered: the stage died
     assert core.set_pipeline(None) == []
     assert core.next_frame() is None
@@ -257,14 +279,7 @@ def test_a_lost_pipeline_is_recovered_by_re_reading_every_token() -> None:
     pipe.sessions.clear()  # the new pipeline holds nothing
     clock.now += 5
     core.set_pipeline(PipelineInfo(term=2, stage_count=1))
-    resend = core.next_frame()
-    (segment,) = resend.segments
-    assert segment.kind is SegmentKind.PREFILL and segment.pos_start == 0
-    assert segment.token_ids == prompt + tuple(committed)
-    for outcome in core.on_result(pipe.answer(resend)):
-        committed.extend(outcome.event.token_ids)
-    rest = run_to_end(core, pipe)
-    assert committed + rest["r"][0] == greedy(prompt, 8)
+    finish_by_re_reading(core, pipe, prompt, committed)
     assert core.recoveries == 1
 
 
@@ -276,11 +291,7 @@ def test_a_pipeline_that_answers_after_the_round_timeout_is_read_again_on_its_te
     prompt = (2, 7, 1, 8)
     core, clock = core_with(round_timeout_s=20, recovery_timeout_s=60)
     pipe = FakePipeline()
-    core.add(request("r", prompt, max_new=8))
-    committed: list[int] = []
-    for _ in range(3):
-        for outcome in core.on_result(pipe.answer(core.next_frame())):
-            committed.extend(outcome.event.token_ids)
+    committed = three_steps(core, pipe, prompt)
     hung = core.next_frame()
     clock.now += 21
     assert core.expire() == []
@@ -288,14 +299,7 @@ def test_a_pipeline_that_answers_after_the_round_timeout_is_read_again_on_its_te
     assert core.next_frame() is None  # it waits for a pipeline
     assert core.on_result(pipe.answer(hung)) == []
     assert core.unanswered_term == 0 and core.recoveries == 1 and core.stale == ["epoch"]
-    resend = core.next_frame()
-    (segment,) = resend.segments
-    assert segment.kind is SegmentKind.PREFILL and segment.pos_start == 0
-    assert segment.token_ids == prompt + tuple(committed)
-    for outcome in core.on_result(pipe.answer(resend)):
-        committed.extend(outcome.event.token_ids)
-    rest = run_to_end(core, pipe)
-    assert committed + rest["r"][0] == greedy(prompt, 8)
+    finish_by_re_reading(core, pipe, prompt, committed)
 
 
 def test_an_unanswered_term_is_forgotten_when_a_new_pipeline_loads() -> None:
