@@ -313,6 +313,7 @@ def result_to_proto(result: FrameResult) -> data_pb2.FrameResult:
         frame_id=result.frame_id,
         results=[segment_result_to_proto(r) for r in result.results],
         timings=[timing_to_proto(t) for t in result.timings],
+        reopened=result.reopened,
     )
 
 
@@ -322,4 +323,5 @@ def result_from_proto(pb: data_pb2.FrameResult) -> FrameResult:
         frame_id=pb.frame_id,
         results=tuple(segment_result_from_proto(r) for r in pb.results),
         timings=tuple(timing_from_proto(t) for t in pb.timings),
+        reopened=pb.reopened,
     )

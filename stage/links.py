@@ -88,6 +88,22 @@ def tcp_endpoint(
         ch.close()
 
 
+def peer_serving(address: str, timeout_s: float) -> tuple[int, bool]:
+    """The term whose layers the stage at ``address`` serves now (0: none) and
+    whether its own Forward link is broken, asked over ``Endpoint``; Unavailable
+    when it does not answer within ``timeout_s``."""
+    ch = channel(address)
+    try:
+        reply = data_pb2_grpc.StageDataStub(ch).Endpoint(
+            data_pb2.EndpointRequest(), timeout=timeout_s
+        )
+        return reply.serving_term, reply.forward_broken
+    except grpc.RpcError as error:
+        raise Unavailable(f"{address} does not answer: {_describe(error)}") from error
+    finally:
+        ch.close()
+
+
 def probe_link(address: str, timeout_s: float) -> str:
     """Why this stage could not open a data link to the stage at ``address`` (its
     gRPC address) now, or '' when it could: the peer answers ``Endpoint`` and, when

@@ -59,7 +59,7 @@ from mesh.threads import NamedThread
 from mesh.types import DEFAULT_PREFIX_BYTES, check_term
 from stage.engine import StageEngine
 from stage.hardware import RecentSteps
-from stage.links import DataLink, open_forward_link, open_return_link
+from stage.links import DataLink, open_forward_link, open_return_link, peer_serving
 from stage.metrics import StageMetrics
 from stage.tcp_data import received_bytes
 
@@ -74,6 +74,10 @@ STUCK_EXIT_STATUS = 70
 # Stage 0 remembers its compute time for this many of its latest frames (what the
 # round of the frame it waits on should take, for the coordinator's stall rule).
 COMPUTE_TIMES_KEPT = 64
+# While the coordinator cannot be reached, a stage whose data link broke tries to
+# open it again this often, asking its peer for at most REPAIR_PROBE_TIMEOUT_S.
+REPAIR_INTERVAL_S = 1.0
+REPAIR_PROBE_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -143,13 +147,21 @@ class LoadedStage:
     forward: DataLink | None = None
     returns: DataLink | None = None
     loaded_at: float = field(default_factory=time.monotonic)
-    # Set when one of this load's data links broke (heartbeats carry it: the
-    # coordinator plans again, and the new load opens new links).
-    link_error: str = ""
+    # This load's data links that are broken now ("forward", "return") and why
+    # (heartbeats carry it: the coordinator plans again, and the new load opens new
+    # links; while no coordinator can be reached the stage opens them again itself).
+    broken_links: dict[str, str] = field(default_factory=dict)
+    # The links a thread of this load is opening again now.
+    repairing: set[str] = field(default_factory=set)
     # The highest frame id of this load's term the stage has finished, and (stage 0)
     # its compute time for its latest frames, by frame id: heartbeats carry them.
     frames_done: int = 0
     compute_s: OrderedDict[int, float] = field(default_factory=OrderedDict)
+
+    @property
+    def link_error(self) -> str:
+        """Why this load's data links are broken ("": they are not)."""
+        return "; ".join(self.broken_links.values())
 
     def finished(self, frame_id: int, seconds: float) -> None:
         """Frame ``frame_id`` of this term has left the stage after ``seconds``."""
@@ -196,6 +208,8 @@ class StageNode:
         self._stopping = threading.Event()
         self._listeners: list[Callable[[LoadedStage | None], None]] = []
         self._broken_listeners: list[Callable[[str], None]] = []
+        self._reopened_listeners: list[Callable[[LoadedStage, str], None]] = []
+        self._repair_lock = threading.Lock()
         self._on_newer_term: Callable[[], None] | None = None
         # Stage 0's frame that waits longest for an answer (its scheduler sets it).
         self.waiting: WaitingFrame | None = None
@@ -708,9 +722,10 @@ class StageNode:
         index = loaded.request.stage_index
         failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
         # Kept with the load (one still finishing reports it once it serves).
-        loaded.link_error = loaded.link_error or failure.message
+        loaded.broken_links["forward"] = failure.message
         if self.loaded is not loaded:
             return
+        self._repair(loaded, "forward")
         segments = tuple(
             Segment(request_id, session_id, SegmentKind.DECODE, 0)
             for session_id, request_id in loaded.engine.active_requests()
@@ -723,7 +738,126 @@ class StageNode:
     def _return_broken(self, loaded: LoadedStage, error: Exception) -> None:
         index = loaded.request.stage_index
         logger.warning("return link to stage 0 broke: %s", error)
-        loaded.link_error = loaded.link_error or f"stage {index} cannot reach stage 0: {error}"
+        loaded.broken_links["return"] = f"stage {index} cannot reach stage 0: {error}"
+        if self.loaded is loaded:
+            self._repair(loaded, "return")
+
+    # ---- links opened again while no coordinator acts ----------------------------
+
+    def on_link_reopened(self, listener: Callable[[LoadedStage, str], None]) -> None:
+        """``listener(loaded, kind)`` runs when this stage opened its broken ``kind``
+        link ("forward", "return") of ``loaded``'s term again (``_repair``)."""
+        self._reopened_listeners.append(listener)
+
+    def _repair(self, loaded: LoadedStage, kind: str) -> None:
+        """Open the broken ``kind`` link of ``loaded`` again once its peer can take it,
+        while the coordinator cannot be reached. With a coordinator it is its call: it
+        plans a new pipeline around the break. Without one nothing would, and a link
+        that broke for a while (packets dropped past SEND_TIMEOUT_S, a connection
+        reset by the network) would leave the pipeline down until a coordinator
+        returns, though every stage still serves the term."""
+        with self._repair_lock:
+            if kind in loaded.repairing:
+                return
+            loaded.repairing.add(kind)
+        NamedThread(
+            target=self._repair_loop, args=(loaded, kind), name=f"repair-{kind}", daemon=True
+        ).start()
+
+    def _repair_loop(self, loaded: LoadedStage, kind: str) -> None:
+        said = ""
+        try:
+            while not self._stopping.wait(REPAIR_INTERVAL_S):
+                if self.loaded is not loaded or kind not in loaded.broken_links:
+                    return
+                if self.coordinator_outage() <= 0:
+                    continue
+                why = self._reopen(loaded, kind)
+                if not why:
+                    return
+                if why != said:
+                    said = why
+                    logger.info(
+                        "the %s link of term %s stays broken while the coordinator is "
+                        "unreachable: %s (trying again every %.0f s)",
+                        kind,
+                        loaded.request.term,
+                        why,
+                        REPAIR_INTERVAL_S,
+                    )
+        finally:
+            with self._repair_lock:
+                loaded.repairing.discard(kind)
+
+    def _reopen(self, loaded: LoadedStage, kind: str) -> str:
+        """Open ``loaded``'s ``kind`` link again; why it cannot be yet ("": it is
+        open). The peer must still serve the same term (a stage restarted in the
+        meantime holds no layers) and, for a Forward link, have its own Forward link
+        whole (a break further down travels up: each stage opens its link once the
+        one below it is whole)."""
+        request = loaded.request
+        term = request.term
+        forward = kind == "forward"
+        address = request.downstream.address if forward else request.return_endpoint
+        try:
+            serving, peer_broken = peer_serving(address, REPAIR_PROBE_TIMEOUT_S)
+        except MeshError as error:
+            return error.message
+        if serving != term:
+            held = f"term {serving}" if serving else "no layers"
+            return f"{address} serves {held}, not term {term}"
+        if forward and peer_broken:
+            return f"the link of {address} to the stage after it is broken too"
+        gone = lambda: self.loaded is not loaded  # noqa: E731
+        delay_s = self.settings.inject_delay_ms / 1000.0
+        try:
+            if forward:
+                link = open_forward_link(
+                    address,
+                    on_broken=lambda error: self._downstream_broken(loaded, error),
+                    on_ack=self._downstream_ack,
+                    delay_s=delay_s,
+                    traffic=self.metrics.sent["forward"],
+                    cancelled=gone,
+                )
+            else:
+                link = open_return_link(
+                    address,
+                    on_broken=lambda error: self._return_broken(loaded, error),
+                    delay_s=delay_s,
+                    traffic=self.metrics.sent["return"],
+                    cancelled=gone,
+                )
+        except MeshError as error:
+            return error.message
+        with self._lock:
+            if self.loaded is not loaded:
+                link.close()
+                return ""
+            old = loaded.forward if forward else loaded.returns
+            if forward:
+                loaded.forward = link
+            else:
+                loaded.returns = link
+            loaded.broken_links.pop(kind, None)
+        if old is not None:
+            old.close()
+        logger.warning(
+            "opened the %s link of term %s to %s again (it broke while the coordinator "
+            "was unreachable)",
+            kind,
+            term,
+            address,
+        )
+        if not forward:
+            # Stage 0 learns that answers sent on the old link may be gone.
+            try:
+                link.send(result_to_proto(FrameResult(term, 0, (), reopened=True)))
+            except MeshError as error:
+                logger.warning("cannot tell stage 0 the return link is open again: %s", error)
+        for listener in self._reopened_listeners:
+            listener(loaded, kind)
+        return ""
 
     def _check_stuck(self) -> None:
         """End the process when one frame has been processing for longer than

@@ -196,7 +196,13 @@ class DataServicer(data_pb2_grpc.StageDataServicer):
             self._open[kind] -= 1
 
     def Endpoint(self, request: data_pb2.EndpointRequest, context) -> data_pb2.EndpointReply:
-        return data_pb2.EndpointReply(tcp=self.tcp_endpoint, tls=self.tcp_tls)
+        loaded = self.node.loaded
+        return data_pb2.EndpointReply(
+            tcp=self.tcp_endpoint,
+            tls=self.tcp_tls,
+            serving_term=loaded.request.term if loaded is not None else 0,
+            forward_broken=loaded is not None and "forward" in loaded.broken_links,
+        )
 
     def frame_bytes(self, body: bytes) -> None:
         """A Forward frame that came over framed TCP (no ack channel: a refusal goes

@@ -551,6 +551,9 @@ class EngineCore(PromptSteps):
 
     def on_result(self, result: FrameResult) -> list[Outcome]:
         """Apply the answers of one frame (or the failures of some of its segments)."""
+        if result.reopened:
+            self.links_reopened(result.term, "the last stage opened its return link again")
+            return []
         sent = self.frames.get(result.frame_id)
         if sent is not None and self.info is not None and sent.term == self.info.term:
             now = self.clock()
@@ -719,6 +722,37 @@ class EngineCore(PromptSteps):
                 term,
                 len(tracked.run.tokens),
             )
+
+    def links_reopened(self, term: int, why: str) -> None:
+        """A data link of ``term`` broke and a stage opened it again, no coordinator
+        having replaced the pipeline (``StageNode._repair``). Answers of the term's
+        frames still waiting may have gone with the old link: those frames are given
+        up and their requests read their tokens again on the same pipeline (a new
+        epoch: late answers of the old frames are void), as are the requests the
+        break failed (``_answers_again``)."""
+        if self.info is None or self.info.term != term:
+            return
+        voided = 0
+        for frame_id, sent in list(self.frames.items()):
+            if sent.term != term:
+                continue
+            del self.frames[frame_id]
+            for session in sent.outstanding:
+                tracked = self.running.get(session)
+                if tracked is None or tracked.recover_by is not None:
+                    continue
+                tracked.lost = tracked.in_flight or tracked.lost
+                tracked.resumed = tracked.resumed or not tracked.prefilling
+                tracked.read_from_zero()
+                voided += 1
+        logger.warning(
+            "term %s: %s; %d request(s) with frames in the pipe read their tokens again",
+            term,
+            why,
+            voided,
+        )
+        self.recoveries += voided
+        self._answers_again(term)
 
     def _reread(self, tracked: Tracked, why: str) -> None:
         """Void what the request has in the pipe and read its tokens (prompt and

@@ -91,6 +91,7 @@ class PipelineScheduler:
         self.metrics = EngineMetrics(node.metrics.registry, self)
         node.set_result_sink(self._on_result)
         node.on_load_change(self._on_load_change)
+        node.on_link_reopened(self._on_link_reopened)
         # A reload that only pays while stage 0 is idle (a rebalance) is refused
         # while generations run or wait here.
         node.busy = lambda: len(self._queues)
@@ -107,15 +108,18 @@ class PipelineScheduler:
     def unavailable_reason(self) -> str | None:
         """Why this frontend cannot answer now (None: it can): no pipeline loaded, or
         the data link to the next stage broke (that stage died, or the network
-        between them; the coordinator plans a new pipeline, and until then, or for
-        as long as no coordinator runs, nothing sent down would come back)."""
+        between them; the coordinator plans a new pipeline, and until then nothing
+        sent down would come back; while no coordinator can be reached the stages
+        open the link again once every stage of the term answers:
+        ``StageNode._repair``)."""
         loaded = self._loaded
         if loaded is None:
             return "the pipeline is not loaded yet (or is reloading after a stage was lost)"
         if loaded.link_error and loaded.forward is not None and loaded.forward.broken:
             return (
                 f"the pipeline is broken ({loaded.link_error}); waiting for the coordinator "
-                "to load a new one"
+                "to load a new one (while it cannot be reached, for the stages to open the "
+                "link again)"
             )
         return self._stalled_reason()
 
@@ -449,6 +453,20 @@ class PipelineScheduler:
             self.core.set_pipeline(info)
             return
         loop.call_soon_threadsafe(self._set_pipeline, info)
+
+    def _on_link_reopened(self, loaded: LoadedStage, kind: str) -> None:
+        """Stage 0 opened its broken Forward link again (``StageNode._repair``): the
+        requests the break failed read their tokens again on the same pipeline."""
+        why = f"stage 0 opened its {kind} link again"
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.core.links_reopened(loaded.request.term, why)
+            return
+        loop.call_soon_threadsafe(self._reopened, loaded.request.term, why)
+
+    def _reopened(self, term: int, why: str) -> None:
+        self.core.links_reopened(term, why)
+        self._pump()
 
     def _set_pipeline(self, info: PipelineInfo | None) -> None:
         self._dispatch(self.core.set_pipeline(info))

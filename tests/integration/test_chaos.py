@@ -369,6 +369,65 @@ def test_health_says_503_while_a_hung_stage_holds_a_frame_and_no_coordinator_act
         mesh.close()
 
 
+def test_data_links_reset_while_no_coordinator_acts_are_opened_again_by_the_stages(
+    tmp_path, tiny_package_factory
+):
+    """No coordinator runs and the data links of a live stage are reset (an RST from
+    the network, every process up) during a stream: nothing would load a new
+    pipeline, so the stages open the broken links again themselves on the same term
+    (each once the one below it is whole), stage 0's requests read their tokens
+    again, and the stream ends with its no-fault text. First the middle stage
+    (stage 0's Forward link, its own Forward and Return links), then the last
+    (its Return link to stage 0: it tells stage 0 that answers may have been lost).
+    Before, the broken links stayed broken: /health said 503 and the stream failed
+    after the 60 s recovery timeout until a coordinator came back."""
+    import httpx
+
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(package, tmp_path, 3, stage_args=("--inject-delay-ms", "20"))
+    try:
+        mesh.start().wait_serving()
+        url = mesh.http_url
+        # Speculation off: a repeated request would be drafted whole and end at once.
+        spec = StreamSpec(
+            "",
+            200,
+            messages=({"role": "user", "content": "Links that reset: a story about bridges"},),
+            extra=(("speculation", "false"),),
+        )
+        expected = run_stream(url, MODEL, spec)
+        assert expected.error is None, expected.error
+        stages = sorted(
+            (s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index
+        )
+        first, middle, last = (s.node_id for s in stages)
+        mesh.kill_coordinator()
+        for target, opened in ((middle, ("forward", "return")), (last, ("return",))):
+            started = threading.Event()
+            outcome: list = []
+            streaming = threading.Thread(
+                target=lambda done=outcome, flag=started: done.append(
+                    run_stream(url, MODEL, spec, flag)
+                )
+            )
+            streaming.start()
+            assert started.wait(60)
+            time.sleep(1.0)
+            assert mesh.reset_links(target) > 0
+            streaming.join(150)
+            assert outcome and classify(outcome[0], expected) == "identical", outcome
+            for kind in opened:
+                assert f"opened the {kind} link of term" in mesh.stage_log(target), kind
+        assert "opened the forward link of term" in mesh.stage_log(first)
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 30, "200")
+        again = run_stream(url, MODEL, spec)
+        assert classify(again, expected) == "identical", again
+    finally:
+        mesh.close()
+
+
 def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
     """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
     the last stage), predictions and stop strings, all in flight when the last stage

@@ -302,6 +302,44 @@ def test_a_pipeline_that_answers_after_the_round_timeout_is_read_again_on_its_te
     finish_by_re_reading(core, pipe, prompt, committed)
 
 
+def test_a_return_link_opened_again_voids_the_frames_in_the_pipe_and_reads_them_again() -> None:
+    """The last stage's Return link broke and it opened it again on the same term (no
+    coordinator acted): the answer of the frame in the pipe may have gone with the
+    old link, so the frame is given up at once (it would keep the term "unanswered"
+    past the round timeout) and its request reads its tokens again; a late answer
+    of the old frame is void."""
+    prompt = (6, 2, 8, 3)
+    core, _ = core_with(round_timeout_s=20, recovery_timeout_s=60)
+    pipe = FakePipeline()
+    committed = three_steps(core, pipe, prompt)
+    in_pipe = core.next_frame()
+    assert core.on_result(FrameResult(1, 0, (), reopened=True)) == []
+    assert not core.frames and core.recoveries == 1
+    assert core.on_result(pipe.answer(in_pipe)) == [] and core.stale == ["epoch"]
+    finish_by_re_reading(core, pipe, prompt, committed)
+
+
+def test_a_forward_link_opened_again_reads_the_requests_it_failed_again() -> None:
+    """Stage 0's Forward link broke (its segments failed UNAVAILABLE) and was opened
+    again on the same term: the request reads its tokens again on it instead of
+    waiting for a pipeline only a coordinator could load. A link of another term
+    changes nothing."""
+    prompt = (9, 4, 4)
+    core, _ = core_with(recovery_timeout_s=60)
+    pipe = FakePipeline()
+    committed = three_steps(core, pipe, prompt)
+    failed = core.next_frame()
+    unavailable = ErrorInfo("UNAVAILABLE", "stage 1 is unreachable from stage 0")
+    refusal = FrameResult(1, failed.frame_id, (SegmentResult("r", "r", 0, error=unavailable),))
+    assert core.on_result(refusal) == []
+    assert core.next_frame() is None  # waiting for the pipeline
+    core.links_reopened(2, "a link of another term")
+    assert core.next_frame() is None and core.recoveries == 0
+    core.links_reopened(1, "stage 0 opened its forward link again")
+    assert core.recoveries == 1
+    finish_by_re_reading(core, pipe, prompt, committed)
+
+
 def test_an_unanswered_term_is_forgotten_when_a_new_pipeline_loads() -> None:
     core, clock = core_with(round_timeout_s=20, recovery_timeout_s=60)
     pipe = FakePipeline()

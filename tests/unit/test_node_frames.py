@@ -397,6 +397,43 @@ def test_a_released_stage_ends_the_grpc_forward_streams_into_it(last_stage) -> N
         server.stop(None)
 
 
+def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_peer_serves_the_term(
+    last_stage, monkeypatch, caplog
+) -> None:
+    """The last stage's Return link breaks. While the coordinator answers, it is its
+    call (it plans a new pipeline); once it cannot be reached the stage opens the
+    link again itself, but only to a stage 0 that still serves the same term. The
+    new link first carries the note that answers may have been lost (frame 0,
+    ``reopened``), and the heartbeat no longer reports a broken link."""
+    from mesh.errors import Unavailable
+
+    node, _ = last_stage
+    loaded = node.loaded
+    monkeypatch.setattr(node_module, "REPAIR_INTERVAL_S", 0.05)
+    serving = {"term": 2}
+    monkeypatch.setattr(
+        node_module, "peer_serving", lambda address, timeout: (serving["term"], False)
+    )
+    again = RecordingLink()
+    monkeypatch.setattr(node_module, "open_return_link", lambda *args, **kwargs: again)
+    reopened: list[str] = []
+    node.on_link_reopened(lambda of, kind: reopened.append(kind))
+    outage = {"s": 0.0}
+    node.coordinator_outage = lambda: outage["s"]
+    caplog.set_level("INFO", logger="stage.node")
+    node._return_broken(loaded, Unavailable("connection reset"))
+    assert "cannot reach stage 0" in node.heartbeat().link_error
+    time.sleep(0.5)
+    assert not reopened  # the coordinator answers: it plans around the break
+    outage["s"] = 5.0
+    wait_for_condition(lambda: "serves term 2, not term 3" in caplog.text)
+    assert not reopened and loaded.returns is not again
+    serving["term"] = 3
+    wait_for_condition(lambda: reopened == ["return"])
+    assert node.loaded.returns is again and node.heartbeat().link_error == ""
+    assert [frame_id for frame_id, _ in again.sent] == [0]
+
+
 def wait_for_condition(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from mesh.proto.v1 import common_pb2 as mesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12mesh/v1/data.proto\x12\x07mesh.v1\x1a\x14mesh/v1/common.proto\"\x11\n\x0f\x45ndpointRequest\")\n\rEndpointReply\x12\x0b\n\x03tcp\x18\x01 \x01(\t\x12\x0b\n\x03tls\x18\x02 \x01(\x08\"\x84\x03\n\x07Segment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\"\n\x04kind\x18\x03 \x01(\x0e\x32\x14.mesh.v1.SegmentKind\x12\x11\n\tpos_start\x18\x04 \x01(\x04\x12\x13\n\x0btoken_count\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.mesh.v1.SamplingParams\x12\x0e\n\x06sample\x18\x08 \x01(\x08\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x13\n\x0bprefix_from\x18\n \x01(\t\x12\x13\n\x0bkeep_prefix\x18\x0b \x01(\x08\x12\x15\n\rforget_prefix\x18\x0c \x01(\x08\x12\r\n\x05\x61head\x18\r \x01(\x08\x12\r\n\x05score\x18\x0e \x01(\x08\x12\x17\n\nnext_token\x18\x0f \x01(\rH\x00\x88\x01\x01\x12!\n\x07pooling\x18\x10 \x01(\x0e\x32\x10.mesh.v1.PoolingB\r\n\x0b_next_token\"\x93\x01\n\x05\x46rame\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x02 \x01(\x04\x12\"\n\x08segments\x18\x03 \x03(\x0b\x32\x10.mesh.v1.Segment\x12\x1f\n\x06hidden\x18\x04 \x01(\x0b\x32\x0f.mesh.v1.Tensor\x12%\n\x07timings\x18\x05 \x03(\x0b\x32\x14.mesh.v1.StageTiming\"?\n\x08\x46rameAck\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.mesh.v1.ErrorInfo\"\xa1\x02\n\rSegmentResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\tpos_start\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x05 \x01(\r\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.mesh.v1.ErrorInfo\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\'\n\x08logprobs\x18\x08 \x03(\x0b\x32\x15.mesh.v1.TokenLogprob\x12\x0f\n\x07\x64ropped\x18\t \x01(\x08\x12.\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x15.mesh.v1.TokenLogprob\x12\x0e\n\x06pooled\x18\x0b \x03(\x02\"I\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x12\n\ntop_tokens\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"}\n\x0b\x46rameResult\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x02 \x01(\x04\x12\'\n\x07results\x18\x03 \x03(\x0b\x32\x16.mesh.v1.SegmentResult\x12%\n\x07timings\x18\x04 \x03(\x0b\x32\x14.mesh.v1.StageTiming\"\x0b\n\tReturnAck*\x8d\x01\n\x0bSegmentKind\x12\x1c\n\x18SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14SEGMENT_KIND_PREFILL\x10\x01\x12\x17\n\x13SEGMENT_KIND_DECODE\x10\x02\x12\x17\n\x13SEGMENT_KIND_VERIFY\x10\x03\x12\x14\n\x10SEGMENT_KIND_END\x10\x04*?\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x10\n\x0cPOOLING_LAST\x10\x02\x32\xb1\x01\n\tStageData\x12\x30\n\x07\x46orward\x12\x0e.mesh.v1.Frame\x1a\x11.mesh.v1.FrameAck(\x01\x30\x01\x12\x34\n\x06Return\x12\x14.mesh.v1.FrameResult\x1a\x12.mesh.v1.ReturnAck(\x01\x12<\n\x08\x45ndpoint\x12\x18.mesh.v1.EndpointRequest\x1a\x16.mesh.v1.EndpointReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12mesh/v1/data.proto\x12\x07mesh.v1\x1a\x14mesh/v1/common.proto\"\x11\n\x0f\x45ndpointRequest\"W\n\rEndpointReply\x12\x0b\n\x03tcp\x18\x01 \x01(\t\x12\x0b\n\x03tls\x18\x02 \x01(\x08\x12\x14\n\x0cserving_term\x18\x03 \x01(\x04\x12\x16\n\x0e\x66orward_broken\x18\x04 \x01(\x08\"\x84\x03\n\x07Segment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\"\n\x04kind\x18\x03 \x01(\x0e\x32\x14.mesh.v1.SegmentKind\x12\x11\n\tpos_start\x18\x04 \x01(\x04\x12\x13\n\x0btoken_count\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.mesh.v1.SamplingParams\x12\x0e\n\x06sample\x18\x08 \x01(\x08\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x13\n\x0bprefix_from\x18\n \x01(\t\x12\x13\n\x0bkeep_prefix\x18\x0b \x01(\x08\x12\x15\n\rforget_prefix\x18\x0c \x01(\x08\x12\r\n\x05\x61head\x18\r \x01(\x08\x12\r\n\x05score\x18\x0e \x01(\x08\x12\x17\n\nnext_token\x18\x0f \x01(\rH\x00\x88\x01\x01\x12!\n\x07pooling\x18\x10 \x01(\x0e\x32\x10.mesh.v1.PoolingB\r\n\x0b_next_token\"\x93\x01\n\x05\x46rame\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x02 \x01(\x04\x12\"\n\x08segments\x18\x03 \x03(\x0b\x32\x10.mesh.v1.Segment\x12\x1f\n\x06hidden\x18\x04 \x01(\x0b\x32\x0f.mesh.v1.Tensor\x12%\n\x07timings\x18\x05 \x03(\x0b\x32\x14.mesh.v1.StageTiming\"?\n\x08\x46rameAck\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.mesh.v1.ErrorInfo\"\xa1\x02\n\rSegmentResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\tpos_start\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x05 \x01(\r\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.mesh.v1.ErrorInfo\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\'\n\x08logprobs\x18\x08 \x03(\x0b\x32\x15.mesh.v1.TokenLogprob\x12\x0f\n\x07\x64ropped\x18\t \x01(\x08\x12.\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x15.mesh.v1.TokenLogprob\x12\x0e\n\x06pooled\x18\x0b \x03(\x02\"I\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x12\n\ntop_tokens\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x8f\x01\n\x0b\x46rameResult\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x02 \x01(\x04\x12\'\n\x07results\x18\x03 \x03(\x0b\x32\x16.mesh.v1.SegmentResult\x12%\n\x07timings\x18\x04 \x03(\x0b\x32\x14.mesh.v1.StageTiming\x12\x10\n\x08reopened\x18\x05 \x01(\x08\"\x0b\n\tReturnAck*\x8d\x01\n\x0bSegmentKind\x12\x1c\n\x18SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14SEGMENT_KIND_PREFILL\x10\x01\x12\x17\n\x13SEGMENT_KIND_DECODE\x10\x02\x12\x17\n\x13SEGMENT_KIND_VERIFY\x10\x03\x12\x14\n\x10SEGMENT_KIND_END\x10\x04*?\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x10\n\x0cPOOLING_LAST\x10\x02\x32\xb1\x01\n\tStageData\x12\x30\n\x07\x46orward\x12\x0e.mesh.v1.Frame\x1a\x11.mesh.v1.FrameAck(\x01\x30\x01\x12\x34\n\x06Return\x12\x14.mesh.v1.FrameResult\x1a\x12.mesh.v1.ReturnAck(\x01\x12<\n\x08\x45ndpoint\x12\x18.mesh.v1.EndpointRequest\x1a\x16.mesh.v1.EndpointReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mesh.v1.data_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SEGMENTKIND']._serialized_start=1229
-  _globals['_SEGMENTKIND']._serialized_end=1370
-  _globals['_POOLING']._serialized_start=1372
-  _globals['_POOLING']._serialized_end=1435
+  _globals['_SEGMENTKIND']._serialized_start=1294
+  _globals['_SEGMENTKIND']._serialized_end=1435
+  _globals['_POOLING']._serialized_start=1437
+  _globals['_POOLING']._serialized_end=1500
   _globals['_ENDPOINTREQUEST']._serialized_start=53
   _globals['_ENDPOINTREQUEST']._serialized_end=70
   _globals['_ENDPOINTREPLY']._serialized_start=72
-  _globals['_ENDPOINTREPLY']._serialized_end=113
-  _globals['_SEGMENT']._serialized_start=116
-  _globals['_SEGMENT']._serialized_end=504
-  _globals['_FRAME']._serialized_start=507
-  _globals['_FRAME']._serialized_end=654
-  _globals['_FRAMEACK']._serialized_start=656
-  _globals['_FRAMEACK']._serialized_end=719
-  _globals['_SEGMENTRESULT']._serialized_start=722
-  _globals['_SEGMENTRESULT']._serialized_end=1011
-  _globals['_TOKENLOGPROB']._serialized_start=1013
-  _globals['_TOKENLOGPROB']._serialized_end=1086
-  _globals['_FRAMERESULT']._serialized_start=1088
-  _globals['_FRAMERESULT']._serialized_end=1213
-  _globals['_RETURNACK']._serialized_start=1215
-  _globals['_RETURNACK']._serialized_end=1226
-  _globals['_STAGEDATA']._serialized_start=1438
-  _globals['_STAGEDATA']._serialized_end=1615
+  _globals['_ENDPOINTREPLY']._serialized_end=159
+  _globals['_SEGMENT']._serialized_start=162
+  _globals['_SEGMENT']._serialized_end=550
+  _globals['_FRAME']._serialized_start=553
+  _globals['_FRAME']._serialized_end=700
+  _globals['_FRAMEACK']._serialized_start=702
+  _globals['_FRAMEACK']._serialized_end=765
+  _globals['_SEGMENTRESULT']._serialized_start=768
+  _globals['_SEGMENTRESULT']._serialized_end=1057
+  _globals['_TOKENLOGPROB']._serialized_start=1059
+  _globals['_TOKENLOGPROB']._serialized_end=1132
+  _globals['_FRAMERESULT']._serialized_start=1135
+  _globals['_FRAMERESULT']._serialized_end=1278
+  _globals['_RETURNACK']._serialized_start=1280
+  _globals['_RETURNACK']._serialized_end=1291
+  _globals['_STAGEDATA']._serialized_start=1503
+  _globals['_STAGEDATA']._serialized_end=1680
 # @@protoc_insertion_point(module_scope)

@@ -35,12 +35,16 @@ class EndpointRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EndpointReply(_message.Message):
-    __slots__ = ("tcp", "tls")
+    __slots__ = ("tcp", "tls", "serving_term", "forward_broken")
     TCP_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_TERM_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BROKEN_FIELD_NUMBER: _ClassVar[int]
     tcp: str
     tls: bool
-    def __init__(self, tcp: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
+    serving_term: int
+    forward_broken: bool
+    def __init__(self, tcp: _Optional[str] = ..., tls: _Optional[bool] = ..., serving_term: _Optional[int] = ..., forward_broken: _Optional[bool] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("request_id", "session_id", "kind", "pos_start", "token_count", "token_ids", "sampling", "sample", "epoch", "prefix_from", "keep_prefix", "forget_prefix", "ahead", "score", "next_token", "pooling")
@@ -137,16 +141,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FrameResult(_message.Message):
-    __slots__ = ("term", "frame_id", "results", "timings")
+    __slots__ = ("term", "frame_id", "results", "timings", "reopened")
     TERM_FIELD_NUMBER: _ClassVar[int]
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REOPENED_FIELD_NUMBER: _ClassVar[int]
     term: int
     frame_id: int
     results: _containers.RepeatedCompositeFieldContainer[SegmentResult]
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.StageTiming]
-    def __init__(self, term: _Optional[int] = ..., frame_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SegmentResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ...) -> None: ...
+    reopened: bool
+    def __init__(self, term: _Optional[int] = ..., frame_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SegmentResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ..., reopened: _Optional[bool] = ...) -> None: ...
 
 class ReturnAck(_message.Message):
     __slots__ = ()
