@@ -6,6 +6,7 @@ loopback: a stage that advertised 127.0.0.1 would fail here."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -157,15 +158,11 @@ class Recipe:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
     def kill(self, name: str) -> None:
-        import os
-
         process = self.workers.pop(name)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)
 
     def stop(self) -> None:
-        import os
-
         for process in [self.head, *self.workers.values()]:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -295,11 +292,13 @@ def test_a_worker_link_down_and_up_during_streams_corrupts_nothing(hosts, packag
         mesh.stop()
 
 
-def stage_0_on_worker_1(hosts: NetnsHosts, package: Path, workdir: Path) -> Recipe:
+def stage_0_on_worker_1(
+    hosts: NetnsHosts, package: Path, workdir: Path, worker_2: list[str] | None = None
+) -> Recipe:
     """A 2-stage mesh whose stage 0 (with the frontend) runs on worker-1, not on the
-    head, which runs the coordinator alone; worker-2 is the last stage. A token a
-    round (no speculation), each round slowed down on worker-2's links: streams are
-    still running when a fault comes."""
+    head, which runs the coordinator alone; worker-2 is the last stage (with the
+    flags ``worker_2`` more). A token a round (no speculation), each round slowed
+    down on worker-2's links: streams are still running when a fault comes."""
     exact = ["--row-invariant", "on"]
     frontend = ["--frontend", "--http-host", "0.0.0.0", "--http-port", "8000"]
     return Recipe(
@@ -309,7 +308,7 @@ def stage_0_on_worker_1(hosts: NetnsHosts, package: Path, workdir: Path) -> Reci
         {
             "head": ["--no-local-stage", "--min-stages", "2", *exact],
             "worker-1": [*frontend, "--spec-type", "none", *exact],
-            "worker-2": ["--inject-delay-ms", "40", *exact],
+            "worker-2": ["--inject-delay-ms", "40", *exact, *(worker_2 or [])],
         },
     )
 
@@ -381,6 +380,63 @@ def test_stage_0_cut_off_from_the_coordinator_stops_waiting_for_the_stage_it_los
         assert closed, [line for line in mesh.log("worker-2").splitlines() if "DEBUG" not in line]
     finally:
         mesh.stop()
+
+
+@pytest.mark.skipif(firewall_reason() is not None, reason=str(firewall_reason()))
+def test_a_data_link_that_drops_its_packets_past_the_send_timeout_with_no_coordinator_heals(
+    hosts, package, tmp_path
+):
+    """The coordinator is gone and worker-2's host drops its data port's packets
+    while a stream runs, long enough for stage 0's send timeout (30 s) to break its
+    link; then the port passes packets again. Every stage still serves the term, so
+    stage 0 opens its link again itself (it asks worker-2 over gRPC, whose port
+    answers, which term it serves) and the stream ends with its no-fault text.
+    Before, the broken link stayed broken: the stream failed 60 s after the break and
+    the mesh answered 503 until a coordinator was started again."""
+    import httpx
+
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    port = 7082
+    mesh = stage_0_on_worker_1(hosts, package, tmp_path, ["--data-port", str(port)])
+    try:
+        status = mesh.wait_serving(stages=2)
+        url = status["http_url"]
+        spec = StreamSpec("Dropped packets and no coordinator: a story about tides", 400)
+        expected = run_stream(url, "tiny-llama", spec)
+        assert expected.error is None, expected.error
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(run_stream, url, "tiny-llama", spec, started)
+            assert started.wait(60)
+            os.killpg(mesh.head.pid, signal.SIGKILL)
+            mesh.head.wait(10)
+            hosts.block_port("worker-2", port)
+            try:
+                wait_for(
+                    lambda: "broke" in mesh.log("worker-1") and port_named(mesh, port),
+                    90,
+                    "stage 0's link to worker-2 to break at its send timeout",
+                )
+                time.sleep(3.0)  # opening it again fails while the port drops packets
+                assert not future.done(), future.result()
+            finally:
+                hosts.block_port("worker-2", port, blocked=False)
+            outcome = future.result(timeout=300)
+        assert classify(outcome, expected) == "identical", outcome.error
+        assert "opened the forward link of term" in mesh.log("worker-1")
+        wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 30, "200")
+    finally:
+        hosts.block_port("worker-2", port, blocked=False)
+        mesh.stop()
+
+
+def port_named(mesh: Recipe, port: int) -> bool:
+    """Whether stage 0's log names a broken forward link to ``port``."""
+    return any(
+        "forward link to" in line and f":{port} broke" in line
+        for line in mesh.log("worker-1").splitlines()
+    )
 
 
 def test_a_coordinator_cut_off_from_every_stage_fences_nothing_when_the_cut_heals(
