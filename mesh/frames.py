@@ -262,9 +262,9 @@ class FrameResult:
     """Results for the segments of one frame of ``term`` (the term of the frame it
     answers, never the answering stage's), with the timings the frame collected.
 
-    ``reopened``: the last stage's note that it opened its Return link again on
-    ``term`` after it broke (frame_id 0, no results): answers of the term's frames
-    sent before may have been lost with the old link."""
+    ``reopened``: a stage's note that it opened its Return link again on ``term``
+    after it broke (frame_id 0, no results): answers or refusals of the term's
+    frames sent before may have been lost with the old link."""
 
     term: int
     frame_id: int

@@ -552,7 +552,7 @@ class EngineCore(PromptSteps):
     def on_result(self, result: FrameResult) -> list[Outcome]:
         """Apply the answers of one frame (or the failures of some of its segments)."""
         if result.reopened:
-            self.links_reopened(result.term, "the last stage opened its return link again")
+            self.links_reopened(result.term, "a stage opened its return link again")
             return []
         sent = self.frames.get(result.frame_id)
         if sent is not None and self.info is not None and sent.term == self.info.term:
