@@ -765,29 +765,41 @@ class StageNode:
         ).start()
 
     def _repair_loop(self, loaded: LoadedStage, kind: str) -> None:
-        said = ""
         try:
-            while not self._stopping.wait(REPAIR_INTERVAL_S):
-                if self.loaded is not loaded or kind not in loaded.broken_links:
-                    return
-                if self.coordinator_outage() <= 0:
-                    continue
-                why = self._reopen(loaded, kind)
-                if not why:
-                    return
-                if why != said:
-                    said = why
-                    logger.info(
-                        "the %s link of term %s stays broken while the coordinator is "
-                        "unreachable: %s (trying again every %.0f s)",
-                        kind,
-                        loaded.request.term,
-                        why,
-                        REPAIR_INTERVAL_S,
-                    )
-        finally:
+            while True:
+                self._repair_until_open(loaded, kind)
+                with self._repair_lock:
+                    # A link that broke again once this thread had opened it found the
+                    # thread still running (``_repair`` started none): go on.
+                    again = kind in loaded.broken_links and self.loaded is loaded
+                    if not again or self._stopping.is_set():
+                        loaded.repairing.discard(kind)
+                        return
+        except BaseException:
             with self._repair_lock:
                 loaded.repairing.discard(kind)
+            raise
+
+    def _repair_until_open(self, loaded: LoadedStage, kind: str) -> None:
+        said = ""
+        while not self._stopping.wait(REPAIR_INTERVAL_S):
+            if self.loaded is not loaded or kind not in loaded.broken_links:
+                return
+            if self.coordinator_outage() <= 0:
+                continue
+            why = self._reopen(loaded, kind)
+            if not why:
+                return
+            if why != said:
+                said = why
+                logger.info(
+                    "the %s link of term %s stays broken while the coordinator is "
+                    "unreachable: %s (trying again every %.0f s)",
+                    kind,
+                    loaded.request.term,
+                    why,
+                    REPAIR_INTERVAL_S,
+                )
 
     def _reopen(self, loaded: LoadedStage, kind: str) -> str:
         """Open ``loaded``'s ``kind`` link again; why it cannot be yet ("": it is
@@ -839,7 +851,9 @@ class StageNode:
                 loaded.forward = link
             else:
                 loaded.returns = link
-            loaded.broken_links.pop(kind, None)
+            cleared = loaded.broken_links.pop(kind, "")
+            if link.broken:  # it broke again already (its report may have come first)
+                loaded.broken_links[kind] = cleared
         if old is not None:
             old.close()
         logger.warning(

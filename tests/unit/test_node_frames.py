@@ -397,6 +397,19 @@ def test_a_released_stage_ends_the_grpc_forward_streams_into_it(last_stage) -> N
         server.stop(None)
 
 
+class BrokenAtOnce(RecordingLink):
+    """A link that broke as soon as it was opened (a flapping connection)."""
+
+    @property
+    def broken(self) -> bool:
+        return True
+
+    def send(self, message) -> None:
+        from mesh.errors import Unavailable
+
+        raise Unavailable("return link to stage-0 is down: reset again")
+
+
 def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_peer_serves_the_term(
     last_stage, monkeypatch, caplog
 ) -> None:
@@ -404,7 +417,8 @@ def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_pe
     call (it plans a new pipeline); once it cannot be reached the stage opens the
     link again itself, but only to a stage 0 that still serves the same term. The
     new link first carries the note that answers may have been lost (frame 0,
-    ``reopened``), and the heartbeat no longer reports a broken link."""
+    ``reopened``), and the heartbeat no longer reports a broken link. A link that
+    breaks again before the stage has taken it is opened once more."""
     from mesh.errors import Unavailable
 
     node, _ = last_stage
@@ -415,7 +429,8 @@ def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_pe
         node_module, "peer_serving", lambda address, timeout: (serving["term"], False)
     )
     again = RecordingLink()
-    monkeypatch.setattr(node_module, "open_return_link", lambda *args, **kwargs: again)
+    opened = [BrokenAtOnce(), again]  # the first breaks before the stage takes it
+    monkeypatch.setattr(node_module, "open_return_link", lambda *args, **kwargs: opened.pop(0))
     reopened: list[str] = []
     node.on_link_reopened(lambda of, kind: reopened.append(kind))
     outage = {"s": 0.0}
@@ -429,9 +444,11 @@ def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_pe
     wait_for_condition(lambda: "serves term 2, not term 3" in caplog.text)
     assert not reopened and loaded.returns is not again
     serving["term"] = 3
-    wait_for_condition(lambda: reopened == ["return"])
+    wait_for_condition(lambda: reopened == ["return", "return"])
     assert node.loaded.returns is again and node.heartbeat().link_error == ""
     assert [frame_id for frame_id, _ in again.sent] == [0]
+    assert not opened
+    wait_for_condition(lambda: not loaded.repairing)  # its thread ended
 
 
 def wait_for_condition(condition, timeout_s: float = 10.0) -> None:
