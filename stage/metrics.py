@@ -118,6 +118,20 @@ class StageMetrics:
         self.load_failures = Counter(
             "mesh_stage_load_failures_total", "Load calls this stage refused or failed.", registry=r
         )
+        self.link_breaks = Counter(
+            "mesh_link_breaks_total",
+            "Times an outgoing data link of this stage broke (forward: to the next stage; "
+            "return: to stage 0).",
+            ("link",),
+            registry=r,
+        )
+        self.links_reopened = Counter(
+            "mesh_link_reopened_total",
+            "Times this stage opened a broken data link again on the same term itself "
+            "(while the coordinator could not be reached).",
+            ("link",),
+            registry=r,
+        )
         self.releases = Counter(
             "mesh_stage_releases_total",
             "Times this stage dropped its layers (released, fenced by a newer term, stopping).",

@@ -723,6 +723,7 @@ class StageNode:
         failure = Unavailable(f"stage {index + 1} is unreachable from stage {index}: {error}")
         # Kept with the load (one still finishing reports it once it serves).
         loaded.broken_links["forward"] = failure.message
+        self.metrics.link_breaks.labels(link="forward").inc()
         if self.loaded is not loaded:
             return
         self._repair(loaded, "forward")
@@ -739,6 +740,7 @@ class StageNode:
         index = loaded.request.stage_index
         logger.warning("return link to stage 0 broke: %s", error)
         loaded.broken_links["return"] = f"stage {index} cannot reach stage 0: {error}"
+        self.metrics.link_breaks.labels(link="return").inc()
         if self.loaded is loaded:
             self._repair(loaded, "return")
 
@@ -856,6 +858,7 @@ class StageNode:
                 loaded.broken_links[kind] = cleared
         if old is not None:
             old.close()
+        self.metrics.links_reopened.labels(link=kind).inc()
         logger.warning(
             "opened the %s link of term %s to %s again (it broke while the coordinator "
             "was unreachable)",

@@ -449,6 +449,10 @@ def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_pe
     assert [frame_id for frame_id, _ in again.sent] == [0]
     assert not opened
     wait_for_condition(lambda: not loaded.repairing)  # its thread ended
+    sample = node.metrics.registry.get_sample_value
+    # The fake link that broke at once never reported its break.
+    assert sample("mesh_link_breaks_total", {"link": "return"}) == 1
+    assert sample("mesh_link_reopened_total", {"link": "return"}) == 2
 
 
 def wait_for_condition(condition, timeout_s: float = 10.0) -> None:
