@@ -382,22 +382,9 @@ class StageNode:
             loaded = LoadedStage(request=request, engine=engine, package_dir=package_dir)
             try:
                 if request.downstream is not None:
-                    loaded.forward = open_forward_link(
-                        request.downstream.address,
-                        on_broken=lambda error: self._downstream_broken(loaded, error),
-                        on_ack=self._downstream_ack,
-                        delay_s=self.settings.inject_delay_ms / 1000.0,
-                        traffic=self.metrics.sent["forward"],
-                        cancelled=self._load_cancelled.is_set,
-                    )
+                    loaded.forward = self._open_link(loaded, "forward", self._load_cancelled.is_set)
                 if not request.is_first:
-                    loaded.returns = open_return_link(
-                        request.return_endpoint,
-                        on_broken=lambda error: self._return_broken(loaded, error),
-                        delay_s=self.settings.inject_delay_ms / 1000.0,
-                        traffic=self.metrics.sent["return"],
-                        cancelled=self._load_cancelled.is_set,
-                    )
+                    loaded.returns = self._open_link(loaded, "return", self._load_cancelled.is_set)
             except MeshError as error:
                 for link in (loaded.forward, loaded.returns):
                     if link is not None:
@@ -803,6 +790,28 @@ class StageNode:
                     REPAIR_INTERVAL_S,
                 )
 
+    def _open_link(self, loaded: LoadedStage, kind: str, cancelled: Callable[[], bool]) -> DataLink:
+        """Open ``loaded``'s ``kind`` link ("forward": to the next stage; "return": to
+        stage 0); ``cancelled()`` true gives up waiting for the peer."""
+        delay_s = self.settings.inject_delay_ms / 1000.0
+        traffic = self.metrics.sent[kind]
+        if kind == "forward":
+            return open_forward_link(
+                loaded.request.downstream.address,  # type: ignore[union-attr]
+                on_broken=lambda error: self._downstream_broken(loaded, error),
+                on_ack=self._downstream_ack,
+                delay_s=delay_s,
+                traffic=traffic,
+                cancelled=cancelled,
+            )
+        return open_return_link(
+            loaded.request.return_endpoint,
+            on_broken=lambda error: self._return_broken(loaded, error),
+            delay_s=delay_s,
+            traffic=traffic,
+            cancelled=cancelled,
+        )
+
     def _reopen(self, loaded: LoadedStage, kind: str) -> str:
         """Open ``loaded``'s ``kind`` link again; why it cannot be yet ("": it is
         open). The peer must still serve the same term (a stage restarted in the
@@ -822,26 +831,8 @@ class StageNode:
             return f"{address} serves {held}, not term {term}"
         if forward and peer_broken:
             return f"the link of {address} to the stage after it is broken too"
-        gone = lambda: self.loaded is not loaded  # noqa: E731
-        delay_s = self.settings.inject_delay_ms / 1000.0
         try:
-            if forward:
-                link = open_forward_link(
-                    address,
-                    on_broken=lambda error: self._downstream_broken(loaded, error),
-                    on_ack=self._downstream_ack,
-                    delay_s=delay_s,
-                    traffic=self.metrics.sent["forward"],
-                    cancelled=gone,
-                )
-            else:
-                link = open_return_link(
-                    address,
-                    on_broken=lambda error: self._return_broken(loaded, error),
-                    delay_s=delay_s,
-                    traffic=self.metrics.sent["return"],
-                    cancelled=gone,
-                )
+            link = self._open_link(loaded, kind, lambda: self.loaded is not loaded)
         except MeshError as error:
             return error.message
         with self._lock:
