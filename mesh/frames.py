@@ -263,8 +263,9 @@ class FrameResult:
     answers, never the answering stage's), with the timings the frame collected.
 
     ``reopened``: a stage's note that it opened its Return link again on ``term``
-    after it broke (frame_id 0, no results): answers or refusals of the term's
-    frames sent before may have been lost with the old link."""
+    after it broke (no results; ``frame_id`` is the highest frame of the term it had
+    finished): answers or refusals of frames up to it may have been lost with the
+    old link."""
 
     term: int
     frame_id: int

@@ -130,11 +130,21 @@ def open_forward_link(
     delay_s: float = 0.0,
     traffic: LinkTraffic | None = None,
     cancelled: Callable[[], bool] | None = None,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ) -> DataLink:
-    """The link to the downstream stage at ``address`` (its gRPC address)."""
-    endpoint, tls = tcp_endpoint(address, cancelled)
+    """The link to the downstream stage at ``address`` (its gRPC address); the peer
+    is waited for up to ``connect_timeout_s``."""
+    endpoint, tls = tcp_endpoint(address, cancelled, connect_timeout_s)
     if endpoint:
-        return TcpLink(endpoint, KIND_FORWARD, on_broken, tls=tls, delay_s=delay_s, traffic=traffic)
+        return TcpLink(
+            endpoint,
+            KIND_FORWARD,
+            on_broken,
+            tls=tls,
+            delay_s=delay_s,
+            traffic=traffic,
+            connect_timeout_s=connect_timeout_s,
+        )
     return ForwardLink(address, on_broken, on_ack, delay_s, traffic)
 
 
@@ -144,11 +154,21 @@ def open_return_link(
     delay_s: float = 0.0,
     traffic: LinkTraffic | None = None,
     cancelled: Callable[[], bool] | None = None,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ) -> DataLink:
-    """The link to stage 0 at ``address`` (its gRPC address)."""
-    endpoint, tls = tcp_endpoint(address, cancelled)
+    """The link to stage 0 at ``address`` (its gRPC address); the peer is waited for
+    up to ``connect_timeout_s``."""
+    endpoint, tls = tcp_endpoint(address, cancelled, connect_timeout_s)
     if endpoint:
-        return TcpLink(endpoint, KIND_RETURN, on_broken, tls=tls, delay_s=delay_s, traffic=traffic)
+        return TcpLink(
+            endpoint,
+            KIND_RETURN,
+            on_broken,
+            tls=tls,
+            delay_s=delay_s,
+            traffic=traffic,
+            connect_timeout_s=connect_timeout_s,
+        )
     return ReturnLink(address, on_broken, delay_s, traffic)
 
 

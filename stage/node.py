@@ -59,7 +59,13 @@ from mesh.threads import NamedThread
 from mesh.types import DEFAULT_PREFIX_BYTES, check_term
 from stage.engine import StageEngine
 from stage.hardware import RecentSteps
-from stage.links import DataLink, open_forward_link, open_return_link, peer_serving
+from stage.links import (
+    CONNECT_TIMEOUT_S,
+    DataLink,
+    open_forward_link,
+    open_return_link,
+    peer_serving,
+)
 from stage.metrics import StageMetrics
 from stage.tcp_data import received_bytes
 
@@ -790,9 +796,16 @@ class StageNode:
                     REPAIR_INTERVAL_S,
                 )
 
-    def _open_link(self, loaded: LoadedStage, kind: str, cancelled: Callable[[], bool]) -> DataLink:
+    def _open_link(
+        self,
+        loaded: LoadedStage,
+        kind: str,
+        cancelled: Callable[[], bool],
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> DataLink:
         """Open ``loaded``'s ``kind`` link ("forward": to the next stage; "return": to
-        stage 0); ``cancelled()`` true gives up waiting for the peer."""
+        stage 0); ``cancelled()`` true gives up waiting for the peer, which is waited
+        for up to ``connect_timeout_s``."""
         delay_s = self.settings.inject_delay_ms / 1000.0
         traffic = self.metrics.sent[kind]
         if kind == "forward":
@@ -803,6 +816,7 @@ class StageNode:
                 delay_s=delay_s,
                 traffic=traffic,
                 cancelled=cancelled,
+                connect_timeout_s=connect_timeout_s,
             )
         return open_return_link(
             loaded.request.return_endpoint,
@@ -810,6 +824,7 @@ class StageNode:
             delay_s=delay_s,
             traffic=traffic,
             cancelled=cancelled,
+            connect_timeout_s=connect_timeout_s,
         )
 
     def _reopen(self, loaded: LoadedStage, kind: str) -> str:
@@ -832,7 +847,11 @@ class StageNode:
         if forward and peer_broken:
             return f"the link of {address} to the stage after it is broken too"
         try:
-            link = self._open_link(loaded, kind, lambda: self.loaded is not loaded)
+            # A short wait: a dial started while the network still drops packets
+            # must not hold the link shut for long once it passes them again.
+            link = self._open_link(
+                loaded, kind, lambda: self.loaded is not loaded, REPAIR_PROBE_TIMEOUT_S
+            )
         except MeshError as error:
             return error.message
         with self._lock:
@@ -851,16 +870,19 @@ class StageNode:
             old.close()
         self.metrics.links_reopened.labels(link=kind).inc()
         logger.warning(
-            "opened the %s link of term %s to %s again (it broke while the coordinator "
-            "was unreachable)",
+            "opened the %s link of term %s to %s (%s) again (it broke while the "
+            "coordinator was unreachable)",
             kind,
             term,
+            link.address,
             address,
         )
         if not forward:
-            # Stage 0 learns that answers sent on the old link may be gone.
+            # Stage 0 learns that the answers of the frames this stage had finished
+            # may have gone with the old link (later ones travel on the new one).
+            note = FrameResult(term, loaded.frames_done, (), reopened=True)
             try:
-                link.send(result_to_proto(FrameResult(term, 0, (), reopened=True)))
+                link.send(result_to_proto(note))
             except MeshError as error:
                 logger.warning("cannot tell stage 0 the return link is open again: %s", error)
         for listener in self._reopened_listeners:

@@ -442,6 +442,7 @@ class TcpLink:
         delay_s: float = 0.0,
         traffic: LinkTraffic | None = None,
         security: MeshSecurity | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
         self.address = endpoint
         self.name = KIND_NAMES[kind]
@@ -453,7 +454,7 @@ class TcpLink:
         self._lock = threading.Lock()  # one writer at a time
         self._state = threading.Lock()  # _broken and _closed
         security = active() if security is None else security
-        self._sock = self._connect(endpoint, kind, tls, security)
+        self._sock = self._connect(endpoint, kind, tls, security, connect_timeout_s)
         self._delayed: queue.SimpleQueue | None = None
         if delay_s > 0:
             self._delayed = queue.SimpleQueue()
@@ -461,15 +462,14 @@ class TcpLink:
         NamedThread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
 
     def _connect(
-        self, endpoint: str, kind: int, tls: bool, security: MeshSecurity
+        self, endpoint: str, kind: int, tls: bool, security: MeshSecurity, timeout_s: float
     ) -> socket.socket:
         host, port = split_host_port(endpoint)
         try:
-            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+            sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as error:
             raise Unavailable(
-                f"{self.name} link: cannot reach {endpoint} within {CONNECT_TIMEOUT_S:.0f}s: "
-                f"{error}"
+                f"{self.name} link: cannot reach {endpoint} within {timeout_s:.0f}s: {error}"
             ) from error
         try:
             _tune(sock)

@@ -551,9 +551,6 @@ class EngineCore(PromptSteps):
 
     def on_result(self, result: FrameResult) -> list[Outcome]:
         """Apply the answers of one frame (or the failures of some of its segments)."""
-        if result.reopened:
-            self.links_reopened(result.term, "a stage opened its return link again")
-            return []
         sent = self.frames.get(result.frame_id)
         if sent is not None and self.info is not None and sent.term == self.info.term:
             now = self.clock()
@@ -723,36 +720,38 @@ class EngineCore(PromptSteps):
                 len(tracked.run.tokens),
             )
 
-    def links_reopened(self, term: int, why: str) -> None:
+    def links_reopened(
+        self, term: int, why: str, answered_upto: int = 0, resume: bool = True
+    ) -> None:
         """A data link of ``term`` broke and a stage opened it again, no coordinator
-        having replaced the pipeline (``StageNode._repair``). Answers of the term's
-        frames still waiting may have gone with the old link: those frames are given
-        up and their requests read their tokens again on the same pipeline (a new
-        epoch: late answers of the old frames are void), as are the requests the
-        break failed (``_answers_again``)."""
+        having replaced the pipeline (``StageNode._repair``). A stage that opened its
+        Return link again had finished the term's frames up to ``answered_upto``
+        before: the answers (or refusals) of those still waiting went with the old
+        link, so those frames are given up and their requests wait as lost (later
+        frames are answered on the new link). With ``resume`` (stage 0's own Forward
+        link is whole) every request the break lost reads its tokens again on the
+        same pipeline (``_answers_again``: a new epoch, late answers of old frames
+        are void); without it, they wait for that link."""
         if self.info is None or self.info.term != term:
             return
-        voided = 0
-        for frame_id, sent in list(self.frames.items()):
-            if sent.term != term:
-                continue
-            del self.frames[frame_id]
-            for session in sent.outstanding:
+        voided = [f for f, sent in self.frames.items() if sent.term == term and f <= answered_upto]
+        for frame_id in voided:
+            for session in self.frames.pop(frame_id).outstanding:
                 tracked = self.running.get(session)
-                if tracked is None or tracked.recover_by is not None:
-                    continue
-                tracked.lost = tracked.in_flight or tracked.lost
-                tracked.resumed = tracked.resumed or not tracked.prefilling
-                tracked.read_from_zero()
-                voided += 1
+                if tracked is not None:
+                    self._lose(tracked, term, f"{why}: the answer of frame {frame_id} is lost")
         logger.warning(
-            "term %s: %s; %d request(s) with frames in the pipe read their tokens again",
+            "term %s: %s; %d frame(s) up to frame %d given up; %s",
             term,
             why,
-            voided,
+            len(voided),
+            answered_upto,
+            "requests the break lost read their tokens again"
+            if resume
+            else "they wait for stage 0's own link",
         )
-        self.recoveries += voided
-        self._answers_again(term)
+        if resume:
+            self._answers_again(term)
 
     def _reread(self, tracked: Tracked, why: str) -> None:
         """Void what the request has in the pipe and read its tokens (prompt and

@@ -402,6 +402,10 @@ class PipelineScheduler:
         loop.call_soon_threadsafe(self._deliver, result)
 
     def _deliver(self, result: FrameResult) -> None:
+        if result.reopened:
+            why = "a stage opened its return link again"
+            self._reopened(result.term, why, answered_upto=result.frame_id)
+            return
         sent = self.core.frames.get(result.frame_id)
         outcomes = self.core.on_result(result)
         # The next frame first: stage 0's worker computes it while this thread does
@@ -460,12 +464,17 @@ class PipelineScheduler:
         why = f"stage 0 opened its {kind} link again"
         loop = self._loop
         if loop is None or loop.is_closed():
-            self.core.links_reopened(loaded.request.term, why)
-            return
-        loop.call_soon_threadsafe(self._reopened, loaded.request.term, why)
+            self._reopened(loaded.request.term, why)
+        else:
+            loop.call_soon_threadsafe(self._reopened, loaded.request.term, why)
 
-    def _reopened(self, term: int, why: str) -> None:
-        self.core.links_reopened(term, why)
+    def _reopened(self, term: int, why: str, answered_upto: int = 0) -> None:
+        """A link of ``term`` is open again (``EngineCore.links_reopened``); the lost
+        requests read their tokens again only once stage 0's own Forward link is
+        whole (a note of a Return link opened again may come first)."""
+        loaded = self._loaded
+        resume = loaded is None or loaded.forward is None or not loaded.forward.broken
+        self.core.links_reopened(term, why, answered_upto, resume)
         self._pump()
 
     def _set_pipeline(self, info: PipelineInfo | None) -> None:

@@ -302,26 +302,36 @@ def test_a_pipeline_that_answers_after_the_round_timeout_is_read_again_on_its_te
     finish_by_re_reading(core, pipe, prompt, committed)
 
 
-def test_a_return_link_opened_again_voids_the_frames_in_the_pipe_and_reads_them_again() -> None:
-    """The last stage's Return link broke and it opened it again on the same term (no
-    coordinator acted): the answer of the frame in the pipe may have gone with the
-    old link, so the frame is given up at once (it would keep the term "unanswered"
-    past the round timeout) and its request reads its tokens again; a late answer
-    of the old frame is void."""
+def test_a_return_link_opened_again_gives_up_the_frames_it_had_finished() -> None:
+    """A stage's Return link broke and it opened it again on the same term (no
+    coordinator acted), having finished frames up to ``answered_upto``: the answers
+    of those still waiting went with the old link, so they are given up at once
+    (kept, they would hold the term "unanswered" past the round timeout) and their
+    request reads its tokens again; a late answer of the old frame is void. A frame
+    sent after them is answered on the new link and stays."""
     prompt = (6, 2, 8, 3)
     core, _ = core_with(round_timeout_s=20, recovery_timeout_s=60)
     pipe = FakePipeline()
     committed = three_steps(core, pipe, prompt)
     in_pipe = core.next_frame()
-    assert core.on_result(FrameResult(1, 0, (), reopened=True)) == []
-    assert not core.frames and core.recoveries == 1
+    core.add(request("q", (5, 5), max_new=2))
+    later = core.next_frame()
+    assert later is not None and later.frame_id > in_pipe.frame_id
+    core.links_reopened(1, "a stage opened its return link again", in_pipe.frame_id)
+    assert list(core.frames) == [later.frame_id] and core.recoveries == 1
     assert core.on_result(pipe.answer(in_pipe)) == [] and core.stale == ["epoch"]
-    finish_by_re_reading(core, pipe, prompt, committed)
+    first: dict[str, list] = {}
+    collect(first, core.on_result(pipe.answer(later)))
+    rest = run_to_end(core, pipe)
+    assert committed + rest["r"][0] == greedy(prompt, 8)
+    assert first["q"][0] + rest["q"][0] == greedy((5, 5), 2)
 
 
 def test_a_forward_link_opened_again_reads_the_requests_it_failed_again() -> None:
-    """Stage 0's Forward link broke (its segments failed UNAVAILABLE) and was opened
-    again on the same term: the request reads its tokens again on it instead of
+    """Stage 0's Forward link broke (its segments failed UNAVAILABLE). A note of a
+    Return link opened again while stage 0's own link is still broken resumes
+    nothing (``resume`` False: a re-read would only fail again); once stage 0's link
+    is open again the request reads its tokens again on the same term instead of
     waiting for a pipeline only a coordinator could load. A link of another term
     changes nothing."""
     prompt = (9, 4, 4)
@@ -333,6 +343,7 @@ def test_a_forward_link_opened_again_reads_the_requests_it_failed_again() -> Non
     refusal = FrameResult(1, failed.frame_id, (SegmentResult("r", "r", 0, error=unavailable),))
     assert core.on_result(refusal) == []
     assert core.next_frame() is None  # waiting for the pipeline
+    core.links_reopened(1, "a stage opened its return link again", 99, resume=False)
     core.links_reopened(2, "a link of another term")
     assert core.next_frame() is None and core.recoveries == 0
     core.links_reopened(1, "stage 0 opened its forward link again")
