@@ -255,6 +255,7 @@ class EngineCore(PromptSteps):
     def _lose(self, tracked: Tracked, term: int, reason: str) -> None:
         if tracked.recover_by is not None:
             return
+        self._leave_frames(tracked.run.request.request_id)
         tracked.lost = tracked.in_flight or tracked.lost
         tracked.resumed = tracked.resumed or not tracked.prefilling
         tracked.in_flight = None
@@ -268,6 +269,18 @@ class EngineCore(PromptSteps):
             self.limits.recovery_timeout_s,
         )
 
+    def _leave_frames(self, request_id: str) -> None:
+        """The request waits on none of the frames in the pipe any more (its pipeline
+        was lost: it reads its tokens again in a new epoch): a frame left with nothing
+        outstanding is over, so that it does not count as waiting (the local stall
+        rule, the round timeout) after a break failed its segments with an answer
+        that names no frame."""
+        for frame_id, sent in list(self.frames.items()):
+            if request_id in sent.outstanding:
+                sent.outstanding.discard(request_id)
+                if not sent.outstanding:
+                    del self.frames[frame_id]
+
     def expire(self) -> list[Outcome]:
         """Round timeouts and recovery deadlines; requests whose pipeline came back
         start re-reading their tokens."""
@@ -275,7 +288,8 @@ class EngineCore(PromptSteps):
         outcomes: list[Outcome] = []
         for frame_id, sent in list(self.frames.items()):
             if now - sent.sent_at > self.limits.round_timeout_s:
-                del self.frames[frame_id]
+                if self.frames.pop(frame_id, None) is None:
+                    continue  # its requests were lost meanwhile: nothing waits on it
                 if sent.term == self._term():
                     self.unanswered_term = sent.term
                 for session in sent.outstanding:
@@ -590,7 +604,7 @@ class EngineCore(PromptSteps):
             if outcome is not None:
                 outcomes.append(outcome)
         if sent is not None and not sent.outstanding:
-            del self.frames[result.frame_id]
+            self.frames.pop(result.frame_id, None)
         return outcomes
 
     def _link_ms(self, wire_ms: float, result: FrameResult) -> float:
@@ -736,7 +750,8 @@ class EngineCore(PromptSteps):
             return
         voided = [f for f, sent in self.frames.items() if sent.term == term and f <= answered_upto]
         for frame_id in voided:
-            for session in self.frames.pop(frame_id).outstanding:
+            sent = self.frames.pop(frame_id, None)
+            for session in sent.outstanding if sent is not None else ():
                 tracked = self.running.get(session)
                 if tracked is not None:
                     self._lose(tracked, term, f"{why}: the answer of frame {frame_id} is lost")

@@ -338,11 +338,15 @@ def test_a_forward_link_opened_again_reads_the_requests_it_failed_again() -> Non
     core, _ = core_with(recovery_timeout_s=60)
     pipe = FakePipeline()
     committed = three_steps(core, pipe, prompt)
-    failed = core.next_frame()
+    core.next_frame()
+    # The break fails the sessions stage 0 holds, in an answer that names no frame:
+    # the frame they were in waits on nothing any more (else the local stall rule
+    # would count it as waiting after the link is whole again).
     unavailable = ErrorInfo("UNAVAILABLE", "stage 1 is unreachable from stage 0")
-    refusal = FrameResult(1, failed.frame_id, (SegmentResult("r", "r", 0, error=unavailable),))
+    refusal = FrameResult(1, 0, (SegmentResult("r", "r", 0, error=unavailable),))
     assert core.on_result(refusal) == []
     assert core.next_frame() is None  # waiting for the pipeline
+    assert not core.frames and core.oldest_unanswered() is None
     core.links_reopened(1, "a stage opened its return link again", 99, resume=False)
     core.links_reopened(2, "a link of another term")
     assert core.next_frame() is None and core.recoveries == 0
