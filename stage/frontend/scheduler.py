@@ -115,13 +115,20 @@ class PipelineScheduler:
         loaded = self._loaded
         if loaded is None:
             return "the pipeline is not loaded yet (or is reloading after a stage was lost)"
-        if loaded.link_error and loaded.forward is not None and loaded.forward.broken:
-            return (
-                f"the pipeline is broken ({loaded.link_error}); waiting for the coordinator "
-                "to load a new one (while it cannot be reached, for the stages to open the "
-                "link again)"
-            )
-        return self._stalled_reason()
+        return self._broken_reason() or self._stalled_reason()
+
+    def _broken_reason(self) -> str | None:
+        """Why the loaded pipeline is broken: stage 0's Forward link is (None: it is not)."""
+        loaded = self._loaded
+        if loaded is None or not loaded.link_error:
+            return None
+        if loaded.forward is None or not loaded.forward.broken:
+            return None
+        return (
+            f"the pipeline is broken ({loaded.link_error}); waiting for the coordinator "
+            "to load a new one (while it cannot be reached, for the stages to open the "
+            "link again)"
+        )
 
     def _stalled_reason(self) -> str | None:
         """The local stall rule, while the coordinator cannot be reached (so nothing
@@ -167,6 +174,15 @@ class PipelineScheduler:
             f"for {outage_s:.0f} s, so nothing can plan around the stage that holds it: "
             "waiting for that stage to answer or for the coordinator"
         )
+
+    def _stall_ended(self) -> str:
+        """Why the local stall rule stopped holding, as the log says it."""
+        if self.node.coordinator_outage() <= 0:
+            return "the coordinator is reachable again and plans around the stalled stage"
+        broken = self._broken_reason()
+        if broken is not None:
+            return f"the frame it waited for was given up; {broken}"
+        return "the pipeline answers again"
 
     async def wait_ready(self) -> bool:
         """Ready now, or (while a pipeline that served is reloaded) once the new one is
@@ -314,7 +330,7 @@ class PipelineScheduler:
             if reason is not None:
                 logger.warning("new requests wait and /health says 503: %s", reason)
             else:
-                logger.info("the pipeline answers again (or the coordinator is back)")
+                logger.info("the local stall rule no longer holds: %s", self._stall_ended())
 
     def _pump(self) -> None:
         """Submit frames while the core has work and the pipe has room; new prompts

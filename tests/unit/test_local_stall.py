@@ -9,6 +9,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,6 +95,23 @@ def test_a_stall_timeout_of_0_turns_the_rule_off(scheduler):
     scheduler.stall_timeout_s = 0.0
     waited(scheduler, 500.0)
     assert scheduler._stalled_reason() is None
+
+
+def test_the_end_of_a_stall_is_logged_with_what_ended_it(scheduler):
+    """A stall ends when the pipeline answers, when the coordinator is back, or when
+    a broken link gives the waited-for frame up: the log line says which (the last
+    one is no answer: ``/health`` stays 503 with the broken link's reason)."""
+    scheduler.node.coordinator_outage = lambda: 12.0
+    assert scheduler._stall_ended() == "the pipeline answers again"
+    scheduler._loaded = SimpleNamespace(
+        link_error="stage 1 is unreachable from stage 0: reset",
+        forward=SimpleNamespace(broken=True),
+    )
+    ended = scheduler._stall_ended()
+    assert ended.startswith("the frame it waited for was given up; the pipeline is broken")
+    assert "reset" in ended
+    scheduler.node.coordinator_outage = lambda: 0.0
+    assert "coordinator is reachable again" in scheduler._stall_ended()
 
 
 def test_a_frame_that_took_stage_0_long_gets_a_longer_deadline():
