@@ -50,7 +50,7 @@ from mesh.proto.v1 import (
     stage_pb2_grpc,
 )
 from mesh.settings.sections import CoordinatorConfig
-from mesh.types import LayerRange, check_term
+from mesh.types import RESTART_GRACE_S, LayerRange, check_term
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class CoordinatorSettings:
     # restarted. After restart_grace_s it plans with the stages alive, as after a
     # loss, instead of waiting for min_stages (and it never gives up).
     served_before: bool = False
-    restart_grace_s: float = 10.0
+    restart_grace_s: float = RESTART_GRACE_S
     # Serving on fewer than min_stages while more nodes are alive (a lost stage came
     # back): plan again once stage 0 is idle, or after this long even if busy
     # (in-flight requests then resume on the new pipeline).

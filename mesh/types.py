@@ -19,6 +19,10 @@ MAX_TERM = 2**52
 # overdue after the larger of the stall timeout and this many times the round the
 # frame should take (or the longest recent round).
 STALL_ROUND_FACTOR = 10.0
+# How long a restarted coordinator waits for the stages of the pipeline that served
+# to join it again before it plans with those alive (stage 0's local stall rule
+# holds that long, plus the stall timeout, after the coordinator answers again).
+RESTART_GRACE_S = 10.0
 
 
 def check_term(term: int, what: str) -> int:

@@ -27,7 +27,7 @@ from mesh.package.manifest import PackageManifest
 from mesh.settings.sections import CoordinatorConfig
 from mesh.speculative import DrafterFactory, Telemetry, make_policy
 from mesh.speculative.prediction import PredictionDrafter
-from mesh.types import STALL_ROUND_FACTOR
+from mesh.types import RESTART_GRACE_S, STALL_ROUND_FACTOR
 from stage.frontend.backend import GenerationRequest, TokenEvent
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_metrics import EngineMetrics
@@ -75,6 +75,8 @@ class PipelineScheduler:
         # for the local stall rule (``_stalled_reason``).
         self.stall_timeout_s = CoordinatorConfig.stall_timeout
         self._stalled = False
+        # When the coordinator answered again while the rule held (None: it has not).
+        self._coordinator_back_at: float | None = None
         self.core = EngineCore(limits, time.perf_counter, self._new_speculation)
         # What the status page shows of the pipeline's recent work.
         self.activity = PipelineActivity(time.perf_counter)
@@ -139,20 +141,43 @@ class PipelineScheduler:
         requests wait for the pipeline as during a reload and /health says 503 with
         this reason. Running requests keep waiting: if the stage wakes they go on
         where they were, or, once the round timeout gave their frames up, read their
-        tokens again on the same pipeline (``EngineCore._answers_again``)."""
-        outage_s = self.node.coordinator_outage()
-        if self.stall_timeout_s <= 0 or outage_s <= 0:
+        tokens again on the same pipeline (``EngineCore._answers_again``).
+
+        A coordinator that answers again while the rule holds takes the judgement
+        over, but not at once: a restarted one waits for the stages to join again, a
+        paused one judges silence from the moment it runs again. So the rule keeps
+        holding for up to the stall timeout plus a restarted coordinator's grace
+        (``RESTART_GRACE_S``) after the coordinator answers (less when the frame is
+        answered or the coordinator loads a new pipeline first): before, /health said
+        200 in between and new requests joined the stuck pipeline."""
+        if self.stall_timeout_s <= 0:
             return None
+        outage_s = self.node.coordinator_outage()
+        if outage_s > 0:
+            self._coordinator_back_at = None
+            alone = f"the coordinator has been unreachable for {outage_s:.0f} s"
+        elif not self._stalled:
+            return None
+        else:
+            now = time.perf_counter()
+            if self._coordinator_back_at is None:
+                self._coordinator_back_at = now
+            back_s = now - self._coordinator_back_at
+            if back_s >= self.stall_timeout_s + RESTART_GRACE_S:
+                return None
+            alone = (
+                f"the coordinator, reachable again for {back_s:.0f} s, has not planned "
+                "around it yet"
+            )
         info = self.core.info
         if info is not None and self.core.unanswered_term == info.term:
             # Past the round timeout the frames are given up (nothing waits any more)
             # but the pipeline has not answered since: it is still stuck.
             return (
                 f"a frame of term {info.term} got no answer within the round timeout "
-                f"({self.limits.round_timeout_s:.0f} s) and none has come since, and the "
-                f"coordinator has been unreachable for {outage_s:.0f} s, so nothing can "
-                "plan around the stage that holds it: waiting for the pipeline to answer "
-                "again or for the coordinator"
+                f"({self.limits.round_timeout_s:.0f} s) and none has come since, and "
+                f"{alone}, so nothing can plan around the stage that holds it: waiting "
+                "for the pipeline to answer again or for the coordinator"
             )
         waiting = self.node.waiting
         if waiting is None:
@@ -170,15 +195,18 @@ class PipelineScheduler:
             return None
         return (
             f"no answer from the pipeline for {waited_s:.0f} s (frame {waiting.frame_id}; "
-            f"stall deadline {deadline_s:.0f} s) and the coordinator has been unreachable "
-            f"for {outage_s:.0f} s, so nothing can plan around the stage that holds it: "
-            "waiting for that stage to answer or for the coordinator"
+            f"stall deadline {deadline_s:.0f} s) and {alone}, so nothing can plan around "
+            "the stage that holds it: waiting for that stage to answer or for the "
+            "coordinator"
         )
 
     def _stall_ended(self) -> str:
         """Why the local stall rule stopped holding, as the log says it."""
         if self.node.coordinator_outage() <= 0:
-            return "the coordinator is reachable again and plans around the stalled stage"
+            return (
+                "the coordinator is reachable again (it plans around the stalled stage "
+                "when it finds it stalled)"
+            )
         broken = self._broken_reason()
         if broken is not None:
             return f"the frame it waited for was given up; {broken}"

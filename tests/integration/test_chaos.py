@@ -369,6 +369,75 @@ def test_health_says_503_while_a_hung_stage_holds_a_frame_and_no_coordinator_act
         mesh.close()
 
 
+def test_health_stays_503_until_a_returning_coordinator_plans_around_a_hung_stage(
+    tmp_path, tiny_package_factory
+):
+    """The last stage hangs (SIGSTOP) while no coordinator runs: stage 0's local stall
+    rule says 503. The coordinator is then started again with the stage still hung:
+    it waits for the stages to join again (its restart grace) before it plans
+    without the silent one. /health keeps saying 503 until that new pipeline is
+    loaded, and the stream ends with its no-fault text on it. Before, /health said
+    200 from the coordinator's first answer on (about 10 s here), and new requests
+    joined the stuck pipeline."""
+    import httpx
+
+    from coordinator.chaos import StreamSpec, classify, run_stream
+
+    package = tiny_package_factory("llama", layers=6)
+    mesh = MeshProcesses(
+        package,
+        tmp_path,
+        2,
+        coordinator_args=("--stall-timeout", "3"),
+        stage_args=("--inject-delay-ms", "20"),
+    )
+    try:
+        mesh.start().wait_serving()
+        url = mesh.http_url
+        term = mesh.status().term
+        spec = StreamSpec("A hung stage and a coordinator that returns: a story about", 200)
+        expected = run_stream(url, MODEL, spec)
+        assert expected.error is None, expected.error
+        last = max((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
+        started = threading.Event()
+        outcome: list = []
+        streaming = threading.Thread(
+            target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
+        )
+        streaming.start()
+        assert started.wait(60)
+        mesh.kill_coordinator()
+        mesh.signal_stage(last.node_id, signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: httpx.get(url + "/health", timeout=10).status_code == 503,
+                30,
+                "/health to say 503 while the hung stage holds a frame",
+            )
+            mesh.start_coordinator_again()
+            reasons: list[str] = []
+
+            def healthy() -> bool:
+                health = httpx.get(url + "/health", timeout=10)
+                if health.status_code == 200:
+                    return True
+                reasons.append(health.json()["reason"])
+                time.sleep(0.2)
+                return False
+
+            wait_for(healthy, 90, "/health to say 200 once a pipeline without the stage serves")
+            # The first 200 comes with the new pipeline, not with the coordinator's
+            # first answer.
+            assert mesh.status().term > term, reasons[-3:]
+            assert any("reachable again for" in r for r in reasons), reasons[-3:]
+        finally:
+            mesh.signal_stage(last.node_id, signal.SIGCONT)
+        streaming.join(120)
+        assert outcome and classify(outcome[0], expected) == "identical", outcome
+    finally:
+        mesh.close()
+
+
 def test_data_links_reset_while_no_coordinator_acts_are_opened_again_by_the_stages(
     tmp_path, tiny_package_factory
 ):

@@ -15,7 +15,7 @@ import pytest
 
 from mesh.settings.commands import STALL_TIMEOUT_KEY, sent_stall_timeout
 from mesh.settings.sections import CoordinatorConfig
-from mesh.types import STALL_ROUND_FACTOR
+from mesh.types import RESTART_GRACE_S, STALL_ROUND_FACTOR
 from stage.frontend.engine_types import EngineLimits, PipelineInfo
 from stage.frontend.scheduler import PipelineScheduler, stall_deadline_s
 from stage.node import NodeSettings, StageNode, WaitingFrame
@@ -53,6 +53,35 @@ def test_nothing_is_said_while_the_coordinator_answers(scheduler):
     scheduler.node.coordinator_outage = lambda: 0.0
     waited(scheduler, 50.0)
     assert scheduler._stalled_reason() is None
+
+
+def test_the_rule_holds_for_a_while_after_the_coordinator_answers_again(scheduler):
+    """A coordinator that answers again takes the judgement over, but a restarted
+    one first waits for the stages to join: until it has had its grace and the stall
+    timeout to act (or the frame is answered, or a new pipeline loads) /health stays
+    503."""
+    scheduler.node.coordinator_outage = lambda: 12.0
+    waited(scheduler, 5.0)
+    assert scheduler._stalled_reason() is not None
+    scheduler._stalled = True  # as the engine's timer tick records it
+    scheduler.node.coordinator_outage = lambda: 0.0
+    reason = scheduler._stalled_reason()
+    assert reason is not None and "reachable again for 0 s" in reason
+    assert "frame 7" in reason
+    # The frame is answered: nothing waits, the rule ends at once.
+    scheduler.node.waiting = None
+    assert scheduler._stalled_reason() is None
+    # Still waiting, and the coordinator has not acted within a restart's grace and
+    # the stall timeout (3 s): the judgement is its own from then on.
+    waited(scheduler, 9.0)
+    scheduler._coordinator_back_at = time.perf_counter() - (RESTART_GRACE_S + 2.0)
+    assert scheduler._stalled_reason() is not None
+    scheduler._coordinator_back_at = time.perf_counter() - (RESTART_GRACE_S + 3.5)
+    assert scheduler._stalled_reason() is None
+    # A new outage starts the count again.
+    scheduler.node.coordinator_outage = lambda: 1.0
+    assert scheduler._stalled_reason() is not None
+    assert scheduler._coordinator_back_at is None
 
 
 def test_nothing_is_said_before_the_deadline(scheduler):
