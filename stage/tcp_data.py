@@ -337,6 +337,7 @@ class TcpDataServer:
     def _serve(self, sock: socket.socket, peer: Any) -> None:
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         raw = sock
+        kind: int | None = None
         try:
             _tune(sock)
             sock.settimeout(HELLO_TIMEOUT_S)
@@ -368,7 +369,13 @@ class TcpDataServer:
         except EndLink as end:
             logger.warning("closing the data link from %s: %s", where, end)
         except (EOFError, OSError, ssl.SSLError) as error:
-            if not self._closed:
+            if self._closed:
+                pass
+            elif kind is None and isinstance(error, (EOFError, ssl.SSLEOFError)):
+                # Closed before its hello: a reachability check (the coordinator's,
+                # before it plans a stage in; ``doctor``'s), not a link.
+                logger.debug("connection from %s closed before its hello", where)
+            else:
                 logger.info("data link from %s ended: %s", where, error or type(error).__name__)
         except Exception:  # noqa: BLE001 - the link ends, the stage stays up
             logger.exception("data link from %s failed", where)

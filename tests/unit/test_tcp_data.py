@@ -285,3 +285,30 @@ def test_the_listener_reports_a_port_in_use() -> None:
             TcpDataServer("127.0.0.1", server.port, lambda b: None, lambda b: None)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_reachability_check_is_not_logged_as_a_link_that_ended(certs, tls: bool, caplog) -> None:
+    """The coordinator checks a stage's data port with a bare connect and close before
+    it plans the stage in: no link, so no "data link ... ended" line (with TLS it
+    used to log an SSL EOF error at every coordinator start)."""
+    ca, cert, key = certs
+    security = MeshSecurity(tls_cert=cert, tls_key=key, tls_ca=ca) if tls else MeshSecurity()
+    server, got = serve(security)
+    try:
+        with caplog.at_level("DEBUG", logger="stage.tcp_data"):
+            socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+            wait_for(lambda: "closed before its hello" in caplog.text)
+            link = TcpLink(
+                endpoint(server), KIND_RETURN, lambda e: None, tls=tls, security=security
+            )
+            link.send(data_pb2.FrameResult(frame_id=6))
+            assert data_pb2.FrameResult.FromString(got.results.get(timeout=10)).frame_id == 6
+            link.close()
+            wait_for(lambda: "ended" in caplog.text)
+        closed = [r for r in caplog.records if "closed before its hello" in r.getMessage()]
+        assert [r.levelname for r in closed] == ["DEBUG"]
+        ended = [r for r in caplog.records if "ended" in r.getMessage()]
+        assert ended and all(r.levelname == "INFO" for r in ended)
+    finally:
+        server.close()
