@@ -126,10 +126,15 @@ class PipelineScheduler:
             return None
         if loaded.forward is None or not loaded.forward.broken:
             return None
+        if self.node.coordinator_outage() > 0:
+            return (
+                f"the pipeline is broken ({loaded.link_error}) and the coordinator cannot "
+                "be reached: waiting for the stages to open the link again (or for the "
+                "coordinator to load a new pipeline)"
+            )
         return (
             f"the pipeline is broken ({loaded.link_error}); waiting for the coordinator "
-            "to load a new one (while it cannot be reached, for the stages to open the "
-            "link again)"
+            "to load a new one"
         )
 
     def _stalled_reason(self) -> str | None:

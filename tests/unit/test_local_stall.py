@@ -138,7 +138,10 @@ def test_the_end_of_a_stall_is_logged_with_what_ended_it(scheduler):
     )
     ended = scheduler._stall_ended()
     assert ended.startswith("the frame it waited for was given up; the pipeline is broken")
-    assert "reset" in ended
+    assert "reset" in ended and "waiting for the stages to open the link again" in ended
+    scheduler.node.coordinator_outage = lambda: 0.0
+    broken = scheduler._broken_reason() or ""
+    assert broken.endswith("waiting for the coordinator to load a new one"), broken
     scheduler.node.coordinator_outage = lambda: 0.0
     assert "coordinator is reachable again" in scheduler._stall_ended()
 
