@@ -216,6 +216,9 @@ class TcpDataServer:
         self._links: set[socket.socket] = set()  # the accepted (raw) sockets
         self._hellos: dict[socket.socket, float] = {}  # raw socket -> its hello's deadline
         self._kinds: dict[socket.socket, int] = {}  # raw socket -> the kind of its link
+        # Raw socket -> the TLS socket that took its descriptor over: shutting the raw
+        # one down does nothing then (``_shut_down``).
+        self._wrapped: dict[socket.socket, socket.socket] = {}
         self._dropped = 0  # connections closed at a cap, not yet logged
         self._dropped_logged = 0.0
         self._lock = threading.Lock()
@@ -246,10 +249,7 @@ class TcpDataServer:
         with self._lock:
             ending = [raw for raw, of in self._kinds.items() if of == kind]
         for raw in ending:
-            try:
-                raw.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._shut_down(raw)
         if ending:
             logger.warning("closing %d %s link(s): %s", len(ending), KIND_NAMES[kind], reason)
         return len(ending)
@@ -301,12 +301,21 @@ class TcpDataServer:
             for sock in overdue:
                 del self._hellos[sock]
         for sock in overdue:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._shut_down(sock)
         if overdue:
             self._note_dropped("their hello was not done within the deadline", len(overdue))
+
+    def _shut_down(self, raw: socket.socket) -> None:
+        """Shut connection ``raw`` down for both directions: its reader thread sees the
+        end and closes it. Through the socket that holds its descriptor (with TLS, the
+        raw one holds none: before, a TLS link stayed open), and with the plain
+        socket's shutdown (the TLS one's would drop its TLS state under the reader)."""
+        with self._lock:
+            live = self._wrapped.get(raw, raw)
+        try:
+            socket.socket.shutdown(live, socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _note_dropped(self, why: str, count: int = 1) -> None:
         """Count connections closed unserved; log them at most once per interval."""
@@ -333,6 +342,7 @@ class TcpDataServer:
                 self._links.discard(sock)
                 self._hellos.pop(sock, None)
                 self._kinds.pop(sock, None)
+                self._wrapped.pop(sock, None)
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -342,9 +352,13 @@ class TcpDataServer:
             _tune(sock)
             sock.settimeout(HELLO_TIMEOUT_S)
             if self._context is not None:
-                sock = self._context.wrap_socket(sock, server_side=True)
+                sock = self._context.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
                 with self._lock:
                     self._connections.add(sock)
+                    self._wrapped[raw] = sock
+                sock.do_handshake()  # within the hello's deadline too
             kind = self._hello(sock, where)
             with self._lock:
                 on_time = self._hellos.pop(raw, None) is not None

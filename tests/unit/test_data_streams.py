@@ -7,6 +7,7 @@ on 127.0.0.1."""
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 import tracemalloc
@@ -17,6 +18,7 @@ import grpc
 import pytest
 from test_tcp_data import endpoint, frame, serve, wait_for
 
+from coordinator.certs import generate_cluster_certs
 from mesh.errors import Unavailable
 from mesh.grpc_util import bind, channel, new_server
 from mesh.proto.v1 import data_pb2, data_pb2_grpc
@@ -95,6 +97,48 @@ def test_a_hello_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch) -> No
         assert ended
         slow.close()
         link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
+        link.send(frame(5))
+        assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 5
+        link.close()
+    finally:
+        server.close()
+
+
+def test_a_tls_hello_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch, tmp_path) -> None:
+    """The same over TLS: the cut must shut down the TLS socket, which took the raw
+    socket's descriptor over (shutting the raw one down did nothing: the trickle
+    went on for as long as the client liked)."""
+    monkeypatch.setattr(tcp_data, "HELLO_TIMEOUT_S", 1.0)
+    made = generate_cluster_certs(tmp_path, ("127.0.0.1",))
+    ca, cert, key = made.ca_cert, made.nodes[0].cert, made.nodes[0].key
+    security = MeshSecurity(tls_cert=cert, tls_key=key, tls_ca=ca)
+    server, got = serve(security)
+    try:
+        context = ssl.create_default_context(cafile=str(ca))
+        slow = context.wrap_socket(connect(server.port), server_hostname="127.0.0.1")
+        hello = HELLO.pack(MAGIC, KIND_FORWARD, 0)
+        started = time.monotonic()
+        ended = False
+        for byte in hello[:-1] * 20:  # far longer than the deadline at this pace
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                ended = True
+                break
+            time.sleep(0.25)
+            slow.settimeout(0.01)
+            try:
+                if slow.recv(1) == b"":
+                    ended = True
+                    break
+            except (TimeoutError, ssl.SSLWantReadError):
+                pass
+            except (ConnectionResetError, ssl.SSLError):
+                ended = True
+                break
+        assert ended and time.monotonic() - started < 5.0
+        slow.close()
+        link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, tls=True, security=security)
         link.send(frame(5))
         assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 5
         link.close()

@@ -312,3 +312,28 @@ def test_a_reachability_check_is_not_logged_as_a_link_that_ended(certs, tls: boo
         assert ended and all(r.levelname == "INFO" for r in ended)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_ending_the_links_of_a_kind_closes_them_for_their_senders(certs, tls: bool) -> None:
+    """A stage whose own Forward link broke ends the Forward links that bring it
+    frames (``end_links``), so that the break travels up to stage 0 at once. With
+    TLS it used to shut the raw socket down, whose descriptor the TLS socket had
+    taken over: nothing closed, and stage 0 saw no break (its /health said 200)."""
+    ca, cert, key = certs
+    security = MeshSecurity(tls_cert=cert, tls_key=key, tls_ca=ca) if tls else MeshSecurity()
+    server, got = serve(security)
+    try:
+        broken: queue.SimpleQueue[Exception] = queue.SimpleQueue()
+        forward = TcpLink(endpoint(server), KIND_FORWARD, broken.put, tls=tls, security=security)
+        returns = TcpLink(endpoint(server), KIND_RETURN, broken.put, tls=tls, security=security)
+        forward.send(frame(1))
+        assert data_pb2.Frame.FromString(got.frames.get(timeout=10)).frame_id == 1
+        assert server.end_links(KIND_FORWARD, "the stage after this one is gone") == 1
+        assert isinstance(broken.get(timeout=10), Unavailable)
+        assert forward.broken and not returns.broken
+        returns.send(data_pb2.FrameResult(frame_id=2))
+        assert data_pb2.FrameResult.FromString(got.results.get(timeout=10)).frame_id == 2
+        returns.close()
+    finally:
+        server.close()
