@@ -271,21 +271,37 @@ def test_a_coordinator_restarted_after_a_stage_was_lost_serves_with_the_stages_a
         mesh.close()
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize(("stages", "tls"), [(2, False), (3, False), (3, True)])
 def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
-    tmp_path, tiny_package_factory, stages: int
+    tmp_path, tiny_package_factory, stages: int, tls: bool
 ):
     """No coordinator runs and the last stage dies: nothing sent down would come
     back, so /health answers 503 with the reason (a load balancer stops sending
     clients there). Before, it said 200 "ok" for as long as no coordinator acted.
     With 3 stages the broken link is the middle stage's: it closes the link stage 0
     sends on, and the break reaches stage 0 (before, /health said 200 there even
-    after stage 0's own link was seen). The coordinator restarted serves on the
-    stages left: 200."""
+    after stage 0's own link was seen; with mutual TLS it still did, until the
+    listener shut down the TLS socket rather than the raw one). The coordinator
+    restarted serves on the stages left: 200."""
     import httpx
 
+    from coordinator.certs import generate_cluster_certs
+    from mesh.security import MeshSecurity
+
     package = tiny_package_factory("llama", layers=6)
-    mesh = MeshProcesses(package, tmp_path, stages)
+    argv: tuple[str, ...] = ()
+    security = None
+    if tls:
+        made = generate_cluster_certs(tmp_path / "pki", ("127.0.0.1",))
+        node = made.nodes[0]
+        argv = ("--tls-cert", str(node.cert), "--tls-key", str(node.key))
+        argv += ("--tls-ca", str(made.ca_cert), "--tls-mutual")
+        security = MeshSecurity(
+            tls_cert=node.cert, tls_key=node.key, tls_ca=made.ca_cert, tls_mutual=True
+        )
+    mesh = MeshProcesses(
+        package, tmp_path, stages, coordinator_args=argv, stage_args=argv, security=security
+    )
     try:
         mesh.start().wait_serving()
         url = mesh.http_url
