@@ -25,7 +25,13 @@ from coordinator.local_stages import LocalStages
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings, serve
 from coordinator.stage0_budget import stage0_extra_bytes
-from coordinator.state_file import record_term, served_before, term_floor, update_state
+from coordinator.state_file import (
+    record_term,
+    served_before,
+    served_http,
+    term_floor,
+    update_state,
+)
 from coordinator.topology_view import StageStatusView, StatusView, render_status
 from mesh.api_keys import parse_keys
 from mesh.codec import StatusReply, StatusRequest, WireDType
@@ -386,6 +392,8 @@ def up(args: argparse.Namespace) -> int:
         load_attempts=coord.load_attempts,
         term_floor=term_floor(coord.state_file),
         served_before=served_before(coord.state_file, model.manifest.model_id),
+        expect_frontend=not coord.no_local_stage
+        or served_http(coord.state_file, model.manifest.model_id),
     )
     service = CoordinatorService(
         model, settings, on_term=lambda term: record_term(coord.state_file, term)

@@ -326,12 +326,23 @@ def frontend_idle(state: State) -> bool:
     return head is not None and head.active_sessions == 0
 
 
+def frontend_missing(state: State, expect_frontend: bool = False) -> bool:
+    """No frontend node is alive while one is known (a dead one is kept: stage 0 of
+    every pipeline) or expected (``expect_frontend``: ``up`` starts it itself, or
+    the mesh a restarted coordinator takes back served HTTP): nothing is planned
+    then, since a pipeline whose stage 0 has no frontend serves nobody."""
+    if not (expect_frontend or any(n.frontend for n in state.nodes)):
+        return False
+    return not any(n.frontend for n in alive_nodes(state))
+
+
 def waiting_for(
     state: State,
     *,
     min_stages: int,
     served_once: bool,
     retry_in_s: float | None = None,
+    expect_frontend: bool = False,
     gave_up: str | None = None,
 ) -> str:
     """What the mesh waits for before it serves (or grows back), for operators; empty
@@ -349,8 +360,10 @@ def waiting_for(
                 f"(serving on {len(state.topology.stages)}, --min-stages {min_stages})"
             )
         return ""
-    if any(n.frontend for n in state.nodes) and not any(n.frontend for n in alive):
-        return "the frontend stage (stage 0) to rejoin"
+    if frontend_missing(state, expect_frontend):
+        if any(n.frontend for n in state.nodes):
+            return "the frontend stage (stage 0) to rejoin"
+        return "the frontend stage (stage 0) to join (a node with --frontend)"
     needed = 1 if served_once else min_stages
     joined = len(joined_nodes(state))
     if joined < needed or not alive:

@@ -100,6 +100,11 @@ class CoordinatorSettings:
     # loss, instead of waiting for min_stages (and it never gives up).
     served_before: bool = False
     restart_grace_s: float = RESTART_GRACE_S
+    # A frontend node is expected (``up`` starts stage 0 with the frontend itself, or
+    # the state file says the mesh served HTTP): no pipeline is planned before one
+    # has joined. Before, a restarted coordinator whose grace ended as a worker
+    # joined planned a whole pipeline on that worker, with no frontend.
+    expect_frontend: bool = False
     # Serving on fewer than min_stages while more nodes are alive (a lost stage came
     # back): plan again once stage 0 is idle, or after this long even if busy
     # (in-flight requests then resume on the new pipeline).
@@ -295,6 +300,7 @@ class CoordinatorService:
                 served_once=self._has_served(self.state, now),
                 retry_in_s=max(0.0, self._last_attempt + self._backoff_s() - now),
                 gave_up=self.gave_up,
+                expect_frontend=self.settings.expect_frontend,
             )
         return StatusReply(
             coordinator_id=view.coordinator_id,
@@ -442,9 +448,7 @@ class CoordinatorService:
         needed = 1 if self._has_served(state, time.monotonic()) else self.settings.min_stages
         if len(registry.joined_nodes(state)) < needed or not registry.alive_nodes(state):
             return False
-        if any(n.frontend for n in state.nodes) and not any(
-            n.frontend for n in registry.alive_nodes(state)
-        ):
+        if registry.frontend_missing(state, self.settings.expect_frontend):
             return False
         return time.monotonic() - self._last_attempt >= self._backoff_s()
 

@@ -54,3 +54,11 @@ def served_before(path: Path | None, model_id: str) -> bool:
     body = read_state(path)
     term = body.get("term")
     return isinstance(term, int) and term > 0 and body.get("model_id") == model_id
+
+
+def served_http(path: Path | None, model_id: str) -> bool:
+    """Whether the mesh of ``model_id`` recorded in ``path`` served the HTTP API (its
+    stage 0 was a frontend node): a coordinator restarted on it then plans no
+    pipeline before a frontend node has joined again."""
+    url = read_state(path).get("http_url")
+    return served_before(path, model_id) and isinstance(url, str) and bool(url)

@@ -11,7 +11,7 @@ from pathlib import Path
 from coordinator.driver import LoadSettings
 from coordinator.model import read_model
 from coordinator.server import CoordinatorService, CoordinatorSettings
-from coordinator.state_file import served_before, update_state
+from coordinator.state_file import served_before, served_http, update_state
 from mesh.codec import HeartbeatRequest, JoinRequest
 
 
@@ -74,3 +74,44 @@ def test_the_state_file_says_whether_this_model_served(tmp_path: Path) -> None:
     assert not served_before(path, "another-model")
     path.write_text("not json")
     assert not served_before(path, "m")
+
+
+def test_a_restarted_coordinator_waits_for_the_frontend_when_its_mesh_served_http(
+    tiny_package_factory,
+) -> None:
+    """Its grace is over and a worker joins first (stages that find a moved
+    coordinator by discovery join within milliseconds of one another, in any
+    order): a pipeline on that worker alone would have no frontend. Before, it was
+    loaded, tearing down the pipeline the stages still served, and replaced a few
+    seconds later once the frontend node had joined too."""
+    package = tiny_package_factory("llama", layers=2)
+    model = read_model(str(package))
+    load = LoadSettings(str(package), model.manifest.sha256(), model.manifest.model_id)
+    settings = CoordinatorSettings(
+        load=load, min_stages=3, served_before=True, restart_grace_s=0, expect_frontend=True
+    )
+    service = CoordinatorService(model, settings)
+    memory = dict(device="cpu", memory_bytes=8 << 30)
+    service.join(JoinRequest(node_id="w2", address="127.0.0.1:2", term=26, **memory))
+    service.heartbeat(HeartbeatRequest(node_id="w2", term=26, state="serving"))
+    assert not service._should_load(service.state)
+    assert "the frontend stage (stage 0) to join" in service.status().waiting_for
+    service.join(JoinRequest(node_id="w1", address="127.0.0.1:1", frontend=True, term=26, **memory))
+    service.heartbeat(HeartbeatRequest(node_id="w1", term=26, state="serving"))
+    assert service._should_load(service.state)
+    # Without the expectation (a mesh not known to have served HTTP) a worker alone
+    # may still be planned, as before.
+    alone = CoordinatorService(
+        model, CoordinatorSettings(load=load, min_stages=1, served_before=True, restart_grace_s=0)
+    )
+    alone.join(JoinRequest(node_id="w2", address="127.0.0.1:2", term=26, **memory))
+    assert alone._should_load(alone.state)
+
+
+def test_the_state_file_says_whether_the_mesh_served_http(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    update_state(path, term=3, model_id="m", http_url="")
+    assert served_before(path, "m") and not served_http(path, "m")
+    update_state(path, http_url="http://10.0.0.2:8000")
+    assert served_http(path, "m")
+    assert not served_http(path, "another-model")
