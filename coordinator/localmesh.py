@@ -140,16 +140,18 @@ class MeshProcesses:
             raise RuntimeError("link faults need network-namespace hosts")
         self.hosts.set_link(self._host_of[node_id], up)
 
-    def reset_links(self, node_id: str) -> int:
+    def reset_links(self, node_id: str, to: str | None = None) -> int:
         """Reset (``ss -K``: an RST, as a middlebox or a rebooted peer would send) every
-        TCP connection between stage ``node_id`` and the other stage processes: its
-        data links. Every process, its control connections and the HTTP clients stay
-        up. Loopback meshes only (the kernel must allow socket destruction); returns
-        how many connections were reset."""
+        TCP connection between stage ``node_id`` and the other stage processes (only
+        stage ``to``'s, when given): its data links. Every process, its control
+        connections and the HTTP clients stay up. Loopback meshes only (the kernel
+        must allow socket destruction); returns how many connections were reset."""
         if self.hosts is not None:
             raise RuntimeError("reset faults need a loopback mesh")
         pid = self.stages[node_id].pid
-        others = {p.pid for name, p in self.stages.items() if name != node_id}
+        others = {
+            p.pid for name, p in self.stages.items() if name != node_id and to in (None, name)
+        }
         listing = subprocess.run(["ss", "-tnpH"], capture_output=True, text=True, check=True)
         owners: dict[str, int] = {}
         for line in listing.stdout.splitlines():

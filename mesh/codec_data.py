@@ -314,6 +314,7 @@ def result_to_proto(result: FrameResult) -> data_pb2.FrameResult:
         results=[segment_result_to_proto(r) for r in result.results],
         timings=[timing_to_proto(t) for t in result.timings],
         reopened=result.reopened,
+        reopened_link=result.reopened_link,
     )
 
 
@@ -324,4 +325,13 @@ def result_from_proto(pb: data_pb2.FrameResult) -> FrameResult:
         results=tuple(segment_result_from_proto(r) for r in pb.results),
         timings=tuple(timing_from_proto(t) for t in pb.timings),
         reopened=pb.reopened,
+        reopened_link=_reopened_link(pb),
     )
+
+
+def _reopened_link(pb: data_pb2.FrameResult) -> str:
+    """The link a reopened note names: "forward", else "return" (what a note that
+    names none means); "" on any other result."""
+    if not pb.reopened:
+        return ""
+    return "forward" if pb.reopened_link == "forward" else "return"

@@ -265,13 +265,15 @@ class FrameResult:
     ``reopened``: a stage's note that it opened its Return link again on ``term``
     after it broke (no results; ``frame_id`` is the highest frame of the term it had
     finished): answers or refusals of frames up to it may have been lost with the
-    old link."""
+    old link. With ``reopened_link`` "forward" (``frame_id`` 0): a stage after
+    stage 0 opened its Forward link again, so the pipeline below it is whole."""
 
     term: int
     frame_id: int
     results: tuple[SegmentResult, ...]
     timings: tuple[StageTiming, ...] = ()
     reopened: bool = False
+    reopened_link: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.results, tuple):

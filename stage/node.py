@@ -880,14 +880,28 @@ class StageNode:
         if not forward:
             # Stage 0 learns that the answers of the frames this stage had finished
             # may have gone with the old link (later ones travel on the new one).
-            note = FrameResult(term, loaded.frames_done, (), reopened=True)
-            try:
-                link.send(result_to_proto(note))
-            except MeshError as error:
-                logger.warning("cannot tell stage 0 the return link is open again: %s", error)
+            note = FrameResult(term, loaded.frames_done, (), reopened=True, reopened_link="return")
+            self._tell_stage_0(link, note)
+        elif not request.is_first and loaded.returns is not None:
+            # Stage 0 learns that the pipeline below this stage is whole again: the
+            # requests the break lost may read their tokens again once its own link
+            # is whole. (Its own link breaks too when this one does, as this stage
+            # closes the links into it; this note does not depend on that.)
+            note = FrameResult(term, 0, (), reopened=True, reopened_link="forward")
+            self._tell_stage_0(loaded.returns, note)
         for listener in self._reopened_listeners:
             listener(loaded, kind)
         return ""
+
+    @staticmethod
+    def _tell_stage_0(link: DataLink, note: FrameResult) -> None:
+        """Send stage 0 ``note`` (a link opened again) on Return link ``link``."""
+        try:
+            link.send(result_to_proto(note))
+        except MeshError as error:
+            logger.warning(
+                "cannot tell stage 0 the %s link is open again: %s", note.reopened_link, error
+            )
 
     def _check_stuck(self) -> None:
         """End the process when one frame has been processing for longer than

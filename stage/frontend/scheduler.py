@@ -452,7 +452,7 @@ class PipelineScheduler:
 
     def _deliver(self, result: FrameResult) -> None:
         if result.reopened:
-            why = "a stage opened its return link again"
+            why = f"a stage opened its {result.reopened_link or 'return'} link again"
             self._reopened(result.term, why, answered_upto=result.frame_id)
             return
         sent = self.core.frames.get(result.frame_id)

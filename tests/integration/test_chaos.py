@@ -513,6 +513,70 @@ def test_data_links_reset_while_no_coordinator_acts_are_opened_again_by_the_stag
         mesh.close()
 
 
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_link_between_two_workers_reset_while_no_coordinator_acts_heals(
+    tmp_path, tiny_package_factory, tls: bool
+):
+    """No coordinator runs and only the connection between the middle and the last
+    stage is reset mid-stream. The middle stage opens its Forward link again and
+    tells stage 0 so on its Return link; the break also travels up (the middle stage
+    closes the link stage 0 sends on, which stage 0 opens again). The stream ends
+    with its no-fault text, plain and with mutual TLS. Before, with TLS the break
+    never reached stage 0 and nothing told it the pipeline was whole again: every
+    running request failed at the 60 s recovery timeout."""
+    import httpx
+
+    from coordinator.certs import generate_cluster_certs
+    from coordinator.chaos import StreamSpec, classify, run_stream
+    from mesh.security import MeshSecurity
+
+    package = tiny_package_factory("llama", layers=6)
+    argv: tuple[str, ...] = ("--inject-delay-ms", "20")
+    security = None
+    if tls:
+        made = generate_cluster_certs(tmp_path / "pki", ("127.0.0.1",))
+        node = made.nodes[0]
+        argv += ("--tls-cert", str(node.cert), "--tls-key", str(node.key))
+        argv += ("--tls-ca", str(made.ca_cert), "--tls-mutual")
+        security = MeshSecurity(
+            tls_cert=node.cert, tls_key=node.key, tls_ca=made.ca_cert, tls_mutual=True
+        )
+    mesh = MeshProcesses(
+        package, tmp_path, 3, coordinator_args=argv[2:], stage_args=argv, security=security
+    )
+    try:
+        mesh.start().wait_serving()
+        url = mesh.http_url
+        spec = StreamSpec(
+            "",
+            200,
+            messages=({"role": "user", "content": "A link between workers: a story"},),
+            extra=(("speculation", "false"),),
+        )
+        expected = run_stream(url, MODEL, spec)
+        assert expected.error is None, expected.error
+        stages = sorted(
+            (s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index
+        )
+        first, middle, last = (s.node_id for s in stages)
+        mesh.kill_coordinator()
+        started = threading.Event()
+        outcome: list = []
+        streaming = threading.Thread(
+            target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
+        )
+        streaming.start()
+        assert started.wait(60)
+        time.sleep(1.0)
+        assert mesh.reset_links(middle, to=last) > 0
+        streaming.join(150)
+        assert outcome and classify(outcome[0], expected) == "identical", outcome
+        assert "opened the forward link of term" in mesh.stage_log(middle)
+        wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 30, "200")
+    finally:
+        mesh.close()
+
+
 def test_requests_of_every_feature_survive_a_killed_last_stage(chaos: ChaosRun):
     """n choices, log-probabilities, a forced tool call and a JSON schema (grammars on
     the last stage), predictions and stop strings, all in flight when the last stage

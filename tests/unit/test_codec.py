@@ -234,6 +234,19 @@ def test_frame_result_roundtrip() -> None:
     assert back.results[1].token_ids == ()
 
 
+def test_a_reopened_note_names_its_link() -> None:
+    """A stage's note that it opened a link again names it; a note that names none
+    (or something else) reads as the Return link, what such a note meant first."""
+    for link in ("return", "forward"):
+        note = FrameResult(3, 7 if link == "return" else 0, (), reopened=True, reopened_link=link)
+        assert wire_roundtrip(note, result_to_proto, result_from_proto) == note
+    for named in ("", "sideways"):
+        pb = result_to_proto(FrameResult(3, 7, (), reopened=True))
+        pb.reopened_link = named
+        assert result_from_proto(pb).reopened_link == "return"
+    assert result_from_proto(result_to_proto(FrameResult(3, 7, ()))).reopened_link == ""
+
+
 def test_frame_ack_and_timing_roundtrip() -> None:
     assert wire_roundtrip(FrameAck(4), ack_to_proto, ack_from_proto) == FrameAck(4)
     ack = FrameAck(5, ErrorInfo("INVALID_ARGUMENT", "bad shape", 2))

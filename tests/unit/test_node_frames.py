@@ -456,6 +456,38 @@ def test_a_broken_link_is_opened_again_only_while_no_coordinator_acts_and_the_pe
     assert sample("mesh_link_reopened_total", {"link": "return"}) == 2
 
 
+def test_a_middle_stage_that_opens_its_forward_link_again_tells_stage_0(
+    last_stage, monkeypatch
+) -> None:
+    """A stage after stage 0 whose Forward link broke while no coordinator acts opens
+    it again, then sends stage 0 a note on its Return link (``reopened_link``
+    "forward", frame 0: nothing was lost on that link): the requests the break
+    failed may read their tokens again even if the break never reached stage 0's
+    own link (before, they waited until the recovery timeout failed them)."""
+    from dataclasses import replace
+
+    from mesh.codec_control import PeerRef
+    from mesh.errors import Unavailable
+
+    node, returns = last_stage
+    loaded = node.loaded
+    # The stage as a middle one: a stage after it.
+    loaded.request = replace(loaded.request, downstream=PeerRef("n2", "127.0.0.1:3"))
+    monkeypatch.setattr(node_module, "REPAIR_INTERVAL_S", 0.05)
+    monkeypatch.setattr(node_module, "peer_serving", lambda address, timeout: (3, False))
+    forward = RecordingLink()
+    monkeypatch.setattr(node_module, "open_forward_link", lambda *args, **kwargs: forward)
+    notes: list = []
+    returns.send = lambda message: notes.append(result_from_proto(message))
+    node.coordinator_outage = lambda: 5.0
+    node._downstream_broken(loaded, Unavailable("connection reset"))
+    wait_for_condition(lambda: loaded.forward is forward)
+    wait_for_condition(lambda: any(n.reopened for n in notes))
+    note = next(n for n in notes if n.reopened)
+    assert (note.term, note.frame_id, note.reopened_link) == (3, 0, "forward")
+    assert node.heartbeat().link_error == ""
+
+
 def wait_for_condition(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -141,18 +141,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FrameResult(_message.Message):
-    __slots__ = ("term", "frame_id", "results", "timings", "reopened")
+    __slots__ = ("term", "frame_id", "results", "timings", "reopened", "reopened_link")
     TERM_FIELD_NUMBER: _ClassVar[int]
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REOPENED_FIELD_NUMBER: _ClassVar[int]
+    REOPENED_LINK_FIELD_NUMBER: _ClassVar[int]
     term: int
     frame_id: int
     results: _containers.RepeatedCompositeFieldContainer[SegmentResult]
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.StageTiming]
     reopened: bool
-    def __init__(self, term: _Optional[int] = ..., frame_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SegmentResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ..., reopened: _Optional[bool] = ...) -> None: ...
+    reopened_link: str
+    def __init__(self, term: _Optional[int] = ..., frame_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SegmentResult, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.StageTiming, _Mapping]]] = ..., reopened: _Optional[bool] = ..., reopened_link: _Optional[str] = ...) -> None: ...
 
 class ReturnAck(_message.Message):
     __slots__ = ()
