@@ -278,7 +278,7 @@ class EngineCore(PromptSteps):
         for frame_id, sent in list(self.frames.items()):
             if request_id in sent.outstanding:
                 sent.outstanding.discard(request_id)
-                if not sent.outstanding:
+                if _only_ends(sent):
                     del self.frames[frame_id]
 
     def expire(self) -> list[Outcome]:
@@ -430,6 +430,12 @@ class EngineCore(PromptSteps):
         frame_id = self._next_frame_id
         self._next_frame_id += 1
         self._claim_flights(frame_id)
+        if all(s.kind is SegmentKind.END for s in segments):
+            # No request waits on an END: a frame of ENDs alone is not tracked. (A
+            # stage that cannot run a frame fails its segments but its ENDs, so one
+            # lost to a break would have counted as waiting until its round timeout,
+            # holding /health at 503 while nothing else ran.)
+            return Frame(info.term, frame_id, tuple(segments))
         self.frames[frame_id] = SentFrame(
             frame_id=frame_id,
             term=info.term,
@@ -603,7 +609,15 @@ class EngineCore(PromptSteps):
             outcome = self._apply(answer, result.term, result.frame_id)
             if outcome is not None:
                 outcomes.append(outcome)
-        if sent is not None and not sent.outstanding:
+        if sent is not None and (
+            not sent.outstanding
+            or (any(a.error is not None for a in result.results) and _only_ends(sent))
+        ):
+            # Every segment is answered, or the frame failed and only ENDs are left:
+            # a stage fails every segment of a frame it cannot run but its ENDs (no
+            # request waits on an END), so theirs never come. Kept, the frame would
+            # count as waiting (the local stall rule held /health at 503) until its
+            # round timeout, and the pipe would hold one frame fewer.
             self.frames.pop(result.frame_id, None)
         return outcomes
 
@@ -854,7 +868,20 @@ class EngineCore(PromptSteps):
             return 0.0
         return recent[math.ceil(ROUND_PERCENTILE * len(recent)) - 1]
 
+    def recovering(self, term: int) -> bool:
+        """Whether a request that lost its frames on ``term`` still waits for the
+        pipeline to come back (its recovery deadline has not passed)."""
+        return any(
+            t.recover_by is not None and t.failed_term == term for t in self.running.values()
+        )
+
     def in_flight_sessions(self) -> Iterator[str]:
         for request_id, tracked in self.running.items():
             if tracked.in_flight is not None:
                 yield request_id
+
+
+def _only_ends(sent: SentFrame) -> bool:
+    """Whether nothing but END segments of frame ``sent`` waits for an answer (none:
+    true); a request waits on no END."""
+    return all(sent.kinds.get(s) is SegmentKind.END for s in sent.outstanding)

@@ -175,9 +175,16 @@ class PipelineScheduler:
                 "around it yet"
             )
         info = self.core.info
-        if info is not None and self.core.unanswered_term == info.term:
+        if (
+            info is not None
+            and self.core.unanswered_term == info.term
+            and self.core.recovering(info.term)
+        ):
             # Past the round timeout the frames are given up (nothing waits any more)
-            # but the pipeline has not answered since: it is still stuck.
+            # but the pipeline has not answered since: it is still stuck. While the
+            # requests that lost them wait to resume (an answer of the term resumes
+            # them); after that new requests go in again, or nothing could ever show
+            # that the pipeline moves (no answer comes while nothing runs).
             return (
                 f"a frame of term {info.term} got no answer within the round timeout "
                 f"({self.limits.round_timeout_s:.0f} s) and none has come since, and "

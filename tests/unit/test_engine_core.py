@@ -355,6 +355,47 @@ def test_a_forward_link_opened_again_reads_the_requests_it_failed_again() -> Non
     finish_by_re_reading(core, pipe, prompt, committed)
 
 
+def test_the_end_of_a_finished_request_in_a_frame_lost_to_a_break_waits_for_nothing() -> None:
+    """A request ends and its END goes in the next frame with another request's
+    decode; a break loses that frame. The stage fails the decode but not the END (no
+    request waits on an END): the frame is over once the other request is lost. A
+    frame of ENDs alone is not tracked at all. Before, either stayed "waiting": the
+    local stall rule held /health at 503 while nothing was stuck, and at its round
+    timeout the term counted as unanswered, which held new requests back for good
+    while nothing ran (found on namespace hosts: one reset of a link between two
+    workers while a request had just ended)."""
+    core, _ = core_with(stage_count=2, recovery_timeout_s=60)
+    pipe = FakePipeline()
+    core.add(request("a", (5, 6), max_new=1))
+    core.add(request("b", (7, 8), max_new=20))
+    collect({}, core.on_result(pipe.answer(core.next_frame())))
+    lost = core.next_frame()
+    kinds = {s.session_id: s.kind for s in lost.segments}
+    assert kinds == {"a": SegmentKind.END, "b": SegmentKind.DECODE}
+    unavailable = ErrorInfo("UNAVAILABLE", "stage 2 is unreachable from stage 1")
+    assert core.on_result(FrameResult(1, 0, (SegmentResult("b", "b", 0, error=unavailable),))) == []
+    assert lost.frame_id not in core.frames and core.oldest_unanswered() is None
+    # The same when the failure names the frame (a stage that could not run it).
+    core, _ = core_with(stage_count=2, recovery_timeout_s=0)
+    pipe = FakePipeline()
+    core.add(request("a", (5, 6), max_new=1))
+    core.add(request("b", (7, 8), max_new=20))
+    collect({}, core.on_result(pipe.answer(core.next_frame())))
+    lost = core.next_frame()
+    failed = FrameResult(1, lost.frame_id, (SegmentResult("b", "b", 2, error=unavailable),))
+    core.on_result(failed)
+    assert lost.frame_id not in core.frames and core.oldest_unanswered() is None
+    # A frame of ENDs alone.
+    core, _ = core_with(stage_count=2)
+    core.add(request("c", (1, 2), max_new=20))
+    core.on_result(FakePipeline().answer(core.next_frame()))
+    core.next_frame()
+    core.cancel("c")
+    ends = core.next_frame()
+    assert ends is not None and {s.kind for s in ends.segments} == {SegmentKind.END}
+    assert ends.frame_id not in core.frames
+
+
 def test_an_unanswered_term_is_forgotten_when_a_new_pipeline_loads() -> None:
     core, clock = core_with(round_timeout_s=20, recovery_timeout_s=60)
     pipe = FakePipeline()

@@ -105,13 +105,21 @@ def test_long_rounds_stretch_the_deadline(scheduler):
 def test_frames_given_up_at_the_round_timeout_keep_the_pipeline_stuck(scheduler):
     """Past the round timeout nothing waits any more (its frames were given up), but
     the pipeline has not answered since: still a reason, until an answer of the term
-    comes or a new pipeline loads (``EngineCore.unanswered_term``)."""
+    comes or a new pipeline loads (``EngineCore.unanswered_term``), while the
+    requests that lost their frames wait to resume. Once none does, new requests go
+    in again: with nothing running no answer could ever come (before, /health said
+    503 and every new request waited 60 s for a 503 until a coordinator returned,
+    though the stage had woken)."""
     scheduler.node.coordinator_outage = lambda: 130.0
     scheduler.node.waiting = None
     scheduler.core.info = PipelineInfo(term=4, stage_count=2)
     scheduler.core.unanswered_term = 4
+    scheduler.core.running["r1"] = SimpleNamespace(recover_by=50.0, failed_term=4)
     reason = scheduler._stalled_reason()
     assert reason is not None and "round timeout" in reason and "term 4" in reason
+    del scheduler.core.running["r1"]  # it failed at its recovery deadline
+    assert scheduler._stalled_reason() is None
+    scheduler.core.running["r1"] = SimpleNamespace(recover_by=50.0, failed_term=4)
     scheduler.node.coordinator_outage = lambda: 0.0
     assert scheduler._stalled_reason() is None
     scheduler.node.coordinator_outage = lambda: 130.0
