@@ -727,7 +727,7 @@ class EngineCore(PromptSteps):
             error = Unavailable(f"the pipeline moved on from term {term}: {error.message}")
         return self._fail(tracked.run.request.request_id, error)
 
-    def _answers_again(self, term: int) -> None:
+    def _answers_again(self, term: int) -> int:
         """An answer of ``term`` came after one of its frames went unanswered past the
         round timeout (a stage that hung woke up, a link that dropped packets passes
         them again) and no new pipeline replaced it: the pipeline moves again. The
@@ -735,18 +735,21 @@ class EngineCore(PromptSteps):
         (a new epoch: the late answers of their old frames are void) rather than wait
         for a pipeline only a coordinator could load."""
         self.unanswered_term = 0
+        resumed = 0
         for tracked in self.running.values():
             if tracked.recover_by is None or tracked.failed_term != term:
                 continue
             tracked.recover_by = None
             tracked.read_from_zero()
             self.recoveries += 1
+            resumed += 1
             logger.info(
                 "request %s resumes on term %s, which answers again: re-reading %s tokens",
                 tracked.run.request.request_id,
                 term,
                 len(tracked.run.tokens),
             )
+        return resumed
 
     def links_reopened(
         self, term: int, why: str, answered_upto: int = 0, resume: bool = True
@@ -769,18 +772,18 @@ class EngineCore(PromptSteps):
                 tracked = self.running.get(session)
                 if tracked is not None:
                     self._lose(tracked, term, f"{why}: the answer of frame {frame_id} is lost")
+        resumed = self._answers_again(term) if resume else 0
+        lost = sum(1 for t in self.running.values() if t.recover_by is not None)
         logger.warning(
             "term %s: %s; %d frame(s) up to frame %d given up; %s",
             term,
             why,
             len(voided),
             answered_upto,
-            "requests the break lost read their tokens again"
+            f"{resumed} request(s) the break lost read their tokens again"
             if resume
-            else "they wait for stage 0's own link",
+            else f"{lost} request(s) the break lost wait for stage 0's own link",
         )
-        if resume:
-            self._answers_again(term)
 
     def _reread(self, tracked: Tracked, why: str) -> None:
         """Void what the request has in the pipe and read its tokens (prompt and
