@@ -13,12 +13,21 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from coordinator.chaos import ChaosRun, Fault, default_specs, embedding_specs, feature_specs
+from coordinator.chaos import (
+    ChaosRun,
+    Fault,
+    StreamSpec,
+    default_specs,
+    embedding_specs,
+    feature_specs,
+)
 from coordinator.localmesh import MeshProcesses, wait_for
 from mesh.errors import MeshError
+from mesh.security import MeshSecurity
 
 MODEL = "tiny-llama"
 # The coordinator's stall timeout here: a stage that stops passing frames on for this
@@ -271,6 +280,35 @@ def test_a_coordinator_restarted_after_a_stage_was_lost_serves_with_the_stages_a
         mesh.close()
 
 
+def mutual_tls(tmp_path: Path) -> tuple[tuple[str, ...], MeshSecurity]:
+    """The TLS flags of a mesh with mutual TLS on 127.0.0.1, and a client's security."""
+    from coordinator.certs import generate_cluster_certs
+
+    made = generate_cluster_certs(tmp_path / "pki", ("127.0.0.1",))
+    node = made.nodes[0]
+    argv = ("--tls-cert", str(node.cert), "--tls-key", str(node.key))
+    argv += ("--tls-ca", str(made.ca_cert), "--tls-mutual")
+    security = MeshSecurity(
+        tls_cert=node.cert, tls_key=node.key, tls_ca=made.ca_cert, tls_mutual=True
+    )
+    return argv, security
+
+
+def stream_in_background(url: str, spec: StreamSpec) -> tuple[threading.Thread, list]:
+    """Start ``spec``'s stream on a thread; returns once its first token came, with the
+    thread and the list its outcome is appended to."""
+    from coordinator.chaos import run_stream
+
+    started = threading.Event()
+    outcome: list = []
+    streaming = threading.Thread(
+        target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
+    )
+    streaming.start()
+    assert started.wait(60)
+    return streaming, outcome
+
+
 @pytest.mark.parametrize(("stages", "tls"), [(2, False), (3, False), (3, True)])
 def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
     tmp_path, tiny_package_factory, stages: int, tls: bool
@@ -285,20 +323,8 @@ def test_health_says_503_while_stage_0s_link_is_broken_and_no_coordinator_acts(
     restarted serves on the stages left: 200."""
     import httpx
 
-    from coordinator.certs import generate_cluster_certs
-    from mesh.security import MeshSecurity
-
     package = tiny_package_factory("llama", layers=6)
-    argv: tuple[str, ...] = ()
-    security = None
-    if tls:
-        made = generate_cluster_certs(tmp_path / "pki", ("127.0.0.1",))
-        node = made.nodes[0]
-        argv = ("--tls-cert", str(node.cert), "--tls-key", str(node.key))
-        argv += ("--tls-ca", str(made.ca_cert), "--tls-mutual")
-        security = MeshSecurity(
-            tls_cert=node.cert, tls_key=node.key, tls_ca=made.ca_cert, tls_mutual=True
-        )
+    argv, security = mutual_tls(tmp_path) if tls else ((), None)
     mesh = MeshProcesses(
         package, tmp_path, stages, coordinator_args=argv, stage_args=argv, security=security
     )
@@ -357,13 +383,7 @@ def test_health_says_503_while_a_hung_stage_holds_a_frame_and_no_coordinator_act
         expected = run_stream(url, MODEL, spec)
         assert expected.error is None, expected.error
         last = max((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
-        started = threading.Event()
-        outcome: list = []
-        streaming = threading.Thread(
-            target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
-        )
-        streaming.start()
-        assert started.wait(60)
+        streaming, outcome = stream_in_background(url, spec)
         mesh.kill_coordinator()
         mesh.signal_stage(last.node_id, signal.SIGSTOP)
         try:
@@ -415,13 +435,7 @@ def test_health_stays_503_until_a_returning_coordinator_plans_around_a_hung_stag
         expected = run_stream(url, MODEL, spec)
         assert expected.error is None, expected.error
         last = max((s for s in mesh.status().stages if s.assigned), key=lambda s: s.stage_index)
-        started = threading.Event()
-        outcome: list = []
-        streaming = threading.Thread(
-            target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
-        )
-        streaming.start()
-        assert started.wait(60)
+        streaming, outcome = stream_in_background(url, spec)
         mesh.kill_coordinator()
         mesh.signal_stage(last.node_id, signal.SIGSTOP)
         try:
@@ -526,23 +540,17 @@ def test_a_link_between_two_workers_reset_while_no_coordinator_acts_heals(
     running request failed at the 60 s recovery timeout."""
     import httpx
 
-    from coordinator.certs import generate_cluster_certs
     from coordinator.chaos import StreamSpec, classify, run_stream
-    from mesh.security import MeshSecurity
 
     package = tiny_package_factory("llama", layers=6)
-    argv: tuple[str, ...] = ("--inject-delay-ms", "20")
-    security = None
-    if tls:
-        made = generate_cluster_certs(tmp_path / "pki", ("127.0.0.1",))
-        node = made.nodes[0]
-        argv += ("--tls-cert", str(node.cert), "--tls-key", str(node.key))
-        argv += ("--tls-ca", str(made.ca_cert), "--tls-mutual")
-        security = MeshSecurity(
-            tls_cert=node.cert, tls_key=node.key, tls_ca=made.ca_cert, tls_mutual=True
-        )
+    tls_argv, security = mutual_tls(tmp_path) if tls else ((), None)
     mesh = MeshProcesses(
-        package, tmp_path, 3, coordinator_args=argv[2:], stage_args=argv, security=security
+        package,
+        tmp_path,
+        3,
+        coordinator_args=tls_argv,
+        stage_args=("--inject-delay-ms", "20", *tls_argv),
+        security=security,
     )
     try:
         mesh.start().wait_serving()
@@ -560,13 +568,7 @@ def test_a_link_between_two_workers_reset_while_no_coordinator_acts_heals(
         )
         first, middle, last = (s.node_id for s in stages)
         mesh.kill_coordinator()
-        started = threading.Event()
-        outcome: list = []
-        streaming = threading.Thread(
-            target=lambda: outcome.append(run_stream(url, MODEL, spec, started))
-        )
-        streaming.start()
-        assert started.wait(60)
+        streaming, outcome = stream_in_background(url, spec)
         time.sleep(1.0)
         assert mesh.reset_links(middle, to=last) > 0
         streaming.join(150)

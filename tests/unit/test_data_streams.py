@@ -68,6 +68,27 @@ def open_forward(port: int) -> socket.socket:
     return sock
 
 
+def trickled_until_cut(slow: socket.socket) -> bool:
+    """Send a hello one byte per 0.25 s, 20 times over (far longer than a 1 s
+    deadline at this pace); whether the server ended the connection meanwhile."""
+    hello = HELLO.pack(MAGIC, KIND_FORWARD, 0)
+    for byte in hello[:-1] * 20:
+        try:
+            slow.sendall(bytes([byte]))
+        except OSError:
+            return True
+        time.sleep(0.25)
+        slow.settimeout(0.01)
+        try:
+            if slow.recv(1) == b"":
+                return True
+        except (TimeoutError, ssl.SSLWantReadError):
+            pass
+        except (ConnectionResetError, ssl.SSLError):
+            return True
+    return False
+
+
 def test_a_hello_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch) -> None:
     """Each byte comes well within a per-read timeout, but the hello as a whole is
     overdue: the connection ends, and a sound link is served afterwards."""
@@ -75,26 +96,7 @@ def test_a_hello_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch) -> No
     server, got = serve()
     try:
         slow = connect(server.port)
-        hello = HELLO.pack(MAGIC, KIND_FORWARD, 0)
-        ended = False
-        for byte in hello[:-1] * 20:  # far longer than the deadline at this pace
-            try:
-                slow.sendall(bytes([byte]))
-            except OSError:
-                ended = True
-                break
-            time.sleep(0.25)
-            slow.settimeout(0.01)
-            try:
-                if slow.recv(1) == b"":
-                    ended = True
-                    break
-            except TimeoutError:
-                pass
-            except ConnectionResetError:
-                ended = True
-                break
-        assert ended
+        assert trickled_until_cut(slow)
         slow.close()
         link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, security=MeshSecurity())
         link.send(frame(5))
@@ -116,26 +118,8 @@ def test_a_tls_hello_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch, t
     try:
         context = ssl.create_default_context(cafile=str(ca))
         slow = context.wrap_socket(connect(server.port), server_hostname="127.0.0.1")
-        hello = HELLO.pack(MAGIC, KIND_FORWARD, 0)
         started = time.monotonic()
-        ended = False
-        for byte in hello[:-1] * 20:  # far longer than the deadline at this pace
-            try:
-                slow.sendall(bytes([byte]))
-            except OSError:
-                ended = True
-                break
-            time.sleep(0.25)
-            slow.settimeout(0.01)
-            try:
-                if slow.recv(1) == b"":
-                    ended = True
-                    break
-            except (TimeoutError, ssl.SSLWantReadError):
-                pass
-            except (ConnectionResetError, ssl.SSLError):
-                ended = True
-                break
+        ended = trickled_until_cut(slow)
         assert ended and time.monotonic() - started < 5.0
         slow.close()
         link = TcpLink(endpoint(server), KIND_FORWARD, lambda e: None, tls=True, security=security)

@@ -26,7 +26,7 @@ from engine_support import (
 )
 
 from mesh.errors import CapacityExceeded, Unavailable
-from mesh.frames import ErrorInfo, FrameResult, SegmentKind, SegmentResult
+from mesh.frames import ErrorInfo, Frame, FrameResult, SegmentKind, SegmentResult
 from stage.frontend.engine_core import EngineCore
 from stage.frontend.engine_types import EngineLimits, PipelineInfo
 
@@ -355,6 +355,16 @@ def test_a_forward_link_opened_again_reads_the_requests_it_failed_again() -> Non
     finish_by_re_reading(core, pipe, prompt, committed)
 
 
+def _an_end_beside_a_decode(**limits) -> tuple[EngineCore, Frame]:
+    """A 2-stage core where request "a" ended after its prompt and "b" decodes: the
+    frame just sent holds a's END and b's decode."""
+    core, _ = core_with(stage_count=2, **limits)
+    core.add(request("a", (5, 6), max_new=1))
+    core.add(request("b", (7, 8), max_new=20))
+    collect({}, core.on_result(FakePipeline().answer(core.next_frame())))
+    return core, core.next_frame()
+
+
 def test_the_end_of_a_finished_request_in_a_frame_lost_to_a_break_waits_for_nothing() -> None:
     """A request ends and its END goes in the next frame with another request's
     decode; a break loses that frame. The stage fails the decode but not the END (no
@@ -364,24 +374,14 @@ def test_the_end_of_a_finished_request_in_a_frame_lost_to_a_break_waits_for_noth
     timeout the term counted as unanswered, which held new requests back for good
     while nothing ran (found on namespace hosts: one reset of a link between two
     workers while a request had just ended)."""
-    core, _ = core_with(stage_count=2, recovery_timeout_s=60)
-    pipe = FakePipeline()
-    core.add(request("a", (5, 6), max_new=1))
-    core.add(request("b", (7, 8), max_new=20))
-    collect({}, core.on_result(pipe.answer(core.next_frame())))
-    lost = core.next_frame()
+    core, lost = _an_end_beside_a_decode(recovery_timeout_s=60)
     kinds = {s.session_id: s.kind for s in lost.segments}
     assert kinds == {"a": SegmentKind.END, "b": SegmentKind.DECODE}
     unavailable = ErrorInfo("UNAVAILABLE", "stage 2 is unreachable from stage 1")
     assert core.on_result(FrameResult(1, 0, (SegmentResult("b", "b", 0, error=unavailable),))) == []
     assert lost.frame_id not in core.frames and core.oldest_unanswered() is None
     # The same when the failure names the frame (a stage that could not run it).
-    core, _ = core_with(stage_count=2, recovery_timeout_s=0)
-    pipe = FakePipeline()
-    core.add(request("a", (5, 6), max_new=1))
-    core.add(request("b", (7, 8), max_new=20))
-    collect({}, core.on_result(pipe.answer(core.next_frame())))
-    lost = core.next_frame()
+    core, lost = _an_end_beside_a_decode(recovery_timeout_s=0)
     failed = FrameResult(1, lost.frame_id, (SegmentResult("b", "b", 2, error=unavailable),))
     core.on_result(failed)
     assert lost.frame_id not in core.frames and core.oldest_unanswered() is None
